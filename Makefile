@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both build .venv once.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.parallel_lab-installed
+# DeepSpeed JIT-compiles its C++ ops on first use (~30-60 s each); cache them inside .venv so
+# that happens once per checkout, not once per test.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: demo test venv clean bench
+
+venv: $(STAMP)
+
+# torch goes in FIRST and pinned (CPU wheel on disk); then the project with every extra.
+# DS_BUILD_OPS=0: DeepSpeed builds its ops lazily at first use instead of at install.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m parallel_lab --multirun strategy=single,ddp trainer.steps=20
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs outputs multirun

@@ -1,0 +1,152 @@
+"""Hydra schemas (a ConfigStore) and the validation every run goes through in the parent.
+
+The parent process composes the config with Hydra, validates it here, and writes the resolved
+result to ``<run_dir>/config.yaml``. Workers only ever read that file (``load_run_config``), so a
+run started by torchrun, the deepspeed launcher or mpirun sees exactly what the parent saw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from parallel_lab.errors import ConfigError
+
+MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_GROUPS = ("strategy", "model", "data", "launcher")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    # Constant across world sizes (as in nanoGPT) so every strategy's numbers compare:
+    # each data-parallel rank gets global_batch / dp_world, split again into grad_accum micro-batches.
+    global_batch: int = 64
+    grad_accum: int = 1
+    lr: float = 1e-3
+    optimizer: str = "adam"  # adam | sgd
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
+    seed: int = 0
+    warmup_steps: int = 2  # steps left out of the timing medians
+    threads_per_rank: int = 1  # intra-op threads per process; one-process strategies get the total
+    threads: int = 0  # resolved by the parent: threads this run's processes actually use
+    progress: bool = True
+    eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # cnn | resnet18
+    num_classes: int = 10
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # synthetic | cifar10
+    root: Optional[str] = None  # folder holding cifar-10-python.tar.gz (cifar10 only)
+    size: int = 4096  # synthetic: number of training samples generated from the seed
+    download: bool = False  # cifar10: fetch the tarball if it is missing (needs internet)
+    md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"  # cifar10: expected tarball md5; null skips the check
+
+
+@dataclass
+class LauncherConfig:
+    name: str = MISSING  # spawn | torchrun | deepspeed | mpirun
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port
+    max_restarts: int = 0  # torchrun only
+    extra_args: list = field(default_factory=list)
+    grace_s: float = 10.0  # after one rank fails, how long the others get before being killed
+
+
+@dataclass
+class Config:
+    strategy: Any = MISSING  # validated against the strategy's own Options dataclass
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    world_size: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+    dist_timeout_s: int = 120  # timeout of every process group
+    run_dir: Optional[str] = None  # filled in by the parent
+
+
+def register_configs() -> None:
+    """Register the schema that conf/config.yaml extends (``defaults: [base_config, ...]``)."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def available_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Reject ``strategy=nope`` before Hydra does, with one line instead of Hydra's page."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in CONFIG_GROUPS:
+            continue
+        options = available_options(key)
+        for choice in value.split(","):
+            if choice and choice not in options:
+                raise ConfigError(
+                    f"unknown {key} '{choice}'; choose one of: {', '.join(options)} ({key}=<name>)"
+                )
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1")
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Resolve derived values and check every cross-field rule. Returns a plain resolved config."""
+    from parallel_lab.strategies import get_strategy_class
+
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    ws = cfg.world_size
+    if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"world_size={ws} is out of range; use 1 <= world_size <= {MAX_WORLD_SIZE} (world_size=2)"
+        )
+    t = cfg.trainer
+    for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
+        _check_positive(f"trainer.{key}", t[key])
+    if t.optimizer not in ("adam", "sgd"):
+        raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
+    requested_world = ws
+    if strategy_cls.single_process:
+        ws = cfg.world_size = 1
+    t.threads = t.threads or t.threads_per_rank * (requested_world if strategy_cls.single_process else 1)
+    cfg.strategy = strategy_cls.validate_options(cfg)
+    dp = strategy_cls.data_parallel_size(cfg)
+    if t.global_batch % (dp * t.grad_accum):
+        raise ConfigError(
+            f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
+            f"trainer.grad_accum={t.grad_accum}; pick a global_batch that is a multiple of {dp * t.grad_accum}"
+        )
+    from parallel_lab.data import validate_data_config
+    from parallel_lab.models import validate_model_config
+
+    validate_model_config(cfg.model)
+    validate_data_config(cfg.data, cfg.trainer)
+    return cfg
+
+
+def load_run_config(path: str | Path) -> DictConfig:
+    """What a worker reads: the resolved config the parent wrote, typed by the schema."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass <run_dir>/config.yaml written by the parent")
+    loaded = OmegaConf.load(path)
+    return loaded

@@ -1,0 +1,128 @@
+"""The real CIFAR-10 "python version" tarball, read safely.
+
+Format (https://www.cs.toronto.edu/~kriz/cifar.html): ``cifar-10-python.tar.gz`` holds
+``cifar-10-batches-py/data_batch_1..5`` and ``test_batch``, each a pickled dict with ``data`` (a
+uint8 numpy array, N x 3072, channel-major 32x32 planes) and ``labels`` (a list of ints).
+
+Pickle can run arbitrary code, so these members are read with a restricted unpickler that admits
+only the globals this format needs to rebuild numpy arrays; anything else is refused. Members are
+read straight from the archive, never extracted to disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import TensorDataset
+
+from parallel_lab.errors import ConfigError
+
+TARBALL = "cifar-10-python.tar.gz"
+URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+MD5 = "c58f30108f718f92721af3b95e74349a"
+TRAIN_MEMBERS = [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
+TEST_MEMBER = "cifar-10-batches-py/test_batch"
+MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+
+# The only globals a CIFAR batch pickle references (numpy 1.x and 2.x module names).
+ALLOWED_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("_codecs", "encode"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a CIFAR-10 batch")
+        return super().find_class(module, name)
+
+
+def restricted_loads(data: bytes) -> dict:
+    return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
+
+
+def md5sum(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tarball_path(cfg: DictConfig) -> Path:
+    return Path(cfg.root).expanduser() / TARBALL
+
+
+def validate_cifar_config(cfg: DictConfig) -> None:
+    if not cfg.root:
+        raise ConfigError("data=cifar10 needs data.root=<folder with cifar-10-python.tar.gz>")
+    path = tarball_path(cfg)
+    if not path.is_file() and not cfg.download:
+        raise ConfigError(
+            f"data.root={cfg.root} has no {TARBALL}; put the tarball there or add data.download=true"
+        )
+
+
+def download(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".part")
+    urllib.request.urlretrieve(URL, partial)  # noqa: S310 - fixed https URL
+    partial.rename(path)
+
+
+def _field(batch: dict, key: str):
+    return batch[key.encode()] if key.encode() in batch else batch[key]
+
+
+def _read_member(tar: tarfile.TarFile, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        raw = tar.extractfile(name).read()
+        batch = restricted_loads(raw)
+        data = np.asarray(_field(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = np.asarray(_field(batch, "labels"), dtype=np.int64)
+    except (KeyError, AttributeError) as exc:
+        raise ConfigError(f"{path} is not a CIFAR-10 python tarball (member {name}: {exc}); re-download it") from None
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(f"{path} member {name} was refused: {exc}; use the official tarball") from None
+    if len(data) != len(labels):
+        raise ConfigError(f"{path} member {name} has {len(data)} images but {len(labels)} labels; re-download it")
+    return data, labels
+
+
+def _to_dataset(parts: list[tuple[np.ndarray, np.ndarray]]) -> TensorDataset:
+    images = torch.from_numpy(np.concatenate([p[0] for p in parts])).float().div_(255)
+    labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+    return TensorDataset((images - MEAN) / STD, labels)
+
+
+def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
+    """(train, test) datasets, after checking the tarball's md5 (``data.md5``; null skips it)."""
+    path = tarball_path(cfg)
+    if not path.is_file():
+        if not cfg.download:
+            raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put it there or add data.download=true")
+        download(path)
+    expected = cfg.get("md5", MD5)
+    if expected and md5sum(path) != expected:
+        raise ConfigError(f"{path} has md5 {md5sum(path)}, expected {expected}; the file is corrupt or tampered, re-download it")
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            train = [_read_member(tar, name, path) for name in TRAIN_MEMBERS]
+            test = [_read_member(tar, TEST_MEMBER, path)]
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ConfigError(f"{path} cannot be read as a tar.gz ({exc}); re-download it") from None
+    return _to_dataset(train), _to_dataset(test)

@@ -1,0 +1,10 @@
+"""One error type for bad input, printed as a single line by every entry point."""
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message names the bad value and how to fix it, on one line."""
+
+
+def one_line(message: str) -> str:
+    """Collapse a message to one line so users never see a wall of text for bad input."""
+    return " ".join(str(message).split())

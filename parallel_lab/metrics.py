@@ -1,0 +1,54 @@
+"""Measured numbers: memory per rank, timing medians, the parameter checksum, metrics.json."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+METRICS_FILE = "metrics.json"
+FAILED_FILE = "failed.json"
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }
+
+
+def param_checksum(params: Iterable[torch.Tensor]) -> float:
+    """Sum of every parameter element in float64: equal runs give equal checksums."""
+    return float(sum(p.detach().double().sum().item() for p in params))
+
+
+def timed_median(values: list[float], warmup: int) -> float:
+    kept = values[warmup:] if len(values) > warmup else values
+    return statistics.median(kept)
+
+
+def gather_from_ranks(item: dict) -> list[dict]:
+    """Every rank's dict, in rank order (one-element list when there is no process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [item]
+    items: list = [None] * dist.get_world_size()
+    dist.all_gather_object(items, item)
+    return items
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write to a temp file then rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)

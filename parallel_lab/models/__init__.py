@@ -1,0 +1,31 @@
+"""Models: plain single-device CIFAR-10 networks. They know nothing of parallelism.
+
+Both are ``nn.Sequential`` of coarse blocks, which is all a pipeline strategy needs to cut them into
+contiguous stages, and all a tensor-parallel strategy needs to find the layers it splits.
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.models.resnet import ResNet18
+
+MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+
+
+def validate_model_config(cfg: DictConfig) -> None:
+    if cfg.name not in MODELS:
+        raise ConfigError(f"unknown model '{cfg.name}'; choose one of: {', '.join(MODELS)} (model=<name>)")
+
+
+def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
+    """The same weights for the same seed, in every process and every strategy."""
+    validate_model_config(cfg)
+    torch.manual_seed(seed)
+    return MODELS[cfg.name](num_classes=cfg.num_classes)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

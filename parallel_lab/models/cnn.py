@@ -1,0 +1,21 @@
+"""A small CIFAR-10 CNN (~0.3M parameters): three conv blocks and a two-layer classifier head."""
+import torch.nn as nn
+
+
+def conv_block(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+
+
+class SmallCNN(nn.Sequential):
+    """32x32x3 -> 16x16x32 -> 8x8x64 -> 4x4x64 -> 256 hidden -> classes."""
+
+    def __init__(self, num_classes: int = 10, hidden: int = 256) -> None:
+        super().__init__()
+        self.add_module("block1", conv_block(3, 32))
+        self.add_module("block2", conv_block(32, 64))
+        self.add_module("block3", conv_block(64, 64))
+        self.add_module("flatten", nn.Flatten())
+        # fc1 then fc2: the column-parallel / row-parallel pair of the Megatron-style TP split.
+        self.add_module("fc1", nn.Linear(64 * 4 * 4, hidden))
+        self.add_module("relu", nn.ReLU())
+        self.add_module("fc2", nn.Linear(hidden, num_classes))

@@ -1,0 +1,162 @@
+"""The Strategy interface every parallelism plugs into, and the defaults most of them share.
+
+A strategy is one small class in its own module under ``parallel_lab/strategies/`` plus one yaml
+file in ``conf/strategy/``. It receives a single-device model and an optimizer factory, wraps or
+splits them (its ``setup``), and owns backward and the optimizer step. The generic loop in
+``parallel_lab.train`` never asks which strategy it is running.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from parallel_lab.dist_env import DistEnv, init_process_group
+from parallel_lab.errors import ConfigError, one_line
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class StrategyOptions:
+    """Options every strategy yaml has. Subclasses add their own fields (``strategy.<key>``)."""
+
+    name: str = "?"
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
+
+
+class Strategy:
+    """Base class: one process per data-parallel rank, replicated model, no communication."""
+
+    Options: ClassVar[type] = StrategyOptions
+    single_process: ClassVar[bool] = False  # True: the run always uses exactly one process
+    needs_process_group: ClassVar[bool] = True
+
+    def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
+        self.cfg = cfg
+        self.opts = cfg.strategy
+        self.env = env
+        self.device = env.device
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+
+    # ----- validation (runs in the parent, before any process starts) -----
+    @classmethod
+    def validate_options(cls, cfg: DictConfig) -> DictConfig:
+        """Type-check ``cfg.strategy`` against ``cls.Options``; unknown keys are errors."""
+        try:
+            schema = OmegaConf.structured(cls.Options)
+            merged = OmegaConf.merge(schema, cfg.strategy)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
+        cls.check_options(merged, cfg)
+        return merged
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """Strategy-specific rules; raise ConfigError with a one-line fix."""
+
+    @classmethod
+    def data_parallel_size(cls, cfg: DictConfig) -> int:
+        """How many ways the global batch is split (tensor/pipeline parallel override this)."""
+        return cfg.world_size
+
+    @classmethod
+    def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:
+        """Create the default process group (DeepSpeed strategies use deepspeed's own init)."""
+        init_process_group(env, timeout_s)
+
+    # ----- data placement -----
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.env.world_size
+
+    # ----- lifecycle -----
+    def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
+        self.model = model.to(self.device)
+        self.optimizer = make_optimizer(self.model.parameters())
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(inputs), targets)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, num_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the detached micro-batch loss."""
+        loss = self.forward_loss(inputs, targets)
+        (loss / num_micro).backward()
+        return loss.detach()
+
+    def clip_gradients(self) -> None:
+        if self.cfg.trainer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+
+    def optimizer_step(self) -> None:
+        self.clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def global_mean_loss(self, local_mean: torch.Tensor) -> float:
+        """The loss of the whole global batch: the mean of the data-parallel ranks' means."""
+        if self.dp_size > 1:
+            local_mean = local_mean.detach().clone().to(self.device)
+            dist.all_reduce(local_mean, op=dist.ReduceOp.SUM)
+            local_mean /= self.dp_size
+        return float(local_mean)
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Logits for inputs, or None on ranks that do not produce them (pipeline stages)."""
+        # Unwrap DDP/DataParallel: evaluation needs no gradient sync and must not issue collectives.
+        return getattr(self.model, "module", self.model)(inputs)
+
+    def evaluate(self, batches) -> float | None:
+        """Accuracy on held-out batches; correct/total counts are summed over data-parallel ranks."""
+        counts = torch.zeros(2, dtype=torch.float64)
+        for inputs, targets in batches:
+            logits = self.predict(inputs.to(self.device))
+            if logits is not None:
+                counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
+        if self.dp_size > 1:
+            counts = counts.to(self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+    # ----- proof -----
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the full (unsharded) model; collective on sharded strategies."""
+        return [p.detach() for p in self.model.parameters()]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state this rank actually holds right now."""
+        params = list(self.model.parameters())
+        return {
+            "param_bytes": tensor_bytes(params),
+            "grad_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
+            "optim_bytes": optimizer_state_bytes(self.optimizer),
+        }
+
+    def extra_metrics(self) -> dict:
+        """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""
+        return {}
+
+    def teardown(self) -> None:
+        """Drop every reference to model state so the process group can close cleanly."""
+        self.model = None
+        self.optimizer = None

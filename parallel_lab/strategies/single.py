@@ -1,0 +1,9 @@
+"""``single``: one process, no communication. The baseline every other row is checked against."""
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import Strategy
+
+
+@register("single")
+class SingleStrategy(Strategy):
+    single_process = True
+    needs_process_group = False

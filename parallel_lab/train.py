@@ -1,0 +1,102 @@
+"""The generic training loop. It never asks which strategy it runs: the strategy owns backward,
+the optimizer step and every collective; the loop owns data, timing and the metrics."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from parallel_lab.data import eval_batches, load_datasets, train_batches
+from parallel_lab.dist_env import DistEnv
+from parallel_lab.metrics import (
+    device_memory,
+    gather_from_ranks,
+    param_checksum,
+    peak_rss_bytes,
+    timed_median,
+)
+from parallel_lab.models import build_model, count_params
+from parallel_lab.strategies.base import Strategy
+
+
+def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def make(params):
+        if trainer.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)
+        # foreach=False: the same per-tensor kernels whatever the wrapping, so sharded and
+        # replicated runs do bit-comparable updates.
+        return torch.optim.Adam(params, lr=trainer.lr, weight_decay=trainer.weight_decay, foreach=False)
+
+    return make
+
+
+def _progress(steps: int, enabled: bool):
+    if not enabled:
+        return range(steps)
+    from tqdm import tqdm
+
+    return tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
+    """Run cfg.trainer.steps optimizer steps; return metrics (complete on rank 0)."""
+    t = cfg.trainer
+    model = build_model(cfg.model, t.seed)
+    num_params = count_params(model)
+    strategy.setup(model, optimizer_factory(t))
+    train_set, eval_set = load_datasets(cfg.data, t.seed)
+    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed)
+
+    losses, step_times, memory = [], [], {}
+    for step in _progress(t.steps, t.progress and env.is_main):
+        inputs, targets = next(batches)
+        _sync(env.device)
+        start = time.perf_counter()
+        micro_losses = [
+            strategy.train_step(x.to(env.device), y.to(env.device), i, t.grad_accum)
+            for i, (x, y) in enumerate(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
+        ]
+        if step == t.steps - 1:
+            memory = strategy.memory_report()  # gradients and optimizer state both alive here
+        strategy.optimizer_step()
+        _sync(env.device)
+        step_times.append(time.perf_counter() - start)
+        losses.append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
+
+    accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
+    checksum = param_checksum(strategy.full_parameters())
+    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **device_memory(env.device)}
+    ranks = gather_from_ranks(rank_info)
+    step_time = timed_median(step_times, t.warmup_steps)
+    return {
+        "status": "ok",
+        "strategy": cfg.strategy.name,
+        "launcher": cfg.launcher.name,
+        "world_size": env.world_size,
+        "backend": env.backend if strategy.needs_process_group else "none",
+        "device": str(env.device),
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "params": num_params,
+        "global_batch": t.global_batch,
+        "grad_accum": t.grad_accum,
+        "steps": t.steps,
+        "threads": t.threads,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "step_time_s": step_time,
+        "step_times_s": step_times,
+        "samples_per_s": t.global_batch / step_time,
+        "eval_accuracy": accuracy,
+        "final_param_checksum": checksum,
+        "ranks": ranks,
+        "strategy_options": OmegaConf.to_container(cfg.strategy, resolve=True),
+        **strategy.extra_metrics(),
+    }
