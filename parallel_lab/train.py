@@ -72,7 +72,8 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
 
     accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
     checksum = param_checksum(strategy.full_parameters())
-    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **device_memory(env.device)}
+    analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
+    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **analytic, **device_memory(env.device)}
     ranks = gather_from_ranks(rank_info)
     step_time = timed_median(step_times, t.warmup_steps)
     return {

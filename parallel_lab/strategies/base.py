@@ -38,6 +38,13 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def optimizer_bytes_per_param(trainer: DictConfig) -> int:
+    """fp32 optimizer state per parameter: Adam keeps two moments, SGD one momentum buffer."""
+    if trainer.optimizer == "adam":
+        return 8
+    return 4 if trainer.momentum else 0
+
+
 class Strategy:
     """Base class: one process per data-parallel rank, replicated model, no communication."""
 
@@ -150,6 +157,16 @@ class Strategy:
             "param_bytes": tensor_bytes(params),
             "grad_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
             "optim_bytes": optimizer_state_bytes(self.optimizer),
+        }
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054, fp32):
+        a full replica is 4 bytes/param of weights, 4 of gradients and the optimizer's state
+        (Adam: 8 = exp_avg + exp_avg_sq; SGD with momentum: 4). Sharded strategies override."""
+        return {
+            "param_bytes": 4 * num_params,
+            "grad_bytes": 4 * num_params,
+            "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * num_params,
         }
 
     def extra_metrics(self) -> dict:
