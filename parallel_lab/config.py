@@ -66,6 +66,15 @@ class LauncherConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Deliberate failure, for testing what a crash does: rank ``rank`` fails at step ``step``."""
+
+    rank: int = -1  # -1 = never
+    step: int = 0
+    mode: str = "raise"  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
+
+
+@dataclass
 class Config:
     strategy: Any = MISSING  # validated against the strategy's own Options dataclass
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -76,6 +85,8 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    prepare_only: bool = False  # validate and write <run_dir>/config.yaml, start nothing (launch/*.sh)
 
 
 def register_configs() -> None:
@@ -124,6 +135,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
+    if cfg.fault.mode not in ("raise", "kill"):
+        raise ConfigError(f"fault.mode='{cfg.fault.mode}' is unknown; use fault.mode=raise or kill")
     requested_world = ws
     if strategy_cls.single_process:
         ws = cfg.world_size = 1

@@ -2,6 +2,8 @@
 the optimizer step and every collective; the loop owns data, timing and the metrics."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Callable, Iterable
 
@@ -40,6 +42,18 @@ def _progress(steps: int, enabled: bool):
     return tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True)
 
 
+class InjectedFault(RuntimeError):
+    """Raised by ``fault.rank``/``fault.step`` to test how a run fails."""
+
+
+def maybe_inject_fault(fault: DictConfig, rank: int, step: int) -> None:
+    if fault.rank != rank or fault.step != step:
+        return
+    if fault.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"injected fault on rank {rank} at step {step} (fault.rank={rank} fault.step={step})")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -56,6 +70,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
 
     losses, step_times, memory = [], [], {}
     for step in _progress(t.steps, t.progress and env.is_main):
+        maybe_inject_fault(cfg.fault, env.rank, step)
         inputs, targets = next(batches)
         _sync(env.device)
         start = time.perf_counter()

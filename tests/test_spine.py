@@ -1,0 +1,166 @@
+"""The spine: registry <-> yaml, Hydra compose, parity of single/ddp against an independent
+reference, the same run under every launcher, and how bad input and crashes end."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT, assert_losses_close, load_metrics, run_cli
+from parallel_lab.config import CONF_DIR, register_configs, validate
+from parallel_lab.dist_env import free_port
+from parallel_lab.strategies import registered_names
+from reference import reference_run
+
+
+def test_registry_matches_strategy_yaml_files():
+    yaml_names = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
+    assert registered_names() == yaml_names
+
+
+def compose_cfg(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_compose_defaults_and_single_forces_one_process_with_same_total_threads():
+    cfg = compose_cfg()
+    assert (cfg.strategy.name, cfg.world_size, cfg.model.name, cfg.data.name, cfg.launcher.name) == (
+        "ddp", 2, "cnn", "synthetic", "spawn")
+    single = validate(compose_cfg("strategy=single", "world_size=2"))
+    assert single.world_size == 1 and single.trainer.threads == 2
+    ddp = validate(compose_cfg("strategy=ddp", "world_size=2"))
+    assert ddp.world_size == 2 and ddp.trainer.threads == 1
+
+
+def test_compose_rejects_unknown_strategy_option():
+    from parallel_lab.errors import ConfigError
+
+    cfg = compose_cfg("strategy=ddp", "+strategy.bucket_cap=3")
+    with pytest.raises(ConfigError, match="bucket_cap"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("model,steps,batch", [("cnn", 4, 32), ("resnet18", 2, 8)])
+def test_single_and_ddp_match_independent_reference(cli, model, steps, batch):
+    ref_losses, ref_checksum, _ = reference_run(model=model, steps=steps, global_batch=batch)
+    common = [f"model={model}", f"trainer.steps={steps}", f"trainer.global_batch={batch}"]
+    single = cli("strategy=single", *common)
+    ddp = cli("strategy=ddp", "world_size=2", *common)
+    assert_losses_close(single["losses"], ref_losses, rtol=1e-5)
+    assert_losses_close(ddp["losses"], ref_losses, rtol=1e-5)
+    for run in (single, ddp):
+        assert run["final_param_checksum"] == pytest.approx(ref_checksum, rel=1e-5, abs=1e-3)
+    assert ddp["world_size"] == 2 and ddp["backend"] == "gloo" and len(ddp["ranks"]) == 2
+    assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
+
+
+def test_grad_accum_keeps_the_same_losses(cli):
+    ref_losses, _, _ = reference_run(steps=3, global_batch=32)
+    run = cli("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "trainer.grad_accum=2")
+    assert_losses_close(run["losses"], ref_losses, rtol=1e-5)
+
+
+def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli):
+    if not (Path(sys.executable).parent / "mpiexec").exists() and not shutil.which("mpiexec"):
+        pytest.skip("mpiexec not installed (make installs it: pip install mpi4py mpich)")
+    common = ["strategy=ddp", "trainer.steps=3", "trainer.global_batch=32"]
+    runs = {name: cli(*common, f"launcher={name}") for name in ("spawn", "torchrun", "mpirun")}
+    assert {r["launcher"] for r in runs.values()} == {"spawn", "torchrun", "mpirun"}
+    assert runs["torchrun"]["losses"] == runs["spawn"]["losses"]
+    assert runs["mpirun"]["losses"] == runs["spawn"]["losses"]
+
+
+def test_worker_runs_under_raw_torchrun_on_a_written_config(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli(run_dir, "strategy=ddp", "trainer.steps=2", "trainer.global_batch=16")
+    first = load_metrics(run_dir)
+    (run_dir / "metrics.json").unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "parallel_lab.worker", str(run_dir / "config.yaml")]
+    result = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert load_metrics(run_dir)["losses"] == first["losses"]
+
+
+BAD_INPUTS = [
+    (["strategy=nope"], "nope"),
+    (["world_size=0"], "world_size=0"),
+    (["world_size=1000"], "world_size=1000"),
+    (["trainer.global_batch=33"], "global_batch=33"),
+    (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
+    (["data=cifar10"], "data.root"),
+    (["data=cifar10", "data.root=/nonexistent"], "/nonexistent"),
+    (["model=vgg"], "vgg"),
+    (["launcher=slurm"], "slurm"),
+    (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
+]
+
+
+@pytest.mark.parametrize("overrides,named", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_gives_one_line_error(tmp_path, overrides, named):
+    run_dir = tmp_path / "run"
+    result = run_cli(run_dir, *overrides, check=False, timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines, "no error message"
+    assert named in lines[-1] and lines[-1].startswith("parallel_lab: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (run_dir / "metrics.json").exists()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="ignore"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_one_failing_worker_ends_every_worker_and_shows_its_traceback(tmp_path, mode):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = run_cli(run_dir, "strategy=ddp", "trainer.steps=50", "fault.rank=1", "fault.step=2",
+                     f"fault.mode={mode}", check=False, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60  # start-up + at most grace_s after the failure
+    last = result.stderr.strip().splitlines()[-1]
+    if mode == "raise":
+        assert "rank 1 failed" in last and "InjectedFault" in last
+        assert "Traceback" in result.stderr and "maybe_inject_fault" in result.stderr
+    else:
+        assert last.startswith("parallel_lab: error:")
+    assert not (run_dir / "metrics.json").exists()
+    assert (run_dir / "failed.json").exists()
+    assert _processes_mentioning(str(run_dir)) == []
+
+
+def test_console_script_is_installed_and_reports_bad_input():
+    script = Path(sys.executable).parent / "parallel-lab"
+    if not script.exists():
+        pytest.skip("parallel-lab console script not installed in this interpreter's bin")
+    result = subprocess.run([str(script), "strategy=nope"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown strategy 'nope'" in result.stderr
+
+
+def test_report_renders_table_from_runs(tmp_path):
+    run_cli(tmp_path / "a", "strategy=single", "trainer.steps=2", "trainer.global_batch=16")
+    run_cli(tmp_path / "b", "strategy=ddp", "trainer.steps=2", "trainer.global_batch=16")
+    result = subprocess.run([sys.executable, "-m", "parallel_lab.report", str(tmp_path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=True)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
+    assert len(rows) == 2 and all("pass" in row for row in rows), result.stdout
+    for name in ("comparison.md", "comparison.csv", "comparison.json"):
+        assert (tmp_path / name).is_file()
