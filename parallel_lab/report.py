@@ -58,6 +58,30 @@ def _max_rank(run: dict, key: str) -> int | None:
     return max(values) if values else None
 
 
+def _mib(run: dict, key: str) -> float | None:
+    value = _max_rank(run, key)
+    return None if value is None else value / MiB
+
+
+def _measured_vs_analytic(key: str):
+    """'measured / analytic' MiB of one kind of model state, on the rank holding the most."""
+
+    def read(run: dict) -> str | None:
+        measured, analytic = _mib(run, key), _mib(run, f"analytic_{key}")
+        if measured is None:
+            return None
+        return f"{_fmt(measured)} / {_fmt(analytic)}" if analytic is not None else _fmt(measured)
+
+    return read
+
+
+def _comm_psi(run: dict) -> str | None:
+    if run.get("comm_volume_psi") is None:
+        return None
+    theory = run.get("comm_theory_psi")
+    return f"{run['comm_volume_psi']:.2f} / {'?' if theory is None else f'{theory:g}'}"
+
+
 COLUMNS = [  # (header, how to read it from a run)
     ("strategy", lambda r: r.get("strategy")),
     ("launcher", lambda r: r.get("launcher")),
@@ -66,12 +90,14 @@ COLUMNS = [  # (header, how to read it from a run)
     ("params", lambda r: r.get("params")),
     ("samples/s", lambda r: r.get("samples_per_s")),
     ("step ms", lambda r: r.get("step_time_s") and 1000 * r["step_time_s"]),
-    ("peak RSS MiB", lambda r: _max_rank(r, "peak_rss_bytes") and _max_rank(r, "peak_rss_bytes") / MiB),
-    ("params MiB/rank", lambda r: _max_rank(r, "param_bytes") is not None and _max_rank(r, "param_bytes") / MiB),
-    ("grads MiB/rank", lambda r: _max_rank(r, "grad_bytes") is not None and _max_rank(r, "grad_bytes") / MiB),
-    ("optim MiB/rank", lambda r: _max_rank(r, "optim_bytes") is not None and _max_rank(r, "optim_bytes") / MiB),
+    ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
+    ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
+    ("grads MiB meas/analytic", _measured_vs_analytic("grad_bytes")),
+    ("optim MiB meas/analytic", _measured_vs_analytic("optim_bytes")),
+    ("comm MiB/step", lambda r: r.get("comm_bytes_per_step") is not None and r["comm_bytes_per_step"] / MiB),
+    ("comm Ψ meas/theory", _comm_psi),
     ("final loss", lambda r: r.get("final_loss")),
-    ("max |Δloss|", lambda r: r.get("max_abs_dloss")),
+    ("max Δloss", lambda r: r.get("max_abs_dloss")),
     ("parity", lambda r: r.get("parity")),
     ("error", lambda r: r.get("error", "")),
 ]
@@ -80,8 +106,12 @@ COLUMNS = [  # (header, how to read it from a run)
 def _fmt(value) -> str:
     if value is None or value is False:
         return ""
+    if isinstance(value, float) and value == 0:
+        return "0"
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e-2 and value else f"{value:,.2f}"
+        if abs(value) < 1e-2:
+            return f"{value:.2g}"
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
     return str(value)
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.data import eval_batches, load_datasets, train_batches
@@ -68,27 +69,34 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed)
 
+    counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     losses, step_times, memory = [], [], {}
     for step in _progress(t.steps, t.progress and env.is_main):
         maybe_inject_fault(cfg.fault, env.rank, step)
         inputs, targets = next(batches)
         _sync(env.device)
         start = time.perf_counter()
-        micro_losses = [
-            strategy.train_step(x.to(env.device), y.to(env.device), i, t.grad_accum)
-            for i, (x, y) in enumerate(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        ]
-        if step == t.steps - 1:
-            memory = strategy.memory_report()  # gradients and optimizer state both alive here
-        strategy.optimizer_step()
+        with counter.counting():  # only the strategy's own communication, not the loss report
+            micro_losses = [
+                strategy.train_step(x.to(env.device), y.to(env.device), i, t.grad_accum)
+                for i, (x, y) in enumerate(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
+            ]
+            if step == t.steps - 1:
+                with counter.paused():
+                    memory = strategy.memory_report()  # gradients and optimizer state both alive here
+            strategy.optimizer_step()
         _sync(env.device)
         step_times.append(time.perf_counter() - start)
         losses.append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
 
     accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
     checksum = param_checksum(strategy.full_parameters())
+    counter.uninstall()
+    comm = {"comm_bytes_per_step": counter.total_bytes / t.steps,
+            "comm_bytes_by_op": {op: n / t.steps for op, n in counter.bytes_by_op.items()}}
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
-    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **analytic, **device_memory(env.device)}
+    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **analytic, **comm,
+                 **device_memory(env.device)}
     ranks = gather_from_ranks(rank_info)
     step_time = timed_median(step_times, t.warmup_steps)
     return {
@@ -112,6 +120,9 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "samples_per_s": t.global_batch / step_time,
         "eval_accuracy": accuracy,
         "final_param_checksum": checksum,
+        "comm_bytes_per_step": comm["comm_bytes_per_step"],
+        "comm_volume_psi": comm["comm_bytes_per_step"] / (4 * num_params),
+        "comm_theory_psi": strategy.comm_theory_psi,
         "ranks": ranks,
         "strategy_options": OmegaConf.to_container(cfg.strategy, resolve=True),
         **strategy.extra_metrics(),

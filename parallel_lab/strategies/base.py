@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from parallel_lab.comm_count import CommCounter
 from parallel_lab.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
 
@@ -51,6 +52,9 @@ class Strategy:
     Options: ClassVar[type] = StrategyOptions
     single_process: ClassVar[bool] = False  # True: the run always uses exactly one process
     needs_process_group: ClassVar[bool] = True
+    # Per-step communication volume per rank in units of Ψ fp32 parameter bytes, as the ZeRO paper
+    # derives it (2 for an all-reduce of the gradients, 3 for ZeRO-3); None where no formula applies.
+    comm_theory_psi: ClassVar[float | None] = None
 
     def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
         self.cfg = cfg
@@ -60,6 +64,7 @@ class Strategy:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.comm = CommCounter()  # the loop turns counting on around each step
 
     # ----- validation (runs in the parent, before any process starts) -----
     @classmethod

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lab.errors import ConfigError
@@ -29,6 +30,7 @@ class DDPOptions(StrategyOptions):
 @register("ddp")
 class DDPStrategy(Strategy):
     Options = DDPOptions
+    comm_theory_psi = 2.0  # one all-reduce of every gradient per step
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -44,6 +46,10 @@ class DDPStrategy(Strategy):
             bucket_cap_mb=self.opts.bucket_cap_mb,
             gradient_as_bucket_view=self.opts.gradient_as_bucket_view,
         )
+        # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
+        # (parallel_lab.comm_count). The stock average-then-all-reduce hook does the same work
+        # through torch.distributed.all_reduce, so every bucket is counted.
+        self.model.register_comm_hook(None, allreduce_hook)
         self.optimizer = make_optimizer(self.model.parameters())
 
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:

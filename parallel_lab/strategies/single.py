@@ -7,3 +7,4 @@ from parallel_lab.strategies.base import Strategy
 class SingleStrategy(Strategy):
     single_process = True
     needs_process_group = False
+    comm_theory_psi = 0.0
