@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print numbers and ratios. Never timed assertions in tests."""
