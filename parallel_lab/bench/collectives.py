@@ -7,7 +7,7 @@ hand-written chunked ring (torch send/recv), in ONE mpiexec job, plus memcpy as 
 Run without mpiexec, it starts ``mpiexec -n NP`` on itself (one job: MPI and a gloo group whose
 ranks and rendezvous come from the MPI environment, via parallel_lab.dist_env).
 
-Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's time per call:
+Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's median time per call:
   algbw = S / t, where S is the whole vector (all_reduce, broadcast: the tensor; all_gather: the
           output; reduce_scatter: the input);
   busbw = algbw * f with f = 2(p-1)/p for all_reduce, (p-1)/p for all_gather and reduce_scatter,
