@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from mpi4py import MPI
@@ -28,9 +29,12 @@ def abort_on_exception(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
 
     def hook(exc_type, exc, tb):
         sys.stdout.flush()
-        print(f"[rank {comm.Get_rank()}] ", end="", file=sys.stderr)
-        traceback.print_exception(exc_type, exc, tb)
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"[rank {comm.Get_rank()}] {text}")  # one write: lines are not interleaved
         sys.stderr.flush()
+        # mpiexec forwards our stderr asynchronously and drops what is in flight when it kills
+        # the job; half a second lets the traceback reach the terminal first.
+        time.sleep(0.5)
         comm.Abort(1)  # never returns: mpiexec kills every rank
 
     sys.excepthook = hook

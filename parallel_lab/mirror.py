@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
@@ -325,9 +326,10 @@ def print_table(rows: list[dict], env: DistEnv, size: int, k: int) -> None:
 def abort_on_exception(comm: MPI.Comm) -> None:
     """An exception on one rank must end the job, not leave the others in a collective forever."""
     def hook(exc_type, exc, tb):
-        print(f"[rank {comm.Get_rank()}] ", end="", file=sys.stderr)
-        traceback.print_exception(exc_type, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.write(f"[rank {comm.Get_rank()}] " + "".join(traceback.format_exception(exc_type, exc, tb)))
         sys.stderr.flush()
+        time.sleep(0.5)  # let mpiexec forward the traceback before it kills the job
         comm.Abort(1)
     sys.excepthook = hook
 
