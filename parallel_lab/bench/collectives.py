@@ -174,7 +174,7 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from parallel_lab.dist_env import init_process_group, read_dist_env
+    from parallel_lab.dist_env import init_process_group
     from parallel_lab.mirror import abort_on_exception, torch_env
 
     comm = MPI.COMM_WORLD
