@@ -82,10 +82,11 @@ def ring_all_gather_(dist, chunks, rank: int, p: int) -> None:
         _exchange(dist, chunks[(rank - s) % p], chunks[(rank - s - 1) % p], right, left)
 
 
-def ring_broadcast_(dist, buf, rank: int, p: int, segments: int = 8) -> None:
-    """Pipelined chain 0 -> 1 -> ... -> p-1: each rank forwards segment i while receiving i+1."""
+def ring_broadcast_(dist, buf, rank: int, p: int, max_segments: int = 8, min_segment: int = 1 << 14) -> None:
+    """Pipelined chain 0 -> 1 -> ... -> p-1: each rank forwards segment i while receiving i+1.
+    Segments of at least min_segment elements: below that, per-message latency dominates."""
     reqs = []
-    for seg in buf.tensor_split(min(segments, max(1, buf.numel()))):
+    for seg in buf.tensor_split(max(1, min(max_segments, buf.numel() // min_segment))):
         if rank > 0:
             dist.recv(seg, rank - 1)
         if rank < p - 1:
