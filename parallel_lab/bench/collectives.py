@@ -231,7 +231,8 @@ def print_table(rows, args, p: int, ceiling: float) -> None:
     print(f"collectives bench: {p} ranks on one machine ({os.cpu_count()} CPUs), float32, 1 thread/rank; "
           f"torch {torch.__version__} gloo; {MPI.Get_library_version().splitlines()[0].strip()}")
     print(f"memcpy ceiling (1 process, numpy copyto of {human(args.max_bytes)}): {ceiling:.2f} GB/s "
-          f"(bytes copied per second; busbw above this is impossible)")
+          f"(bytes copied per second by one process: the ceiling for busbw, since every byte a rank sends "
+          f"or receives here is at least one memory copy)")
     print("time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
           f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s")
     head = "| op | size |" + "".join(f" {i} us | {i} algbw | {i} busbw |" for i in args.impls)
