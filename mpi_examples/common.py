@@ -55,7 +55,7 @@ def positive_int_arg(index: int, name: str, default: int, comm: MPI.Comm = MPI.C
     value, message = default, None
     if comm.Get_rank() == 0 and len(sys.argv) > index:
         text = sys.argv[index]
-        try:
+        try:  # "1000000" or "1e6" (digits around one 'e'); "1.5", "abc", "-3" go to the checks
             value = int(float(text)) if text.lower().replace("e", "").isdigit() else int(text)
         except ValueError:
             message = f"{name}='{text}' is not an integer; pass a whole number >= 1, e.g. {default}"
