@@ -42,6 +42,7 @@ inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measure
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -229,6 +230,8 @@ class ZeroStrategy(Strategy):
         all exported from dist_env it skips its MPI discovery, which would pick a non-loopback
         address under mpirun (../shared/FACTS.md)."""
         export_rendezvous(env)
+        if env.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
         quiet_deepspeed_warnings()
         import deepspeed
 
