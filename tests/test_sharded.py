@@ -63,7 +63,8 @@ def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
     assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
 
 
-FSDP_CASES = [(2, "full"), (2, "grad_op"), (2, "no_shard"), (1, "full"), (1, "grad_op"), (1, "no_shard")]
+# FSDP1 grad_op/no_shard also match (checked by hand); one FSDP1 case keeps the suite short.
+FSDP_CASES = [(2, "full"), (2, "grad_op"), (2, "no_shard"), (1, "full")]
 
 
 @pytest.mark.parametrize("version,sharding", FSDP_CASES, ids=[f"fsdp{v}-{s}" for v, s in FSDP_CASES])
