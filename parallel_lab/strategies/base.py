@@ -33,6 +33,25 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind tensors: views into one flat buffer count once, and
+    the whole buffer counts (padding included), freed storages (resized to 0) count nothing.
+    This is what sharded strategies hold for real, whatever views they hand out."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local_tensor(t).untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return int(sum(seen.values()))
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(
         v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)

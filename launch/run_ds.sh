@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The raw DeepSpeed launcher on one node (CPU or GPU), without our own process supervisor.
+#
+#   launch/run_ds.sh [hydra overrides...]        e.g. launch/run_ds.sh strategy=zero2 trainer.steps=20
+#   NPROC=2 MASTER_PORT=29500 RUN_DIR=runs/ds/x launch/run_ds.sh strategy=zero3 strategy.offload=cpu
+#
+# Step 1 writes the validated <run_dir>/config.yaml (python -m parallel_lab.prepare: same config and
+# errors as `python -m parallel_lab`). Step 2 is the plain deepspeed command: --num_gpus is the local
+# process count (on CPU it starts that many ranks; plain `deepspeed x.py` starts one), the launcher
+# passes --local_rank=N, which the worker accepts. It does not set OMP_NUM_THREADS, so we do.
+# `python -m parallel_lab launcher=deepspeed ...` runs the same command under our supervisor.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NPROC=${NPROC:-2}
+MASTER_PORT=${MASTER_PORT:-29500}
+RUN_DIR=${RUN_DIR:-runs/ds/$(date +%Y-%m-%d_%H-%M-%S)}
+PY=${PYTHON:-$(command -v python)}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+DS=$(dirname "$PY")/deepspeed
+[ -x "$DS" ] || DS=deepspeed
+
+config=$("$PY" -m parallel_lab.prepare "$RUN_DIR" launcher=deepspeed "world_size=$NPROC" "$@")
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+"$DS" --num_nodes 1 --num_gpus "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" \
+    --module parallel_lab.worker "$config"
+"$PY" -c 'import sys; from parallel_lab.report import summary_line; print(summary_line(sys.argv[1]))' "$RUN_DIR/metrics.json"

@@ -1,0 +1,382 @@
+"""``zero0``..``zero3``: DeepSpeed ZeRO (Rajbhandari et al., arXiv 1910.02054), one class, the
+stage taken from the name.
+
+Communication per step (N data-parallel ranks, Ψ parameters):
+
+* stage 0: plain data parallel: gradients all-reduced in buckets (like DDP).
+* stage 1: optimizer states partitioned: gradients all-reduced (or reduce-scattered) at the end
+  of backward, each rank updates its 1/N partition of the fp32 weights, then the updated
+  partitions are all-gathered into every rank's full parameters.
+* stage 2: also gradients partitioned: gradients are reduce-scattered bucket by bucket during
+  backward and each rank keeps only its partition; the same all-gather after the step.
+* stage 3: also parameters partitioned: each module's parameters are all-gathered just before
+  its forward and again before its backward and released after; gradients reduce-scattered.
+
+``strategy.offload=cpu`` moves the optimizer (its states and fp32 master partition, stages 1-3)
+and, at stage 3, the parameter partitions to CPU memory (ZeRO-Offload, arXiv 2101.06840). On a
+CPU-only machine this changes where DeepSpeed's code paths keep tensors, not the RAM used.
+
+The ds_config is generated from the Hydra config so every strategy sees the same global batch:
+``train_batch_size = trainer.global_batch``, ``gradient_accumulation_steps = trainer.grad_accum``,
+``train_micro_batch_size_per_gpu = global_batch / world_size / grad_accum``, and
+``gradient_clipping = trainer.grad_clip`` (DeepSpeed's own default is 1.0; 0 here means off, as
+for every strategy). The optimizer is the toolkit's own torch optimizer, passed to
+``deepspeed.initialize`` as the client optimizer: DeepSpeed steps it on its fp32 partitions, so
+the update rule is exactly the one every other strategy runs (per-tensor torch Adam), and losses
+match ``single``. (DeepSpeed's config Adam and DeepSpeedCPUAdam also train, but are different
+kernels; ``zero_force_ds_cpu_optimizer: false`` lets the torch optimizer drive offload too.)
+A user's ``strategy.ds_config=<file.json>`` is merged under the generated settings and refused
+if it disagrees with them.
+
+Memory accounting reads DeepSpeed's real buffers (distinct storages, padding included):
+``param_bytes`` the model's parameter storage (the flat buffers of stages 0-2, the ``ds_tensor``
+partitions of stage 3), ``master_param_bytes`` the fp32 partition the optimizer updates when it is
+a separate copy, ``grad_bytes`` the gradient buffers alive after backward, ``optim_bytes`` the
+optimizer's state tensors, ``comm_buffer_bytes`` the bucket buffers. The analytic value is the
+paper's: fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter, stage 1 dividing the optimizer
+state by N, stage 2 also the gradients, stage 3 also the parameters. One difference is real and
+reported as its own column: at stages 1-3 DeepSpeed keeps its fp32 master partition as a
+*clone* of the parameters even in fp32 (the paper's mixed-precision K=12 counts that master copy
+inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on 0.19.8).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.dist_env import DistEnv, export_rendezvous
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import (
+    OptimizerFactory,
+    Strategy,
+    StrategyOptions,
+    optimizer_bytes_per_param,
+    storage_bytes,
+)
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu")
+PRECISIONS = ("fp32", "bf16", "fp16")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class ZeroOptions(StrategyOptions):
+    stage: int = 0  # must agree with the name: zero2 is stage 2
+    offload: str = "none"  # none | cpu (optimizer states + fp32 master; stage 3 also parameters)
+    precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA)
+    bucket_mb: float = 25.0  # reduce / all-gather bucket size (DeepSpeed's default 500M elements is 2 GB in fp32)
+    ds_config: Optional[str] = None  # a user's ds_config.json, merged under the Hydra-derived settings
+
+
+def _stage_from_name(name: str) -> int:
+    return int(name[len("zero"):])
+
+
+def quiet_deepspeed_warnings() -> None:
+    """ZeRO calls deprecated torch.distributed APIs at every step; each prints a FutureWarning
+    (plus a log line per rank at import). Hide exactly those, nothing else."""
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..*is deprecated.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed(\.|$)")
+    warnings.filterwarnings("ignore", category=UserWarning, message=r".*TypedStorage is deprecated.*")
+
+
+def _cpu_only(cfg: DictConfig) -> bool:
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+def micro_batch(cfg: DictConfig) -> int:
+    t = cfg.trainer
+    return t.global_batch // (cfg.world_size * t.grad_accum)
+
+
+def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
+    """The DeepSpeed config for this run, every batch setting taken from ``trainer.*``."""
+    t = cfg.trainer
+    bucket = int(opts.bucket_mb * 2**20 / _BYTES[opts.precision])
+    zero: dict = {
+        "stage": opts.stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    if opts.stage == 1:
+        # ZeRO-1 as in the paper: gradients stay whole during backward and are reduced once at
+        # the accumulation boundary (no per-bucket hooks; those make stage 1 behave like 2).
+        zero.update(contiguous_gradients=False, overlap_comm=False)
+    if opts.stage == 3:
+        # Partition every parameter (DeepSpeed keeps ones below 100k elements whole by default,
+        # which on resnet18 would leave most of the small convs replicated).
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket)
+    if opts.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if opts.stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    ds = {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": micro_batch(cfg),
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,  # the toolkit's torch optimizer also drives offload
+        "zero_allow_untested_optimizer": True,  # torch SGD as the client optimizer
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if opts.precision != "fp32":
+        ds[opts.precision] = {"enabled": True}
+    if opts.ds_config:
+        ds = merge_user_config(load_user_config(opts.ds_config), ds, opts.ds_config)
+    return ds
+
+
+def load_user_config(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"strategy.ds_config={path} does not exist; pass the path of a DeepSpeed JSON config")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"strategy.ds_config={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+
+
+def _flag(section) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def merge_user_config(user: dict, ours: dict, path: str) -> dict:
+    """The user's keys stay unless they contradict the Hydra config, which is then an error."""
+    checked = {  # ds_config key -> the Hydra setting that decides it
+        "train_batch_size": "trainer.global_batch",
+        "train_micro_batch_size_per_gpu": "trainer.global_batch / world_size / trainer.grad_accum",
+        "gradient_accumulation_steps": "trainer.grad_accum",
+        "gradient_clipping": "trainer.grad_clip",
+    }
+    for key, setting in checked.items():
+        if key in user and user[key] != "auto" and float(user[key]) != float(ours[key]):
+            raise ConfigError(
+                f"strategy.ds_config={path} sets {key}={user[key]} but the Hydra config gives {ours[key]} "
+                f"({setting}); remove {key} from the file or change {setting.split(' ')[0]}"
+            )
+    if "optimizer" in user or "scheduler" in user:
+        raise ConfigError(
+            f"strategy.ds_config={path} has an 'optimizer'/'scheduler' section; remove it: the optimizer comes "
+            "from trainer.optimizer and trainer.lr so every strategy runs the same update"
+        )
+    user_zero = dict(user.get("zero_optimization") or {})
+    if "stage" in user_zero and int(user_zero["stage"]) != ours["zero_optimization"]["stage"]:
+        stage = ours["zero_optimization"]["stage"]
+        raise ConfigError(
+            f"strategy.ds_config={path} sets zero_optimization.stage={user_zero['stage']} but this is strategy=zero{stage}; "
+            f"use strategy=zero{user_zero['stage']} or remove the stage from the file"
+        )
+    for precision in ("fp16", "bf16"):
+        if _flag(user.get(precision)) and precision not in ours:
+            raise ConfigError(
+                f"strategy.ds_config={path} enables {precision} but strategy.precision is not {precision}; "
+                f"set strategy.precision={precision} or remove the {precision} section"
+            )
+    merged = {**user, **ours}
+    merged["zero_optimization"] = {**user_zero, **ours["zero_optimization"]}
+    return merged
+
+
+@register("zero0", "zero1", "zero2", "zero3")
+class ZeroStrategy(Strategy):
+    Options = ZeroOptions
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        named = _stage_from_name(opts.name)
+        if opts.stage not in STAGES:
+            raise ConfigError(
+                f"strategy.stage={opts.stage} does not exist: ZeRO has stages 0-3; choose the stage by name "
+                f"(strategy=zero0, zero1, zero2 or zero3) and drop strategy.stage"
+            )
+        if opts.stage != named:
+            raise ConfigError(
+                f"strategy.stage={opts.stage} contradicts strategy={opts.name} (stage {named}); "
+                f"use strategy=zero{opts.stage} instead of overriding strategy.stage"
+            )
+        if opts.offload not in OFFLOADS:
+            raise ConfigError(f"strategy.offload={opts.offload} is unknown; use strategy.offload=none or cpu")
+        if opts.offload != "none" and opts.stage == 0:
+            raise ConfigError(
+                "strategy.offload=cpu needs a partitioned optimizer (ZeRO stage 1-3); "
+                "use strategy=zero1, zero2 or zero3 with offload, or strategy.offload=none"
+            )
+        if opts.precision not in PRECISIONS:
+            raise ConfigError(f"strategy.precision={opts.precision} is unknown; use strategy.precision=fp32 or bf16")
+        if opts.precision == "fp16" and _cpu_only(cfg):
+            raise ConfigError(
+                "strategy.precision=fp16 is not supported by DeepSpeed on CPU; use strategy.precision=bf16 or fp32 "
+                "(fp16 needs device=cuda)"
+            )
+        if opts.bucket_mb <= 0:
+            raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0 (e.g. strategy.bucket_mb=25)")
+        if opts.ds_config:
+            opts.ds_config = str(Path(opts.ds_config).expanduser().resolve())  # workers may start elsewhere
+        build_ds_config(cfg, opts)  # a user ds_config that disagrees fails here, in the parent
+
+    @classmethod
+    def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:
+        """DeepSpeed's own init. With RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        all exported from dist_env it skips its MPI discovery, which would pick a non-loopback
+        address under mpirun (../shared/FACTS.md)."""
+        export_rendezvous(env)
+        if env.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
+        quiet_deepspeed_warnings()
+        import deepspeed
+
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
+        deepspeed.init_distributed(
+            dist_backend=env.backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=timedelta(seconds=timeout_s),
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+
+    def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
+        super().__init__(cfg, env)
+        self.engine = None
+        self.ds_config = build_ds_config(cfg, self.opts)
+        self._grads_before_reduction = 0
+
+    def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
+        quiet_deepspeed_warnings()
+        import deepspeed
+
+        model = model.to(self.device)
+        optimizer = make_optimizer(model.parameters())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
+        )
+        self.model = self.engine
+        if self.opts.stage == 1 and hasattr(self.engine.optimizer, "reduce_gradients"):
+            self._measure_before_reduction(self.engine.optimizer)
+
+    def _measure_before_reduction(self, opt) -> None:
+        """Wrap this optimizer instance's boundary reduction to read the gradient bytes held just
+        before it (afterwards DeepSpeed keeps only this rank's partition)."""
+        reduce = opt.reduce_gradients
+        params = list(self.engine.module.parameters())
+
+        def measured_reduce(*args, **kwargs):
+            self._grads_before_reduction = storage_bytes(p.grad for p in params)
+            return reduce(*args, **kwargs)
+
+        opt.reduce_gradients = measured_reduce
+
+    def _input_dtype(self) -> torch.dtype:
+        # bf16 engines hold bf16 weights and expect bf16 inputs; the loss is computed in fp32.
+        return next((p.dtype for p in self.engine.module.parameters()), torch.float32)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.engine(inputs.to(self._input_dtype())).float(), targets)
+
+    def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
+        loss = self.forward_loss(inputs, targets)
+        # The engine divides by gradient_accumulation_steps and reduces at the boundary itself.
+        self.engine.backward(loss)
+        if micro < num_micro - 1:
+            # DeepSpeed counts micro-batches through step(): off the boundary it only advances
+            # its counter; the real update is the last call, in optimizer_step.
+            self.engine.step()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        # The accumulation boundary: clipping at gradient_clipping (= trainer.grad_clip, 0 = off),
+        # the optimizer step on each rank's partition, the all-gather of updated weights.
+        self.engine.step()
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        # The engine: stage 3 gathers parameters collectively (every rank runs the same batches).
+        return self.engine(inputs.to(self._input_dtype())).float()
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        if self.opts.stage == 3:
+            import deepspeed
+
+            params = list(self.engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return [p.detach().clone().float() for p in params]
+        return [p.detach().float() for p in self.engine.module.parameters()]
+
+    # ----- memory -----
+    def memory_report(self) -> dict[str, int]:
+        opt = self.engine.optimizer
+        params = list(self.engine.module.parameters())
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer DeepSpeed steps
+        averaged = getattr(opt, "averaged_gradients", None) or {}
+        grads = [p.grad for p in params]
+        for value in (averaged.values() if isinstance(averaged, dict) else averaged):
+            grads += value if isinstance(value, (list, tuple)) else [value]
+        if self.opts.stage == 3:
+            param_tensors = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
+            param_tensors += [p.data for p in params]  # gathered copies still alive, if any
+            master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
+            grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
+        else:
+            param_tensors = [p.data for p in params] + list(getattr(opt, "bit16_groups_flat", []))
+            master = list(getattr(opt, "single_partition_of_fp32_groups", []))
+            grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in master]
+        param_bytes = storage_bytes(param_tensors)
+        # The master copy counts only where it is its own storage (stage 3 fp32 reuses the partition).
+        master_bytes = storage_bytes(param_tensors + master) - param_bytes
+        states = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {
+            "param_bytes": param_bytes,
+            "master_param_bytes": master_bytes,
+            # Stage 1 frees the gradients outside its partition right after its one reduction at
+            # the end of backward; before it, every rank holds them all (the ZeRO-1 state).
+            "grad_bytes": max(storage_bytes(grads), self._grads_before_reduction),
+            "optim_bytes": storage_bytes(states),
+            "comm_buffer_bytes": self._bucket_bytes(opt),
+        }
+
+    @staticmethod
+    def _bucket_bytes(opt) -> int:
+        buffers = list(getattr(opt, "ipg_buffer", None) or [])
+        return storage_bytes(buffers)
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """ZeRO paper (arXiv 1910.02054) per rank, generalised to this precision: weights w and
+        gradients g bytes/param (4 in fp32, 2 in bf16), Adam 8 (SGD+momentum 4) of optimizer
+        state; stage >= 1 divides the optimizer state by N, >= 2 the gradients, 3 the weights.
+        master: DeepSpeed's fp32 master partition where it is a separate copy (4/N)."""
+        n = self.env.world_size
+        stage = self.opts.stage
+        w = _BYTES[self.opts.precision]
+        k = optimizer_bytes_per_param(self.cfg.trainer)
+        # DeepSpeed 0.19.8 keeps its fp32 master partition as a separate copy at stages 1-3
+        # (measured, fp32 included), and an unpartitioned one for bf16 at stage 0.
+        separate_master = stage >= 1 or self.opts.precision != "fp32"
+        return {
+            "param_bytes": int(w * num_params / (n if stage >= 3 else 1)),
+            "master_param_bytes": int(4 * num_params / (n if stage >= 1 else 1)) if separate_master else 0,
+            "grad_bytes": int(w * num_params / (n if stage >= 2 else 1)),
+            "optim_bytes": int(k * num_params / (n if stage >= 1 else 1)),
+        }
+
+    def extra_metrics(self) -> dict:
+        return {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
+
+    def teardown(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()  # releases stage-3 hooks and buffers
+        self.engine = None
+        super().teardown()

@@ -1,0 +1,148 @@
+"""Proof for the sharded family: FSDP (1 and 2) and DeepSpeed ZeRO 0-3 (+offload).
+
+Every run is the real CLI with real processes (gloo, real DeepSpeed, real mpiexec). Parity is
+checked against an independent plain-torch loop (tests/reference.py); memory against the ZeRO
+paper's per-rank numbers. DeepSpeed's C++ ops compile once into TORCH_EXTENSIONS_DIR (the
+Makefile points it inside .venv; so does this module when it is unset), not once per test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallel_lab.dist_env import free_port
+from tests.conftest import ROOT, assert_losses_close, load_metrics, run_cli
+from tests.reference import reference_run
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH = 3, 32
+COMMON = (f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "world_size=2", "trainer.eval_batches=1")
+LOSS_RTOL = 1e-5
+CHECKSUM_RTOL = 1e-6  # gradient averaging over 2 ranks rounds differently from one mean: ~1e-8 seen
+MEMORY_RTOL = 0.05
+ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))}
+MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, checksum, _ = reference_run("cnn", steps=STEPS, global_batch=BATCH)
+    return losses, checksum
+
+
+def run_ok(run_dir: Path, *overrides: str) -> tuple[dict, str]:
+    """A run that must succeed and exit cleanly: exit 0 and no gloo abort at exit on any rank."""
+    result = run_cli(run_dir, *overrides, env=ENV)
+    assert "terminate called" not in result.stderr, result.stderr[-3000:]
+    return load_metrics(run_dir), result.stderr
+
+
+def assert_parity(metrics: dict, reference) -> None:
+    losses, checksum = reference
+    assert metrics["world_size"] == 2
+    assert_losses_close(metrics["losses"], losses, LOSS_RTOL)
+    assert metrics["final_param_checksum"] == pytest.approx(checksum, rel=CHECKSUM_RTOL)
+
+
+ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
+              ("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "cpu")]
+
+
+@pytest.mark.parametrize("strategy,offload", ZERO_CASES, ids=[f"{s}-offload_{o}" for s, o in ZERO_CASES])
+def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
+    metrics, stderr = run_ok(tmp_path, f"strategy={strategy}", f"strategy.offload={offload}", *COMMON)
+    assert_parity(metrics, reference)
+    assert metrics["ds_config"]["gradient_clipping"] == 0.0  # trainer.grad_clip, not DeepSpeed's 1.0
+    assert metrics["ds_config"]["train_batch_size"] == BATCH
+    assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
+
+
+# FSDP1 grad_op/no_shard also match (checked by hand); one FSDP1 case keeps the suite short.
+FSDP_CASES = [(2, "full"), (2, "grad_op"), (2, "no_shard"), (1, "full")]
+
+
+@pytest.mark.parametrize("version,sharding", FSDP_CASES, ids=[f"fsdp{v}-{s}" for v, s in FSDP_CASES])
+def test_fsdp_matches_single_process(tmp_path, reference, version, sharding):
+    metrics, _ = run_ok(tmp_path, "strategy=fsdp", f"strategy.version={version}", f"strategy.sharding={sharding}", *COMMON)
+    assert_parity(metrics, reference)
+
+
+def test_non_deepspeed_strategies_do_not_import_deepspeed():
+    code = "import sys, parallel_lab.strategies as s; s.registered_names(); print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+MEMORY_CASES = [("zero1",), ("zero2",), ("zero3",), ("fsdp", "strategy.sharding=full"), ("fsdp", "strategy.sharding=grad_op")]
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=["zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad_op"])
+def test_resnet18_memory_matches_zero_paper(tmp_path, case):
+    """Per rank, the model-state bytes read from the real (sharded) tensors are within 5% of the
+    paper's value; each component is printed beside its analytic value."""
+    metrics, _ = run_ok(tmp_path, f"strategy={case[0]}", *case[1:], "model=resnet18", "world_size=2",
+                        "trainer.steps=2", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
+    for rank in metrics["ranks"]:
+        measured = sum(rank.get(k, 0) for k in MODEL_STATE)
+        analytic = sum(rank.get(f"analytic_{k}", 0) for k in MODEL_STATE)
+        print(case, rank["rank"], {k: (rank.get(k), rank.get(f"analytic_{k}")) for k in MODEL_STATE})
+        assert analytic > 0 and abs(measured - analytic) <= MEMORY_RTOL * analytic, (case, rank)
+    # Sharding is real: ZeRO-3 / FULL_SHARD ranks hold half the parameters of the whole model.
+    if case[0] == "zero3" or case[1:] == ("strategy.sharding=full",):
+        assert all(r["param_bytes"] <= 0.55 * 4 * metrics["params"] for r in metrics["ranks"])
+
+
+def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
+    spawned, _ = run_ok(tmp_path / "spawn", "strategy=zero2", *COMMON)
+    script = subprocess.run(
+        [str(ROOT / "launch" / "run_ds.sh"), "strategy=zero2", "trainer.progress=false", *COMMON],
+        cwd=ROOT, capture_output=True, text=True, timeout=420,
+        env={**os.environ, **ENV, "RUN_DIR": str(tmp_path / "run_ds"), "MASTER_PORT": str(free_port())},
+    )
+    assert script.returncode == 0, script.stderr[-3000:]
+    assert "terminate called" not in script.stderr
+    mpi, _ = run_ok(tmp_path / "mpirun", "strategy=zero2", "launcher=mpirun", *COMMON)
+    for other in (load_metrics(tmp_path / "run_ds"), mpi):
+        assert_losses_close(other["losses"], spawned["losses"], 1e-7)
+        assert other["final_param_checksum"] == pytest.approx(spawned["final_param_checksum"], rel=1e-9)
+    assert mpi["launcher"] == "mpirun"
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_zero3_exits_cleanly_every_time(tmp_path, attempt):
+    """The gloo abort at exit was intermittent (~40%): repeat a short run."""
+    run_ok(tmp_path, "strategy=zero3", "trainer.steps=1", "trainer.global_batch=8", "trainer.eval_batches=0")
+
+
+def _bad_ds_config(tmp_path: Path) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 2}}))
+    return f"strategy.ds_config={path}"
+
+
+BAD_INPUT = {
+    "stage4": (["strategy=zero3", "strategy.stage=4"], "strategy.stage=4"),
+    "zero4": (["strategy=zero4"], "zero4"),
+    "offload-stage0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
+    "ds_config-batch": (["strategy=zero2", "trainer.global_batch=32", None], "train_batch_size=64"),
+    "fp16-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
+    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_error(tmp_path, case):
+    overrides, names = BAD_INPUT[case]
+    overrides = [o if o is not None else _bad_ds_config(tmp_path) for o in overrides]
+    result = run_cli(tmp_path / "run", *overrides, env=ENV, check=False, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("parallel_lab: error:") and names in last, result.stderr[-2000:]
+    assert " use " in last or "remove" in last or "choose" in last  # it says what to change
+    assert not (tmp_path / "run" / "metrics.json").exists()
