@@ -9,8 +9,8 @@ PY=${PY:-.venv/bin/python}
 NPROC=${NPROC:-2}
 run_dir=${RUN_DIR:-runs/torchrun/$(date +%Y%m%d-%H%M%S)}
 # Validate and write <run_dir>/config.yaml without training (world_size must match NPROC).
-"$PY" -m parallel_lab prepare_only=true hydra.run.dir="$run_dir" world_size="$NPROC" "$@"
+config=$("$PY" -m parallel_lab.prepare "$run_dir" launcher=torchrun world_size="$NPROC" "$@")
 "$PY" -m torch.distributed.run --nnodes=1 --nproc_per_node="$NPROC" \
     --master_addr=127.0.0.1 --master_port="${MASTER_PORT:-29500}" \
-    -m parallel_lab.worker "$run_dir/config.yaml"
+    -m parallel_lab.worker "$config"
 "$PY" -m parallel_lab.report "$run_dir"

@@ -49,9 +49,6 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
         cfg = validate(cfg)
         cfg.run_dir = str(run_dir)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        if cfg.prepare_only:
-            print(run_dir / "config.yaml", flush=True)
-            return 0
         code = launch(cfg, run_dir)
     except ConfigError as exc:
         _fail(run_dir, cfg, one_line(str(exc)))

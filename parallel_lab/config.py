@@ -86,7 +86,6 @@ class Config:
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
     fault: FaultConfig = field(default_factory=FaultConfig)
-    prepare_only: bool = False  # validate and write <run_dir>/config.yaml, start nothing (launch/*.sh)
 
 
 def register_configs() -> None:

@@ -91,6 +91,12 @@ class FSDPStrategy(Strategy):
                 f"strategy.mixed_precision={opts.mixed_precision} is unknown; use strategy.mixed_precision=fp32 or bf16"
             )
 
+    @property
+    def comm_theory_psi(self) -> float:
+        # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
+        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ).
+        return 3.0 if self.opts.sharding == "full" else 2.0
+
     def __init__(self, cfg: DictConfig, env) -> None:
         super().__init__(cfg, env)
         self._peak_param_bytes = 0

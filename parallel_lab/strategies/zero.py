@@ -249,6 +249,12 @@ class ZeroStrategy(Strategy):
             world_size=env.world_size,
         )
 
+    @property
+    def comm_theory_psi(self) -> float:
+        # ZeRO paper section 7: stages 0-2 move 2Ψ per step (reduce-scatter + all-gather of the
+        # gradients/parameters); stage 3 adds one more all-gather of the parameters for backward.
+        return 3.0 if self.opts.stage == 3 else 2.0
+
     def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
         super().__init__(cfg, env)
         self.engine = None
