@@ -65,11 +65,13 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     t = cfg.trainer
     model = build_model(cfg.model, t.seed)
     num_params = count_params(model)
+    # Installed before setup: libraries that keep a reference to a collective (DeepSpeed picks
+    # its all-gather function once, at initialisation) must keep the counted one.
+    counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     strategy.setup(model, optimizer_factory(t))
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed)
 
-    counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     losses, step_times, memory = [], [], {}
     for step in _progress(t.steps, t.progress and env.is_main):
         maybe_inject_fault(cfg.fault, env.rank, step)
