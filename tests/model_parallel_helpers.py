@@ -11,7 +11,7 @@ from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.dist_env import read_dist_env
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.train import train
-from tests.reference import reference_run
+from tests.reference import global_batches, reference_run
 
 
 def compose_config(*overrides: str) -> DictConfig:
@@ -29,9 +29,44 @@ def compose_config(*overrides: str) -> DictConfig:
 class Reference:
     """The plain-torch single-process run every configuration is compared with."""
 
-    def __init__(self, steps: int, global_batch: int) -> None:
-        self.losses, self.checksum, self.net = reference_run("cnn", steps=steps, global_batch=global_batch, threads=1)
+    def __init__(self, steps: int, global_batch: int, grad_clip: float = 0.0) -> None:
+        if grad_clip:
+            self.losses, self.net = clipped_reference_run(steps, global_batch, grad_clip)
+        else:
+            self.losses, _, self.net = reference_run("cnn", steps=steps, global_batch=global_batch, threads=1)
         self.params = [p.detach().clone() for p in self.net.parameters()]
+
+
+class References:
+    """One reference per gradient-clipping value, computed when first needed."""
+
+    def __init__(self, steps: int, global_batch: int) -> None:
+        self.steps, self.global_batch, self.cache = steps, global_batch, {}
+
+    def get(self, grad_clip: float) -> Reference:
+        if grad_clip not in self.cache:
+            self.cache[grad_clip] = Reference(self.steps, self.global_batch, grad_clip)
+        return self.cache[grad_clip]
+
+
+def clipped_reference_run(steps: int, global_batch: int, grad_clip: float, data_size: int = 4096, seed: int = 0):
+    """tests/reference.py's loop plus torch's clip_grad_norm_ on the whole single model."""
+    from parallel_lab.models.cnn import SmallCNN
+
+    torch.manual_seed(seed)
+    net = SmallCNN()
+    data = make_synthetic(data_size, seed)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=False)
+    losses, batches = [], global_batches(data_size, global_batch, seed)
+    for _ in range(steps):
+        idx = next(batches)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(data.tensors[0][idx]), data.tensors[1][idx])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, net
 
 
 def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = 4096, seed: int = 0) -> float:
@@ -43,7 +78,7 @@ def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: in
     return float((pred == data.tensors[1][:count]).double().mean())
 
 
-def train_and_compare(ref: Reference, *overrides: str, rtol: float = 1e-4, atol: float = 1e-5):
+def train_and_compare(refs: References, *overrides: str, rtol: float = 1e-4, atol: float = 1e-5):
     """Train one configuration on these ranks; assert losses and full parameters match the
     reference; return (metrics, strategy) for further checks. Runs on every rank."""
     cfg = compose_config(*overrides)
@@ -51,6 +86,7 @@ def train_and_compare(ref: Reference, *overrides: str, rtol: float = 1e-4, atol:
     strategy = get_strategy_class(cfg.strategy.name)(cfg, env)
     metrics = train(cfg, env, strategy)
     label = " ".join(overrides)
+    ref = refs.get(cfg.trainer.grad_clip)
     for step, (a, b) in enumerate(zip(metrics["losses"], ref.losses, strict=True)):
         assert abs(a - b) <= rtol * abs(b), f"[{label}] rank {env.rank} step {step}: loss {a} vs reference {b}"
     # Every rank must report the very same loss floats (the loss is broadcast/reduced, not local).
@@ -65,4 +101,4 @@ def train_and_compare(ref: Reference, *overrides: str, rtol: float = 1e-4, atol:
         assert err <= atol, f"[{label}] parameter {i} differs from the reference by {err}"
     acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
     assert metrics["eval_accuracy"] == acc, f"[{label}] eval accuracy {metrics['eval_accuracy']} vs reference {acc}"
-    return metrics, strategy
+    return metrics, strategy, ref

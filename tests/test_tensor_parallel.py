@@ -36,6 +36,8 @@ def test_tp_configurations_match_reference_in_one_set_of_ranks():
         ["strategy.impl=manual", "strategy.split_conv=true"],
         ["strategy.impl=manual", "trainer.grad_accum=2"],
         ["strategy.impl=dtensor", "trainer.grad_accum=2"],
+        ["strategy.impl=manual", "trainer.grad_clip=0.05"],  # clipping by the norm of the FULL gradient
+        ["strategy.impl=dtensor", "trainer.grad_clip=0.05"],
     ]
     run_ranks("tests.dist_bodies_tp:strategy_matrix_body", world_size=2, timeout=300,
               configs=configs, steps=STEPS, global_batch=BATCH)
