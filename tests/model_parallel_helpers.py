@@ -22,8 +22,12 @@ def compose_config(*overrides: str) -> DictConfig:
 
     register_configs()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.progress=false", "trainer.threads_per_rank=1", *overrides])
+        cfg = compose("config", overrides=["trainer.progress=false", "trainer.threads_per_rank=1",
+                                           f"data.size={DATA_SIZE}", *overrides])
     return validate(cfg)
+
+
+DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to generate per configuration
 
 
 class Reference:
@@ -31,9 +35,10 @@ class Reference:
 
     def __init__(self, steps: int, global_batch: int, grad_clip: float = 0.0) -> None:
         if grad_clip:
-            self.losses, self.net = clipped_reference_run(steps, global_batch, grad_clip)
+            self.losses, self.net = clipped_reference_run(steps, global_batch, grad_clip, DATA_SIZE)
         else:
-            self.losses, _, self.net = reference_run("cnn", steps=steps, global_batch=global_batch, threads=1)
+            self.losses, _, self.net = reference_run("cnn", steps=steps, global_batch=global_batch, threads=1,
+                                                     data_size=DATA_SIZE)
         self.params = [p.detach().clone() for p in self.net.parameters()]
 
 
@@ -69,7 +74,7 @@ def clipped_reference_run(steps: int, global_batch: int, grad_clip: float, data_
     return losses, net
 
 
-def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = 4096, seed: int = 0) -> float:
+def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = DATA_SIZE, seed: int = 0) -> float:
     """Accuracy of the reference model on the held-out samples metrics.json uses (no toolkit code)."""
     data = make_synthetic(max(size // 8, 64), seed + 1)
     count = min(len(data), global_batch * eval_batches) // global_batch * global_batch

@@ -10,6 +10,7 @@ from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.strategies.pp import SCHEDULES, plan_stages
 from parallel_lab.testing import run_ranks
 from tests.conftest import assert_losses_close, run_cli
+from tests.model_parallel_helpers import DATA_SIZE
 from tests.reference import reference_run
 
 STEPS, BATCH = 3, 32
@@ -17,7 +18,7 @@ STEPS, BATCH = 3, 32
 
 @pytest.fixture(scope="module")
 def reference():
-    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH)
+    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH, data_size=DATA_SIZE)
     scale = float(sum(p.detach().abs().sum() for p in net.parameters()))
     return losses, checksum, scale
 
@@ -92,7 +93,7 @@ def test_pp_three_stages_match_reference_in_one_set_of_ranks():
 def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size, impl, schedule):
     ref_losses, ref_checksum, scale = reference
     m = cli("strategy=pp", f"world_size={world_size}", f"strategy.stages={world_size}", f"strategy.impl={impl}",
-            f"strategy.schedule={schedule}", "strategy.microbatches=4", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}")
+            f"strategy.schedule={schedule}", "strategy.microbatches=4", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
     assert_losses_close(m["losses"], ref_losses, rtol=1e-4)
     assert abs(m["final_param_checksum"] - ref_checksum) <= 1e-6 * scale
     # Each rank holds exactly the parameters of the layers of its stage, and together all of them.
@@ -104,22 +105,44 @@ def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size
     assert len(m["pp_idle_s"]) == world_size and 0 < m["pp_bubble_fraction_theory"] < 1
 
 
-@pytest.mark.parametrize(
-    "overrides, named",
-    [
-        (["world_size=6", "strategy.stages=6"], ["strategy.stages=6", "5 cuttable blocks"]),
-        (["strategy.microbatches=3", "trainer.global_batch=32"], ["strategy.microbatches=3", "32"]),
-        (["strategy.microbatches=4", "trainer.global_batch=32", "trainer.grad_accum=4"], ["strategy.microbatches=4", "8"]),
-        (["world_size=3", "strategy.stages=2"], ["strategy.stages=2", "world_size=3"]),
-        (["strategy.impl=torch", "strategy.schedule=1f1b", "strategy.microbatches=1"], ["strategy.microbatches=1"]),
-        (["strategy.cuts=[relu]"], ["relu"]),
-    ],
-)
-def test_pp_bad_input_is_one_line(tmp_path, overrides, named):
-    result = run_cli(tmp_path, "strategy=pp", *overrides, check=False, timeout=120)
+def _assert_one_line_cli_error(tmp_path, overrides, named):
+    result = run_cli(tmp_path, *overrides, check=False, timeout=120)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("parallel_lab: error:"), last
     for text in named:
         assert text in last, f"{text!r} not in {last!r}"
     assert not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["world_size=6", "strategy.stages=6"], ["strategy.stages=6", "5 cuttable blocks"]),
+        (["strategy.microbatches=3", "trainer.global_batch=32"], ["strategy.microbatches=3", "32"]),
+    ],
+)
+def test_pp_bad_input_fails_in_the_cli(tmp_path, overrides, named):
+    _assert_one_line_cli_error(tmp_path, ["strategy=pp", *overrides], named)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["strategy.microbatches=16", "trainer.global_batch=32", "trainer.grad_accum=4"], ["strategy.microbatches=16", "8"]),
+        (["world_size=3", "strategy.stages=2"], ["strategy.stages=2", "world_size=3"]),
+        (["strategy.impl=torch", "strategy.schedule=1f1b", "strategy.microbatches=1"], ["strategy.microbatches=1"]),
+        (["strategy.cuts=[relu]"], ["relu"]),
+        (["strategy.cuts=[fc1,block2]", "world_size=3", "strategy.stages=3"], ["strategy.cuts"]),
+        (["strategy.schedule=interleaved"], ["strategy.schedule=interleaved"]),
+    ],
+)
+def test_pp_bad_input_is_one_config_error(overrides, named):
+    from tests.model_parallel_helpers import compose_config
+
+    with pytest.raises(ConfigError) as info:
+        compose_config("strategy=pp", *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for text in named:
+        assert text in message, f"{text!r} not in {message!r}"

@@ -7,6 +7,7 @@ import pytest
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.testing import run_ranks
 from tests.conftest import assert_losses_close, run_cli
+from tests.model_parallel_helpers import DATA_SIZE
 from tests.reference import reference_run
 
 STEPS, BATCH = 3, 32
@@ -14,7 +15,7 @@ STEPS, BATCH = 3, 32
 
 @pytest.fixture(scope="module")
 def reference():
-    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH)
+    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH, data_size=DATA_SIZE)
     scale = float(sum(p.detach().abs().sum() for p in net.parameters()))
     return losses, checksum, scale
 
@@ -47,7 +48,7 @@ def test_tp_configurations_match_reference_in_one_set_of_ranks():
 @pytest.mark.parametrize("impl", ["manual", "dtensor"])
 def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     ref_losses, ref_checksum, scale = reference
-    m = cli("strategy=tp", f"strategy.impl={impl}", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}")
+    m = cli("strategy=tp", f"strategy.impl={impl}", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
     assert_losses_close(m["losses"], ref_losses, rtol=1e-4)
     assert abs(m["final_param_checksum"] - ref_checksum) <= 1e-6 * scale
     # Each rank holds half of fc1 (weight rows + bias) and half of fc2's weight columns, the rest whole.
@@ -60,20 +61,37 @@ def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     assert m["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
 
 
-@pytest.mark.parametrize(
-    "overrides, named",
-    [
-        (["strategy.tp=3", "world_size=3"], ["strategy.tp=3", "256"]),  # fc1's 256 outputs
-        (["strategy.tp=3", "world_size=3", "strategy.split_conv=true"], ["strategy.tp=3", "32"]),  # conv's 32 channels
-        (["strategy.tp=4", "world_size=2"], ["strategy.tp=4", "world_size=2"]),
-        (["strategy.impl=megatron"], ["strategy.impl=megatron"]),
-    ],
-)
-def test_tp_bad_input_is_one_line(tmp_path, overrides, named):
-    result = run_cli(tmp_path, "strategy=tp", *overrides, check=False, timeout=120)
+def _assert_one_line_cli_error(tmp_path, overrides, named):
+    result = run_cli(tmp_path, *overrides, check=False, timeout=120)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("parallel_lab: error:"), last
     for text in named:
         assert text in last, f"{text!r} not in {last!r}"
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_tp_degree_not_dividing_a_width_fails_in_the_cli(tmp_path):
+    # fc1's 256 output features cannot be split 3 ways.
+    _assert_one_line_cli_error(tmp_path, ["strategy=tp", "strategy.tp=3", "world_size=3"], ["strategy.tp=3", "256", "fc1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["strategy.tp=3", "world_size=3", "strategy.split_conv=true"], ["strategy.tp=3", "32", "block1.0"]),
+        (["strategy.tp=4", "world_size=2"], ["strategy.tp=4", "world_size=2"]),
+        (["strategy.impl=megatron"], ["strategy.impl=megatron"]),
+        (["strategy.impl=dtensor", "strategy.split_conv=true"], ["strategy.split_conv=true"]),
+    ],
+)
+def test_tp_bad_input_is_one_config_error(overrides, named):
+    from parallel_lab.errors import ConfigError
+    from tests.model_parallel_helpers import compose_config
+
+    with pytest.raises(ConfigError) as info:
+        compose_config("strategy=tp", *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for text in named:
+        assert text in message, f"{text!r} not in {message!r}"

@@ -141,22 +141,28 @@ SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
 
 
 class BusyTimer:
-    """Time a stage spends computing (forward and backward of its blocks), from module hooks, so
-    both implementations measure idle time the same way: idle = step time - busy time."""
+    """Time a stage spends computing (forward and backward of its blocks), from hooks, so both
+    implementations measure idle time the same way: idle = step time - busy time.
+
+    Forward: between the module's forward pre-hook and forward hook. Backward: from the moment
+    the gradient of the stage's output arrives (a hook on the output tensor) to the last
+    accumulation into one of its parameters (the first layers' gradients come last)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.busy = 0.0
         self.enabled = False
-        self._start = None
+        self._start: float | None = None
         module.register_forward_pre_hook(lambda *_: self._begin())
-        module.register_forward_hook(lambda *_: self._end())
-        module.register_full_backward_pre_hook(lambda *_: self._begin())
+        module.register_forward_hook(self._after_forward)
         for p in module.parameters():
-            # The last gradient accumulated ends this stage's backward (the first layers' come last).
             p.register_post_accumulate_grad_hook(lambda _: self._end(keep_open=True))
 
+    def _after_forward(self, module, inputs, output) -> None:
+        self._end()
+        if output.requires_grad:
+            output.register_hook(lambda grad: self._begin())
+
     def _begin(self) -> None:
-        self._close()
         self._start = time.perf_counter()
 
     def _end(self, keep_open: bool = False) -> None:
@@ -165,9 +171,6 @@ class BusyTimer:
         now = time.perf_counter()
         self.busy += now - self._start
         self._start = now if keep_open else None
-
-    def _close(self) -> None:
-        self._start = None
 
 
 @register("pp")
