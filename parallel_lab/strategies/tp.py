@@ -201,17 +201,24 @@ class TensorParallelStrategy(Strategy):
         self.tp_rank = self.env.rank % self.opts.tp
         plan = split_plan(self.cfg.model.name, self.opts.split_conv)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
-        # Textbook memory: replicated weights whole, split weights divided by tp (row biases stay whole).
-        dense_split = sum(model.get_submodule(n).weight.numel() + (
-            model.get_submodule(n).bias.numel() if kind == "column" and model.get_submodule(n).bias is not None else 0)
-            for n, kind in self.split_kinds.items())
-        self.analytic_numel = sum(p.numel() for p in model.parameters()) - dense_split + dense_split // self.opts.tp
+        self.analytic_numel = self._numel_per_rank(model)
         if self.opts.impl == "manual":
             self.shard_dims = self._split_manual(model, plan)
         else:
             self.shard_dims = self._split_dtensor(model, plan)
         self.model = model
         self.optimizer = make_optimizer(self.model.parameters())
+
+    def _numel_per_rank(self, model: nn.Module) -> int:
+        """Textbook count before splitting: split weights (and column biases) divided by tp,
+        everything else (replicated layers, row-parallel biases) whole."""
+        split = 0
+        for name, kind in self.split_kinds.items():
+            layer = model.get_submodule(name)
+            split += layer.weight.numel()
+            if kind == "column" and layer.bias is not None:
+                split += layer.bias.numel()
+        return sum(p.numel() for p in model.parameters()) - split + split // self.opts.tp
 
     def _split_manual(self, model: nn.Module, plan) -> dict[str, int]:
         """Swap each planned layer for its parallel version; return {param name: split dim}."""
