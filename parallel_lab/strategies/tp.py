@@ -1,0 +1,312 @@
+"""``tp``: toy Megatron-style tensor parallelism (Shoeybi et al., arXiv 1909.08053).
+
+The SAME model class is built on every rank; then chosen layers are split in place:
+
+- column-parallel (``fc1``): rank r keeps output features [r*k, (r+1)*k) of the weight and bias, so
+  it computes a slice of the layer's output. The activation between the two layers (ReLU) is
+  element-wise, so it runs on the slice with no communication.
+- row-parallel (``fc2``): rank r keeps the matching input columns of the weight, so it turns its
+  slice into a *partial sum* of the full output. One all-reduce completes the sum; the (small,
+  replicated) bias is added after it.
+
+Communication per forward is one all-reduce of the row-parallel output (batch x 10 floats for the
+cnn) and per backward one all-reduce of the column-parallel input's gradient (batch x 1024), the
+conjugate collectives ``f``/``g`` of ``parallel_lab.tp_collectives``. Everything outside the split
+layers is replicated and gets identical gradients on every rank, because every tp rank sees the
+whole global batch and f's backward makes the gradient flowing into the shared layers identical.
+
+What is split, per model (``TP_PLANS``):
+- cnn: fc1 (1024->256) column, fc2 (256->10) row; with ``strategy.split_conv=true`` also block1's
+  conv output channels (column, 3->32) and block2's conv input channels (row, 32->64).
+- resnet18: only the head ``fc`` (512->10), row-parallel on its 512 input features, fed by the
+  replicated pooled features (each rank slices them; f sums the slices' gradients back). 97% of
+  ResNet-18's weights are convolutions and stay replicated: this is a toy split of the head.
+
+``strategy.impl=dtensor`` does the same split with torch.distributed.tensor.parallel
+(``ColwiseParallel``/``RowwiseParallel`` on a 1-D DeviceMesh), where DTensor inserts the same two
+collectives. Today tp must equal world_size (dp = world_size / tp = 1); a dp x tp layout would give
+each tp group its own sub-group and a 2-D mesh, which is why the group is passed around explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import (
+    OptimizerFactory,
+    Strategy,
+    StrategyOptions,
+    optimizer_bytes_per_param,
+    tensor_bytes,
+)
+from parallel_lab.tp_collectives import copy_to_tp, reduce_from_tp
+
+IMPLS = ("manual", "dtensor")
+
+# (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
+TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
+    "cnn": [("fc1", "fc2")],
+    "resnet18": [(None, "fc")],
+}
+CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
+    "cnn": [("block1.0", "block2.0")],
+}
+
+
+@dataclass
+class TPOptions(StrategyOptions):
+    tp: int = 2  # tensor-parallel degree: ranks sharing one copy of the split layers
+    impl: str = "manual"  # manual (our autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    split_conv: bool = False  # cnn + manual only: also split the first conv pair by channels
+
+
+def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
+    return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly DTensor) tensor that this rank really stores."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ----- the manual split: two small modules that hold one shard each -----
+
+def _functional(layer: nn.Module):
+    """The layer's computation as a function of (input, weight, bias), so a shard can be passed."""
+    if isinstance(layer, nn.Linear):
+        return F.linear
+    if isinstance(layer, nn.Conv2d) and layer.groups == 1 and layer.padding_mode == "zeros":
+        return partial(F.conv2d, stride=layer.stride, padding=layer.padding, dilation=layer.dilation)
+    raise TypeError(f"tensor parallelism here splits nn.Linear and plain nn.Conv2d, not {type(layer).__name__}")
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> nn.Parameter:
+    return nn.Parameter(t.detach().chunk(size, dim)[rank].clone())
+
+
+class ColumnParallel(nn.Module):
+    """Output features (Linear) or output channels (Conv2d) split across the tp ranks.
+    Parameters keep the dense layer's names (``weight``, ``bias``) so checkpoints line up."""
+
+    def __init__(self, layer: nn.Module, group, rank: int, size: int) -> None:
+        super().__init__()
+        self.fn = _functional(layer)
+        self.group = group
+        self.weight = _shard(layer.weight, 0, rank, size)
+        self.bias = _shard(layer.bias, 0, rank, size) if layer.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # f: the whole input is used here; in backward the ranks' partial input-gradients are summed.
+        return self.fn(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallel(nn.Module):
+    """Input features/channels split across the tp ranks; output = all-reduce of partial sums."""
+
+    def __init__(self, layer: nn.Module, group, rank: int, size: int, input_is_split: bool) -> None:
+        super().__init__()
+        self.fn = _functional(layer)
+        self.group, self.rank, self.size = group, rank, size
+        self.input_is_split = input_is_split
+        self.weight = _shard(layer.weight, 1, rank, size)
+        # The bias is added once, after the sum, so it stays whole (replicated) on every rank.
+        self.bias = nn.Parameter(layer.bias.detach().clone()) if layer.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_split:
+            # Replicated input (no column layer before us): take our slice of the features. f sums
+            # the zero-padded slice gradients in backward, giving the whole input gradient.
+            x = copy_to_tp(x, self.group).chunk(self.size, dim=1)[self.rank]
+        y = reduce_from_tp(self.fn(x, self.weight, None), self.group)  # g
+        if self.bias is not None:
+            y = y + self.bias.reshape(1, -1, *([1] * (y.dim() - 2)))
+        return y
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+@register("tp")
+class TensorParallelStrategy(Strategy):
+    Options = TPOptions
+
+    # ----- validation (parent) -----
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.impl not in IMPLS:
+            raise ConfigError(f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=dtensor")
+        if opts.tp < 1:
+            raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        model_name = cfg.model.name
+        if model_name not in TP_PLANS:
+            raise ConfigError(f"strategy=tp has no split plan for model={model_name}; use model={' or model='.join(TP_PLANS)}")
+        if opts.split_conv and model_name not in CONV_PLANS:
+            raise ConfigError(f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; set strategy.split_conv=false")
+        if opts.split_conv and opts.impl != "manual":
+            raise ConfigError("strategy.split_conv=true needs strategy.impl=manual (ColwiseParallel/RowwiseParallel split nn.Linear only)")
+        for name, width, what in cls._split_widths(cfg, opts):
+            if width % opts.tp:
+                raise ConfigError(
+                    f"strategy.tp={opts.tp} does not divide the {width} {what} of {name}; "
+                    f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
+                )
+        if opts.tp != cfg.world_size:
+            raise ConfigError(
+                f"strategy.tp={opts.tp} must equal world_size={cfg.world_size} (data-parallel {cfg.world_size}/{opts.tp} "
+                f"x tensor-parallel {opts.tp} = world_size, and dp x tp is not implemented yet); set world_size={opts.tp}"
+            )
+
+    @classmethod
+    def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
+        """(layer, width, which width) for every dimension the plan splits; built on the meta
+        device, so no memory is used and no weights are initialised."""
+        from parallel_lab.models import MODELS
+
+        with torch.device("meta"):
+            model = MODELS[cfg.model.name](num_classes=cfg.model.num_classes)
+        widths = []
+        for column, row in split_plan(cfg.model.name, opts.split_conv):
+            if column is not None:
+                widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
+            widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
+        return widths
+
+    # ----- data placement: every tp rank sees the whole batch -----
+    @classmethod
+    def data_parallel_size(cls, cfg: DictConfig) -> int:
+        return cfg.world_size // cfg.strategy.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank // self.opts.tp  # tp groups are runs of consecutive ranks
+
+    @property
+    def dp_size(self) -> int:
+        return self.env.world_size // self.opts.tp
+
+    # ----- setup -----
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
+        model = model.to(self.device)
+        self.group = None  # the world; a dp x tp layout would pass this rank's tp sub-group
+        self.tp_rank = self.env.rank % self.opts.tp
+        plan = split_plan(self.cfg.model.name, self.opts.split_conv)
+        self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
+        self.analytic_numel = self._numel_per_rank(model)
+        if self.opts.impl == "manual":
+            self.shard_dims = self._split_manual(model, plan)
+        else:
+            self.shard_dims = self._split_dtensor(model, plan)
+        self.model = model
+        self.optimizer = make_optimizer(self.model.parameters())
+
+    def _numel_per_rank(self, model: nn.Module) -> int:
+        """Textbook count before splitting: split weights (and column biases) divided by tp,
+        everything else (replicated layers, row-parallel biases) whole."""
+        split = 0
+        for name, kind in self.split_kinds.items():
+            layer = model.get_submodule(name)
+            split += layer.weight.numel()
+            if kind == "column" and layer.bias is not None:
+                split += layer.bias.numel()
+        return sum(p.numel() for p in model.parameters()) - split + split // self.opts.tp
+
+    def _split_manual(self, model: nn.Module, plan) -> dict[str, int]:
+        """Swap each planned layer for its parallel version; return {param name: split dim}."""
+        shard_dims = {}
+        rank, size = self.tp_rank, self.opts.tp
+        for column, row in plan:
+            if column is not None:
+                _replace(model, column, ColumnParallel(model.get_submodule(column), self.group, rank, size))
+                shard_dims.update({f"{column}.weight": 0, f"{column}.bias": 0})
+            _replace(model, row, RowParallel(model.get_submodule(row), self.group, rank, size, column is not None))
+            shard_dims[f"{row}.weight"] = 1
+        return {n: d for n, d in shard_dims.items() if n in dict(model.named_parameters())}
+
+    def _split_dtensor(self, model: nn.Module, plan) -> dict[str, int]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
+        layer_plan = {}
+        for column, row in plan:
+            if column is not None:
+                layer_plan[column] = ColwiseParallel()
+                layer_plan[row] = RowwiseParallel()
+            else:
+                layer_plan[row] = RowwiseParallel(input_layouts=Replicate())
+        parallelize_module(model, self.mesh, layer_plan)
+        return {
+            name: p.placements[0].dim
+            for name, p in model.named_parameters()
+            if hasattr(p, "placements") and isinstance(p.placements[0], Shard)
+        }
+
+    # ----- training -----
+    def clip_gradients(self) -> None:
+        """Clip by the norm of the FULL gradient: shard norms are summed over the tp ranks,
+        replicated parameters (identical on every rank) are counted once."""
+        max_norm = self.cfg.trainer.grad_clip
+        if max_norm <= 0:
+            return
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in named:
+            sq = _local_tensor(p.grad).double().pow(2).sum()
+            if name in self.shard_dims:
+                sharded += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sharded, group=self.group)
+        total = (sharded + replicated).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for _, p in named:
+            p.grad.mul_(coef.to(_local_tensor(p.grad).dtype))
+
+    # ----- proof -----
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter in the single model's order and shape: shards are all-gathered and
+        concatenated along their split dimension."""
+        full = []
+        for name, p in self.model.named_parameters():
+            local = _local_tensor(p.detach()).contiguous()
+            if name in self.shard_dims:
+                parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
+                dist.all_gather(parts, local, group=self.group)
+                local = torch.cat(parts, dim=self.shard_dims[name])
+            full.append(local)
+        return full
+
+    def memory_report(self) -> dict[str, int]:
+        params = [_local_tensor(p) for p in self.model.parameters()]
+        grads = [_local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+        optim = [_local_tensor(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(grads), "optim_bytes": tensor_bytes(optim)}
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        n = self.analytic_numel
+        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * n}
+
+    def extra_metrics(self) -> dict:
+        return {
+            "tp_degree": self.opts.tp,
+            "tp_impl": self.opts.impl,
+            "tp_split_layers": self.split_kinds,
+            "tp_shard_param_bytes": tensor_bytes(
+                _local_tensor(p) for n, p in self.model.named_parameters() if n in self.shard_dims),
+        }
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.mesh = None

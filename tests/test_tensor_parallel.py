@@ -1,0 +1,97 @@
+"""Tensor parallelism (strategy=tp): the f/g collectives, parity with the single-process
+reference for both implementations, the per-rank split of the weights, and bad input."""
+from __future__ import annotations
+
+import pytest
+
+from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.testing import run_ranks
+from tests.conftest import assert_losses_close, run_cli
+from tests.model_parallel_helpers import DATA_SIZE
+from tests.reference import reference_run
+
+STEPS, BATCH = 3, 32
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH, data_size=DATA_SIZE)
+    scale = float(sum(p.detach().abs().sum() for p in net.parameters()))
+    return losses, checksum, scale
+
+
+@pytest.mark.slow
+def test_f_and_g_forward_and_backward_match_dense():
+    """copy_to_tp (f) and reduce_from_tp (g), and the Column/RowParallel modules built on them
+    (linear and conv, and a row layer fed a replicated input), against dense computation."""
+    run_ranks("tests.dist_bodies_tp:autograd_collectives_body", world_size=2, timeout=180)
+
+
+@pytest.mark.slow
+def test_tp_configurations_match_reference_in_one_set_of_ranks():
+    """Both impls, the conv split, gradient accumulation: losses, every gathered parameter tensor
+    and eval accuracy match the single-process reference."""
+    configs = [
+        ["strategy.impl=manual"],
+        ["strategy.impl=dtensor"],
+        ["strategy.impl=manual", "strategy.split_conv=true"],
+        ["strategy.impl=manual", "trainer.grad_accum=2"],
+        ["strategy.impl=dtensor", "trainer.grad_accum=2"],
+        ["strategy.impl=manual", "trainer.grad_clip=0.05"],  # clipping by the norm of the FULL gradient
+        ["strategy.impl=dtensor", "trainer.grad_clip=0.05"],
+    ]
+    run_ranks("tests.dist_bodies_tp:strategy_matrix_body", world_size=2, timeout=300,
+              configs=configs, steps=STEPS, global_batch=BATCH)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["manual", "dtensor"])
+def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
+    ref_losses, ref_checksum, scale = reference
+    m = cli("strategy=tp", f"strategy.impl={impl}", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
+    assert_losses_close(m["losses"], ref_losses, rtol=1e-4)
+    assert abs(m["final_param_checksum"] - ref_checksum) <= 1e-6 * scale
+    # Each rank holds half of fc1 (weight rows + bias) and half of fc2's weight columns, the rest whole.
+    dense = SmallCNN()
+    total = sum(p.numel() for p in dense.parameters())
+    split = dense.fc1.weight.numel() + dense.fc1.bias.numel() + dense.fc2.weight.numel()
+    expected = 4 * (total - split + split // 2)
+    assert [r["param_bytes"] for r in m["ranks"]] == [expected, expected]
+    assert [r["analytic_param_bytes"] for r in m["ranks"]] == [expected, expected]
+    assert m["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
+
+
+def _assert_one_line_cli_error(tmp_path, overrides, named):
+    result = run_cli(tmp_path, *overrides, check=False, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("parallel_lab: error:"), last
+    for text in named:
+        assert text in last, f"{text!r} not in {last!r}"
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_tp_degree_not_dividing_a_width_fails_in_the_cli(tmp_path):
+    # fc1's 256 output features cannot be split 3 ways.
+    _assert_one_line_cli_error(tmp_path, ["strategy=tp", "strategy.tp=3", "world_size=3"], ["strategy.tp=3", "256", "fc1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["strategy.tp=3", "world_size=3", "strategy.split_conv=true"], ["strategy.tp=3", "32", "block1.0"]),
+        (["strategy.tp=4", "world_size=2"], ["strategy.tp=4", "world_size=2"]),
+        (["strategy.impl=megatron"], ["strategy.impl=megatron"]),
+        (["strategy.impl=dtensor", "strategy.split_conv=true"], ["strategy.split_conv=true"]),
+    ],
+)
+def test_tp_bad_input_is_one_config_error(overrides, named):
+    from parallel_lab.errors import ConfigError
+    from tests.model_parallel_helpers import compose_config
+
+    with pytest.raises(ConfigError) as info:
+        compose_config("strategy=tp", *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for text in named:
+        assert text in message, f"{text!r} not in {message!r}"
