@@ -1,0 +1,178 @@
+"""Collectives written by hand from point-to-point messages (``send``/``recv``/``isend``/``irecv``).
+
+They teach what ``torch.distributed``'s collectives do inside, and ``manual_ddp`` trains with
+them. Every function works on the default process group, in place, on any shape, any number of
+elements (divisible by the world size or not) and any dtype that supports ``+`` (float, int).
+Reductions add in a fixed rank order on one side, so results can differ from the library's in the
+last float bit, never more.
+
+Costs below are for a tensor of B bytes on N ranks (per rank, per call):
+
+=====================  =========================================  ===============================
+function               pattern                                    bytes sent (busiest rank)
+=====================  =========================================  ===============================
+``broadcast``          binomial tree from ``src``                 <= B * ceil(log2 N)  (src)
+``reduce``             star: everyone sends to ``dst``            B (leaf);  dst receives (N-1)B
+``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B at rank 0: a hotspot
+``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
+``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
+=====================  =========================================  ===============================
+
+The ring is bandwidth-optimal (Patarasuka & Yuan 2009; the algorithm behind Baidu's ring
+all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+OPS = ("sum", "mean")
+ALGORITHMS = ("star", "ring", "builtin")
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is unknown; use one of {OPS}")
+
+
+def _finish_mean(tensor: torch.Tensor, op: str, world: int) -> None:
+    """gloo has no MEAN/AVG for every call, so MEAN = SUM then divide (integers: floor)."""
+    if op != "mean":
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(world)
+    else:
+        tensor.floor_divide_(world)
+
+
+def _in_place(fn: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> torch.Tensor:
+    """Run fn on a contiguous flat view; copy back if the caller's tensor was not contiguous."""
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    fn(flat)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Copy ``src``'s tensor to every rank, in place (binomial tree: ceil(log2 N) rounds).
+
+    In round k every rank that already has the data (relative rank < 2^k) sends the whole
+    tensor to relative rank + 2^k, so the number of holders doubles each round.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return tensor
+
+    def run(flat: torch.Tensor) -> None:
+        rel = (rank - src) % world
+        step = 1
+        while step < world:
+            if rel < step and rel + step < world:
+                dist.send(flat, (rel + step + src) % world)
+            elif step <= rel < 2 * step:
+                dist.recv(flat, (rel - step + src) % world)
+            step *= 2
+
+    return _in_place(run, tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
+    """Sum (or average) every rank's tensor into ``dst``'s tensor, in place (star pattern).
+
+    Every other rank sends its whole tensor to ``dst`` (B bytes each); ``dst`` receives the
+    N-1 tensors concurrently and adds them in rank order. Other ranks' tensors are unchanged.
+    """
+    _check_op(op)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        _finish_mean(tensor, op, world)
+        return tensor
+
+    def run(flat: torch.Tensor) -> None:
+        if rank != dst:
+            dist.send(flat, dst)
+            return
+        peers = [r for r in range(world) if r != dst]
+        bufs = {r: torch.empty_like(flat) for r in peers}
+        works = {r: dist.irecv(bufs[r], r) for r in peers}
+        for r in peers:  # fixed order: the same float result on every run
+            works[r].wait()
+            flat.add_(bufs[r])
+        _finish_mean(flat, op, world)
+
+    return _in_place(run, tensor)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring") -> torch.Tensor:
+    """Sum (or average) the tensor over all ranks, in place, with the chosen algorithm.
+
+    ``star``: reduce to rank 0 then send the result back (rank 0 moves 2(N-1)B: a hotspot).
+    ``ring``: chunked ring, 2(N-1) rounds, each rank sends 2(N-1)/N * B in total.
+    ``builtin``: ``dist.all_reduce`` for comparison.
+    """
+    _check_op(op)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+    world = dist.get_world_size()
+    if world == 1:
+        _finish_mean(tensor, op, world)
+        return tensor
+    if algorithm == "builtin":
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        _finish_mean(tensor, op, world)
+        return tensor
+    run = _star_all_reduce if algorithm == "star" else _ring_all_reduce
+    _in_place(run, tensor)
+    _finish_mean(tensor, op, world)
+    return tensor
+
+
+def _star_all_reduce(flat: torch.Tensor) -> None:
+    """Gather-and-add at rank 0, then rank 0 sends the sum to every other rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reduce(flat, dst=0, op="sum")
+    if rank == 0:
+        works = [dist.isend(flat, r) for r in range(1, world)]
+        for work in works:
+            work.wait()
+    else:
+        dist.recv(flat, 0)
+
+
+def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """N nearly equal contiguous views (the first numel % N chunks are one element longer)."""
+    return list(torch.tensor_split(flat, world))
+
+
+def _ring_all_reduce(flat: torch.Tensor) -> None:
+    """Chunked ring all-reduce: reduce-scatter then all-gather.
+
+    The tensor is cut into N chunks. Reduce-scatter: in round s (s = 0..N-2) rank r sends chunk
+    (r - s) mod N to rank r+1 and adds the chunk (r - s - 1) mod N it receives from rank r-1;
+    after N-1 rounds rank r owns the full sum of chunk (r + 1) mod N. All-gather: N-1 more rounds
+    pass the finished chunks around the ring. Each round moves B/N bytes per rank, so each rank
+    sends 2(N-1)/N * B in total, whatever N is.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = ring_chunks(flat, world)
+    scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest
+    for s in range(world - 1):  # reduce-scatter
+        send_chunk, recv_chunk = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
+        incoming = scratch[: recv_chunk.numel()]
+        _exchange(send_chunk, right, incoming, left)
+        recv_chunk.add_(incoming)
+    for s in range(world - 1):  # all-gather
+        send_chunk, recv_chunk = chunks[(rank + 1 - s) % world], chunks[(rank - s) % world]
+        _exchange(send_chunk, right, recv_chunk, left)
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+    """Send one buffer and receive another at the same time (both posted before waiting, so two
+    neighbours sending to each other cannot deadlock)."""
+    works = [dist.isend(send, dst), dist.irecv(recv, src)]
+    for work in works:
+        work.wait()
