@@ -147,32 +147,55 @@ def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
     return list(torch.tensor_split(flat, world))
 
 
-def _ring_all_reduce(flat: torch.Tensor) -> None:
-    """Chunked ring all-reduce: reduce-scatter then all-gather.
+SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
+
+
+def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> None:
+    """Chunked ring all-reduce: reduce-scatter then all-gather, pipelined in segments.
 
     The tensor is cut into N chunks. Reduce-scatter: in round s (s = 0..N-2) rank r sends chunk
     (r - s) mod N to rank r+1 and adds the chunk (r - s - 1) mod N it receives from rank r-1;
     after N-1 rounds rank r owns the full sum of chunk (r + 1) mod N. All-gather: N-1 more rounds
     pass the finished chunks around the ring. Each round moves B/N bytes per rank, so each rank
     sends 2(N-1)/N * B in total, whatever N is.
+
+    In both phases round t receives chunk (r - t - 1) mod N and the next round sends exactly what
+    was just received (after the add), so chunks are cut into segments and every segment is
+    forwarded as soon as it is ready: the add of one segment overlaps the transfer of the next,
+    and round t+1's receives are posted before round t is processed.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
+    seg = max(1, segment_bytes // flat.element_size())
     chunks = ring_chunks(flat, world)
-    scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest
-    for s in range(world - 1):  # reduce-scatter
-        send_chunk, recv_chunk = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
-        incoming = scratch[: recv_chunk.numel()]
-        _exchange(send_chunk, right, incoming, left)
-        recv_chunk.add_(incoming)
-    for s in range(world - 1):  # all-gather
-        send_chunk, recv_chunk = chunks[(rank + 1 - s) % world], chunks[(rank - s) % world]
-        _exchange(send_chunk, right, recv_chunk, left)
+    rounds = 2 * (world - 1)
+    scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, world - 1))]  # chunk 0 is the largest
+    sends: dict[int, list] = {c: [] for c in range(world)}  # in-flight sends reading each chunk
 
+    def post_receives(t: int) -> list:
+        chunk = (rank - t - 1) % world
+        if t < world - 1:  # reduce-scatter: receive beside the chunk, then add
+            target = scratch[t % 2][: chunks[chunk].numel()]
+        else:  # all-gather: receive straight into the chunk, once nothing still sends from it
+            target = chunks[chunk]
+            for work in sends.pop(chunk, []):
+                work.wait()
+            sends[chunk] = []
+        parts = torch.split(target, seg)
+        return [(part, dist.irecv(part, left)) for part in parts]
 
-def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-    """Send one buffer and receive another at the same time (both posted before waiting, so two
-    neighbours sending to each other cannot deadlock)."""
-    works = [dist.isend(send, dst), dist.irecv(recv, src)]
-    for work in works:
-        work.wait()
+    sends[rank] = [dist.isend(part, right) for part in torch.split(chunks[rank], seg)]
+    pending = post_receives(0)
+    for t in range(rounds):
+        upcoming = post_receives(t + 1) if t + 1 < rounds else None
+        chunk = (rank - t - 1) % world
+        for part, (incoming, work) in zip(torch.split(chunks[chunk], seg), pending):
+            work.wait()
+            if t < world - 1:
+                part.add_(incoming)
+            if t + 1 < rounds:
+                sends[chunk].append(dist.isend(part, right))
+        pending = upcoming
+    for works in sends.values():
+        for work in works:
+            work.wait()

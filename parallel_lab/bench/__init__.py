@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print numbers (``python -m parallel_lab.bench <name>``), never tests."""
