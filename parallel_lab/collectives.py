@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin")
+SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
 
 
 def _check_op(op: str) -> None:
@@ -106,11 +107,13 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
     return _in_place(run, tensor)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
+               segment_bytes: int | None = None) -> torch.Tensor:
     """Sum (or average) the tensor over all ranks, in place, with the chosen algorithm.
 
     ``star``: reduce to rank 0 then send the result back (rank 0 moves 2(N-1)B: a hotspot).
-    ``ring``: chunked ring, 2(N-1) rounds, each rank sends 2(N-1)/N * B in total.
+    ``ring``: chunked ring, 2(N-1) rounds, each rank sends 2(N-1)/N * B in total; chunks travel
+    in pipelined segments of ``segment_bytes`` (default ``SEGMENT_BYTES``).
     ``builtin``: ``dist.all_reduce`` for comparison.
     """
     _check_op(op)
@@ -124,8 +127,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring") -
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         _finish_mean(tensor, op, world)
         return tensor
-    run = _star_all_reduce if algorithm == "star" else _ring_all_reduce
-    _in_place(run, tensor)
+    if algorithm == "star":
+        _in_place(_star_all_reduce, tensor)
+    else:
+        _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)
     _finish_mean(tensor, op, world)
     return tensor
 
@@ -145,9 +150,6 @@ def _star_all_reduce(flat: torch.Tensor) -> None:
 def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
     """N nearly equal contiguous views (the first numel % N chunks are one element longer)."""
     return list(torch.tensor_split(flat, world))
-
-
-SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
 
 
 def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> None:

@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--budget-mb", type=int, default=256, help="fewer iterations once iters x size exceeds this")
     parser.add_argument("--model", default="resnet18", choices=("cnn", "resnet18"))
     parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="CLI runs per strategy for the step-time table")
     parser.add_argument("--skip-collectives", action="store_true")
     parser.add_argument("--skip-step", action="store_true")
