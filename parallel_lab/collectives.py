@@ -3,8 +3,8 @@
 They teach what ``torch.distributed``'s collectives do inside, and ``manual_ddp`` trains with
 them. Every function works on the default process group, in place, on any shape, any number of
 elements (divisible by the world size or not) and any dtype that supports ``+`` (float, int).
-Reductions add in a fixed rank order on one side, so results can differ from the library's in the
-last float bit, never more.
+Reductions add in a fixed order, so float results are reproducible run to run and can differ from
+the library's only by rounding (the order of the additions).
 
 Costs below are for a tensor of B bytes on N ranks (per rank, per call):
 
@@ -13,12 +13,13 @@ function               pattern                                    bytes sent (bu
 =====================  =========================================  ===============================
 ``broadcast``          binomial tree from ``src``                 <= B * ceil(log2 N)  (src)
 ``reduce``             star: everyone sends to ``dst``            B (leaf);  dst receives (N-1)B
-``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B at rank 0: a hotspot
+``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B sent + (N-1)B received
+                                                                  at rank 0: a hotspot
 ``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
 ``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
 =====================  =========================================  ===============================
 
-The ring is bandwidth-optimal (Patarasuka & Yuan 2009; the algorithm behind Baidu's ring
+The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
 all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
 """
 from __future__ import annotations
