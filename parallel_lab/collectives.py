@@ -162,10 +162,11 @@ def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> 
     pass the finished chunks around the ring. Each round moves B/N bytes per rank, so each rank
     sends 2(N-1)/N * B in total, whatever N is.
 
-    In both phases round t receives chunk (r - t - 1) mod N and the next round sends exactly what
-    was just received (after the add), so chunks are cut into segments and every segment is
-    forwarded as soon as it is ready: the add of one segment overlaps the transfer of the next,
-    and round t+1's receives are posted before round t is processed.
+    In both phases round t receives chunk (r - t - 1) mod N, and the next round sends exactly what
+    was just received (after the add). So chunks travel in segments, each forwarded as soon as it
+    is ready: the add of one segment overlaps the transfer of the next, and the all-gather starts
+    while the reduce-scatter is still finishing. Messages are tagged with their round, so round
+    t+1's receives can be posted segment by segment while round t is still arriving.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -173,32 +174,40 @@ def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> 
     chunks = ring_chunks(flat, world)
     rounds = 2 * (world - 1)
     scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, world - 1))]  # chunk 0 is the largest
-    sends: dict[int, list] = {c: [] for c in range(world)}  # in-flight sends reading each chunk
+    sends: list[dict[int, dist.Work]] = [{} for _ in range(world)]  # chunk -> segment -> in-flight send
 
-    def post_receives(t: int) -> list:
+    def layout(t: int) -> tuple[int, tuple, tuple]:
+        """Round t: (chunk index, the chunk's segments, where its incoming segments land)."""
         chunk = (rank - t - 1) % world
+        own = torch.split(chunks[chunk], seg)
         if t < world - 1:  # reduce-scatter: receive beside the chunk, then add
-            target = scratch[t % 2][: chunks[chunk].numel()]
-        else:  # all-gather: receive straight into the chunk, once nothing still sends from it
-            target = chunks[chunk]
-            for work in sends.pop(chunk, []):
-                work.wait()
-            sends[chunk] = []
-        parts = torch.split(target, seg)
-        return [(part, dist.irecv(part, left)) for part in parts]
+            return chunk, own, torch.split(scratch[t % 2][: chunks[chunk].numel()], seg)
+        return chunk, own, own  # all-gather: receive straight into the chunk
 
-    sends[rank] = [dist.isend(part, right) for part in torch.split(chunks[rank], seg)]
-    pending = post_receives(0)
+    def post(t: int, k: int) -> dist.Work:
+        chunk, _, targets = layout_of[t]
+        earlier_send = sends[chunk].pop(k, None)
+        if earlier_send is not None:  # all-gather: never overwrite data still being sent
+            earlier_send.wait()
+        return dist.irecv(targets[k], left, tag=t)
+
+    layout_of = [layout(t) for t in range(rounds)]
+    sends[rank] = {k: dist.isend(part, right, tag=0) for k, part in enumerate(torch.split(chunks[rank], seg))}
+    receiving = [post(0, k) for k in range(len(layout_of[0][2]))]
     for t in range(rounds):
-        upcoming = post_receives(t + 1) if t + 1 < rounds else None
-        chunk = (rank - t - 1) % world
-        for part, (incoming, work) in zip(torch.split(chunks[chunk], seg), pending):
+        chunk, own, incoming = layout_of[t]
+        upcoming_count = len(layout_of[t + 1][2]) if t + 1 < rounds else 0
+        upcoming = []
+        for k, work in enumerate(receiving):
+            if k < upcoming_count:
+                upcoming.append(post(t + 1, k))  # keep one round of receives posted ahead
             work.wait()
             if t < world - 1:
-                part.add_(incoming)
+                own[k].add_(incoming[k])
             if t + 1 < rounds:
-                sends[chunk].append(dist.isend(part, right))
-        pending = upcoming
-    for works in sends.values():
-        for work in works:
+                sends[chunk][k] = dist.isend(own[k], right, tag=t + 1)
+        upcoming += [post(t + 1, k) for k in range(len(upcoming), upcoming_count)]
+        receiving = upcoming
+    for per_chunk in sends:
+        for work in per_chunk.values():
             work.wait()

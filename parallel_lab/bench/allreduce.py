@@ -39,7 +39,7 @@ def iterations(nbytes: int, max_iters: int, budget_bytes: int) -> int:
 
 
 def measure(rank: int, world_size: int, sizes: list[int], algorithms: list[str], max_iters: int,
-            budget_bytes: int) -> None:
+            budget_bytes: int, segment_bytes: int | None = None) -> None:
     """Run on every rank (by parallel_lab.testing.run_ranks); rank 0 prints a JSON list."""
     import torch
     import torch.distributed as dist
@@ -49,17 +49,19 @@ def measure(rank: int, world_size: int, sizes: list[int], algorithms: list[str],
     rows = []
     for nbytes in sizes:
         tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-        for algorithm in algorithms:
-            times = []
-            for it in range(iterations(nbytes, max_iters, budget_bytes) + 1):
+        times: dict[str, list[float]] = {a: [] for a in algorithms}
+        # Algorithms take turns within each iteration, so drifting machine load hits them alike.
+        for it in range(iterations(nbytes, max_iters, budget_bytes) + 1):
+            for algorithm in algorithms:
                 dist.barrier()
                 start = time.perf_counter()
-                collectives.all_reduce(tensor, op="sum", algorithm=algorithm)
+                collectives.all_reduce(tensor, op="sum", algorithm=algorithm, segment_bytes=segment_bytes)
                 if it:  # the first one is a warm-up (buffer allocation, connection setup)
-                    times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
+                    times[algorithm].append(time.perf_counter() - start)
+        for algorithm in algorithms:
+            seconds = statistics.median(times[algorithm])
             algbw = tensor.numel() * 4 / seconds
-            rows.append({"bytes": nbytes, "algorithm": algorithm, "time_s": seconds, "iters": len(times),
+            rows.append({"bytes": nbytes, "algorithm": algorithm, "time_s": seconds, "iters": len(times[algorithm]),
                          "algbw": algbw, "busbw": algbw * 2 * (world_size - 1) / world_size})
     if rank == 0:
         print(json.dumps(rows))
@@ -127,6 +129,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per size at most")
     parser.add_argument("--budget-mb", type=int, default=256, help="fewer iterations once iters x size exceeds this")
+    parser.add_argument("--segment-kib", type=int, default=None, help="ring segment size (default: collectives.SEGMENT_BYTES)")
     parser.add_argument("--model", default="resnet18", choices=("cnn", "resnet18"))
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6)
@@ -140,7 +143,8 @@ def main(argv: list[str]) -> int:
 
         out = run_ranks("parallel_lab.bench.allreduce:measure", world_size=args.world_size, timeout=args.timeout,
                         sizes=args.sizes, algorithms=args.algorithms, max_iters=args.iters,
-                        budget_bytes=args.budget_mb * KIB * KIB)
+                        budget_bytes=args.budget_mb * KIB * KIB,
+                        segment_bytes=args.segment_kib * KIB if args.segment_kib else None)
         print(collective_table(json.loads(out[0]), args.world_size), flush=True)
         print()
     if not args.skip_step:
