@@ -32,6 +32,7 @@ import torch.distributed as dist
 OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin")
 SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
+RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
 
 
 def _check_op(op: str) -> None:
@@ -153,7 +154,7 @@ def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
     return list(torch.tensor_split(flat, world))
 
 
-def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> None:
+def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
     """Chunked ring all-reduce: reduce-scatter then all-gather, pipelined in segments.
 
     The tensor is cut into N chunks. Reduce-scatter: in round s (s = 0..N-2) rank r sends chunk
@@ -165,49 +166,52 @@ def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> 
     In both phases round t receives chunk (r - t - 1) mod N, and the next round sends exactly what
     was just received (after the add). So chunks travel in segments, each forwarded as soon as it
     is ready: the add of one segment overlaps the transfer of the next, and the all-gather starts
-    while the reduce-scatter is still finishing. Messages are tagged with their round, so round
-    t+1's receives can be posted segment by segment while round t is still arriving.
+    while the reduce-scatter is still finishing. All 2(N-1) rounds form one stream of messages;
+    receives are posted ``window`` messages ahead into a small pool of reused scratch segments
+    (reduce-scatter) or straight into the tensor (all-gather). Every message has its own tag:
+    gloo takes milliseconds to match a receive posted while another with the same peer and tag
+    is pending.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
-    seg = max(1, segment_bytes // flat.element_size())
     chunks = ring_chunks(flat, world)
-    rounds = 2 * (world - 1)
-    scratch = [torch.empty_like(chunks[0]) for _ in range(min(2, world - 1))]  # chunk 0 is the largest
-    sends: list[dict[int, dist.Work]] = [{} for _ in range(world)]  # chunk -> segment -> in-flight send
-
-    def layout(t: int) -> tuple[int, tuple, tuple]:
-        """Round t: (chunk index, the chunk's segments, where its incoming segments land)."""
+    seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
+    # (round, chunk index, the chunk's segments) for every message this rank receives, in order.
+    stream = []
+    for t in range(2 * (world - 1)):
         chunk = (rank - t - 1) % world
-        own = torch.split(chunks[chunk], seg)
+        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
+
+    def tag(t: int, k: int) -> int:
+        return t * per_round + k
+
+    pool = [torch.empty(seg, dtype=flat.dtype, device=flat.device) for _ in range(min(window, len(stream)))]
+    sends: dict[tuple[int, int], dist.Work] = {}  # (chunk, segment) -> in-flight send reading it
+
+    def post(i: int) -> tuple[torch.Tensor, dist.Work]:
+        t, chunk, k, part = stream[i]
         if t < world - 1:  # reduce-scatter: receive beside the chunk, then add
-            return chunk, own, torch.split(scratch[t % 2][: chunks[chunk].numel()], seg)
-        return chunk, own, own  # all-gather: receive straight into the chunk
+            target = pool[i % len(pool)][: part.numel()]
+        else:  # all-gather: receive straight into the chunk, once nothing still sends from it
+            target = part
+            earlier = sends.pop((chunk, k), None)
+            if earlier is not None:
+                earlier.wait()
+        return target, dist.irecv(target, left, tag=tag(t, k))
 
-    def post(t: int, k: int) -> dist.Work:
-        chunk, _, targets = layout_of[t]
-        earlier_send = sends[chunk].pop(k, None)
-        if earlier_send is not None:  # all-gather: never overwrite data still being sent
-            earlier_send.wait()
-        return dist.irecv(targets[k], left, tag=t)
-
-    layout_of = [layout(t) for t in range(rounds)]
-    sends[rank] = {k: dist.isend(part, right, tag=0) for k, part in enumerate(torch.split(chunks[rank], seg))}
-    receiving = [post(0, k) for k in range(len(layout_of[0][2]))]
-    for t in range(rounds):
-        chunk, own, incoming = layout_of[t]
-        upcoming_count = len(layout_of[t + 1][2]) if t + 1 < rounds else 0
-        upcoming = []
-        for k, work in enumerate(receiving):
-            if k < upcoming_count:
-                upcoming.append(post(t + 1, k))  # keep one round of receives posted ahead
-            work.wait()
-            if t < world - 1:
-                own[k].add_(incoming[k])
-            if t + 1 < rounds:
-                sends[chunk][k] = dist.isend(own[k], right, tag=t + 1)
-        upcoming += [post(t + 1, k) for k in range(len(upcoming), upcoming_count)]
-        receiving = upcoming
-    for per_chunk in sends:
-        for work in per_chunk.values():
-            work.wait()
+    for k, part in enumerate(torch.split(chunks[rank], seg)):  # round 0 sends this rank's chunk
+        sends[(rank, k)] = dist.isend(part, right, tag=tag(0, k))
+    posted = [post(i) for i in range(len(pool))]
+    for i, (t, chunk, k, part) in enumerate(stream):
+        incoming, work = posted[i]
+        work.wait()
+        if t < world - 1:
+            part.add_(incoming)
+        if t + 1 < 2 * (world - 1):  # forward to the right neighbour as round t+1's message
+            sends[(chunk, k)] = dist.isend(part, right, tag=tag(t + 1, k))
+        posted[i] = None
+        if i + len(pool) < len(stream):
+            posted.append(post(i + len(pool)))  # message i's pool slot is free again
+    for work in sends.values():
+        work.wait()
