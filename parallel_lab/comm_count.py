@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections import Counter
 from typing import Callable
 
@@ -57,7 +58,7 @@ class CommCounter:
         self.bytes_by_op: Counter[str] = Counter()
         self.calls_by_op: Counter[str] = Counter()
         self._active = False
-        self._inside = False
+        self._local = threading.local()  # per thread: inside an already-counted operation
         self._originals: list[tuple[object, str, Callable]] = []
 
     def record(self, op: str, nbytes: int) -> None:
@@ -75,15 +76,11 @@ class CommCounter:
 
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            if not self._active or self._inside:
+            if not self._active or getattr(self._local, "inside", False):
                 return original(*args, **kwargs)
-            self.record(op, VOLUME[op](signature.bind_partial(*args, **kwargs).arguments))
             # Deprecated entry points call the new ones: count the outermost call only.
-            self._inside = True
-            try:
+            with self.as_one(op, VOLUME[op](signature.bind_partial(*args, **kwargs).arguments)):
                 return original(*args, **kwargs)
-            finally:
-                self._inside = False
 
         return counted
 
@@ -104,6 +101,17 @@ class CommCounter:
         for module, op, original in reversed(self._originals):
             setattr(module, op, original)
         self._originals.clear()
+
+    @contextlib.contextmanager
+    def as_one(self, op: str, nbytes: int):
+        """Count a composite operation once (e.g. an all-reduce built from send/recv) and not
+        the collectives it is made of, in this thread."""
+        self.record(op, nbytes)
+        outer, self._local.inside = getattr(self._local, "inside", False), True
+        try:
+            yield
+        finally:
+            self._local.inside = outer
 
     @contextlib.contextmanager
     def paused(self):

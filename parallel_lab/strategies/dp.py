@@ -19,6 +19,7 @@ from parallel_lab.strategies.base import OptimizerFactory, Strategy
 class DataParallelStrategy(Strategy):
     single_process = True
     needs_process_group = False
+    comm_theory_psi = 0.0  # one process: replicas (GPUs) exchange through device copies, no collectives
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)  # DataParallel wants the module on device_ids[0] (cuda:0)

@@ -86,6 +86,7 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 
 @register("manual_ddp")
 class ManualDDPStrategy(Strategy):
+    comm_theory_psi = 2.0  # one all-reduce of every gradient per step
     Options = ManualDDPOptions
 
     @classmethod
@@ -123,7 +124,10 @@ class ManualDDPStrategy(Strategy):
 
     # ----- communication -----
     def _all_reduce(self, bucket: Bucket) -> None:
-        collectives.all_reduce(bucket.buffer, op="mean", algorithm=self.opts.allreduce)
+        # Counted as one logical all-reduce (2x its bytes, the ZeRO paper's unit, as for every
+        # other strategy), not as the point-to-point messages it is built from.
+        with self.comm.as_one("all_reduce", 2 * bucket.nbytes):
+            collectives.all_reduce(bucket.buffer, op="mean", algorithm=self.opts.allreduce)
 
     def _grad_ready_hook(self, bucket: Bucket):
         def hook(_param: torch.Tensor) -> None:
