@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m parallel_lab --multirun strategy=single,ddp trainer.steps=20
+	$(PY) -m parallel_lab +experiment=compare_all
 
 test: $(STAMP)
 	$(PY) -m pytest -q
