@@ -158,16 +158,20 @@ class Strategy:
         return getattr(self.model, "module", self.model)(inputs)
 
     def evaluate(self, batches) -> float | None:
-        """Accuracy on held-out batches; correct/total counts are summed over data-parallel ranks."""
+        """Accuracy on held-out batches: this rank's (correct, total) counts, then combined."""
         counts = torch.zeros(2, dtype=torch.float64)
         for inputs, targets in batches:
             logits = self.predict(inputs.to(self.device))
             if logits is not None:
                 counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
-        if self.dp_size > 1:
-            counts = counts.to(self.device)
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        counts = self.combine_eval_counts(counts.to(self.device))
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+    def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Data-parallel ranks each scored their own shard: sum the counts over them."""
+        if self.dp_size > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return counts
 
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:

@@ -378,15 +378,9 @@ class PipelineParallelStrategy(Strategy):
         dist.send(out.contiguous(), dst=self.env.rank + 1)
         return None
 
-    def evaluate(self, batches) -> float | None:
-        counts = torch.zeros(2, dtype=torch.float64)
-        for inputs, targets in batches:
-            logits = self.predict(inputs.to(self.device))
-            if logits is not None:
-                counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
-        counts = counts.to(self.device)
+    def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
         dist.broadcast(counts, src=self.env.world_size - 1)  # the last stage's counts are the answer
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+        return counts
 
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:
