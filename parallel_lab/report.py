@@ -90,7 +90,11 @@ COLUMNS = [  # (header, how to read it from a run)
     ("params", lambda r: r.get("params")),
     ("samples/s", lambda r: r.get("samples_per_s")),
     ("step ms", lambda r: r.get("step_time_s") and 1000 * r["step_time_s"]),
+    ("fwd+bwd / opt ms", lambda r: r.get("step_split_s") and "{:.1f} / {:.1f}".format(
+        1000 * r["step_split_s"]["fwd_bwd"], 1000 * r["step_split_s"]["optimizer"])),
     ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
+    ("CUDA alloc/reserved MiB", lambda r: _mib(r, "cuda_max_allocated_bytes") is not None and "{:.1f} / {:.1f}".format(
+        _mib(r, "cuda_max_allocated_bytes"), _mib(r, "cuda_max_reserved_bytes"))),
     ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
     ("grads MiB meas/analytic", _measured_vs_analytic("grad_bytes")),
     ("optim MiB meas/analytic", _measured_vs_analytic("optim_bytes")),

@@ -73,6 +73,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed)
 
     losses, step_times, memory = [], [], {}
+    split_times: dict[str, list[float]] = {"fwd_bwd": [], "optimizer": []}
     for step in _progress(t.steps, t.progress and env.is_main):
         maybe_inject_fault(cfg.fault, env.rank, step)
         inputs, targets = next(batches)
@@ -83,12 +84,20 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
                 strategy.train_step(x.to(env.device), y.to(env.device), i, t.grad_accum)
                 for i, (x, y) in enumerate(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
             ]
+            _sync(env.device)
+            backward_done = time.perf_counter()
             if step == t.steps - 1:
                 with counter.paused():
                     memory = strategy.memory_report()  # gradients and optimizer state both alive here
+            optimizer_start = time.perf_counter()
             strategy.optimizer_step()
         _sync(env.device)
-        step_times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        # Split as far as the loop can see: forward+backward (including any communication that
+        # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
+        split_times["fwd_bwd"].append(backward_done - start)
+        split_times["optimizer"].append(end - optimizer_start)
+        step_times.append(split_times["fwd_bwd"][-1] + split_times["optimizer"][-1])
         losses.append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
 
     accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
@@ -119,6 +128,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "final_loss": losses[-1],
         "step_time_s": step_time,
         "step_times_s": step_times,
+        "step_split_s": {part: timed_median(times, t.warmup_steps) for part, times in split_times.items()},
         "samples_per_s": t.global_batch / step_time,
         "eval_accuracy": accuracy,
         "final_param_checksum": checksum,
