@@ -54,6 +54,20 @@ class References:
         return self.cache[grad_clip]
 
 
+def assert_one_line_config_error(strategy: str, overrides, named) -> None:
+    """Composing ``strategy=<strategy> <overrides>`` must fail with a one-line ConfigError naming ``named``."""
+    import pytest
+
+    from parallel_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        compose_config(f"strategy={strategy}", *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for text in named:
+        assert text in message, f"{text!r} not in {message!r}"
+
+
 def clipped_reference_run(steps: int, global_batch: int, grad_clip: float, data_size: int = 4096, seed: int = 0):
     """tests/reference.py's loop plus torch's clip_grad_norm_ on the whole single model."""
     from parallel_lab.models.cnn import SmallCNN
