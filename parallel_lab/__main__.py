@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.config import check_group_overrides, register_configs, validate
+from parallel_lab.config import check_group_overrides, finalize_for_run_dir, register_configs, validate
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.metrics import FAILED_FILE, METRICS_FILE, write_json_atomic
 
@@ -47,8 +47,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         cfg = validate(cfg)
-        cfg.run_dir = str(run_dir)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        finalize_for_run_dir(cfg, run_dir)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
         _fail(run_dir, cfg, one_line(str(exc)))

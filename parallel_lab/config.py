@@ -38,6 +38,11 @@ class TrainerConfig:
     threads: int = 0  # resolved by the parent: threads this run's processes actually use
     progress: bool = True
     eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
+    # Checkpoints (parallel_lab/checkpoint.py): every N optimizer steps and at the last step.
+    checkpoint_every: int = 0  # 0 = never
+    checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
+    keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
+    resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
 
 
 @dataclass
@@ -72,6 +77,10 @@ class FaultConfig:
     rank: int = -1  # -1 = never
     step: int = 0
     mode: str = "raise"  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
+    # step: before step `step` runs; checkpoint: halfway through writing the checkpoint taken after
+    # `step` steps (its files written, not yet committed). Only in the first attempt: a torchrun
+    # restart (TORCHELASTIC_RESTART_COUNT > 0) runs clean, as after a real lost node.
+    at: str = "step"
 
 
 @dataclass
@@ -136,6 +145,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
     if cfg.fault.mode not in ("raise", "kill"):
         raise ConfigError(f"fault.mode='{cfg.fault.mode}' is unknown; use fault.mode=raise or kill")
+    if cfg.fault.at not in ("step", "checkpoint"):
+        raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
     requested_world = ws
     if strategy_cls.single_process:
         ws = cfg.world_size = 1
@@ -152,7 +163,23 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     validate_model_config(cfg.model)
     validate_data_config(cfg.data, cfg.trainer)
+    from parallel_lab.checkpoint import validate_checkpoint_config
+
+    validate_checkpoint_config(cfg)
     return cfg
+
+
+def finalize_for_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    """Fill in what depends on the run folder and write the resolved config.yaml workers read."""
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir)
+    if not cfg.trainer.checkpoint_dir:
+        cfg.trainer.checkpoint_dir = str(run_dir / "checkpoints")
+    cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
+    path = run_dir / "config.yaml"
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
 
 
 def load_run_config(path: str | Path) -> DictConfig:

@@ -39,6 +39,7 @@ class DistEnv:
     device: torch.device
     backend: str
     source: str  # which launcher's variables we read
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt
 
     @property
     def is_main(self) -> bool:
@@ -89,7 +90,8 @@ def read_dist_env(requested_device: str = "auto", environ=None) -> DistEnv:
     else:
         port = DEFAULT_PORT
     device, backend = pick_device(requested_device, local)
-    return DistEnv(rank, world, local, addr, port, device, backend, source)
+    restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return DistEnv(rank, world, local, addr, port, device, backend, source, restarts)
 
 
 def export_rendezvous(env: DistEnv) -> None:

@@ -1,6 +1,7 @@
 """Measured numbers: memory per rank, timing medians, the parameter checksum, metrics.json."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -31,6 +32,15 @@ def device_memory(device: torch.device) -> dict[str, int]:
 def param_checksum(params: Iterable[torch.Tensor]) -> float:
     """Sum of every parameter element in float64: equal runs give equal checksums."""
     return float(sum(p.detach().double().sum().item() for p in params))
+
+
+def param_sha256(params: Iterable[torch.Tensor]) -> str:
+    """sha256 of every parameter's raw bytes in order: equal only for bitwise-identical weights."""
+    digest = hashlib.sha256()
+    for p in params:
+        flat = p.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def timed_median(values: list[float], warmup: int) -> float:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from parallel_lab.config import CONF_DIR, check_group_overrides, register_configs, validate
+from parallel_lab.config import CONF_DIR, check_group_overrides, finalize_for_run_dir, register_configs, validate
 from parallel_lab.errors import ConfigError
 
 
@@ -23,12 +21,7 @@ def prepare(run_dir: Path, overrides: list[str]) -> Path:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    cfg = validate(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.run_dir = str(run_dir.resolve())
-    path = run_dir / "config.yaml"
-    OmegaConf.save(cfg, path, resolve=True)
-    return path
+    return finalize_for_run_dir(validate(cfg), run_dir)
 
 
 def main(argv: list[str]) -> int:

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from parallel_lab.checkpoint import Checkpointer
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.dist_env import DistEnv
 from parallel_lab.metrics import (
     device_memory,
     gather_from_ranks,
     param_checksum,
+    param_sha256,
     peak_rss_bytes,
     timed_median,
 )
@@ -35,24 +37,25 @@ def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parame
     return make
 
 
-def _progress(steps: int, enabled: bool):
+def _progress(steps: int, enabled: bool, first: int = 0):
     if not enabled:
-        return range(steps)
+        return range(first, steps)
     from tqdm import tqdm
 
-    return tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(range(first, steps), desc="train", unit="step", dynamic_ncols=True, initial=first, total=steps)
 
 
 class InjectedFault(RuntimeError):
     """Raised by ``fault.rank``/``fault.step`` to test how a run fails."""
 
 
-def maybe_inject_fault(fault: DictConfig, rank: int, step: int) -> None:
-    if fault.rank != rank or fault.step != step:
+def maybe_inject_fault(fault: DictConfig, env: DistEnv, step: int, at: str) -> None:
+    """Fail as fault.* asks, only in the first attempt (a torchrun restart must be able to finish)."""
+    if fault.rank != env.rank or fault.step != step or fault.at != at or env.restart_count > 0:
         return
     if fault.mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"injected fault on rank {rank} at step {step} (fault.rank={rank} fault.step={step})")
+    raise InjectedFault(f"injected fault on rank {env.rank} at {at} {step} (fault.rank={env.rank} fault.step={step})")
 
 
 def _sync(device: torch.device) -> None:
@@ -61,7 +64,8 @@ def _sync(device: torch.device) -> None:
 
 
 def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
-    """Run cfg.trainer.steps optimizer steps; return metrics (complete on rank 0)."""
+    """Run cfg.trainer.steps optimizer steps (resuming from a checkpoint if there is one);
+    return metrics (complete on rank 0)."""
     t = cfg.trainer
     model = build_model(cfg.model, t.seed)
     num_params = count_params(model)
@@ -69,13 +73,17 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     # its all-gather function once, at initialisation) must keep the counted one.
     counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     strategy.setup(model, optimizer_factory(t))
+    checkpointer = Checkpointer(cfg, env, strategy)
+    with counter.paused():
+        resumed = checkpointer.restore()  # RNG, sampler position, model and optimizer, or None
+    first_step = resumed.step if resumed else 0
+    history = resumed.history if resumed else {"losses": [], "fwd_bwd": [], "optimizer": []}
     train_set, eval_set = load_datasets(cfg.data, t.seed)
-    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed)
+    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, first_step)
 
-    losses, step_times, memory = [], [], {}
-    split_times: dict[str, list[float]] = {"fwd_bwd": [], "optimizer": []}
-    for step in _progress(t.steps, t.progress and env.is_main):
-        maybe_inject_fault(cfg.fault, env.rank, step)
+    memory = {}
+    for step in _progress(t.steps, t.progress and env.is_main, first_step):
+        maybe_inject_fault(cfg.fault, env, step, "step")
         inputs, targets = next(batches)
         _sync(env.device)
         start = time.perf_counter()
@@ -95,16 +103,23 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         end = time.perf_counter()
         # Split as far as the loop can see: forward+backward (including any communication that
         # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
-        split_times["fwd_bwd"].append(backward_done - start)
-        split_times["optimizer"].append(end - optimizer_start)
-        step_times.append(split_times["fwd_bwd"][-1] + split_times["optimizer"][-1])
-        losses.append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
+        history["fwd_bwd"].append(backward_done - start)
+        history["optimizer"].append(end - optimizer_start)
+        history["losses"].append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
+        if checkpointer.due(step + 1):
+            with counter.paused():
+                checkpointer.save(step + 1, history, lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"))
 
+    losses = history["losses"]
+    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
+    steps_run_here = max(1, t.steps - first_step)
     accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
-    checksum = param_checksum(strategy.full_parameters())
+    full = strategy.full_parameters()
+    checksum, digest = param_checksum(full), param_sha256(full)
+    del full
     counter.uninstall()
-    comm = {"comm_bytes_per_step": counter.total_bytes / t.steps,
-            "comm_bytes_by_op": {op: n / t.steps for op, n in counter.bytes_by_op.items()}}
+    comm = {"comm_bytes_per_step": counter.total_bytes / steps_run_here,
+            "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()}}
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
     rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **analytic, **comm,
                  **device_memory(env.device)}
@@ -128,10 +143,14 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "final_loss": losses[-1],
         "step_time_s": step_time,
         "step_times_s": step_times,
-        "step_split_s": {part: timed_median(times, t.warmup_steps) for part, times in split_times.items()},
+        "step_split_s": {part: timed_median(history[part], t.warmup_steps) for part in ("fwd_bwd", "optimizer")},
         "samples_per_s": t.global_batch / step_time,
         "eval_accuracy": accuracy,
         "final_param_checksum": checksum,
+        "final_param_sha256": digest,
+        "resumed_from_step": first_step if resumed else None,
+        "resumed_from": str(resumed.path) if resumed else None,
+        "checkpoint_every": t.checkpoint_every,
         "comm_bytes_per_step": comm["comm_bytes_per_step"],
         "comm_volume_psi": comm["comm_bytes_per_step"] / (4 * num_params),
         "comm_theory_psi": strategy.comm_theory_psi,

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from parallel_lab.data.cifar10 import load_cifar10, validate_cifar_config
 from parallel_lab.data.synthetic import make_synthetic
@@ -40,16 +40,22 @@ def load_datasets(cfg: DictConfig, seed: int) -> tuple[TensorDataset, TensorData
 
 
 def train_batches(
-    dataset: TensorDataset, global_batch: int, dp_rank: int, dp_size: int, seed: int
+    dataset: TensorDataset, global_batch: int, dp_rank: int, dp_size: int, seed: int, start_batch: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless per-rank batches of global_batch / dp_size samples, epoch after epoch."""
+    """Endless per-rank batches of global_batch / dp_size samples, epoch after epoch, starting at
+    batch start_batch of the sequence (a resumed run continues exactly where its checkpoint was)."""
     sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=global_batch // dp_size, sampler=sampler, drop_last=True)
-    epoch = 0
+    per_rank = global_batch // dp_size
+    per_epoch = len(sampler) // per_rank
+    epoch, skip = divmod(start_batch, per_epoch)
+    images, labels = dataset.tensors
     while True:
         sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
-        yield from loader
-        epoch += 1
+        order = torch.tensor(list(sampler), dtype=torch.int64)
+        for b in range(skip, per_epoch):
+            index = order[b * per_rank:(b + 1) * per_rank]
+            yield images[index], labels[index]
+        skip, epoch = 0, epoch + 1
 
 
 def eval_batches(dataset: TensorDataset, batch: int, num_batches: int, dp_rank: int, dp_size: int):

@@ -8,6 +8,7 @@ splits them (its ``setup``), and owns backward and the optimizer step. The gener
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ClassVar, Iterable
 
 import torch
@@ -19,6 +20,7 @@ from parallel_lab.comm_count import CommCounter
 from parallel_lab.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
 
+REPLICA_FILE = "model_optimizer.pt"
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -172,6 +174,24 @@ class Strategy:
         if self.dp_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return counts
+
+    # ----- checkpoints (parallel_lab/checkpoint.py calls these; it owns atomicity and the barriers) -----
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The user's module inside DDP/DataParallel wrappers, whose state_dict has the plain names."""
+        return getattr(self.model, "module", self.model)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Replicated model and optimizer: every replica holds the same, so rank 0 writes one copy
+        and the others wait at the checkpointer's barrier."""
+        if self.env.rank == 0:
+            torch.save({"model": self.unwrapped_model().state_dict(), "optimizer": self.optimizer.state_dict()},
+                       directory / REPLICA_FILE)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Every rank reads the one copy (weights_only: tensors and plain values only)."""
+        state = torch.load(directory / REPLICA_FILE, map_location=self.device, weights_only=True)
+        self.unwrapped_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:

@@ -189,6 +189,9 @@ def merge_user_config(user: dict, ours: dict, path: str) -> dict:
     return merged
 
 
+DS_TAG = "deepspeed"  # the subfolder DeepSpeed writes inside one of our step_* checkpoints
+
+
 @register("zero0", "zero1", "zero2", "zero3")
 class ZeroStrategy(Strategy):
     Options = ZeroOptions
@@ -307,6 +310,22 @@ class ZeroStrategy(Strategy):
         # The accumulation boundary: clipping at gradient_clipping (= trainer.grad_clip, 0 = off),
         # the optimizer step on each rank's partition, the all-gather of updated weights.
         self.engine.step()
+
+    # ----- checkpoints: DeepSpeed's own format, each rank writing its optimizer partition -----
+    def save_checkpoint(self, directory: Path) -> None:
+        # save_latest=False: our complete.json, not DeepSpeed's "latest" file, says what is finished.
+        self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from parallel_lab.ds_checkpoint import use_weights_only_loading
+
+        use_weights_only_loading(self.engine)
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise ConfigError(f"checkpoint '{directory}' holds no DeepSpeed state under tag '{DS_TAG}'; "
+                              f"trainer.resume=never to start fresh")
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
