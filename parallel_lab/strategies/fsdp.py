@@ -38,6 +38,7 @@ optimizer's state tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ from parallel_lab.strategies.base import (
 SHARDINGS = ("full", "grad_op", "no_shard")
 PRECISIONS = ("fp32", "bf16")
 _FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
+
+
+DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
 
 
 @dataclass
@@ -169,15 +173,42 @@ class FSDPStrategy(Strategy):
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)  # collective (all-gathers): every rank runs the same batches
 
+    def _reshard(self) -> None:
+        """grad_op/no_shard leave the last forward's gathered parameters registered; go back to
+        the DTensor shards (FSDP2 only)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # ----- checkpoints: torch Distributed Checkpoint, each rank writing its own shards -----
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.opts.version == 2:
+            self._reshard()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from parallel_lab.dcp_reader import WeightsOnlyFileSystemReader
+
+        state = self._sharded_state()  # the shapes and shards to fill in
+        dcp.load(state, storage_reader=WeightsOnlyFileSystemReader(str(directory / DCP_DIR)))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def full_parameters(self) -> list[torch.Tensor]:
         if self.opts.version == 2:
-            from torch.distributed.fsdp import FSDPModule
-
-            # grad_op/no_shard leave the last forward's gathered parameters registered; go back to
-            # the DTensor shards first.
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            self._reshard()
             return [p.full_tensor().detach() for p in self.model.parameters()]
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

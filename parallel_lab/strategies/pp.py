@@ -228,6 +228,10 @@ class PipelineParallelStrategy(Strategy):
     def is_last(self) -> bool:
         return self.stage == self.opts.stages - 1
 
+    # Each rank holds a different part of the model: one checkpoint file per rank.
+    save_checkpoint = Strategy.save_rank_shard
+    load_checkpoint = Strategy.load_rank_shard
+
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         p = self.opts.stages

@@ -194,6 +194,10 @@ class TensorParallelStrategy(Strategy):
     def dp_size(self) -> int:
         return self.env.world_size // self.opts.tp
 
+    # Each rank holds a different part of the model: one checkpoint file per rank.
+    save_checkpoint = Strategy.save_rank_shard
+    load_checkpoint = Strategy.load_rank_shard
+
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
