@@ -40,6 +40,7 @@ class DistEnv:
     backend: str
     source: str  # which launcher's variables we read
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt
+    agent_store: bool = False  # torchrun's agent hosts the rendezvous store on master_port
 
     @property
     def is_main(self) -> bool:
@@ -91,7 +92,8 @@ def read_dist_env(requested_device: str = "auto", environ=None) -> DistEnv:
         port = DEFAULT_PORT
     device, backend = pick_device(requested_device, local)
     restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return DistEnv(rank, world, local, addr, port, device, backend, source, restarts)
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return DistEnv(rank, world, local, addr, port, device, backend, source, restarts, agent_store)
 
 
 def export_rendezvous(env: DistEnv) -> None:
@@ -112,10 +114,13 @@ def init_process_group(env: DistEnv, timeout_s: int) -> None:
     export_rendezvous(env)
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-    dist.init_process_group(
-        backend=env.backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    common = dict(backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    if env.agent_store:
+        # torchrun keeps ONE rendezvous store for all restarts of the group: the keys a killed
+        # attempt left there made the restarted ranks wait forever in init (seen 1 run in 2).
+        # A fresh key prefix per attempt is a clean rendezvous.
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(store=dist.PrefixStore(f"parallel_lab/attempt_{env.restart_count}", store), **common)
+        return
+    dist.init_process_group(init_method=f"tcp://{env.master_addr}:{env.master_port}", **common)

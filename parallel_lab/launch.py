@@ -158,12 +158,26 @@ def supervise(procs: list[Proc], grace_s: float) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it if this parent dies, even by SIGKILL, so a
+    launcher tool (torchrun, mpiexec) in its own session still stops and takes its ranks along."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
+
+
 def run_processes(commands) -> list[Proc]:
     procs = []
     try:
         for rank, cmd, env in commands:
             # A new session per child so the stop signal reaches a launcher tool's own children too.
-            procs.append(Proc(rank, subprocess.Popen(cmd, env=env, start_new_session=True)))
+            procs.append(Proc(rank, subprocess.Popen(cmd, env=env, start_new_session=True,
+                                                     preexec_fn=_terminate_with_parent)))
     except BaseException:
         _stop(procs)
         raise
@@ -190,8 +204,11 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
     """Start the run's processes, wait for them, return 0 or the first non-zero exit code."""
     config_path = run_dir / "config.yaml"
     port = rendezvous_port(cfg)
-    procs = run_processes(launcher_commands(cfg, config_path, port))
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    procs = []
     try:
+        procs = run_processes(launcher_commands(cfg, config_path, port))
         return supervise(procs, cfg.launcher.grace_s)
     finally:
-        _stop(procs)  # also on KeyboardInterrupt: no orphan workers
+        _stop(procs)  # also on KeyboardInterrupt or SIGTERM: no orphan workers
+        signal.signal(signal.SIGTERM, previous)

@@ -148,6 +148,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "eval_accuracy": accuracy,
         "final_param_checksum": checksum,
         "final_param_sha256": digest,
+        "attempt": env.restart_count,  # > 0: torchrun restarted the workers this many times
         "resumed_from_step": first_step if resumed else None,
         "resumed_from": str(resumed.path) if resumed else None,
         "checkpoint_every": t.checkpoint_every,

@@ -28,6 +28,7 @@ from parallel_lab.strategies import get_strategy_class
 
 SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
 ERRORS_DIR = "errors"
+PIDS_DIR = "pids"
 
 
 def die_with_parent() -> None:
@@ -47,6 +48,8 @@ def report_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
     (errors / f"rank{rank}.txt").write_text(f"{time.time():.6f} {kind}\n{first_line}\n{text}")
     if not os.environ.get(SUPERVISED_ENV):
         print(f"[rank {rank}] {text}", file=sys.stderr, end="")
+    elif kind == "config":
+        return  # our launcher prints this one line itself, once
     print(f"[rank {rank}] failed: {first_line}", file=sys.stderr, flush=True)
 
 
@@ -62,6 +65,13 @@ def close_cleanly(strategy) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def record_pid(run_dir: Path, rank: int) -> None:
+    """<run_dir>/pids/rank<k>.pid: lets anyone check, by pid, that no worker outlived its run."""
+    folder = run_dir / PIDS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
 def run_worker(config_path: str) -> dict | None:
@@ -102,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     die_with_parent()
+    record_pid(Path(args.config).resolve().parent, read_rank(os.environ)[0])
     try:
         run_worker(args.config)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this rank, loudly, now

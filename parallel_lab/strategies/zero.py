@@ -41,6 +41,7 @@ inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measure
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import warnings
@@ -52,7 +53,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.dist_env import DistEnv, export_rendezvous
+from parallel_lab.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import (
@@ -198,6 +199,11 @@ class ZeroStrategy(Strategy):
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(
+                f"strategy={opts.name} needs DeepSpeed, which is not installed; pip install deepspeed "
+                f"(make installs it), or use strategy=fsdp for the same sharding in plain torch"
+            )
         named = _stage_from_name(opts.name)
         if opts.stage not in STAGES:
             raise ConfigError(
@@ -234,7 +240,7 @@ class ZeroStrategy(Strategy):
         """DeepSpeed's own init. With RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
         all exported from dist_env it skips its MPI discovery, which would pick a non-loopback
         address under mpirun (../shared/FACTS.md)."""
-        export_rendezvous(env)
+        init_process_group(env, timeout_s)  # ours first (torchrun restarts need it); DeepSpeed adopts it
         if env.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
         quiet_deepspeed_warnings()

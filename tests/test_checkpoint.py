@@ -1,0 +1,128 @@
+"""Checkpoint, resume and torchrun restarts: a killed run finishes with bitwise the same weights.
+
+Each strategy trains 6 steps straight (spawn, no checkpoints), then again under torchrun with
+--max-restarts=1, checkpointing every 2 steps, while one rank SIGKILLs itself (a lost node) after a
+checkpoint. torchrun restarts the group, the workers resume from the newest complete checkpoint
+and finish. The data set holds 3 batches, so the 6 steps cross an epoch boundary and the resumed
+sampler position is exercised both mid-epoch and at an epoch start.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import load_metrics, run_cli
+from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest
+
+COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 6-step run of each strategy, computed once per module."""
+    cache: dict[str, dict] = {}
+
+    def get(strategy: str) -> dict:
+        if strategy not in cache:
+            run_dir = tmp_path_factory.mktemp(f"straight_{strategy}")
+            run_cli(run_dir, f"strategy={strategy}", *COMMON, timeout=TIMEOUT)
+            cache[strategy] = load_metrics(run_dir)
+        return cache[strategy]
+
+    return get
+
+
+def _assert_same_training(resumed: dict, straight: dict, resume_step: int) -> None:
+    assert resumed["resumed_from_step"] == resume_step
+    assert resumed["final_param_sha256"] == straight["final_param_sha256"], "final weights differ bitwise"
+    # The steps trained after the resume, compared bitwise; the earlier ones come from the checkpoint.
+    assert resumed["losses"][resume_step:] == straight["losses"][resume_step:]
+    assert resumed["losses"] == straight["losses"]
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(
+    "strategy, kill_rank, kill_before_step",
+    [("ddp", 1, 3), ("manual_ddp", 0, 5), ("fsdp", 1, 5), ("zero2", 0, 3), ("zero3", 1, 5)],
+)
+def test_killed_rank_torchrun_restart_resumes_bitwise(tmp_path, straight, strategy, kill_rank, kill_before_step):
+    run_cli(tmp_path, f"strategy={strategy}", *COMMON, "launcher=torchrun", "launcher.max_restarts=1",
+            "trainer.checkpoint_every=2", f"fault.rank={kill_rank}", f"fault.step={kill_before_step}",
+            "fault.mode=kill", timeout=TIMEOUT)
+    metrics = load_metrics(tmp_path)
+    assert metrics["attempt"] == 1, "torchrun did not restart the workers"
+    _assert_same_training(metrics, straight(strategy), resume_step=kill_before_step // 2 * 2)
+    assert _checkpoints(tmp_path) == [checkpoint_name(4), checkpoint_name(6)]  # keep_checkpoints=2, no .tmp
+
+
+def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, straight):
+    # Rank 1 dies after writing its part of the step-4 checkpoint, before it is committed.
+    run_cli(tmp_path, "strategy=ddp", *COMMON, "launcher=torchrun", "launcher.max_restarts=1",
+            "trainer.checkpoint_every=2", "fault.rank=1", "fault.step=4", "fault.at=checkpoint",
+            "fault.mode=kill", timeout=TIMEOUT)
+    metrics = load_metrics(tmp_path)
+    assert metrics["attempt"] == 1
+    _assert_same_training(metrics, straight("ddp"), resume_step=2)
+    assert _checkpoints(tmp_path) == [checkpoint_name(4), checkpoint_name(6)]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, straight):
+    first = tmp_path / "first"
+    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=4", "trainer.checkpoint_every=2", timeout=TIMEOUT)
+    newest = first / "checkpoints" / checkpoint_name(4)
+    weights = newest / "model_optimizer.pt"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk
+
+    second = tmp_path / "second"
+    result = run_cli(second, "strategy=ddp", *COMMON, f"trainer.checkpoint_dir={first / 'checkpoints'}",
+                     timeout=TIMEOUT)
+    assert "skipping checkpoint" in result.stderr and "corrupt" in result.stderr, result.stderr[-2000:]
+    _assert_same_training(load_metrics(second), straight("ddp"), resume_step=2)
+
+
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_model_parallel_resume_from_a_named_checkpoint(tmp_path, straight, strategy):
+    first = tmp_path / "first"
+    run_cli(first, f"strategy={strategy}", *COMMON, "trainer.steps=3", "trainer.checkpoint_every=3", timeout=TIMEOUT)
+    shards = sorted(p.name for p in (first / "checkpoints" / checkpoint_name(3)).glob("shard_rank*.pt"))
+    assert shards == ["shard_rank0.pt", "shard_rank1.pt"]  # each rank wrote its own part
+    second = tmp_path / "second"
+    run_cli(second, f"strategy={strategy}", *COMMON,
+            f"trainer.resume={first / 'checkpoints' / checkpoint_name(3)}", timeout=TIMEOUT)
+    _assert_same_training(load_metrics(second), straight(strategy), resume_step=3)
+
+
+# ----- the integrity check itself, in process -----
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    folder = root / checkpoint_name(step)
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.arange(10.0)}, folder / "model_optimizer.pt")
+    from parallel_lab.checkpoint import sha256_file
+
+    files = {"model_optimizer.pt": {"size": (folder / "model_optimizer.pt").stat().st_size,
+                                    "sha256": sha256_file(folder / "model_optimizer.pt")}}
+    (folder / COMPLETE).write_text(json.dumps({"format": 1, "step": step, "run": {}, "files": files}))
+    return folder
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "model_optimizer.pt").write_bytes((f / "model_optimizer.pt").read_bytes()[:-7]), "bytes"),
+    (lambda f: (f / "model_optimizer.pt").write_bytes(b"x" + (f / "model_optimizer.pt").read_bytes()[1:]), "sha256"),
+    (lambda f: (f / COMPLETE).unlink(), "incomplete"),
+    (lambda f: (f / COMPLETE).write_text("{not json"), "corrupt"),
+    (lambda f: (f / "model_optimizer.pt").unlink(), "missing"),
+])
+def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, damage, message):
+    folder = _fake_checkpoint(tmp_path, 2)
+    assert read_manifest(folder)["step"] == 2
+    damage(folder)
+    with pytest.raises(CheckpointError, match=message):
+        read_manifest(folder)
