@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.config import check_group_overrides, finalize_for_run_dir, register_configs, validate
+from parallel_lab.config import check_group_overrides, check_overrides_compose, finalize_for_run_dir, register_configs, validate
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.metrics import FAILED_FILE, METRICS_FILE, write_json_atomic
 
@@ -76,6 +76,7 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     try:
         check_group_overrides(sys.argv[1:])
+        check_overrides_compose(sys.argv[1:])
     except ConfigError as exc:
         print(f"parallel_lab: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -69,7 +69,7 @@ def tarball_path(cfg: DictConfig) -> Path:
 
 def validate_cifar_config(cfg: DictConfig) -> None:
     if not cfg.root:
-        raise ConfigError("data=cifar10 needs data.root=<folder with cifar-10-python.tar.gz>")
+        raise ConfigError("data=cifar10 needs data.root; set data.root=<folder holding cifar-10-python.tar.gz>")
     path = tarball_path(cfg)
     if not path.is_file() and not cfg.download:
         raise ConfigError(

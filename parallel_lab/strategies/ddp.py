@@ -35,7 +35,7 @@ class DDPStrategy(Strategy):
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.bucket_cap_mb <= 0:
-            raise ConfigError(f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0 (e.g. strategy.bucket_cap_mb=25)")
+            raise ConfigError(f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25")
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)

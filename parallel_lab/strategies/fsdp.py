@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
@@ -50,7 +49,6 @@ from parallel_lab.strategies.base import (
     OptimizerFactory,
     Strategy,
     StrategyOptions,
-    local_tensor,
     optimizer_bytes_per_param,
     storage_bytes,
 )

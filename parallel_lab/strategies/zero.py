@@ -230,7 +230,7 @@ class ZeroStrategy(Strategy):
                 "(fp16 needs device=cuda)"
             )
         if opts.bucket_mb <= 0:
-            raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0 (e.g. strategy.bucket_mb=25)")
+            raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use e.g. strategy.bucket_mb=25")
         if opts.ds_config:
             opts.ds_config = str(Path(opts.ds_config).expanduser().resolve())  # workers may start elsewhere
         build_ds_config(cfg, opts)  # a user ds_config that disagrees fails here, in the parent

@@ -1,0 +1,232 @@
+"""How runs fail: the catalogue of bad inputs, and a crashing rank.
+
+Every bad input goes through the real CLI and must give exactly one line
+``parallel_lab: error: ...`` that names the bad value and says what to do instead, a non-zero exit,
+no traceback, and a run folder that does not claim success (failed.json, no metrics.json, no
+committed checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+from parallel_lab.checkpoint import COMPLETE, checkpoint_name
+from parallel_lab.data.cifar10 import TRAIN_MEMBERS
+from test_cifar10 import build_tarball, md5_of
+
+CLI_TIMEOUT = 120
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def python_without(tmp: Path, packages: tuple[str, ...]) -> Path:
+    """A virtualenv interpreter that sees this one's packages except `packages`, and whose bin/
+    holds nothing but python (so no mpiexec, deepspeed or torchrun): a machine without them."""
+    root = tmp / "venv"
+    site = Path(next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)))
+    new_site = root / site.relative_to(sys.prefix)
+    new_site.mkdir(parents=True)
+    (root / "bin").mkdir()
+    shutil.copy(Path(sys.prefix) / "pyvenv.cfg", root / "pyvenv.cfg")
+    (root / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(packages):
+            (new_site / entry.name).symlink_to(entry)
+    return root / "bin" / "python"
+
+
+def _checkpoint_of(tmp: Path, strategy: str = "single") -> Path:
+    run_cli(tmp / "source", f"strategy={strategy}", "trainer.steps=2", "trainer.checkpoint_every=2",
+            "trainer.global_batch=16", "data.size=64", "trainer.eval_batches=0", timeout=CLI_TIMEOUT)
+    return tmp / "source" / "checkpoints" / checkpoint_name(2)
+
+
+def corrupt_checkpoint(tmp: Path) -> list[str]:
+    folder = _checkpoint_of(tmp)
+    weights = folder / "model_optimizer.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern in the middle: same size, wrong content
+    weights.write_bytes(bytes(data))
+    return [f"trainer.resume={folder}"]
+
+
+def incomplete_checkpoint(tmp: Path) -> list[str]:
+    folder = _checkpoint_of(tmp)
+    (folder / COMPLETE).unlink()  # as if the writer died before committing
+    return [f"trainer.resume={folder}"]
+
+
+def other_strategy_checkpoint(tmp: Path) -> list[str]:
+    return ["strategy=ddp", f"trainer.resume={_checkpoint_of(tmp, 'single')}"]
+
+
+def tampered_tarball(tmp: Path) -> list[str]:
+    build_tarball(tmp)  # the expected md5 is the real CIFAR-10's: this file does not match it
+    return ["data=cifar10", f"data.root={tmp}"]
+
+
+def truncated_tarball(tmp: Path) -> list[str]:
+    path = build_tarball(tmp)
+    path.write_bytes(path.read_bytes()[:300])
+    return ["data=cifar10", f"data.root={tmp}", "data.md5=null"]
+
+
+def evil_pickle_tarball(tmp: Path) -> list[str]:
+    path = build_tarball(tmp, {TRAIN_MEMBERS[0]: pickle.dumps({b"data": Evil()}, protocol=2)})
+    return ["data=cifar10", f"data.root={tmp}", f"data.md5={md5_of(path)}"]
+
+
+def ds_config_disagreeing(tmp: Path) -> list[str]:
+    path = tmp / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 2}}))
+    return ["strategy=zero2", "trainer.global_batch=32", f"strategy.ds_config={path}"]
+
+
+# id: (overrides or a function building them in tmp_path, text(s) the error line must contain)
+CATALOGUE = {
+    "unknown-strategy": (["strategy=nope"], "nope"),
+    "unknown-model": (["model=vgg"], "vgg"),
+    "unknown-data": (["data=imagenet"], "imagenet"),
+    "unknown-launcher": (["launcher=slurm"], "slurm"),
+    "unknown-key": (["trainer.stepz=3"], "stepz"),
+    "wrong-type-int": (["trainer.steps=ten"], "'ten'"),
+    "wrong-type-float": (["trainer.lr=fast"], "'fast'"),
+    "override-syntax": (["trainer.steps=[1"], "[1"),
+    "zero-stage-5": (["strategy=zero3", "strategy.stage=5"], "strategy.stage=5"),
+    "zero4": (["strategy=zero4"], "zero4"),
+    "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
+    "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
+    "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
+    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
+    "world-size-0": (["world_size=0"], "world_size=0"),
+    "world-size-1000": (["world_size=1000"], "world_size=1000"),
+    "batch-not-divisible": (["trainer.global_batch=33"], "global_batch=33"),
+    "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
+    "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
+    "pp-stages": (["strategy=pp", "world_size=6", "strategy.stages=6"], ("strategy.stages=6", "5 cuttable blocks")),
+    "pp-microbatches": (["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
+                        ("strategy.microbatches=3", "32")),
+    "manual-ddp-allreduce": (["strategy=manual_ddp", "strategy.allreduce=tree"], "strategy.allreduce=tree"),
+    "manual-ddp-bucket": (["strategy=manual_ddp", "strategy.bucket_mb=-5"], "strategy.bucket_mb=-5"),
+    "ddp-bucket": (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
+    "device": (["device=tpu"], "device='tpu'"),
+    "optimizer": (["trainer.optimizer=lbfgs"], "lbfgs"),
+    "checkpoint-every": (["trainer.checkpoint_every=-1"], "checkpoint_every=-1"),
+    "keep-checkpoints": (["trainer.keep_checkpoints=0"], "keep_checkpoints=0"),
+    "fault-mode": (["fault.mode=explode"], "explode"),
+    "cifar-no-root": (["data=cifar10"], "data.root"),
+    "cifar-missing-tarball": (["data=cifar10", "data.root=/nonexistent"], "/nonexistent"),
+    "cifar-tampered-tarball": (tampered_tarball, "md5"),
+    "cifar-truncated-tarball": (truncated_tarball, "cifar-10-python.tar.gz"),
+    "cifar-disallowed-pickle-global": (evil_pickle_tarball, "not allowed"),
+    "resume-missing": (["trainer.resume=/nonexistent/step_00000002"], "/nonexistent/step_00000002"),
+    "resume-corrupt-checkpoint": (corrupt_checkpoint, "sha256"),
+    "resume-incomplete-checkpoint": (incomplete_checkpoint, "incomplete"),
+    "resume-other-strategy": (other_strategy_checkpoint, "strategy=single"),
+}
+
+
+def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
+    assert result.returncode != 0, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if "parallel_lab: error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    line = errors[0]
+    assert line.startswith("parallel_lab: error:") and result.stderr.rstrip().endswith(line), result.stderr[-3000:]
+    for text in (named,) if isinstance(named, str) else named:
+        assert text in line, f"{text!r} not in {line!r}"
+    assert "; " in line, f"no fix given after the problem: {line!r}"  # "<what is wrong>; <what to do>"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if run_dir.exists():  # refused before Hydra made a folder, or a folder that says it failed
+        assert not (run_dir / "metrics.json").exists()
+        assert json.loads((run_dir / "failed.json").read_text())["status"] == "failed"
+        assert not list(run_dir.glob(f"checkpoints/*/{COMPLETE}"))
+    return line
+
+
+@pytest.mark.parametrize("case", list(CATALOGUE))
+def test_bad_input_catalogue(tmp_path, case):
+    overrides, named = CATALOGUE[case]
+    if callable(overrides):
+        overrides = overrides(tmp_path)
+    run_dir = tmp_path / "run"
+    result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT)
+    assert_one_clean_line(result, run_dir, named)
+
+
+def test_port_already_in_use(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(tmp_path / "run", f"launcher.master_port={port}", check=False, timeout=CLI_TIMEOUT)
+    assert_one_clean_line(result, tmp_path / "run", f"launcher.master_port={port}")
+
+
+@pytest.mark.parametrize("missing, overrides, named", [
+    (("mpi4py", "mpich"), ["launcher=mpirun"], "mpiexec"),
+    (("deepspeed",), ["strategy=zero2"], "DeepSpeed"),
+    (("deepspeed",), ["launcher=deepspeed"], "deepspeed"),
+])
+def test_missing_tool_or_package(tmp_path, missing, overrides, named):
+    python = python_without(tmp_path, missing)
+    run_dir = tmp_path / "run"
+    cmd = [str(python), "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
+    env = {**os.environ, "PATH": f"{python.parent}:/usr/bin:/bin"}
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT, env=env)
+    assert_one_clean_line(result, run_dir, named)
+
+
+# ----- a crashing rank -----
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="ignore"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_one_failing_rank_ends_every_rank_quickly(tmp_path, launcher, mode):
+    run_dir = tmp_path / "run"
+    result = run_cli(run_dir, "strategy=ddp", "trainer.steps=200", "fault.rank=1", "fault.step=2",
+                     f"fault.mode={mode}", f"launcher={launcher}", check=False, timeout=CLI_TIMEOUT)
+    ended = time.time()
+    assert result.returncode != 0
+    assert not (run_dir / "metrics.json").exists() and (run_dir / "failed.json").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith("parallel_lab: error:"), result.stderr[-3000:]
+    pids = [int(p.read_text()) for p in (run_dir / "pids").glob("rank*.pid")]
+    assert len(pids) == 2 and not [pid for pid in pids if _alive(pid)], "a worker outlived the run"
+    assert _processes_mentioning(str(run_dir)) == []
+    if mode == "raise":
+        # Rank 1 wrote its traceback (errors/rank1.txt) when it raised: every rank ended within 30 s of it.
+        raised_at = float((run_dir / "errors" / "rank1.txt").read_text().split()[0])
+        assert ended - raised_at < 30
+        assert result.stderr.count("raise InjectedFault(") == 1, result.stderr[-3000:]  # its traceback, once
+        assert "rank 1 failed: InjectedFault" in result.stderr.strip().splitlines()[-1]
