@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,8 @@ def pick_checkpoint(cfg: DictConfig, warn=None) -> tuple[Path, dict] | None:
         manifest = read_manifest(path)
         check_compatible(manifest, cfg, path)
         return path, manifest
+    if not cfg.trainer.checkpoint_dir:  # a config built in process (tests), never through the CLI
+        return None
     for path in complete_checkpoints(Path(cfg.trainer.checkpoint_dir)):
         try:
             manifest = read_manifest(path)
@@ -211,14 +214,18 @@ class Checkpointer:
         self.cfg = cfg
         self.env = env
         self.strategy = strategy
-        self.root = Path(cfg.trainer.checkpoint_dir)
+        self.root = Path(cfg.trainer.checkpoint_dir or Path(cfg.run_dir or ".") / "checkpoints")
         self.every = cfg.trainer.checkpoint_every
         self.keep = cfg.trainer.keep_checkpoints
+        self.save_seconds: list[float] = []  # wall time of each save, barriers included
+        self.load_seconds: float | None = None
+        self.last_bytes = 0  # size of the newest checkpoint written (rank 0)
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and (steps_done % self.every == 0 or steps_done == self.cfg.trainer.steps)
 
     def save(self, steps_done: int, history: dict, fault_hook=None) -> Path:
+        started = time.perf_counter()
         final = self.root / checkpoint_name(steps_done)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if self.env.is_main:
@@ -235,6 +242,7 @@ class Checkpointer:
             self._commit(tmp, final, steps_done)
             self._prune()
         _barrier()
+        self.save_seconds.append(time.perf_counter() - started)
         return final
 
     def _commit(self, tmp: Path, final: Path, steps_done: int) -> None:
@@ -244,6 +252,7 @@ class Checkpointer:
                 os.fsync(f.fileno())
             files[str(file.relative_to(tmp))] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
         manifest = {"format": FORMAT_VERSION, "step": steps_done, "run": run_identity(self.cfg), "files": files}
+        self.last_bytes = sum(f["size"] for f in files.values())
         (tmp / (COMPLETE + ".tmp")).write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp / (COMPLETE + ".tmp"), tmp / COMPLETE)
         _fsync_dir(tmp)
@@ -258,6 +267,7 @@ class Checkpointer:
 
     def restore(self) -> Resumed | None:
         """Load the checkpoint trainer.resume names (collective); None when starting fresh."""
+        started = time.perf_counter()
         choice = pick_checkpoint(self.cfg) if self.env.is_main else None
         step = _broadcast_int(choice[1]["step"] if choice else -1)
         if step < 0:
@@ -270,6 +280,7 @@ class Checkpointer:
                                   f"complete.json says {step}; trainer.resume=never to start fresh")
         set_rng_state(state["rng"], self.env.device)
         history = torch.load(path / trainer_file(0), map_location="cpu", weights_only=True)["history"]
+        self.load_seconds = time.perf_counter() - started
         return Resumed(step=step, path=path, history=history)
 
     def _path_for(self, step: int) -> Path:
@@ -286,6 +297,11 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
     if not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 1:
         raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1; the default 2 keeps a "
                           f"fallback if the newest is damaged")
+    fault = cfg.fault
+    if fault.rank >= 0 and fault.at == "checkpoint" and (t.checkpoint_every <= 0 or not (
+            fault.step % t.checkpoint_every == 0 or fault.step == t.steps) or fault.step <= 0):
+        raise ConfigError(f"fault.at=checkpoint fault.step={fault.step} names no checkpoint (trainer.checkpoint_every="
+                          f"{t.checkpoint_every}); use a step that is a multiple of trainer.checkpoint_every")
     resume = str(t.resume)
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder

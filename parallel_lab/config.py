@@ -199,6 +199,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
     if cfg.fault.mode not in ("raise", "kill"):
         raise ConfigError(f"fault.mode='{cfg.fault.mode}' is unknown; use fault.mode=raise or kill")
+    if cfg.launcher.max_restarts and cfg.launcher.name != "torchrun":
+        raise ConfigError(f"launcher.max_restarts={cfg.launcher.max_restarts} needs launcher=torchrun (launcher="
+                          f"{cfg.launcher.name} does not restart workers); add launcher=torchrun or drop max_restarts")
     if cfg.fault.at not in ("step", "checkpoint"):
         raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
     requested_world = ws

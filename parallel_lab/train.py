@@ -3,6 +3,7 @@ the optimizer step and every collective; the loop owns data, timing and the metr
 from __future__ import annotations
 
 import os
+import statistics
 import signal
 import time
 from typing import Callable, Iterable
@@ -152,6 +153,9 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "resumed_from_step": first_step if resumed else None,
         "resumed_from": str(resumed.path) if resumed else None,
         "checkpoint_every": t.checkpoint_every,
+        "checkpoint_save_s": statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
+        "checkpoint_load_s": checkpointer.load_seconds,
+        "checkpoint_bytes": checkpointer.last_bytes or None,
         "comm_bytes_per_step": comm["comm_bytes_per_step"],
         "comm_volume_psi": comm["comm_bytes_per_step"] / (4 * num_params),
         "comm_theory_psi": strategy.comm_theory_psi,
