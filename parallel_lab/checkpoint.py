@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.errors import ConfigError
 
@@ -42,8 +42,10 @@ COMPLETE = "complete.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
-# What must match between the run that wrote a checkpoint and the run that loads it.
-COMPAT_KEYS = ("strategy", "world_size", "model", "global_batch", "grad_accum", "seed")
+# What must match between the run that wrote a checkpoint and the run that loads it: the model
+# state's layout (strategy, its options, world size) and the batch sequence (data, batch, seed).
+COMPAT_KEYS = ("strategy", "strategy_options", "world_size", "model", "data", "data_size", "optimizer",
+               "global_batch", "grad_accum", "seed")
 
 
 class CheckpointError(ConfigError):
@@ -77,8 +79,13 @@ def _fsync_dir(folder: Path) -> None:
 def run_identity(cfg: DictConfig) -> dict:
     """The settings a checkpoint must agree on with the run that resumes from it."""
     t = cfg.trainer
-    return {"strategy": cfg.strategy.name, "world_size": cfg.world_size, "model": cfg.model.name,
-            "global_batch": t.global_batch, "grad_accum": t.grad_accum, "seed": t.seed}
+    return {"strategy": cfg.strategy.name, "strategy_options": OmegaConf.to_container(cfg.strategy, resolve=True),
+            "world_size": cfg.world_size, "model": cfg.model.name, "data": cfg.data.name, "data_size": cfg.data.size,
+            "optimizer": t.optimizer, "global_batch": t.global_batch, "grad_accum": t.grad_accum, "seed": t.seed}
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
 
 
 def read_manifest(path: Path) -> dict:
@@ -93,6 +100,10 @@ def read_manifest(path: Path) -> dict:
         files = manifest["files"]
         step = int(manifest["step"])
     except FileNotFoundError:
+        inside = complete_checkpoints(path)
+        if inside:
+            raise CheckpointError(f"'{path}' holds checkpoints, it is not one; pass one of its step_* folders, "
+                                  f"e.g. trainer.resume={inside[0]}") from None
         raise CheckpointError(f"checkpoint '{path}' is incomplete (no {COMPLETE}: its write never finished); {fix}") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint '{path}' has a corrupt {COMPLETE} ({exc}); {fix}") from None
@@ -113,10 +124,15 @@ def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
     ours = run_identity(cfg)
     theirs = manifest.get("run", {})
     for key in COMPAT_KEYS:
-        if theirs.get(key) != ours[key]:
-            raise CheckpointError(
-                f"checkpoint '{path}' was written with {key}={theirs.get(key)} but this run has {key}={ours[key]}; "
-                f"resume with the same {key}, or trainer.resume=never to start fresh")
+        if theirs.get(key) == ours[key]:
+            continue
+        name, then, now = key, theirs.get(key), ours[key]
+        if isinstance(then, dict) and isinstance(now, dict):  # name the one strategy option that differs
+            sub = next(k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
+            name, then, now = f"strategy.{sub}", then.get(sub), now.get(sub)
+        raise CheckpointError(
+            f"checkpoint '{path}' was written with {name}={then} but this run has {name}={now}; "
+            f"resume with the same {name}, or trainer.resume=never to start fresh")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -127,24 +143,21 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
-def pick_checkpoint(cfg: DictConfig, warn=None) -> tuple[Path, dict] | None:
-    """The checkpoint trainer.resume asks for: None to start fresh.
+def check_not_finished(manifest: dict, cfg: DictConfig, path: Path, restarted: bool = False) -> None:
+    """A checkpoint at or past trainer.steps leaves nothing to train; only a torchrun restart after
+    the last checkpoint (before metrics.json) may resume at exactly trainer.steps, to finish up."""
+    step, steps = manifest["step"], cfg.trainer.steps
+    if step > steps or (step == steps and not restarted):
+        raise CheckpointError(f"checkpoint '{path}' is already at step {step} and trainer.steps={steps}; raise "
+                              f"trainer.steps above {step} to train further, or trainer.resume=never to start fresh")
 
-    auto: the newest complete checkpoint under trainer.checkpoint_dir that passes its checks
-    (a corrupt one is reported and the previous one tried); <path>: exactly that one, or an error.
-    """
-    warn = warn or (lambda msg: print(f"parallel_lab: warning: {msg}", file=sys.stderr, flush=True))
-    resume = str(cfg.trainer.resume)
-    if resume == "never":
-        return None
-    if resume != "auto":
-        path = Path(resume).expanduser()
-        manifest = read_manifest(path)
-        check_compatible(manifest, cfg, path)
-        return path, manifest
-    if not cfg.trainer.checkpoint_dir:  # a config built in process (tests), never through the CLI
-        return None
-    for path in complete_checkpoints(Path(cfg.trainer.checkpoint_dir)):
+
+def newest_good_checkpoint(cfg: DictConfig, warn) -> tuple[Path, dict] | None:
+    """The newest checkpoint under trainer.checkpoint_dir that passes its checks; a damaged one is
+    reported and the previous one tried; all damaged is an error, not a silent fresh start."""
+    root = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None
+    candidates = complete_checkpoints(root) if root else []
+    for path in candidates:
         try:
             manifest = read_manifest(path)
         except CheckpointError as exc:
@@ -152,7 +165,37 @@ def pick_checkpoint(cfg: DictConfig, warn=None) -> tuple[Path, dict] | None:
             continue
         check_compatible(manifest, cfg, path)
         return path, manifest
+    if candidates:
+        raise CheckpointError(f"every checkpoint under '{root}' is damaged; trainer.resume=never to start fresh "
+                              f"(or another trainer.checkpoint_dir)")
     return None
+
+
+def _stderr_warning(message: str) -> None:
+    print(f"parallel_lab: warning: {message}", file=sys.stderr, flush=True)
+
+
+def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=_stderr_warning) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, or None to start fresh.
+
+    auto: the newest good checkpoint under trainer.checkpoint_dir; <path>: exactly that one, or an
+    error; never: none. After a torchrun restart (restart_count > 0) the newest checkpoint this run
+    wrote wins whatever trainer.resume says: going back to <path>, or to step 0, would throw away
+    the steps finished since.
+    """
+    resume = str(cfg.trainer.resume)
+    if resume == "auto" or restart_count > 0:
+        found = newest_good_checkpoint(cfg, warn)
+        if found:
+            check_not_finished(found[1], cfg, found[0], restarted=restart_count > 0)
+            return found
+    if resume in ("auto", "never"):
+        return None
+    path = Path(resume).expanduser()
+    manifest = read_manifest(path)
+    check_compatible(manifest, cfg, path)
+    check_not_finished(manifest, cfg, path)
+    return path, manifest
 
 
 # ----- per-rank trainer state: step, sampler position, RNG, history -----
@@ -187,6 +230,7 @@ def trainer_file(rank: int) -> str:
 @dataclass
 class Resumed:
     step: int  # optimizer steps already done
+    batches_consumed: int  # global batches the sampler has handed out: where the data resumes
     path: Path
     history: dict  # loss history etc. recorded by the run that wrote the checkpoint
 
@@ -224,7 +268,7 @@ class Checkpointer:
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and (steps_done % self.every == 0 or steps_done == self.cfg.trainer.steps)
 
-    def save(self, steps_done: int, history: dict, fault_hook=None) -> Path:
+    def save(self, steps_done: int, batches_consumed: int, history: dict, fault_hook=None) -> Path:
         started = time.perf_counter()
         final = self.root / checkpoint_name(steps_done)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
@@ -233,14 +277,14 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         self.strategy.save_checkpoint(tmp)
-        torch.save({"step": steps_done, "batches_consumed": steps_done, "rng": rng_state(self.env.device),
+        torch.save({"step": steps_done, "batches_consumed": batches_consumed, "rng": rng_state(self.env.device),
                     "history": history if self.env.is_main else {}}, tmp / trainer_file(self.env.rank))
         if fault_hook:
             fault_hook()  # fault.at=checkpoint: die with this checkpoint half-written
         _barrier()
         if self.env.is_main:
             self._commit(tmp, final, steps_done)
-            self._prune()
+            self._prune(steps_done)
         _barrier()
         self.save_seconds.append(time.perf_counter() - started)
         return final
@@ -256,19 +300,23 @@ class Checkpointer:
         (tmp / (COMPLETE + ".tmp")).write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp / (COMPLETE + ".tmp"), tmp / COMPLETE)
         _fsync_dir(tmp)
-        if final.exists():  # e.g. trainer.resume=never over an older run's checkpoints
-            shutil.rmtree(final)
+        old = self.root / f".old-{final.name}"
+        if final.exists():  # written before a restart went back past it: move aside, then replace
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        shutil.rmtree(old, ignore_errors=True)
 
-    def _prune(self) -> None:
-        for old in complete_checkpoints(self.root)[self.keep:]:
+    def _prune(self, steps_done: int) -> None:
+        """Keep the newest keep_checkpoints up to this step (never the one just written)."""
+        for old in [p for p in complete_checkpoints(self.root) if step_of(p) <= steps_done][self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def restore(self) -> Resumed | None:
         """Load the checkpoint trainer.resume names (collective); None when starting fresh."""
         started = time.perf_counter()
-        choice = pick_checkpoint(self.cfg) if self.env.is_main else None
+        choice = pick_checkpoint(self.cfg, self.env.restart_count) if self.env.is_main else None
         step = _broadcast_int(choice[1]["step"] if choice else -1)
         if step < 0:
             return None
@@ -281,11 +329,16 @@ class Checkpointer:
         set_rng_state(state["rng"], self.env.device)
         history = torch.load(path / trainer_file(0), map_location="cpu", weights_only=True)["history"]
         self.load_seconds = time.perf_counter() - started
-        return Resumed(step=step, path=path, history=history)
+        return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=history)
 
     def _path_for(self, step: int) -> Path:
+        """Rank 0 chose; the others find the same folder from the step it broadcast."""
         resume = str(self.cfg.trainer.resume)
-        return Path(resume).expanduser() if resume not in ("auto", "never") else self.root / checkpoint_name(step)
+        explicit = Path(resume).expanduser() if resume not in ("auto", "never") else None
+        if explicit is not None and explicit.name == checkpoint_name(step) and not (self.root / explicit.name).is_dir():
+            return explicit
+        own = self.root / checkpoint_name(step)
+        return own if own.is_dir() else explicit
 
 
 def validate_checkpoint_config(cfg: DictConfig) -> None:
@@ -305,8 +358,17 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
     resume = str(t.resume)
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder
-        manifest = read_manifest(Path(t.resume))
-        check_compatible(manifest, cfg, Path(t.resume))
-        if manifest["step"] >= t.steps:
-            raise ConfigError(f"checkpoint '{t.resume}' is already at step {manifest['step']} and trainer.steps="
-                              f"{t.steps}; raise trainer.steps above {manifest['step']} to train further")
+    if not t.checkpoint_dir:  # the default, <run_dir>/checkpoints, is new and empty
+        if t.resume not in ("auto", "never"):
+            pick_checkpoint(cfg, warn=lambda msg: None)
+        return
+    t.checkpoint_dir = str(Path(t.checkpoint_dir).expanduser().resolve())
+    existing = complete_checkpoints(Path(t.checkpoint_dir))
+    if resume == "never" and existing:
+        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {existing[0].name}; with "
+                          f"trainer.resume=never use an empty trainer.checkpoint_dir (or trainer.resume=auto)")
+    choice = pick_checkpoint(cfg, warn=lambda msg: None)
+    newer = [p for p in existing if choice and resume != "auto" and step_of(p) > choice[1]["step"]]
+    if newer:
+        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} holds {newer[0].name}, newer than the checkpoint "
+                          f"resumed from; a restart would pick it up: use an empty trainer.checkpoint_dir")

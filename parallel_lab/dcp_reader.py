@@ -1,15 +1,19 @@
-"""torch Distributed Checkpoint's file reader without unrestricted unpickling.
+"""torch Distributed Checkpoint loading without unrestricted unpickling.
 
-DCP's FileSystemReader reads tensors safely (``weights_only=True`` for byte items, raw storage for
-tensors) but loads its ``.metadata`` file with plain ``pickle.load``, which runs whatever code a
-tampered file names. This reader unpickles the metadata allowing only DCP's own metadata classes
-and the torch/builtin types they hold.
+DCP (torch 2.13) unpickles in two places with no restriction: ``FileSystemReader.read_metadata``
+(``pickle.load`` of ``.metadata``) and ``DefaultLoadPlanner.load_bytes`` (``torch.load(...,
+weights_only=False)`` of every non-tensor entry, e.g. the optimizer's lr and betas). Either would
+run whatever code a tampered file names. ``load_sharded`` closes both: the metadata is unpickled
+allowing only DCP's own metadata classes, byte entries are read with ``weights_only=True``.
+Tensors are raw storage either way.
 """
 from __future__ import annotations
 
+import io
 import pickle
 
-from torch.distributed.checkpoint import FileSystemReader
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.storage import StorageMeta
 
 # Exactly what torch 2.13's DCP writes into .metadata (FSDP1 and FSDP2, model + Adam state);
@@ -44,3 +48,31 @@ class WeightsOnlyFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked = torch.load(value, weights_only=True)  # refuses any global outside torch's allowlist
+        # Hand DCP the checked value re-serialised: its own (unrestricted) load now sees only
+        # plain values and tensors, and it stays in charge of where the value goes.
+        clean = io.BytesIO()
+        torch.save(checked, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+def load_sharded(state: dict, path: str) -> None:
+    """dcp.load(state) from the folder path, in place, with both restrictions."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from parallel_lab.checkpoint import CheckpointError
+    from parallel_lab.errors import one_line
+
+    try:
+        dcp.load(state, storage_reader=WeightsOnlyFileSystemReader(path), planner=WeightsOnlyLoadPlanner())
+    except CheckpointException as exc:  # a BaseException carrying every rank's traceback: keep the cause
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        reason = one_line(str(causes[0]))[:400] if causes else "unknown error"
+        raise CheckpointError(f"checkpoint '{path}' cannot be loaded: {reason}; "
+                              f"trainer.resume=never to start fresh") from None

@@ -18,14 +18,19 @@ def allowed_deepspeed_globals() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def weights_only_load(path: str, map_location=None):
+    """torch.load of a DeepSpeed file: tensors, plain values and the allowed DeepSpeed types only."""
+    with torch.serialization.safe_globals(allowed_deepspeed_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def use_weights_only_loading(engine) -> None:
     """Swap the engine's checkpoint loader for one that refuses anything but the allowed types."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location=None):
-            with torch.serialization.safe_globals(allowed_deepspeed_globals()):
-                return torch.load(path, map_location=map_location, weights_only=True)
+            return weights_only_load(path, map_location)
 
     if not isinstance(engine.checkpoint_engine, TorchCheckpointEngine):
         raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(engine.checkpoint_engine).__name__}")

@@ -168,6 +168,7 @@ def _terminate_with_parent() -> None:
 
 
 def _raise_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
     raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
 
 

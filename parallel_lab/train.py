@@ -80,12 +80,14 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     first_step = resumed.step if resumed else 0
     history = resumed.history if resumed else {"losses": [], "fwd_bwd": [], "optimizer": []}
     train_set, eval_set = load_datasets(cfg.data, t.seed)
-    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, first_step)
+    consumed = resumed.batches_consumed if resumed else 0
+    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, consumed)
 
     memory = {}
     for step in _progress(t.steps, t.progress and env.is_main, first_step):
         maybe_inject_fault(cfg.fault, env, step, "step")
         inputs, targets = next(batches)
+        consumed += 1
         _sync(env.device)
         start = time.perf_counter()
         with counter.counting():  # only the strategy's own communication, not the loss report
@@ -109,7 +111,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         history["losses"].append(strategy.global_mean_loss(torch.stack(micro_losses).mean()))
         if checkpointer.due(step + 1):
             with counter.paused():
-                checkpointer.save(step + 1, history, lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"))
+                checkpointer.save(step + 1, consumed, history, lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"))
 
     losses = history["losses"]
     step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]

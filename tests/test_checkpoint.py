@@ -9,13 +9,15 @@ sampler position is exercised both mid-epoch and at an epoch start.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import load_metrics, run_cli
-from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest
+from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest, sha256_file
 
 COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
 TIMEOUT = 300
@@ -23,15 +25,16 @@ TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted 6-step run of each strategy, computed once per module."""
-    cache: dict[str, dict] = {}
+    """The uninterrupted 6-step run of each strategy (+ options), computed once per module."""
+    cache: dict[tuple, dict] = {}
 
-    def get(strategy: str) -> dict:
-        if strategy not in cache:
+    def get(strategy: str, *options: str) -> dict:
+        key = (strategy, *options)
+        if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"straight_{strategy}")
-            run_cli(run_dir, f"strategy={strategy}", *COMMON, timeout=TIMEOUT)
-            cache[strategy] = load_metrics(run_dir)
-        return cache[strategy]
+            run_cli(run_dir, f"strategy={strategy}", *options, *COMMON, timeout=TIMEOUT)
+            cache[key] = load_metrics(run_dir)
+        return cache[key]
 
     return get
 
@@ -87,16 +90,105 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     _assert_same_training(load_metrics(second), straight("ddp"), resume_step=2)
 
 
-@pytest.mark.parametrize("strategy", ["tp", "pp"])
-def test_model_parallel_resume_from_a_named_checkpoint(tmp_path, straight, strategy):
+@pytest.mark.parametrize("strategy, options, files", [
+    ("tp", [], ["shard_rank0.pt", "shard_rank1.pt"]),  # each rank its own part
+    ("pp", [], ["shard_rank0.pt", "shard_rank1.pt"]),
+    ("fsdp", ["strategy.version=1"], ["dcp/__0_0.distcp", "dcp/__1_0.distcp"]),  # DCP: a file per rank
+    ("zero1", [], ["deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                   "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+])
+def test_resume_from_a_named_checkpoint(tmp_path, straight, strategy, options, files):
     first = tmp_path / "first"
-    run_cli(first, f"strategy={strategy}", *COMMON, "trainer.steps=3", "trainer.checkpoint_every=3", timeout=TIMEOUT)
-    shards = sorted(p.name for p in (first / "checkpoints" / checkpoint_name(3)).glob("shard_rank*.pt"))
-    assert shards == ["shard_rank0.pt", "shard_rank1.pt"]  # each rank wrote its own part
+    run_cli(first, f"strategy={strategy}", *options, *COMMON, "trainer.steps=3", "trainer.checkpoint_every=3",
+            timeout=TIMEOUT)
+    folder = first / "checkpoints" / checkpoint_name(3)
+    assert set(files) <= set(json.loads((folder / COMPLETE).read_text())["files"])
     second = tmp_path / "second"
-    run_cli(second, f"strategy={strategy}", *COMMON,
-            f"trainer.resume={first / 'checkpoints' / checkpoint_name(3)}", timeout=TIMEOUT)
-    _assert_same_training(load_metrics(second), straight(strategy), resume_step=3)
+    run_cli(second, f"strategy={strategy}", *options, *COMMON, f"trainer.resume={folder}", timeout=TIMEOUT)
+    _assert_same_training(load_metrics(second), straight(strategy, *options), resume_step=3)
+
+
+def test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint(tmp_path, straight):
+    first = tmp_path / "first"
+    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=2", "trainer.checkpoint_every=2", timeout=TIMEOUT)
+    second = tmp_path / "second"
+    # Resumes from first's step 2, checkpoints step 4 itself, loses rank 1 before step 5: the
+    # restart must continue from its own step 4, not go back to the step-2 checkpoint it was given.
+    run_cli(second, "strategy=ddp", *COMMON, f"trainer.resume={first / 'checkpoints' / checkpoint_name(2)}",
+            "trainer.checkpoint_every=2", "launcher=torchrun", "launcher.max_restarts=1", "fault.rank=1",
+            "fault.step=5", "fault.mode=kill", timeout=TIMEOUT)
+    metrics = load_metrics(second)
+    assert metrics["attempt"] == 1
+    _assert_same_training(metrics, straight("ddp"), resume_step=4)
+
+
+class Planted:
+    """A pickle that runs a command when unpickled: what a tampered checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rehash(folder: Path) -> None:
+    """Rewrite complete.json for the tampered files, as an attacker would."""
+    manifest = json.loads((folder / COMPLETE).read_text())
+    for rel in manifest["files"]:
+        manifest["files"][rel] = {"size": (folder / rel).stat().st_size, "sha256": sha256_file(folder / rel)}
+    (folder / COMPLETE).write_text(json.dumps(manifest))
+
+
+def test_planted_pickle_in_a_checkpoint_does_not_run(tmp_path):
+    first = tmp_path / "first"
+    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=2", "trainer.checkpoint_every=2", timeout=TIMEOUT)
+    folder = first / "checkpoints" / checkpoint_name(2)
+    marker = tmp_path / "pwned"
+    torch.save({"model": Planted(marker), "optimizer": {}}, folder / "model_optimizer.pt")
+    _rehash(folder)
+    result = run_cli(tmp_path / "second", "strategy=ddp", *COMMON, f"trainer.resume={folder}", check=False,
+                     timeout=TIMEOUT)
+    assert result.returncode != 0 and not marker.exists()
+    assert "Weights only load failed" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("where", ["metadata", "byte entry"])
+def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
+    import torch.distributed.checkpoint as dcp
+
+    from parallel_lab.dcp_reader import load_sharded
+
+    marker = tmp_path / "pwned"
+    lr = Planted(marker) if where == "byte entry" else 0.1
+    dcp.save({"w": torch.arange(4.0), "lr": lr}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    if where == "metadata":
+        (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(CheckpointError, match="is not allowed in a checkpoint's .metadata|Weights only load failed"):
+        load_sharded({"w": torch.zeros(4), "lr": 0.0}, str(tmp_path / "dcp"))
+    assert not marker.exists()
+
+
+def test_dcp_loader_still_reads_good_files(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from parallel_lab.dcp_reader import load_sharded
+
+    dcp.save({"w": torch.arange(4.0), "lr": 0.1, "betas": (0.9, 0.999)}, checkpoint_id=str(tmp_path), no_dist=True)
+    state = {"w": torch.zeros(4), "lr": 0.0, "betas": (0.0, 0.0)}
+    load_sharded(state, str(tmp_path))
+    assert torch.equal(state["w"], torch.arange(4.0)) and state["lr"] == 0.1 and tuple(state["betas"]) == (0.9, 0.999)
+
+
+def test_planted_pickle_in_a_deepspeed_file_does_not_run(tmp_path):
+    pytest.importorskip("deepspeed")
+    from parallel_lab.ds_checkpoint import weights_only_load
+
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer_state_dict": Planted(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        weights_only_load(str(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert not marker.exists()
 
 
 # ----- the integrity check itself, in process -----
@@ -105,8 +197,6 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     folder = root / checkpoint_name(step)
     folder.mkdir(parents=True)
     torch.save({"w": torch.arange(10.0)}, folder / "model_optimizer.pt")
-    from parallel_lab.checkpoint import sha256_file
-
     files = {"model_optimizer.pt": {"size": (folder / "model_optimizer.pt").stat().st_size,
                                     "sha256": sha256_file(folder / "model_optimizer.pt")}}
     (folder / COMPLETE).write_text(json.dumps({"format": 1, "step": step, "run": {}, "files": files}))

@@ -73,6 +73,19 @@ def other_strategy_checkpoint(tmp: Path) -> list[str]:
     return ["strategy=ddp", f"trainer.resume={_checkpoint_of(tmp, 'single')}"]
 
 
+def finished_checkpoint_dir(tmp: Path) -> list[str]:
+    return [f"trainer.checkpoint_dir={_checkpoint_of(tmp).parent}", "trainer.steps=2", "trainer.global_batch=16",
+            "data.size=64", "strategy=single"]
+
+
+def reused_checkpoint_dir(tmp: Path) -> list[str]:
+    return [f"trainer.checkpoint_dir={_checkpoint_of(tmp).parent}", "trainer.resume=never"]
+
+
+def checkpoints_parent_folder(tmp: Path) -> list[str]:
+    return [f"trainer.resume={_checkpoint_of(tmp).parent}"]
+
+
 def tampered_tarball(tmp: Path) -> list[str]:
     build_tarball(tmp)  # the expected md5 is the real CIFAR-10's: this file does not match it
     return ["data=cifar10", f"data.root={tmp}"]
@@ -139,6 +152,9 @@ CATALOGUE = {
     "resume-corrupt-checkpoint": (corrupt_checkpoint, "sha256"),
     "resume-incomplete-checkpoint": (incomplete_checkpoint, "incomplete"),
     "resume-other-strategy": (other_strategy_checkpoint, "strategy=single"),
+    "resume-finished-run": (finished_checkpoint_dir, "already at step 2"),
+    "never-into-used-checkpoint-dir": (reused_checkpoint_dir, "already holds step_00000002"),
+    "resume-parent-folder": (checkpoints_parent_folder, "step_00000002"),
 }
 
 

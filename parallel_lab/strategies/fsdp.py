@@ -195,13 +195,12 @@ class FSDPStrategy(Strategy):
         dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from parallel_lab.dcp_reader import WeightsOnlyFileSystemReader
+        from parallel_lab.dcp_reader import load_sharded
 
         state = self._sharded_state()  # the shapes and shards to fill in
-        dcp.load(state, storage_reader=WeightsOnlyFileSystemReader(str(directory / DCP_DIR)))
+        load_sharded(state, str(directory / DCP_DIR))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def full_parameters(self) -> list[torch.Tensor]:
