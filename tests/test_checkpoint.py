@@ -153,6 +153,10 @@ def test_planted_pickle_in_a_checkpoint_does_not_run(tmp_path):
     assert "Weights only load failed" in result.stderr.strip().splitlines()[-1]
 
 
+NO_PROCESS_GROUP = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+
+
+@NO_PROCESS_GROUP
 @pytest.mark.parametrize("where", ["metadata", "byte entry"])
 def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
     import torch.distributed.checkpoint as dcp
@@ -169,6 +173,7 @@ def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
     assert not marker.exists()
 
 
+@NO_PROCESS_GROUP
 def test_dcp_loader_still_reads_good_files(tmp_path):
     import torch.distributed.checkpoint as dcp
 
