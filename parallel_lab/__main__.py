@@ -46,7 +46,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = validate(cfg)
+        cfg = validate(cfg, run_dir)
         finalize_for_run_dir(cfg, run_dir)
         code = launch(cfg, run_dir)
     except ConfigError as exc:

@@ -91,7 +91,7 @@ def step_of(path: Path) -> int:
 def read_manifest(path: Path) -> dict:
     """complete.json of a checkpoint, after checking every file it lists; CheckpointError if not."""
     path = Path(path)
-    fix = "point trainer.resume at another checkpoint, or trainer.resume=never to start fresh"
+    fix = "point trainer.resume at another checkpoint, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist; {fix}")
     manifest_path = path / COMPLETE
@@ -128,11 +128,12 @@ def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
             continue
         name, then, now = key, theirs.get(key), ours[key]
         if isinstance(then, dict) and isinstance(now, dict):  # name the one strategy option that differs
-            sub = next(k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
-            name, then, now = f"strategy.{sub}", then.get(sub), now.get(sub)
+            missing = "<absent>"
+            sub = next((k for k in sorted(set(then) | set(now)) if then.get(k, missing) != now.get(k, missing)), "?")
+            name, then, now = f"strategy.{sub}", then.get(sub, missing), now.get(sub, missing)
         raise CheckpointError(
             f"checkpoint '{path}' was written with {name}={then} but this run has {name}={now}; "
-            f"resume with the same {name}, or trainer.resume=never to start fresh")
+            f"resume with the same {name}, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -149,7 +150,7 @@ def check_not_finished(manifest: dict, cfg: DictConfig, path: Path, restarted: b
     step, steps = manifest["step"], cfg.trainer.steps
     if step > steps or (step == steps and not restarted):
         raise CheckpointError(f"checkpoint '{path}' is already at step {step} and trainer.steps={steps}; raise "
-                              f"trainer.steps above {step} to train further, or trainer.resume=never to start fresh")
+                              f"trainer.steps above {step} to train further, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)")
 
 
 def newest_good_checkpoint(cfg: DictConfig, warn) -> tuple[Path, dict] | None:
@@ -240,15 +241,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_int(value: int) -> int:
-    """Rank 0's choice, so every rank loads the same checkpoint even if they would see different files."""
+def _broadcast_ints(*values: int) -> list[int]:
+    """Rank 0's values on every rank (the others pass placeholders)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.broadcast(t, src=0)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 class Checkpointer:
@@ -317,10 +318,14 @@ class Checkpointer:
         """Load the checkpoint trainer.resume names (collective); None when starting fresh."""
         started = time.perf_counter()
         choice = pick_checkpoint(self.cfg, self.env.restart_count) if self.env.is_main else None
-        step = _broadcast_int(choice[1]["step"] if choice else -1)
+        explicit = Path(str(self.cfg.trainer.resume)).expanduser()
+        # Rank 0 decides; the others learn the step and whether it is trainer.resume's folder or
+        # one in checkpoint_dir, so every rank loads the same folder.
+        step, from_resume = _broadcast_ints(choice[1]["step"] if choice else -1,
+                                            int(bool(choice) and choice[0] == explicit))
         if step < 0:
             return None
-        path = choice[0] if choice else self._path_for(step)
+        path = explicit if from_resume else self.root / checkpoint_name(step)
         self.strategy.load_checkpoint(path)
         state = torch.load(path / trainer_file(self.env.rank), map_location="cpu", weights_only=True)
         if state["step"] != step:
@@ -330,15 +335,6 @@ class Checkpointer:
         history = torch.load(path / trainer_file(0), map_location="cpu", weights_only=True)["history"]
         self.load_seconds = time.perf_counter() - started
         return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=history)
-
-    def _path_for(self, step: int) -> Path:
-        """Rank 0 chose; the others find the same folder from the step it broadcast."""
-        resume = str(self.cfg.trainer.resume)
-        explicit = Path(resume).expanduser() if resume not in ("auto", "never") else None
-        if explicit is not None and explicit.name == checkpoint_name(step) and not (self.root / explicit.name).is_dir():
-            return explicit
-        own = self.root / checkpoint_name(step)
-        return own if own.is_dir() else explicit
 
 
 def validate_checkpoint_config(cfg: DictConfig) -> None:
@@ -358,7 +354,7 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
     resume = str(t.resume)
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder
-    if not t.checkpoint_dir:  # the default, <run_dir>/checkpoints, is new and empty
+    if not t.checkpoint_dir:  # a config composed in process, not for a run folder
         if t.resume not in ("auto", "never"):
             pick_checkpoint(cfg, warn=lambda msg: None)
         return
@@ -368,7 +364,7 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {existing[0].name}; with "
                           f"trainer.resume=never use an empty trainer.checkpoint_dir (or trainer.resume=auto)")
     choice = pick_checkpoint(cfg, warn=lambda msg: None)
-    newer = [p for p in existing if choice and resume != "auto" and step_of(p) > choice[1]["step"]]
-    if newer:
-        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} holds {newer[0].name}, newer than the checkpoint "
-                          f"resumed from; a restart would pick it up: use an empty trainer.checkpoint_dir")
+    others = [p for p in existing if resume not in ("auto", "never") and p != choice[0]]
+    if others:  # after a restart the newest of these would win over the checkpoint asked for
+        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {others[0].name}; to resume from "
+                          f"{t.resume} use an empty trainer.checkpoint_dir")

@@ -180,8 +180,19 @@ def _check_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1")
 
 
-def validate(cfg: DictConfig) -> DictConfig:
+def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Settings that follow from the run folder (before validation, which checks the checkpoint folder)."""
+    run_dir = run_dir.resolve()
+    cfg.run_dir = str(run_dir)
+    if not cfg.trainer.checkpoint_dir:
+        cfg.trainer.checkpoint_dir = str(run_dir / "checkpoints")
+    cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
+
+
+def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     """Resolve derived values and check every cross-field rule. Returns a plain resolved config."""
+    if run_dir is not None:
+        use_run_dir(cfg, run_dir)
     from parallel_lab.strategies import get_strategy_class
 
     strategy_cls = get_strategy_class(cfg.strategy.name)
@@ -230,10 +241,7 @@ def finalize_for_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
     """Fill in what depends on the run folder and write the resolved config.yaml workers read."""
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.run_dir = str(run_dir)
-    if not cfg.trainer.checkpoint_dir:
-        cfg.trainer.checkpoint_dir = str(run_dir / "checkpoints")
-    cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
+    use_run_dir(cfg, run_dir)
     path = run_dir / "config.yaml"
     OmegaConf.save(cfg, path, resolve=True)
     return path

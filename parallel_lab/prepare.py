@@ -21,7 +21,7 @@ def prepare(run_dir: Path, overrides: list[str]) -> Path:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    return finalize_for_run_dir(validate(cfg), run_dir)
+    return finalize_for_run_dir(validate(cfg, run_dir), run_dir)
 
 
 def main(argv: list[str]) -> int:

@@ -86,6 +86,13 @@ def checkpoints_parent_folder(tmp: Path) -> list[str]:
     return [f"trainer.resume={_checkpoint_of(tmp).parent}"]
 
 
+def resume_beside_other_checkpoints(tmp: Path) -> list[str]:
+    folder = _checkpoint_of(tmp)
+    shutil.copytree(folder, tmp / "other" / checkpoint_name(1))  # a restart could pick this one up
+    return [f"trainer.resume={folder}", f"trainer.checkpoint_dir={tmp / 'other'}", "strategy=single",
+            "trainer.global_batch=16", "data.size=64"]
+
+
 def tampered_tarball(tmp: Path) -> list[str]:
     build_tarball(tmp)  # the expected md5 is the real CIFAR-10's: this file does not match it
     return ["data=cifar10", f"data.root={tmp}"]
@@ -155,6 +162,7 @@ CATALOGUE = {
     "resume-finished-run": (finished_checkpoint_dir, "already at step 2"),
     "never-into-used-checkpoint-dir": (reused_checkpoint_dir, "already holds step_00000002"),
     "resume-parent-folder": (checkpoints_parent_folder, "step_00000002"),
+    "resume-beside-other-checkpoints": (resume_beside_other_checkpoints, "already holds step_00000001"),
 }
 
 
