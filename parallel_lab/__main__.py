@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.config import check_group_overrides, check_overrides_compose, finalize_for_run_dir, register_configs, validate
+from parallel_lab.config import check_group_overrides, check_overrides_compose, write_run_config, register_configs, validate
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.metrics import FAILED_FILE, METRICS_FILE, write_json_atomic
 
@@ -47,7 +47,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         cfg = validate(cfg, run_dir)
-        finalize_for_run_dir(cfg, run_dir)
+        write_run_config(cfg)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
         _fail(run_dir, cfg, one_line(str(exc)))

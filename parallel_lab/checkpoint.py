@@ -21,7 +21,6 @@ per rank. Everything is read back with ``torch.load(..., weights_only=True)``.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.errors import ConfigError
+from parallel_lab.hashing import file_digest
 
 COMPLETE = "complete.json"
 PREFIX = "step_"
@@ -57,11 +57,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_digest(path, "sha256")
 
 
 def _files_under(folder: Path) -> list[Path]:
@@ -279,7 +275,7 @@ class Checkpointer:
         _barrier()
         self.strategy.save_checkpoint(tmp)
         torch.save({"step": steps_done, "batches_consumed": batches_consumed, "rng": rng_state(self.env.device),
-                    "history": history if self.env.is_main else {}}, tmp / trainer_file(self.env.rank))
+                    "history": history}, tmp / trainer_file(self.env.rank))
         if fault_hook:
             fault_hook()  # fault.at=checkpoint: die with this checkpoint half-written
         _barrier()
@@ -332,9 +328,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint '{path}': {trainer_file(self.env.rank)} says step {state['step']}, "
                                   f"complete.json says {step}; trainer.resume=never to start fresh")
         set_rng_state(state["rng"], self.env.device)
-        history = torch.load(path / trainer_file(0), map_location="cpu", weights_only=True)["history"]
         self.load_seconds = time.perf_counter() - started
-        return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=history)
+        return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=state["history"])
 
 
 def validate_checkpoint_config(cfg: DictConfig) -> None:

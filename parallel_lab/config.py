@@ -237,11 +237,10 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     return cfg
 
 
-def finalize_for_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    """Fill in what depends on the run folder and write the resolved config.yaml workers read."""
-    run_dir = run_dir.resolve()
+def write_run_config(cfg: DictConfig) -> Path:
+    """Write the resolved <run_dir>/config.yaml workers read (cfg validated with its run_dir)."""
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    use_run_dir(cfg, run_dir)
     path = run_dir / "config.yaml"
     OmegaConf.save(cfg, path, resolve=True)
     return path

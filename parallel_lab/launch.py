@@ -16,13 +16,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from parallel_lab.dist_env import free_port
 from parallel_lab.errors import ConfigError
-from parallel_lab.worker import ERRORS_DIR, SUPERVISED_ENV
+from parallel_lab.worker import ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
 
 WORKER = ["-m", "parallel_lab.worker"]
 
@@ -158,15 +159,6 @@ def supervise(procs: list[Proc], grace_s: float) -> int:
     return next((c for c in codes if c != 0), 0)
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM it if this parent dies, even by SIGKILL, so a
-    launcher tool (torchrun, mpiexec) in its own session still stops and takes its ranks along."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _raise_on_sigterm(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
     raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
@@ -177,8 +169,10 @@ def run_processes(commands) -> list[Proc]:
     try:
         for rank, cmd, env in commands:
             # A new session per child so the stop signal reaches a launcher tool's own children too.
+            # In the child before exec: SIGTERM it if this parent dies, so a launcher tool
+            # (torchrun, mpiexec) in its own session still stops and takes its ranks along.
             procs.append(Proc(rank, subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                     preexec_fn=_terminate_with_parent)))
+                                                     preexec_fn=partial(set_parent_death_signal, signal.SIGTERM))))
     except BaseException:
         _stop(procs)
         raise

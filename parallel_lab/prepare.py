@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from parallel_lab.config import CONF_DIR, check_group_overrides, finalize_for_run_dir, register_configs, validate
+from parallel_lab.config import CONF_DIR, check_group_overrides, write_run_config, register_configs, validate
 from parallel_lab.errors import ConfigError
 
 
@@ -21,7 +21,7 @@ def prepare(run_dir: Path, overrides: list[str]) -> Path:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    return finalize_for_run_dir(validate(cfg, run_dir), run_dir)
+    return write_run_config(validate(cfg, run_dir))
 
 
 def main(argv: list[str]) -> int:

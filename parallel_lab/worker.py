@@ -31,11 +31,17 @@ ERRORS_DIR = "errors"
 PIDS_DIR = "pids"
 
 
-def die_with_parent() -> None:
-    """Linux: if the launching parent dies (even by SIGKILL), this worker gets SIGKILL: no orphans."""
-    if sys.platform.startswith("linux") and os.environ.get(SUPERVISED_ENV):
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: the kernel sends sig to this process when its parent dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def die_with_parent() -> None:
+    """If the launching parent dies, this worker gets SIGKILL: no orphans."""
+    if os.environ.get(SUPERVISED_ENV):
+        set_parent_death_signal(signal.SIGKILL)
 
 
 def report_failure(run_dir: Path, rank: int, exc: BaseException) -> None:

@@ -22,14 +22,9 @@ import pytest
 from conftest import ROOT, run_cli
 from parallel_lab.checkpoint import COMPLETE, checkpoint_name
 from parallel_lab.data.cifar10 import TRAIN_MEMBERS
-from test_cifar10 import build_tarball, md5_of
+from test_cifar10 import Evil, build_tarball, md5_of
 
 CLI_TIMEOUT = 120
-
-
-class Evil:
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
 
 
 def python_without(tmp: Path, packages: tuple[str, ...]) -> Path:

@@ -10,7 +10,6 @@ read straight from the archive, never extracted to disk.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
 import tarfile
@@ -23,6 +22,7 @@ from omegaconf import DictConfig
 from torch.utils.data import TensorDataset
 
 from parallel_lab.errors import ConfigError
+from parallel_lab.hashing import file_digest
 
 TARBALL = "cifar-10-python.tar.gz"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -53,14 +53,6 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def restricted_loads(data: bytes) -> dict:
     return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
-
-
-def md5sum(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tarball_path(cfg: DictConfig) -> Path:
@@ -117,8 +109,9 @@ def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
             raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put it there or add data.download=true")
         download(path)
     expected = cfg.get("md5", MD5)
-    if expected and md5sum(path) != expected:
-        raise ConfigError(f"{path} has md5 {md5sum(path)}, expected {expected}; the file is corrupt or tampered, re-download it")
+    actual = file_digest(path, "md5") if expected else None
+    if expected and actual != expected:
+        raise ConfigError(f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it")
     try:
         with tarfile.open(path, "r:gz") as tar:
             train = [_read_member(tar, name, path) for name in TRAIN_MEMBERS]
