@@ -121,3 +121,13 @@ def train_and_compare(refs: References, *overrides: str, rtol: float = 1e-4, ato
     acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
     assert metrics["eval_accuracy"] == acc, f"[{label}] eval accuracy {metrics['eval_accuracy']} vs reference {acc}"
     return metrics, strategy, ref
+
+
+STEPS, BATCH = 3, 32  # the tp/pp CLI runs and their plain-torch reference
+
+
+def cnn_reference() -> tuple[list[float], float, float]:
+    """(losses, checksum, sum of |weights|) of the single-process cnn run the tp/pp tests compare to."""
+    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH, data_size=DATA_SIZE)
+    scale = float(sum(p.detach().abs().sum() for p in net.parameters()))
+    return losses, checksum, scale

@@ -7,17 +7,11 @@ import pytest
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.testing import run_ranks
 from tests.conftest import assert_losses_close
-from tests.model_parallel_helpers import DATA_SIZE
-from tests.reference import reference_run
-
-STEPS, BATCH = 3, 32
-
+from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
 
 @pytest.fixture(scope="module")
 def reference():
-    losses, checksum, net = reference_run("cnn", steps=STEPS, global_batch=BATCH, data_size=DATA_SIZE)
-    scale = float(sum(p.detach().abs().sum() for p in net.parameters()))
-    return losses, checksum, scale
+    return cnn_reference()
 
 
 @pytest.mark.slow
