@@ -82,7 +82,11 @@ def main() -> None:
         sys.exit(2)
     register_configs()
     hydra_main()
-    sys.exit(next((code for code in _exit_codes if code), 0))
+    from parallel_lab.report import failed_proofs
+
+    for line in failed_proofs:
+        print(f"parallel_lab: error: parity not proven for {line}", file=sys.stderr)
+    sys.exit(next((code for code in _exit_codes if code), 1 if failed_proofs else 0))
 
 
 if __name__ == "__main__":

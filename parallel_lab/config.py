@@ -43,6 +43,9 @@ class TrainerConfig:
     checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
     keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
     resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
+    # Noise-floor reruns of the `single` baseline only (parallel_lab/parity.py; a sweep starts them):
+    # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
+    ulp_jitter_seed: Optional[int] = None
 
 
 @dataclass
@@ -215,6 +218,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
                           f"{cfg.launcher.name} does not restart workers); add launcher=torchrun or drop max_restarts")
     if cfg.fault.at not in ("step", "checkpoint"):
         raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
+    if t.ulp_jitter_seed is not None and cfg.strategy.name != "single":
+        raise ConfigError(f"trainer.ulp_jitter_seed={t.ulp_jitter_seed} is for noise-floor reruns of the baseline; "
+                          f"use it with strategy=single, or drop it")
     requested_world = ws
     if strategy_cls.single_process:
         ws = cfg.world_size = 1

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 METRICS_FILE = "metrics.json"
 FAILED_FILE = "failed.json"
+PARAMS_FILE = "final_params.pt"  # the full (gathered) final parameters, by name: parity compares these
 
 
 def peak_rss_bytes() -> int:
@@ -62,3 +63,18 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
+
+
+def save_final_params(run_dir: Path, names: list[str], params: list[torch.Tensor]) -> None:
+    """<run_dir>/final_params.pt: every full parameter by its single-model name, fp32 on CPU, so
+    the report can measure the distance between two runs' weights (not only their sums)."""
+    if len(names) != len(params):
+        raise RuntimeError(f"full_parameters() returned {len(params)} tensors for {len(names)} parameters")
+    tmp = run_dir / (PARAMS_FILE + ".tmp")
+    torch.save({n: p.detach().float().cpu().contiguous() for n, p in zip(names, params)}, tmp)
+    os.replace(tmp, run_dir / PARAMS_FILE)
+
+
+def load_final_params(run_dir: Path) -> dict[str, torch.Tensor] | None:
+    path = Path(run_dir) / PARAMS_FILE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None

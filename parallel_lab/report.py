@@ -16,10 +16,12 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from parallel_lab.metrics import FAILED_FILE, METRICS_FILE
+from parallel_lab.metrics import FAILED_FILE, METRICS_FILE, PARAMS_FILE, load_final_params
+from parallel_lab.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
 
-PARITY_RTOL = 1e-4  # relative loss difference vs single that still counts as "the same training"
 MiB = 1024 * 1024
+NOISE_HINT = ("run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
+              "strategy=single,...): it reruns the baseline with trainer.ulp_jitter_seed=1,2 for the noise floor")
 
 
 def load_runs(dirs: list[Path]) -> list[dict]:
@@ -29,28 +31,59 @@ def load_runs(dirs: list[Path]) -> list[dict]:
             run = json.loads(path.read_text())
             run["run_dir"] = str(path.parent)
             runs.append(run)
-    return sorted(runs, key=lambda r: r["run_dir"])
+    return sorted(runs, key=lambda r: (r.get("ulp_jitter_seed") is not None, r["run_dir"]))
 
 
-def _baseline_key(run: dict) -> tuple:
-    return (run.get("model"), run.get("global_batch"), run.get("steps"), run.get("data"))
+def baseline_key(run: dict) -> tuple:
+    """Runs that train the same thing (and so compare with one single baseline)."""
+    return (run.get("model"), run.get("global_batch"), run.get("steps"), run.get("data"), run.get("optimizer"),
+            run.get("lr"))
 
 
-def _max_rel_diff(losses: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
+def is_noise_run(run: dict) -> bool:
+    return run.get("ulp_jitter_seed") is not None
+
+
+def is_baseline(run: dict) -> bool:
+    return run.get("strategy") == "single" and run["status"] == "ok" and not is_noise_run(run)
+
+
+def _losses_params(run: dict) -> tuple[list[float], dict] | None:
+    params = load_final_params(Path(run["run_dir"]))
+    return None if params is None else (run["losses"], params)
 
 
 def add_parity(runs: list[dict]) -> None:
-    """Fill max_abs_dloss / max_rel_dloss / parity against the single run of the same setup."""
-    baselines = {_baseline_key(r): r for r in runs if r.get("strategy") == "single" and r["status"] == "ok"}
-    for run in runs:
-        base = baselines.get(_baseline_key(run))
-        if run["status"] != "ok" or base is None:
-            run["parity"] = "failed" if run["status"] != "ok" else "no baseline"
-            continue
-        run["max_abs_dloss"] = max(abs(a - b) for a, b in zip(run["losses"], base["losses"]))
-        run["max_rel_dloss"] = _max_rel_diff(run["losses"], base["losses"])
-        run["parity"] = "pass" if run["max_rel_dloss"] <= PARITY_RTOL else "FAIL"
+    """Judge every ok run against the single baseline of the same setup and that baseline's
+    noise-floor reruns (parallel_lab/parity.py): fills run["parity"] and run["parity_checks"]."""
+    for key in {baseline_key(r) for r in runs}:
+        group = [r for r in runs if baseline_key(r) == key]
+        base = next((r for r in group if is_baseline(r)), None)
+        noise = [r for r in group if is_noise_run(r) and r["status"] == "ok"]
+        base_pair = _losses_params(base) if base else None
+        noise_pairs = [p for p in map(_losses_params, noise) if p is not None]
+        env = envelope([gaps(*n, *base_pair) for n in noise_pairs]) if base_pair and noise_pairs else None
+        for run in group:
+            _judge_one(run, base_pair, env)
+
+
+def _judge_one(run: dict, base_pair, env) -> None:
+    pair = _losses_params(run) if run["status"] == "ok" else None
+    if run["status"] != "ok":
+        run["parity"] = "failed"
+    elif base_pair is None:
+        run["parity"] = "no baseline"
+    elif pair is None:
+        run["parity"] = f"no {PARAMS_FILE}"
+    elif env is None:
+        run["parity"] = "no noise floor"
+    else:
+        row = gaps(*pair, *base_pair)
+        verdict = judge(row, env, *base_pair)
+        run["dloss_per_step"] = row.loss
+        run["noise_envelope_per_step"] = env.loss
+        run["parity_checks"] = verdict.as_dict()
+        run["parity"] = "envelope" if is_noise_run(run) else ("pass" if verdict.passed else "FAIL")
 
 
 def _max_rank(run: dict, key: str) -> int | None:
@@ -82,8 +115,18 @@ def _comm_psi(run: dict) -> str | None:
     return f"{run['comm_volume_psi']:.2f} / {'?' if theory is None else f'{theory:g}'}"
 
 
+def _check(name: str):
+    """'divergence (ratio to the noise envelope)' of one parity check; a ratio above the multiple fails."""
+
+    def read(run: dict) -> str | None:
+        check = run.get("parity_checks", {}).get(name)
+        return check and f"{_fmt(check['value']) or 0} ({check['ratio']:.2g}×)"
+
+    return read
+
+
 COLUMNS = [  # (header, how to read it from a run)
-    ("strategy", lambda r: r.get("strategy")),
+    ("strategy", lambda r: r.get("strategy") + (f" (noise seed {r['ulp_jitter_seed']})" if is_noise_run(r) else "")),
     ("launcher", lambda r: r.get("launcher")),
     ("world", lambda r: r.get("world_size")),
     ("model", lambda r: r.get("model")),
@@ -101,7 +144,10 @@ COLUMNS = [  # (header, how to read it from a run)
     ("comm MiB/step", lambda r: r.get("comm_bytes_per_step") is not None and r["comm_bytes_per_step"] / MiB),
     ("comm Ψ meas/theory", _comm_psi),
     ("final loss", lambda r: r.get("final_loss")),
-    ("max Δloss", lambda r: r.get("max_abs_dloss")),
+    ("early Δloss (×env)", _check("early_dloss")),
+    ("max Δloss (×env)", _check("max_dloss")),
+    ("θ rel L2 (×env)", _check("param_rel_l2")),
+    ("max |Δθ| (×env)", _check("param_max_abs")),
     ("parity", lambda r: r.get("parity")),
     ("error", lambda r: r.get("error", "")),
 ]
@@ -123,11 +169,20 @@ def table_rows(runs: list[dict]) -> list[list[str]]:
     return [[_fmt(get(run)) for _, get in COLUMNS] for run in runs]
 
 
+def criterion_line(runs: list[dict]) -> str:
+    """How parity was judged, and on which CPU kernels (the floats depend on them)."""
+    cpus = sorted({r["cpu_capability"] for r in runs if r.get("cpu_capability")})
+    return (f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
+            f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
+            f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
+            f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}.")
+
+
 def markdown(runs: list[dict]) -> str:
     headers = [h for h, _ in COLUMNS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
 
 
 def write_report(runs: list[dict], out: Path) -> str:
@@ -141,19 +196,14 @@ def write_report(runs: list[dict], out: Path) -> str:
         writer.writerows(table_rows(runs))
     (out / "comparison.json").write_text(json.dumps(runs, indent=2) + "\n")
     _plot(runs, out)
+    _plot_parity(runs, out)
     return text
 
 
 def _plot(runs: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    ok = [r for r in runs if r["status"] == "ok"]
-    if not ok:
+    plt = _pyplot()
+    ok = [r for r in runs if r["status"] == "ok" and not is_noise_run(r)]
+    if plt is None or not ok:
         return
     labels = [f"{r['strategy']}\n×{r['world_size']}" for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ok)), 4))
@@ -171,6 +221,44 @@ def _plot(runs: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def _plot_parity(runs: list[dict], out: Path) -> None:
+    """comparison_parity.png: each row's |Δloss| vs single per step (log scale), with the noise
+    envelope and the pass bound (ENVELOPE_MULTIPLE x envelope + floor) drawn."""
+    judged = [r for r in runs if r.get("dloss_per_step") and not is_noise_run(r) and r.get("strategy") != "single"]
+    plt = _pyplot()
+    if plt is None or not judged:
+        return
+    fig, ax = plt.subplots(figsize=(9, 5))
+    tiny = 1e-9  # log axes cannot show 0: an exact match is drawn at this height
+    for run in judged:
+        ax.plot([max(v, tiny) for v in run["dloss_per_step"]], marker=".", label=f"{run['strategy']}×{run['world_size']}")
+    env, floor = judged[0]["noise_envelope_per_step"], judged[0]["parity_checks"]["max_dloss"]["floor"]
+    steps = range(len(env))
+    ax.fill_between(steps, tiny, [max(v, tiny) for v in env], color="grey", alpha=0.3, label="noise envelope")
+    early = min(EARLY_STEPS, len(env))  # the bound judge() applies: early window, then the whole run
+    bound = [ENVELOPE_MULTIPLE * max(env[:early] if t < early else env) + floor for t in steps]
+    ax.step(steps, bound, "k--", where="mid", label=f"pass bound ({ENVELOPE_MULTIPLE:g}× envelope + floor)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("|loss − single loss|")
+    ax.set_title("divergence from single vs the measured noise floor")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "comparison_parity.png", dpi=100)
+    plt.close(fig)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def summary_line(metrics_path: Path) -> str:
     run = json.loads(Path(metrics_path).read_text())
     return (
@@ -180,15 +268,42 @@ def summary_line(metrics_path: Path) -> str:
     )
 
 
+NOISE_DIR = "noise_floor"
+failed_proofs: list[str] = []  # rows of this process's sweeps whose proof failed; sets the exit code
+
+
+def run_noise_floor(runs: list[dict], sweep_dir: Path) -> None:
+    """Rerun every baseline of the sweep once per NOISE_SEEDS seed with its initial weights moved
+    one ulp (parallel_lab/parity.py), through the same launcher as any run."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.__main__ import run_one
+
+    done = {(baseline_key(r), r["ulp_jitter_seed"]) for r in runs if is_noise_run(r)}
+    for base in (r for r in runs if is_baseline(r)):
+        for seed in NOISE_SEEDS:
+            if (baseline_key(base), seed) in done:
+                continue
+            done.add((baseline_key(base), seed))
+            cfg = OmegaConf.load(Path(base["run_dir"]) / "config.yaml")
+            cfg.trainer.ulp_jitter_seed = seed
+            cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_dir = 0, None
+            run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base['run_dir']).name}_seed{seed}")
+
+
 class SweepReport(Callback):
-    """Hydra callback: write and print the comparison at the end of every --multirun sweep."""
+    """Hydra callback: at the end of every --multirun sweep, measure the noise floor, then write
+    and print the comparison."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        run_noise_floor(load_runs([sweep_dir]), sweep_dir)
         runs = load_runs([sweep_dir])
         if runs:
             print(write_report(runs, sweep_dir))
-            print(f"report: {sweep_dir}/comparison.md (.csv .json .png)")
+            print(f"report: {sweep_dir}/comparison.md (.csv .json .png, comparison_parity.png)")
+        failed_proofs.extend(f"{r['strategy']} ({r['run_dir']}): {r['parity']}" for r in runs
+                             if r["status"] == "ok" and r["parity"] not in ("pass", "envelope", "no baseline"))
 
 
 def main(argv: list[str] | None = None) -> int:

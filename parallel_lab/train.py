@@ -6,6 +6,7 @@ import os
 import statistics
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -17,6 +18,7 @@ from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.dist_env import DistEnv
 from parallel_lab.metrics import (
     device_memory,
+    save_final_params,
     gather_from_ranks,
     param_checksum,
     param_sha256,
@@ -24,6 +26,7 @@ from parallel_lab.metrics import (
     timed_median,
 )
 from parallel_lab.models import build_model, count_params
+from parallel_lab.parity import jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
 
 
@@ -70,6 +73,9 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     t = cfg.trainer
     model = build_model(cfg.model, t.seed)
     num_params = count_params(model)
+    param_names = [name for name, _ in model.named_parameters()]  # full_parameters() keeps this order
+    if t.ulp_jitter_seed is not None:  # a noise-floor rerun of the baseline (parallel_lab/parity.py)
+        jitter_one_ulp(model, t.ulp_jitter_seed)
     # Installed before setup: libraries that keep a reference to a collective (DeepSpeed picks
     # its all-gather function once, at initialisation) must keep the counted one.
     counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
@@ -119,6 +125,8 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
     accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
     full = strategy.full_parameters()
     checksum, digest = param_checksum(full), param_sha256(full)
+    if env.is_main and cfg.run_dir:
+        save_final_params(Path(cfg.run_dir), param_names, full)
     del full
     counter.uninstall()
     comm = {"comm_bytes_per_step": counter.total_bytes / steps_run_here,
@@ -139,9 +147,13 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         "data": cfg.data.name,
         "params": num_params,
         "global_batch": t.global_batch,
+        "optimizer": t.optimizer,
+        "lr": t.lr,
         "grad_accum": t.grad_accum,
         "steps": t.steps,
         "threads": t.threads,
+        "ulp_jitter_seed": t.ulp_jitter_seed,  # set: this run is a noise-floor rerun of the baseline
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "losses": losses,
         "final_loss": losses[-1],
         "step_time_s": step_time,
