@@ -70,6 +70,7 @@ def save_final_params(run_dir: Path, names: list[str], params: list[torch.Tensor
     the report can measure the distance between two runs' weights (not only their sums)."""
     if len(names) != len(params):
         raise RuntimeError(f"full_parameters() returned {len(params)} tensors for {len(names)} parameters")
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (PARAMS_FILE + ".tmp")
     torch.save({n: p.detach().float().cpu().contiguous() for n, p in zip(names, params)}, tmp)
     os.replace(tmp, run_dir / PARAMS_FILE)

@@ -175,7 +175,8 @@ def criterion_line(runs: list[dict]) -> str:
     return (f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
             f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
             f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
-            f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}.")
+            f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}."
+            + (f" No noise floor here: {NOISE_HINT}." if any(r.get("parity") == "no noise floor" for r in runs) else ""))
 
 
 def markdown(runs: list[dict]) -> str:

@@ -34,14 +34,30 @@ def assert_losses_close(losses, reference, rtol: float) -> None:
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs reference {b} (rtol {rtol})"
 
 
+def write_config(path: Path, *overrides: str) -> str:
+    """The resolved config.yaml the CLI parent would write, for in-process training bodies; the run
+    folder (where rank 0 leaves final_params.pt) is the path without its suffix."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config import CONF_DIR, register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["trainer.progress=false", *overrides])
+    cfg = validate(cfg, Path(path).with_suffix(""))
+    OmegaConf.save(cfg, path, resolve=True)
+    return str(path)
+
+
 @pytest.fixture
 def cli(tmp_path):
-    """cli(*overrides) runs one training run in a fresh folder and returns its metrics."""
+    """cli(*overrides) runs one training run in a fresh folder and returns its metrics (plus run_dir)."""
     counter = iter(range(1000))
 
     def run(*overrides: str, **kwargs) -> dict:
         run_dir = tmp_path / f"run{next(counter)}"
         run_cli(run_dir, *overrides, **kwargs)
-        return load_metrics(run_dir)
+        return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
     return run

@@ -8,11 +8,13 @@ import json
 import torch
 import torch.distributed as dist
 
+from parallel_lab import collectives
 from parallel_lab.config import load_run_config
 from parallel_lab.dist_env import read_dist_env
 from parallel_lab.metrics import param_checksum
 from parallel_lab.models import build_model
 from parallel_lab.strategies import get_strategy_class
+from parallel_lab.strategies.manual_ddp import ManualDDPStrategy
 from parallel_lab.train import optimizer_factory, train
 
 
@@ -52,3 +54,47 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         results.append({key: metrics[key] for key in ("losses", "final_param_checksum", "eval_accuracy", "buckets")})
     if rank == 0:
         print(json.dumps(results))
+
+
+# ----- deliberately broken data parallelism: the parity criterion must mark these FAIL -----
+class SkipsOneBucket(ManualDDPStrategy):
+    """Broken on purpose: the first bucket (the last layers' gradients) is never all-reduced, so
+    each rank steps those layers with its own half-batch gradient."""
+
+    def _all_reduce(self, bucket) -> None:
+        if bucket is not self.buckets[0]:
+            super()._all_reduce(bucket)
+
+
+class SumsInsteadOfAveraging(ManualDDPStrategy):
+    """Broken on purpose: gradients summed over the ranks instead of averaged (N times too large)."""
+
+    def _all_reduce(self, bucket) -> None:
+        collectives.all_reduce(bucket.buffer, op="sum", algorithm=self.opts.allreduce)
+
+
+class SameShardOnEveryRank(ManualDDPStrategy):
+    """Broken on purpose: a sampler bug, every rank reads data-parallel shard 0."""
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
+
+
+BROKEN = {cls.__name__: cls for cls in (SkipsOneBucket, SumsInsteadOfAveraging, SameShardOnEveryRank)}
+
+
+def train_variants(rank: int, world_size: int, runs: list[list[str]]) -> None:
+    """[config_path, variant] pairs: variant is a BROKEN class name or "" for the real strategy.
+    Rank 0 leaves final_params.pt in each config's run folder and prints the losses as JSON."""
+    losses = []
+    for config_path, variant in runs:
+        cfg = load_run_config(config_path)
+        env = read_dist_env(cfg.device)
+        strategy = (BROKEN[variant] if variant else get_strategy_class(cfg.strategy.name))(cfg, env)
+        losses.append(train(cfg, env, strategy)["losses"])
+        strategy.teardown()
+        del strategy
+        gc.collect()
+    if rank == 0:
+        print(json.dumps(losses))

@@ -7,7 +7,7 @@ from torch import nn
 
 from parallel_lab.strategies.tp import ColumnParallel, RowParallel
 from parallel_lab.tp_collectives import copy_to_tp, reduce_from_tp
-from tests.model_parallel_helpers import References, train_and_compare
+from tests.model_parallel_helpers import train_and_compare
 
 
 def _same_on_all_ranks(*shape: int, seed: int) -> torch.Tensor:
@@ -105,12 +105,10 @@ def autograd_collectives_body(rank: int, world_size: int) -> None:
 def strategy_matrix_body(rank: int, world_size: int, configs: list[list[str]], steps: int, global_batch: int) -> None:
     """Each configuration trains through the real loop; losses, gathered parameters and eval
     accuracy must match the single-process reference; each rank must hold only its shards."""
-    refs = References(steps, global_batch)
     for overrides in configs:
-        base = ["strategy=tp", f"world_size={world_size}", f"strategy.tp={world_size}",
-                f"trainer.steps={steps}", f"trainer.global_batch={global_batch}"]
-        metrics, strategy, ref = train_and_compare(refs, *base, *overrides)
-        full_bytes = 4 * sum(p.numel() for p in ref.params)
+        base = ["strategy=tp", f"world_size={world_size}", f"strategy.tp={world_size}"]
+        metrics, strategy, ref = train_and_compare(steps, global_batch, *base, *overrides)
+        full_bytes = 4 * sum(p.numel() for p in ref.params.values())
         held = metrics["ranks"][rank]["param_bytes"]
         assert held < full_bytes, f"{overrides}: rank {rank} holds {held} bytes, the full model is {full_bytes}"
         strategy.teardown()

@@ -1,13 +1,24 @@
 """An independent single-process reference, written with plain torch and nothing of the
 toolkit's training code: the model class and the synthetic data generator are shared (they are
-single-device code by design), the batch order and training loop are re-implemented here."""
+single-device code by design), the batch order and training loop are re-implemented here.
+
+Parity is judged the way the report judges it (parallel_lab/parity.py): the reference is also
+rerun with every initial weight moved one ulp (one rerun per noise seed), and a run passes when
+its divergence from the reference stays within the stated multiple of that measured envelope.
+"""
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from parallel_lab.data.synthetic import make_synthetic
+from parallel_lab.metrics import load_final_params
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
+from parallel_lab.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 
@@ -23,11 +34,16 @@ def global_batches(size: int, global_batch: int, seed: int):
 
 
 def reference_run(model: str = "cnn", steps: int = 4, global_batch: int = 32, lr: float = 1e-3, seed: int = 0,
-                  optimizer: str = "adam", data_size: int = 4096, grad_accum: int = 1, threads: int = 2):
-    """Plain training loop: returns (per-step losses, final parameter checksum, final model)."""
+                  optimizer: str = "adam", data_size: int = 4096, threads: int = 2, grad_clip: float = 0.0,
+                  jitter_seed: int | None = None):
+    """Plain training loop: returns (per-step losses, final parameter checksum, final model).
+    grad_clip > 0 clips the whole model's gradient norm; jitter_seed moves every initial weight
+    one ulp (a noise-floor rerun)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     net = MODELS[model]()
+    if jitter_seed is not None:
+        jitter_one_ulp(net, jitter_seed)
     data = make_synthetic(data_size, seed)
     if optimizer == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
@@ -40,7 +56,53 @@ def reference_run(model: str = "cnn", steps: int = 4, global_batch: int = 32, lr
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         opt.step()
         losses.append(loss.item())
     checksum = float(sum(p.detach().double().sum().item() for p in net.parameters()))
     return losses, checksum, net
+
+
+def _named(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+@dataclass
+class ParityReference:
+    """The reference run and its noise-floor reruns; judges a run the way the report does."""
+
+    losses: list[float]
+    net: torch.nn.Module
+    noise: list[tuple[list[float], dict]] = field(default_factory=list)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return _named(self.net)
+
+    def verdict(self, losses: list[float], params: dict | list) -> Verdict:
+        if isinstance(params, (list, tuple)):  # a strategy's full_parameters(), in model order
+            params = {name: p.detach().cpu() for name, p in zip(self.params, params, strict=True)}
+        return judge_runs((losses, params), (self.losses, self.params), self.noise)
+
+    def assert_matches(self, losses: list[float], params: dict | list, label: str = "") -> Verdict:
+        verdict = self.verdict(losses, params)
+        assert verdict.passed, f"{label}: not the same training as the reference: {verdict.reason()}"
+        return verdict
+
+    def assert_run_matches(self, metrics: dict, label: str = "") -> Verdict:
+        """A CLI run (metrics with its run_dir, as tests/conftest.py's cli returns them)."""
+        params = load_final_params(Path(metrics["run_dir"]))
+        assert params is not None, f"{label}: the run wrote no final_params.pt"
+        return self.assert_matches(metrics["losses"], params, label or metrics["strategy"])
+
+
+@functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
+def parity_reference(model: str = "cnn", **kwargs) -> ParityReference:
+    """reference_run(**kwargs) plus one rerun per parallel_lab.parity.NOISE_SEEDS seed."""
+    losses, _, net = reference_run(model, **kwargs)
+    noise = []
+    for seed in NOISE_SEEDS:
+        noise_losses, _, noise_net = reference_run(model, jitter_seed=seed, **kwargs)
+        noise.append((noise_losses, _named(noise_net)))
+    return ParityReference(losses, net, noise)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from parallel_lab.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
 
 
 def test_small_sweep_writes_a_proven_report_with_a_failed_row(tmp_path):
@@ -17,20 +18,28 @@ def test_small_sweep_writes_a_proven_report_with_a_failed_row(tmp_path):
            f"hydra.sweep.dir={tmp_path}"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode != 0, "a sweep with failed runs must exit non-zero"
-    for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png"):
+    for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png", "comparison_parity.png"):
         assert (tmp_path / name).is_file(), name
     runs = json.loads((tmp_path / "comparison.json").read_text())
-    assert len(runs) == 6  # one row per sweep point
+    # One row per sweep point, plus the baseline's noise-floor reruns (one per noise seed).
+    noise = [r for r in runs if r.get("ulp_jitter_seed") is not None]
+    assert sorted(r["ulp_jitter_seed"] for r in noise) == list(NOISE_SEEDS)
+    assert all(r["strategy"] == "single" and r["parity"] == "envelope" for r in noise)
+    runs = [r for r in runs if r not in noise]
+    assert len(runs) == 6
     ok = [r for r in runs if r["status"] == "ok"]
     failed = [r for r in runs if r["status"] == "failed"]
     assert {(r["strategy"], r["world_size"]) for r in failed} == {("ddp", 3), ("manual_ddp", 3)}
     assert all("global_batch=20" in r["error"] for r in failed)
     assert len(ok) == 4 and all(r["parity"] == "pass" for r in ok)
+    for run in ok:  # each verdict carries its evidence: divergence, envelope, floor, ratio per check
+        assert set(run["parity_checks"]) >= {"early_dloss", "max_dloss", "param_rel_l2", "param_max_abs"}
+        assert all(c["ratio"] <= ENVELOPE_MULTIPLE for k, c in run["parity_checks"].items() if isinstance(c, dict))
     with open(tmp_path / "comparison.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 6
+    assert len(rows) == 6 + len(NOISE_SEEDS)
     for row in rows:
-        if row["parity"] == "pass":
+        if row["parity"] in ("pass", "envelope"):
             for column in ("params MiB meas/analytic", "grads MiB meas/analytic", "optim MiB meas/analytic"):
                 measured, analytic = (float(v) for v in row[column].split(" / "))
                 assert abs(measured - analytic) <= 0.05 * analytic, (row["strategy"], column, row[column])

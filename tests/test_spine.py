@@ -14,7 +14,7 @@ from conftest import ROOT, assert_losses_close, load_metrics, run_cli
 from parallel_lab.config import CONF_DIR, register_configs, validate
 from parallel_lab.dist_env import free_port
 from parallel_lab.strategies import registered_names
-from reference import reference_run
+from reference import parity_reference
 
 
 def test_registry_matches_strategy_yaml_files():
@@ -48,22 +48,19 @@ def test_compose_rejects_unknown_strategy_option():
 
 @pytest.mark.parametrize("model,steps,batch", [("cnn", 4, 32), ("resnet18", 2, 8)])
 def test_single_and_ddp_match_independent_reference(cli, model, steps, batch):
-    ref_losses, ref_checksum, _ = reference_run(model=model, steps=steps, global_batch=batch)
+    ref = parity_reference(model, steps=steps, global_batch=batch)
     common = [f"model={model}", f"trainer.steps={steps}", f"trainer.global_batch={batch}"]
     single = cli("strategy=single", *common)
     ddp = cli("strategy=ddp", "world_size=2", *common)
-    assert_losses_close(single["losses"], ref_losses, rtol=1e-5)
-    assert_losses_close(ddp["losses"], ref_losses, rtol=1e-5)
     for run in (single, ddp):
-        assert run["final_param_checksum"] == pytest.approx(ref_checksum, rel=1e-5, abs=1e-3)
+        ref.assert_run_matches(run)
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo" and len(ddp["ranks"]) == 2
     assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
 
 
 def test_grad_accum_keeps_the_same_losses(cli):
-    ref_losses, _, _ = reference_run(steps=3, global_batch=32)
-    run = cli("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "trainer.grad_accum=2")
-    assert_losses_close(run["losses"], ref_losses, rtol=1e-5)
+    ref = parity_reference(steps=3, global_batch=32)
+    ref.assert_run_matches(cli("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "trainer.grad_accum=2"))
 
 
 def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli):
@@ -102,6 +99,8 @@ def test_report_renders_table_from_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "parallel_lab.report", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, check=True)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
-    assert len(rows) == 2 and all("pass" in row for row in rows), result.stdout
+    # Two single runs, no noise-floor reruns: no verdict, and the report says how to get one.
+    assert len(rows) == 2 and all("no noise floor" in row for row in rows), result.stdout
+    assert "ulp_jitter_seed" in result.stdout
     for name in ("comparison.md", "comparison.csv", "comparison.json"):
         assert (tmp_path / name).is_file()

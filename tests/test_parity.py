@@ -1,0 +1,106 @@
+"""The parity criterion (parallel_lab/parity.py) itself: what it accepts, what it refuses, and
+that it marks deliberately broken data parallelism FAIL while the real strategy passes, judged
+against the independent reference and its measured noise floor (tests/reference.py)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_lab.metrics import load_final_params
+from parallel_lab.parity import (
+    EARLY_STEPS,
+    ENVELOPE_MULTIPLE,
+    FLOOR_ULPS,
+    Gaps,
+    jitter_one_ulp,
+    judge,
+    ulp,
+)
+from parallel_lab.testing import run_ranks
+from tests.conftest import write_config
+from tests.reference import parity_reference
+
+BASE_LOSSES = [2.3] * 10
+BASE_PARAMS = {"w": torch.ones(4)}
+LOSS_FLOOR = FLOOR_ULPS * ulp(2.3)
+
+
+def _gaps(loss, rel_l2=0.0, max_abs=0.0) -> Gaps:
+    return Gaps(list(loss), rel_l2, max_abs)
+
+
+def test_jitter_moves_every_weight_by_exactly_one_ulp():
+    net = torch.nn.Linear(30, 20)
+    before = [p.detach().clone() for p in net.parameters()]
+    jitter_one_ulp(net, seed=1)
+    for old, new in zip(before, net.parameters()):
+        assert (new != old).all()
+        up = torch.nextafter(old, torch.full_like(old, math.inf))
+        down = torch.nextafter(old, torch.full_like(old, -math.inf))
+        assert ((new == up) | (new == down)).all()
+        assert (new == up).any() and (new == down).any()
+
+
+def test_a_row_inside_the_envelope_passes_and_the_ratio_is_reported():
+    env = _gaps([0, 0, 0, 0, 0, 1e-6, 1e-5, 1e-4, 2e-4, 3e-4], 1e-3, 1e-3)
+    row = _gaps([0, 2.4e-7, 0, 0, 0, 1e-5, 1e-4, 5e-4, 1e-3, 2e-3], 5e-3, 4e-3)
+    verdict = judge(row, env, BASE_LOSSES, BASE_PARAMS)
+    assert verdict.passed, verdict.reason()
+    assert verdict.max_dloss.ratio == pytest.approx(2e-3 / (3e-4 + LOSS_FLOOR / ENVELOPE_MULTIPLE))
+
+
+def test_an_early_gap_fails_even_when_chaos_later_widens_the_envelope():
+    env = _gaps([0] * EARLY_STEPS + [1e-3] * 5, 1e-2, 1e-2)
+    row = _gaps([0, 1e-4] + [0] * 8)  # a wrong step 1: far below the late envelope, far above the early one
+    verdict = judge(row, env, BASE_LOSSES, BASE_PARAMS)
+    assert not verdict.passed and "early_dloss" in verdict.reason()
+
+
+@pytest.mark.parametrize("field", ["loss", "rel_l2", "max_abs"])
+def test_each_whole_run_measure_can_fail_on_its_own(field):
+    env = _gaps([1e-5] * 10, 1e-3, 1e-3)
+    inside = {"loss": [1e-5] * 10, "rel_l2": 1e-3, "max_abs": 1e-3}
+    outside = {"loss": [1e-5] * EARLY_STEPS + [1e-3] * 5, "rel_l2": 1e-1, "max_abs": 1e-1}
+    verdict = judge(_gaps(**{**inside, field: outside[field]}), env, BASE_LOSSES, BASE_PARAMS)
+    assert not verdict.passed
+    assert judge(_gaps(**inside), env, BASE_LOSSES, BASE_PARAMS).passed
+
+
+def test_a_zero_envelope_still_allows_the_float_floor_and_no_more():
+    env = _gaps([0] * 10)
+    assert judge(_gaps([LOSS_FLOOR] * 10), env, BASE_LOSSES, BASE_PARAMS).passed
+    assert not judge(_gaps([2 * LOSS_FLOOR] * 10), env, BASE_LOSSES, BASE_PARAMS).passed
+
+
+STEPS, BATCH = 20, 64  # the make demo run: long enough for Adam's chaos to show
+VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pass?)
+    ("adam", "", True),
+    ("adam", "SkipsOneBucket", False),
+    ("adam", "SameShardOnEveryRank", False),
+    ("sgd", "", True),
+    # Under Adam a gradient N times too large changes almost nothing (Adam divides by the
+    # gradient's own scale), so this bug is shown with SGD, where it doubles every step.
+    ("sgd", "SumsInsteadOfAveraging", False),
+]
+
+
+@pytest.mark.slow
+def test_broken_data_parallelism_fails_and_the_real_strategy_passes(tmp_path):
+    runs = [[write_config(tmp_path / f"v{i}.yaml", "strategy=manual_ddp", "world_size=2", "strategy.bucket_mb=0.1",
+                          f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"trainer.optimizer={opt}",
+                          "trainer.eval_batches=0"), variant]
+            for i, (opt, variant, _) in enumerate(VARIANTS)]
+    out = run_ranks("tests.dist_bodies_data_parallel:train_variants", world_size=2, timeout=300, runs=runs)
+    losses = json.loads(out[0])
+    verdicts = {}
+    for (opt, variant, should_pass), run_losses, (path, _) in zip(VARIANTS, losses, runs):
+        ref = parity_reference("cnn", steps=STEPS, global_batch=BATCH, optimizer=opt)
+        verdict = ref.verdict(run_losses, load_final_params(Path(path).with_suffix("")))
+        verdicts[(opt, variant or "manual_ddp")] = verdict
+        assert verdict.passed == should_pass, f"{opt} {variant or 'manual_ddp'}: {verdict.as_dict()}"
+    for key, verdict in verdicts.items():  # -s shows how far each one is from its bound
+        print(key, {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()})
