@@ -6,6 +6,7 @@ run started by torchrun, the deepspeed launcher or mpirun sees exactly what the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -180,6 +181,30 @@ def _check_positive(name: str, value: int) -> None:
         raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1")
 
 
+def _check_range(name: str, value: float, low: float, high: float = math.inf, *, default: float,
+                 low_open: bool = False, note: str = "") -> None:
+    """Refuse nan, inf and values outside [low, high) ((low, high) with low_open), naming the default."""
+    inside = math.isfinite(value) and (value > low if low_open else value >= low) and value < high
+    if not inside:
+        rule = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else f"in [{low:g}, {high:g})"
+        raise ConfigError(f"{name}={value} must be a finite number {rule}{note}; "
+                          f"set {name} to one, e.g. the default {name}={default}")
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Values torch.optim, torchrun or the supervisor would only reject once the workers run."""
+    t, launcher = cfg.trainer, cfg.launcher
+    _check_range("trainer.lr", t.lr, 0, low_open=True, default=TrainerConfig.lr)
+    _check_range("trainer.weight_decay", t.weight_decay, 0, default=TrainerConfig.weight_decay)
+    _check_range("trainer.grad_clip", t.grad_clip, 0, default=TrainerConfig.grad_clip)
+    if t.optimizer == "sgd":  # Adam does not read it
+        _check_range("trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum,
+                     note=" with trainer.optimizer=sgd")
+    _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
+    _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
+    _check_positive("dist_timeout_s", cfg.dist_timeout_s)
+
+
 def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Settings that follow from the run folder (before validation, which checks the checkpoint folder)."""
     run_dir = run_dir.resolve()
@@ -206,6 +231,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
         _check_positive(f"trainer.{key}", t[key])
     if t.optimizer not in ("adam", "sgd"):
         raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
+    _check_numbers(cfg)
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
     if cfg.fault.mode not in ("raise", "kill"):
