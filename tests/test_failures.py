@@ -158,6 +158,7 @@ CATALOGUE = {
     "grad-clip-nan": (["trainer.grad_clip=nan"], ("trainer.grad_clip=nan", "finite")),
     "sgd-momentum-1": (["trainer.optimizer=sgd", "trainer.momentum=1"], ("trainer.momentum=1", "[0, 1)")),
     "sgd-momentum-negative": (["trainer.optimizer=sgd", "trainer.momentum=-0.5"], ("trainer.momentum=-0.5", "[0, 1)")),
+    "threads-zero": (["trainer.threads=0"], ("trainer.threads=0", "trainer.threads=null")),
     "cifar-no-root": (["data=cifar10"], "data.root"),
     "cifar-missing-tarball": (["data=cifar10", "data.root=/nonexistent"], "/nonexistent"),
     "cifar-tampered-tarball": (tampered_tarball, "md5"),
@@ -176,7 +177,7 @@ CATALOGUE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {"max-restarts-negative", "grace-s-zero", "dist-timeout-zero", "lr-negative", "lr-zero",
                           "lr-nan", "lr-inf", "weight-decay-negative", "weight-decay-nan", "grad-clip-nan",
-                          "sgd-momentum-1", "sgd-momentum-negative"}
+                          "sgd-momentum-1", "sgd-momentum-negative", "threads-zero"}
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
