@@ -273,6 +273,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     from parallel_lab.checkpoint import validate_checkpoint_config
 
     validate_checkpoint_config(cfg)
+    from parallel_lab.resources import check_machine_fits
+
+    check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
     return cfg
 
 

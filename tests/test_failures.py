@@ -22,6 +22,7 @@ import pytest
 from conftest import ROOT, run_cli
 from parallel_lab.checkpoint import COMPLETE, checkpoint_name
 from parallel_lab.data.cifar10 import TRAIN_MEMBERS
+from parallel_lab.resources import memory_available_bytes
 from parallel_lab.worker import PIDS_DIR
 from test_cifar10 import Evil, build_tarball, md5_of
 
@@ -111,6 +112,15 @@ def ds_config_disagreeing(tmp: Path) -> list[str]:
     return ["strategy=zero2", "trainer.global_batch=32", f"strategy.ds_config={path}"]
 
 
+def more_ranks_than_memory(tmp: Path) -> list[str]:
+    """64 ranks of 200000 synthetic images, ~7 GiB each: more than any test machine holds. Skipped where
+    it would fit or cannot be checked (no /proc/meminfo), since there the run would really start 64 workers."""
+    available = memory_available_bytes()
+    if available is None or available > 64 * 7 * 2**30:
+        pytest.skip(f"the memory check cannot refuse 64 x 7 GiB here (MemAvailable {available} bytes)")
+    return ["world_size=64", "data.size=200000"]
+
+
 # id: (overrides or a function building them in tmp_path, text(s) the error line must contain)
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
@@ -129,6 +139,7 @@ CATALOGUE = {
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
+    "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
     "batch-not-divisible": (["trainer.global_batch=33"], "global_batch=33"),
     "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
     "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
@@ -177,7 +188,7 @@ CATALOGUE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {"max-restarts-negative", "grace-s-zero", "dist-timeout-zero", "lr-negative", "lr-zero",
                           "lr-nan", "lr-inf", "weight-decay-negative", "weight-decay-nan", "grad-clip-nan",
-                          "sgd-momentum-1", "sgd-momentum-negative", "threads-zero"}
+                          "sgd-momentum-1", "sgd-momentum-negative", "threads-zero", "world-size-beyond-memory"}
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
