@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.errors import ConfigError
+from parallel_lab.errors import ConfigError, print_warning
 from parallel_lab.hashing import file_digest
 
 COMPLETE = "complete.json"
@@ -168,11 +167,7 @@ def newest_good_checkpoint(cfg: DictConfig, warn) -> tuple[Path, dict] | None:
     return None
 
 
-def _stderr_warning(message: str) -> None:
-    print(f"parallel_lab: warning: {message}", file=sys.stderr, flush=True)
-
-
-def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=_stderr_warning) -> tuple[Path, dict] | None:
+def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=print_warning) -> tuple[Path, dict] | None:
     """The checkpoint to resume from, or None to start fresh.
 
     auto: the newest good checkpoint under trainer.checkpoint_dir; <path>: exactly that one, or an

@@ -6,6 +6,7 @@ run started by torchrun, the deepspeed launcher or mpirun sees exactly what the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,11 @@ class TrainerConfig:
     seed: int = 0
     warmup_steps: int = 2  # steps left out of the timing medians
     threads_per_rank: int = 1  # intra-op threads per process; one-process strategies get the total
-    threads: int = 0  # resolved by the parent: threads this run's processes actually use
+    # Intra-op threads (torch.set_num_threads and OMP_NUM_THREADS) of every process of the run.
+    # null = derived: threads_per_rank, times the requested world_size for a one-process strategy
+    # (single, dp) so it uses the cores the ranks would have; an explicit n >= 1 is used as is.
+    # config.yaml and metrics.json hold the resolved number.
+    threads: Optional[int] = None
     progress: bool = True
     eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
     # Checkpoints (parallel_lab/checkpoint.py): every N optimizer steps and at the last step.
@@ -178,9 +183,42 @@ def check_overrides_compose(argv: list[str]) -> None:
         raise ConfigError(describe_compose_error(exc)) from None
 
 
-def _check_positive(name: str, value: int) -> None:
+def _check_positive(name: str, value: int, alternative: str = "") -> None:
     if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1")
+        raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1{alternative}")
+
+
+def _check_range(name: str, value: float, low: float, high: float = math.inf, *, default: float,
+                 low_open: bool = False, note: str = "") -> None:
+    """Refuse nan, inf and values outside [low, high) ((low, high) with low_open), naming the default."""
+    inside = math.isfinite(value) and (value > low if low_open else value >= low) and value < high
+    if not inside:
+        rule = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else f"in [{low:g}, {high:g})"
+        raise ConfigError(f"{name}={value} must be a finite number {rule}{note}; "
+                          f"set {name} to one, e.g. the default {name}={default}")
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Values torch.optim, torchrun or the supervisor would only reject once the workers run."""
+    t, launcher = cfg.trainer, cfg.launcher
+    _check_range("trainer.lr", t.lr, 0, low_open=True, default=TrainerConfig.lr)
+    _check_range("trainer.weight_decay", t.weight_decay, 0, default=TrainerConfig.weight_decay)
+    _check_range("trainer.grad_clip", t.grad_clip, 0, default=TrainerConfig.grad_clip)
+    if t.optimizer == "sgd":  # Adam does not read it
+        _check_range("trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum,
+                     note=" with trainer.optimizer=sgd")
+    _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
+    _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
+    _check_positive("dist_timeout_s", cfg.dist_timeout_s)
+
+
+def _resolve_threads(t: DictConfig, requested_world: int, single_process: bool) -> int:
+    """trainer.threads as the processes will use it (see TrainerConfig.threads)."""
+    if t.threads is None:
+        return t.threads_per_rank * (requested_world if single_process else 1)
+    _check_positive("trainer.threads", t.threads,
+                    " (or trainer.threads=null to derive it from trainer.threads_per_rank)")
+    return t.threads
 
 
 def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
@@ -209,6 +247,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
         _check_positive(f"trainer.{key}", t[key])
     if t.optimizer not in ("adam", "sgd"):
         raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
+    _check_numbers(cfg)
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
     if cfg.fault.mode not in ("raise", "kill"):
@@ -224,7 +263,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     requested_world = ws
     if strategy_cls.single_process:
         ws = cfg.world_size = 1
-    t.threads = t.threads or t.threads_per_rank * (requested_world if strategy_cls.single_process else 1)
+    t.threads = _resolve_threads(t, requested_world, strategy_cls.single_process)
     cfg.strategy = strategy_cls.validate_options(cfg)
     dp = strategy_cls.data_parallel_size(cfg)
     if t.global_batch % (dp * t.grad_accum):
@@ -240,6 +279,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     from parallel_lab.checkpoint import validate_checkpoint_config
 
     validate_checkpoint_config(cfg)
+    from parallel_lab.resources import check_machine_fits
+
+    check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
     return cfg
 
 

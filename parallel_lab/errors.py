@@ -1,4 +1,7 @@
 """One error type for bad input, printed as a single line by every entry point."""
+from __future__ import annotations
+
+import sys
 
 
 class ConfigError(ValueError):
@@ -8,3 +11,8 @@ class ConfigError(ValueError):
 def one_line(message: str) -> str:
     """Collapse a message to one line so users never see a wall of text for bad input."""
     return " ".join(str(message).split())
+
+
+def print_warning(message: str) -> None:
+    """Something the user should know while the run goes on: one line on stderr."""
+    print(f"parallel_lab: warning: {one_line(message)}", file=sys.stderr, flush=True)

@@ -22,6 +22,8 @@ import pytest
 from conftest import ROOT, run_cli
 from parallel_lab.checkpoint import COMPLETE, checkpoint_name
 from parallel_lab.data.cifar10 import TRAIN_MEMBERS
+from parallel_lab.resources import memory_available_bytes
+from parallel_lab.worker import PIDS_DIR
 from test_cifar10 import Evil, build_tarball, md5_of
 
 CLI_TIMEOUT = 120
@@ -110,6 +112,15 @@ def ds_config_disagreeing(tmp: Path) -> list[str]:
     return ["strategy=zero2", "trainer.global_batch=32", f"strategy.ds_config={path}"]
 
 
+def more_ranks_than_memory(tmp: Path) -> list[str]:
+    """64 ranks of 200000 synthetic images, ~7 GiB each: more than any test machine holds. Skipped where
+    it would fit or cannot be checked (no /proc/meminfo), since there the run would really start 64 workers."""
+    available = memory_available_bytes()
+    if available is None or available > 64 * 7 * 2**30:
+        pytest.skip(f"the memory check cannot refuse 64 x 7 GiB here (MemAvailable {available} bytes)")
+    return ["world_size=64", "data.size=200000"]
+
+
 # id: (overrides or a function building them in tmp_path, text(s) the error line must contain)
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
@@ -128,6 +139,7 @@ CATALOGUE = {
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
+    "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
     "batch-not-divisible": (["trainer.global_batch=33"], "global_batch=33"),
     "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
     "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
@@ -145,6 +157,19 @@ CATALOGUE = {
     "fault-at-no-checkpoint": (["fault.rank=0", "fault.at=checkpoint", "fault.step=3", "trainer.checkpoint_every=2"],
                                "fault.step=3"),
     "max-restarts-without-torchrun": (["launcher.max_restarts=2"], "launcher.max_restarts=2"),
+    "max-restarts-negative": (["launcher=torchrun", "launcher.max_restarts=-1"], ("launcher.max_restarts=-1", ">= 0")),
+    "grace-s-zero": (["launcher.grace_s=0"], ("launcher.grace_s=0", "> 0")),
+    "dist-timeout-zero": (["dist_timeout_s=0"], "dist_timeout_s=0"),
+    "lr-negative": (["trainer.lr=-1"], ("trainer.lr=-1", "> 0")),
+    "lr-zero": (["trainer.lr=0"], ("trainer.lr=0", "> 0")),
+    "lr-nan": (["trainer.lr=nan"], ("trainer.lr=nan", "finite")),
+    "lr-inf": (["trainer.lr=inf"], ("trainer.lr=inf", "finite")),
+    "weight-decay-negative": (["trainer.weight_decay=-0.1"], ("trainer.weight_decay=-0.1", ">= 0")),
+    "weight-decay-nan": (["trainer.weight_decay=nan"], ("trainer.weight_decay=nan", "finite")),
+    "grad-clip-nan": (["trainer.grad_clip=nan"], ("trainer.grad_clip=nan", "finite")),
+    "sgd-momentum-1": (["trainer.optimizer=sgd", "trainer.momentum=1"], ("trainer.momentum=1", "[0, 1)")),
+    "sgd-momentum-negative": (["trainer.optimizer=sgd", "trainer.momentum=-0.5"], ("trainer.momentum=-0.5", "[0, 1)")),
+    "threads-zero": (["trainer.threads=0"], ("trainer.threads=0", "trainer.threads=null")),
     "cifar-no-root": (["data=cifar10"], "data.root"),
     "cifar-missing-tarball": (["data=cifar10", "data.root=/nonexistent"], "/nonexistent"),
     "cifar-tampered-tarball": (tampered_tarball, "md5"),
@@ -159,6 +184,11 @@ CATALOGUE = {
     "resume-parent-folder": (checkpoints_parent_folder, "step_00000002"),
     "resume-beside-other-checkpoints": (resume_beside_other_checkpoints, "already holds step_00000001"),
 }
+
+# Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
+REFUSED_BEFORE_WORKERS = {"max-restarts-negative", "grace-s-zero", "dist-timeout-zero", "lr-negative", "lr-zero",
+                          "lr-nan", "lr-inf", "weight-decay-negative", "weight-decay-nan", "grad-clip-nan",
+                          "sgd-momentum-1", "sgd-momentum-negative", "threads-zero", "world-size-beyond-memory"}
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
@@ -186,6 +216,8 @@ def test_bad_input_catalogue(tmp_path, case):
     run_dir = tmp_path / "run"
     result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT)
     assert_one_clean_line(result, run_dir, named)
+    if case in REFUSED_BEFORE_WORKERS:
+        assert result.returncode == 2 and not (run_dir / PIDS_DIR).exists(), "a worker started"
 
 
 def test_port_already_in_use(tmp_path):

@@ -38,6 +38,12 @@ def test_compose_defaults_and_single_forces_one_process_with_same_total_threads(
     assert ddp.world_size == 2 and ddp.trainer.threads == 1
 
 
+def test_explicit_threads_are_used_as_given():
+    assert validate(compose_cfg("strategy=single", "world_size=2", "trainer.threads=3")).trainer.threads == 3
+    assert validate(compose_cfg("strategy=ddp", "trainer.threads_per_rank=2", "trainer.threads=1")).trainer.threads == 1
+    assert validate(compose_cfg("strategy=ddp", "trainer.threads_per_rank=2")).trainer.threads == 2
+
+
 def test_compose_rejects_unknown_strategy_option():
     from parallel_lab.errors import ConfigError
 

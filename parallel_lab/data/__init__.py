@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from parallel_lab.data.cifar10 import load_cifar10, validate_cifar_config
+from parallel_lab.data.cifar10 import load_cifar10, tarball_images, validate_cifar_config
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.errors import ConfigError
 
@@ -32,10 +32,21 @@ def validate_data_config(cfg: DictConfig, trainer: DictConfig) -> None:
         )
 
 
+def images_per_rank(cfg: DictConfig) -> int:
+    """About how many images every rank loads (each holds the whole dataset), for the memory check."""
+    return sum(_synthetic_sizes(cfg.size)) if cfg.name == "synthetic" else tarball_images(cfg)
+
+
+def _synthetic_sizes(size: int) -> tuple[int, int]:
+    """(training, held-out) samples of data=synthetic: the held-out set is an eighth, at least 64."""
+    return size, max(size // 8, 64)
+
+
 def load_datasets(cfg: DictConfig, seed: int) -> tuple[TensorDataset, TensorDataset]:
     """(train, eval) datasets of normalised float images and int64 labels."""
     if cfg.name == "synthetic":
-        return make_synthetic(cfg.size, seed), make_synthetic(max(cfg.size // 8, 64), seed + 1)
+        train_size, eval_size = _synthetic_sizes(cfg.size)
+        return make_synthetic(train_size, seed), make_synthetic(eval_size, seed + 1)
     return load_cifar10(cfg)
 
 

@@ -9,6 +9,10 @@ def conv_block(c_in: int, c_out: int) -> nn.Sequential:
 class SmallCNN(nn.Sequential):
     """32x32x3 -> 16x16x32 -> 8x8x64 -> 4x4x64 -> 256 hidden -> classes."""
 
+    # Bytes autograd saves for backward per sample of batch, for the memory check before a run
+    # (parallel_lab/resources.py); tests/test_resources.py recounts them from a real forward.
+    activation_bytes_per_sample = 386_096
+
     def __init__(self, num_classes: int = 10, hidden: int = 256) -> None:
         super().__init__()
         self.add_module("block1", conv_block(3, 32))

@@ -34,6 +34,10 @@ def stage(c_in: int, c_out: int, stride: int) -> nn.Sequential:
 
 
 class ResNet18(nn.Sequential):
+    # Bytes autograd saves for backward per sample of batch, for the memory check before a run
+    # (parallel_lab/resources.py); tests/test_resources.py recounts them from a real forward.
+    activation_bytes_per_sample = 4_705_328
+
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
         self.add_module("stem", nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), norm(64), nn.ReLU()))
