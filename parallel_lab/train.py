@@ -94,6 +94,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
         maybe_inject_fault(cfg.fault, env, step, "step")
         inputs, targets = next(batches)
         consumed += 1
+        last = step == t.steps - 1
         _sync(env.device)
         start = time.perf_counter()
         with counter.counting():  # only the strategy's own communication, not the loss report
@@ -103,13 +104,15 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> dict:
             ]
             _sync(env.device)
             backward_done = time.perf_counter()
-            if step == t.steps - 1:
+            if last:  # gradients: the optimizer step frees or zeroes them
                 with counter.paused():
-                    memory = strategy.memory_report()  # gradients and optimizer state both alive here
+                    after_backward = strategy.memory_after_backward()
             optimizer_start = time.perf_counter()
             strategy.optimizer_step()
         _sync(env.device)
         end = time.perf_counter()
+        if last:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
+            memory = {**after_backward, **strategy.memory_after_step()}
         # Split as far as the loop can see: forward+backward (including any communication that
         # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
         history["fwd_bwd"].append(backward_done - start)

@@ -55,8 +55,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor (this rank's shard of a DTensor state); empty before the first step."""
     return tensor_bytes(
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        local_tensor(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
     )
 
 
@@ -236,14 +237,21 @@ class Strategy:
         """Every parameter of the full (unsharded) model; collective on sharded strategies."""
         return [p.detach() for p in self.model.parameters()]
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank actually holds right now."""
+    # The loop measures memory twice on the last step and merges the two (disjoint) reports:
+    # gradients exist only until the optimizer step frees or zeroes them, optimizer state only
+    # from the first optimizer step on. Neither hook may issue a collective or touch a value.
+    def memory_after_backward(self) -> dict[str, int]:
+        """Bytes of parameters and gradients this rank holds after the last backward, before the
+        optimizer step (DTensor parameters count their local shard)."""
         params = list(self.model.parameters())
         return {
-            "param_bytes": tensor_bytes(params),
-            "grad_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
-            "optim_bytes": optimizer_state_bytes(self.optimizer),
+            "param_bytes": tensor_bytes(local_tensor(p) for p in params),
+            "grad_bytes": tensor_bytes(local_tensor(p.grad) for p in params if p.grad is not None),
         }
+
+    def memory_after_step(self) -> dict[str, int]:
+        """Bytes of optimizer state this rank holds after the last optimizer step."""
+        return {"optim_bytes": optimizer_state_bytes(self.optimizer)}
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054, fp32):

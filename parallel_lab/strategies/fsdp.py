@@ -30,10 +30,10 @@ diverges (../shared/FACTS.md).
 ``strategy.mixed_precision=bf16`` computes forward/backward in bf16 (parameters all-gathered in
 bf16, gradients reduced in fp32) while the sharded parameters and Adam states stay fp32.
 
-Memory accounting (``memory_report``) reads the real storages: the local shards of the DTensor
-parameters (FSDP2) or the FlatParameter shards (FSDP1), the gathered parameter buffers that are
-alive at the end of forward (the moment ``grad_op`` holds the most), the sharded gradients and the
-optimizer's state tensors.
+Memory accounting (``memory_after_backward``, ``memory_after_step``) reads the real storages: the
+local shards of the DTensor parameters (FSDP2) or the FlatParameter shards (FSDP1), the gathered
+parameter buffers that are alive at the end of forward (the moment ``grad_op`` holds the most), the
+sharded gradients after backward and the optimizer's state tensors after the step.
 """
 from __future__ import annotations
 
@@ -247,24 +247,27 @@ class FSDPStrategy(Strategy):
             return storage_bytes(fp._sharded_param_data for fp in self._fsdp_params_v2())
         return storage_bytes(getattr(f, "_local_shard", f) for f in self._flat_params_v1())
 
-    def memory_report(self) -> dict[str, int]:
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters (the shard, plus the gathered copies alive at the end of forward) and the
+        sharded gradients, which the optimizer step's zero_grad frees."""
         grads = [p.grad for p in self.model.parameters()]
         if self.opts.version == 1:
-            grads += [f.grad for f in self._flat_params_v1()] + [getattr(f, "_saved_grad_shard", None) for f in self._flat_params_v1()]
-        optim = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+            flats = self._flat_params_v1()
+            grads += [f.grad for f in flats] + [getattr(f, "_saved_grad_shard", None) for f in flats]
         shard = self._shard_bytes()
         peak = max(self._peak_param_bytes, self._param_bytes_now())
-        report = {
-            "grad_bytes": storage_bytes(grads),
-            "optim_bytes": storage_bytes(optim),
-        }
         if self.opts.sharding == "grad_op":
             # The shard is what the optimizer updates (ZeRO's "master" copy); the gathered working
             # copy is what forward/backward use. Both are alive between forward and backward.
-            report.update(param_bytes=peak - shard, master_param_bytes=shard)
-        else:
-            report.update(param_bytes=peak, master_param_bytes=0)
-        return report
+            return {"param_bytes": peak - shard, "master_param_bytes": shard, "grad_bytes": storage_bytes(grads)}
+        return {"param_bytes": peak, "master_param_bytes": 0, "grad_bytes": storage_bytes(grads)}
+
+    def memory_after_step(self) -> dict[str, int]:
+        """The optimizer's per-parameter state of this rank's shards, created by the first step
+        (Adam's scalar step counters are left out)."""
+        state = self.optimizer.state.values()
+        return {"optim_bytes": storage_bytes(v for per_param in state for v in per_param.values()
+                                             if torch.is_tensor(v) and v.dim() > 0)}
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),

@@ -292,12 +292,6 @@ class TensorParallelStrategy(Strategy):
             full.append(local)
         return full
 
-    def memory_report(self) -> dict[str, int]:
-        params = [_local_tensor(p) for p in self.model.parameters()]
-        grads = [_local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        optim = [_local_tensor(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(grads), "optim_bytes": tensor_bytes(optim)}
-
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         n = self.analytic_numel
         return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * n}
