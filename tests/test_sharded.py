@@ -7,8 +7,6 @@ Makefile points it inside .venv; so does this module when it is unset), not once
 """
 from __future__ import annotations
 
-import csv
-import json
 import os
 import subprocess
 import sys
@@ -46,11 +44,11 @@ def assert_parity(metrics: dict, reference) -> None:
     reference.assert_run_matches(metrics)
 
 
-ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
-              ("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "cpu")]
+ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "cpu"),
+              pytest.param("zero1", "cpu", marks=pytest.mark.extra), pytest.param("zero3", "cpu", marks=pytest.mark.extra)]
 
 
-@pytest.mark.parametrize("strategy,offload", ZERO_CASES, ids=[f"{s}-offload_{o}" for s, o in ZERO_CASES])
+@pytest.mark.parametrize("strategy,offload", ZERO_CASES)
 def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
     metrics, stderr = run_ok(tmp_path, f"strategy={strategy}", f"strategy.offload={offload}", *COMMON)
     assert_parity(metrics, reference)
@@ -81,9 +79,11 @@ MEMORY_CASES = [("zero1",), ("zero2",), ("zero3",), ("fsdp", "strategy.sharding=
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=["zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad_op"])
 def test_resnet18_memory_matches_zero_paper(tmp_path, case):
     """Per rank, the model-state bytes read from the real (sharded) tensors are within 5% of the
-    paper's value; each component is printed beside its analytic value."""
+    paper's value; each component is printed beside its analytic value. One step is enough: each
+    kind of state is measured while it exists (gradients before the optimizer step frees them,
+    Adam's state after the step that creates it), so a 1-step run reports what a long run does."""
     metrics, _ = run_ok(tmp_path, f"strategy={case[0]}", *case[1:], "model=resnet18", "world_size=2",
-                        "trainer.steps=2", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
+                        "trainer.steps=1", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
     for rank in metrics["ranks"]:
         measured = sum(rank.get(k, 0) for k in MODEL_STATE)
         analytic = sum(rank.get(f"analytic_{k}", 0) for k in MODEL_STATE)
@@ -92,33 +92,6 @@ def test_resnet18_memory_matches_zero_paper(tmp_path, case):
     # Sharding is real: ZeRO-3 / FULL_SHARD ranks hold half the parameters of the whole model.
     if case[0] == "zero3" or case[1:] == ("strategy.sharding=full",):
         assert all(r["param_bytes"] <= 0.55 * 4 * metrics["params"] for r in metrics["ranks"])
-
-
-def test_a_one_step_run_reports_the_memory_of_a_longer_run(tmp_path):
-    """Each kind of state is measured while it exists: gradients before the optimizer step frees
-    them, optimizer state after the step that creates it. One sweep (single, ddp, fsdp, zero2 at 1
-    and 3 steps) checked three ways: per rank, a 1-step run reports exactly the bytes of the 3-step
-    run; Adam's 8 bytes/param (/N sharded) is there; the report's optim column shows it."""
-    strategies = ("single", "ddp", "fsdp", "zero2")
-    run_cli(tmp_path, f"hydra.sweep.dir={tmp_path}", f"strategy={','.join(strategies)}", "trainer.steps=1,3",
-            "world_size=2", "trainer.global_batch=16", "trainer.eval_batches=0", "--multirun", env=ENV)
-    runs = json.loads((tmp_path / "comparison.json").read_text())
-    with open(tmp_path / "comparison.csv") as f:
-        rows = list(csv.DictReader(f))  # the same order as comparison.json
-    assert sorted((r["strategy"], r["steps"]) for r in runs) == sorted((s, n) for s in strategies for n in (1, 3))
-    by_point = {(r["strategy"], r["steps"]): r["ranks"] for r in runs}
-    keys = (*MODEL_STATE, "comm_buffer_bytes")
-    for strategy in strategies:
-        one, three = by_point[strategy, 1], by_point[strategy, 3]
-        assert len(one) == len(three) == (1 if strategy == "single" else 2)
-        for short, longer in zip(one, three):
-            assert {k: short.get(k) for k in keys} == {k: longer.get(k) for k in keys}, (strategy, short["rank"])
-            analytic = short["analytic_optim_bytes"]
-            assert analytic > 0 and abs(short["optim_bytes"] - analytic) <= MEMORY_RTOL * analytic, (strategy, short)
-    for run, row in zip(runs, rows):
-        assert row["parity"] == "pass", (row["strategy"], run["steps"])  # measuring changed no numerics
-        measured, analytic = (float(v) for v in row["optim MiB meas/analytic"].split(" / "))
-        assert abs(measured - analytic) <= MEMORY_RTOL * analytic, (row["strategy"], run["steps"], row)
 
 
 def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
@@ -137,7 +110,7 @@ def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
     assert mpi["launcher"] == "mpirun"
 
 
-@pytest.mark.parametrize("attempt", range(3))
+@pytest.mark.parametrize("attempt", [0, pytest.param(1, marks=pytest.mark.extra), pytest.param(2, marks=pytest.mark.extra)])
 def test_zero3_exits_cleanly_every_time(tmp_path, attempt):
     """The gloo abort at exit was intermittent (~40%): repeat a short run."""
     run_ok(tmp_path, "strategy=zero3", "trainer.steps=1", "trainer.global_batch=8", "trainer.eval_batches=0")
