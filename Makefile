@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	# The one C++ op DeepSpeed needs here (its CPU shared-memory comm op, ~30 s): built now, not mid-test.
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 demo: $(STAMP)

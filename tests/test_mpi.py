@@ -219,6 +219,7 @@ SMALL = ("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "model=cn
 
 
 @pytest.mark.slow
+@pytest.mark.extra  # make test: tests/test_spine.py runs the same ddp under spawn, torchrun and mpirun
 def test_cli_launcher_mpirun_matches_spawn(cli):
     spawn = cli(*SMALL, "launcher=spawn")
     mpirun = cli(*SMALL, "launcher=mpirun")

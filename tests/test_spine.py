@@ -80,6 +80,7 @@ def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli):
     assert runs["mpirun"]["losses"] == runs["spawn"]["losses"]
 
 
+@pytest.mark.extra  # make test runs the worker under real torchrun through launcher=torchrun (above)
 def test_worker_runs_under_raw_torchrun_on_a_written_config(tmp_path):
     run_dir = tmp_path / "run"
     run_cli(run_dir, "strategy=ddp", "trainer.steps=2", "trainer.global_batch=16")
