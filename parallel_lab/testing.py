@@ -14,7 +14,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
-from parallel_lab.dist_env import free_port, read_dist_env
+from parallel_lab.worker.dist_env import free_port, read_dist_env
 
 
 def _resolve(target: str):

@@ -1,11 +1,11 @@
-"""Distributed test bodies for parallel_lab.collectives: each hand-written collective against
+"""Distributed test bodies for parallel_lab.comm.collectives: each hand-written collective against
 torch.distributed's own result, on real gloo ranks (run by tests/test_collectives.py)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from parallel_lab import collectives
+from parallel_lab.comm import collectives
 
 # Sizes chosen so most are not divisible by 2 or 3 (and 1 < world size: empty ring chunks).
 SIZES = (1, 2, 5, 7, 1001, 40003)

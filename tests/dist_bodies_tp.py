@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.strategies.tp import ColumnParallel, RowParallel
-from parallel_lab.tp_collectives import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
 from tests.model_parallel_helpers import train_and_compare
 
 

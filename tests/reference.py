@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from parallel_lab.data.synthetic import make_synthetic
-from parallel_lab.metrics import load_final_params
+from parallel_lab.worker.metrics import load_final_params
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
-from parallel_lab.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
+from parallel_lab.report.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 
@@ -99,7 +99,7 @@ class ParityReference:
 
 @functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
 def parity_reference(model: str = "cnn", **kwargs) -> ParityReference:
-    """reference_run(**kwargs) plus one rerun per parallel_lab.parity.NOISE_SEEDS seed."""
+    """reference_run(**kwargs) plus one rerun per parallel_lab.report.parity.NOISE_SEEDS seed."""
     losses, _, net = reference_run(model, **kwargs)
     noise = []
     for seed in NOISE_SEEDS:

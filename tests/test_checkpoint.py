@@ -161,7 +161,7 @@ NO_PROCESS_GROUP = pytest.mark.filterwarnings("ignore:torch.distributed is disab
 def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
     import torch.distributed.checkpoint as dcp
 
-    from parallel_lab.dcp_reader import load_sharded
+    from parallel_lab.checkpoint.dcp_reader import load_sharded
 
     marker = tmp_path / "pwned"
     lr = Planted(marker) if where == "byte entry" else 0.1
@@ -177,7 +177,7 @@ def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
 def test_dcp_loader_still_reads_good_files(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from parallel_lab.dcp_reader import load_sharded
+    from parallel_lab.checkpoint.dcp_reader import load_sharded
 
     dcp.save({"w": torch.arange(4.0), "lr": 0.1, "betas": (0.9, 0.999)}, checkpoint_id=str(tmp_path), no_dist=True)
     state = {"w": torch.zeros(4), "lr": 0.0, "betas": (0.0, 0.0)}
@@ -187,7 +187,7 @@ def test_dcp_loader_still_reads_good_files(tmp_path):
 
 def test_planted_pickle_in_a_deepspeed_file_does_not_run(tmp_path):
     pytest.importorskip("deepspeed")
-    from parallel_lab.ds_checkpoint import weights_only_load
+    from parallel_lab.checkpoint.ds_reader import weights_only_load
 
     marker = tmp_path / "pwned"
     torch.save({"optimizer_state_dict": Planted(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

@@ -1,4 +1,4 @@
-"""Hand-written collectives (parallel_lab.collectives) equal torch.distributed's results on real
+"""Hand-written collectives (parallel_lab.comm.collectives) equal torch.distributed's results on real
 gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, world
 sizes 2 and 3, sizes not divisible by the world size (and smaller than it), float32 and int64."""
 import pytest
@@ -15,7 +15,7 @@ def test_collectives_match_torch_distributed(world_size):
 
 
 def test_unknown_algorithm_and_op_are_rejected():
-    from parallel_lab import collectives
+    from parallel_lab.comm import collectives
     import torch
 
     with pytest.raises(ValueError, match="algorithm='tree'"):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from parallel_lab.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
+from parallel_lab.report.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
 
 
 def test_small_sweep_writes_a_proven_report_with_a_failed_row(tmp_path):

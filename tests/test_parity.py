@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_lab.metrics import load_final_params
-from parallel_lab.parity import (
+from parallel_lab.worker.metrics import load_final_params
+from parallel_lab.report.parity import (
     EARLY_STEPS,
     ENVELOPE_MULTIPLE,
     FLOOR_ULPS,

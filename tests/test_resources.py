@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_lab import resources
+from parallel_lab.config import resources
 from parallel_lab.config import validate
 from parallel_lab.errors import ConfigError
 from parallel_lab.models import MODELS

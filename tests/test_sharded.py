@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.dist_env import free_port
+from parallel_lab.worker.dist_env import free_port
 from tests.conftest import ROOT, assert_losses_close, load_metrics, run_cli
 from tests.reference import parity_reference
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import ROOT, assert_losses_close, load_metrics, run_cli
 from parallel_lab.config import CONF_DIR, register_configs, validate
-from parallel_lab.dist_env import free_port
+from parallel_lab.worker.dist_env import free_port
 from parallel_lab.strategies import registered_names
 from reference import parity_reference
 

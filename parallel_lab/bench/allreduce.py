@@ -44,7 +44,7 @@ def measure(rank: int, world_size: int, sizes: list[int], algorithms: list[str],
     import torch
     import torch.distributed as dist
 
-    from parallel_lab import collectives
+    from parallel_lab.comm import collectives
 
     rows = []
     for nbytes in sizes:

@@ -5,7 +5,7 @@ hand-written chunked ring (torch send/recv), in ONE mpiexec job, plus memcpy as 
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
 
 Run without mpiexec, it starts ``mpiexec -n NP`` on itself (one job: MPI and a gloo group whose
-ranks and rendezvous come from the MPI environment, via parallel_lab.dist_env).
+ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
 
 Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's median time per call:
   algbw = S / t, where S is the whole vector (all_reduce, broadcast: the tensor; all_gather: the
@@ -175,7 +175,7 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from parallel_lab.dist_env import init_process_group
+    from parallel_lab.worker.dist_env import init_process_group
     from parallel_lab.mirror import abort_on_exception, torch_env
 
     comm = MPI.COMM_WORLD
@@ -250,7 +250,7 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
 
 
 def under_mpi() -> bool:
-    from parallel_lab.dist_env import MPI_MARKERS
+    from parallel_lab.worker.dist_env import MPI_MARKERS
 
     return any(k in os.environ for k in MPI_MARKERS)
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
     if under_mpi() or args.np == 1:
         return run_job(args)
-    from parallel_lab.launch import find_tool
+    from parallel_lab.cli.launch import find_tool
 
     tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
     forwarded = argv if argv is not None else sys.argv[1:]

@@ -3,7 +3,7 @@
 A strategy is one small class in its own module under ``parallel_lab/strategies/`` plus one yaml
 file in ``conf/strategy/``. It receives a single-device model and an optimizer factory, wraps or
 splits them (its ``setup``), and owns backward and the optimizer step. The generic loop in
-``parallel_lab.train`` never asks which strategy it is running.
+``parallel_lab.worker.train`` never asks which strategy it is running.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel_lab.comm_count import CommCounter
-from parallel_lab.dist_env import DistEnv, init_process_group
+from parallel_lab.comm.counter import CommCounter
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
 
 REPLICA_FILE = "model_optimizer.pt"

@@ -47,7 +47,7 @@ class DDPStrategy(Strategy):
             gradient_as_bucket_view=self.opts.gradient_as_bucket_view,
         )
         # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
-        # (parallel_lab.comm_count). The stock average-then-all-reduce hook does the same work
+        # (parallel_lab.comm.counter). The stock average-then-all-reduce hook does the same work
         # through torch.distributed.all_reduce, so every bucket is counted.
         self.model.register_comm_hook(None, allreduce_hook)
         self.optimizer = make_optimizer(self.model.parameters())

@@ -1,5 +1,5 @@
 """``manual_ddp``: data parallelism written by hand on the point-to-point collectives of
-``parallel_lab.collectives`` (the way DDP is taught, but correct and fast).
+``parallel_lab.comm.collectives`` (the way DDP is taught, but correct and fast).
 
 Communication per optimizer step, per rank, for G bytes of gradients on N ranks:
 - setup: every parameter and buffer is broadcast from rank 0 (binomial tree), so all replicas
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab import collectives
+from parallel_lab.comm import collectives
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from parallel_lab.metrics import FAILED_FILE, METRICS_FILE, PARAMS_FILE, load_final_params
-from parallel_lab.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
+from parallel_lab.worker.metrics import FAILED_FILE, METRICS_FILE, PARAMS_FILE, load_final_params
+from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
 
 MiB = 1024 * 1024
 NOISE_HINT = ("run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
@@ -278,7 +278,7 @@ def run_noise_floor(runs: list[dict], sweep_dir: Path) -> None:
     one ulp (parallel_lab/parity.py), through the same launcher as any run."""
     from omegaconf import OmegaConf
 
-    from parallel_lab.__main__ import run_one
+    from parallel_lab.cli.main import run_one
 
     done = {(baseline_key(r), r["ulp_jitter_seed"]) for r in runs if is_noise_run(r)}
     for base in (r for r in runs if is_baseline(r)):

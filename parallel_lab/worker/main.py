@@ -4,7 +4,7 @@
 
 Started by our spawn launcher, ``torchrun -m parallel_lab.worker``, the ``deepspeed`` launcher
 (which adds ``--local_rank``) or ``mpirun``. It reads only the resolved config file and the
-environment (``parallel_lab.dist_env``), never Hydra.
+environment (``parallel_lab.worker.dist_env``), never Hydra.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from parallel_lab.config import load_run_config
-from parallel_lab.dist_env import DistEnv, read_dist_env, read_rank
+from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.metrics import METRICS_FILE, write_json_atomic
+from parallel_lab.worker.metrics import METRICS_FILE, write_json_atomic
 from parallel_lab.strategies import get_strategy_class
 
 SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
@@ -82,7 +82,7 @@ def record_pid(run_dir: Path, rank: int) -> None:
 
 def run_worker(config_path: str) -> dict | None:
     """Train one rank of the run described by config_path; rank 0 writes metrics.json."""
-    from parallel_lab.train import train
+    from parallel_lab.worker.train import train
 
     cfg = load_run_config(config_path)
     env: DistEnv = read_dist_env(cfg.device)

@@ -11,7 +11,7 @@ The SAME model class is built on every rank; then chosen layers are split in pla
 
 Communication per forward is one all-reduce of the row-parallel output (batch x 10 floats for the
 cnn) and per backward one all-reduce of the column-parallel input's gradient (batch x 1024), the
-conjugate collectives ``f``/``g`` of ``parallel_lab.tp_collectives``. Everything outside the split
+conjugate collectives ``f``/``g`` of ``parallel_lab.strategies.tp.comm``. Everything outside the split
 layers is replicated and gets identical gradients on every rank, because every tp rank sees the
 whole global batch and f's backward makes the gradient flowing into the shared layers identical.
 
@@ -47,7 +47,7 @@ from parallel_lab.strategies.base import (
     optimizer_bytes_per_param,
     tensor_bytes,
 )
-from parallel_lab.tp_collectives import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
 
 IMPLS = ("manual", "dtensor")
 

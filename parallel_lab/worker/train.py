@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.checkpoint import Checkpointer
 from parallel_lab.data import eval_batches, load_datasets, train_batches
-from parallel_lab.dist_env import DistEnv
-from parallel_lab.metrics import (
+from parallel_lab.worker.dist_env import DistEnv
+from parallel_lab.worker.metrics import (
     device_memory,
     save_final_params,
     gather_from_ranks,
@@ -26,7 +26,7 @@ from parallel_lab.metrics import (
     timed_median,
 )
 from parallel_lab.models import build_model, count_params
-from parallel_lab.parity import jitter_one_ulp
+from parallel_lab.report.parity import jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from parallel_lab.dist_env import free_port
+from parallel_lab.worker.dist_env import free_port
 from parallel_lab.errors import ConfigError
-from parallel_lab.worker import ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.worker.main import ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
 
 WORKER = ["-m", "parallel_lab.worker"]
 

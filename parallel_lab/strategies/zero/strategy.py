@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.dist_env import DistEnv, init_process_group
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import (
@@ -323,7 +323,7 @@ class ZeroStrategy(Strategy):
         self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
 
     def load_checkpoint(self, directory: Path) -> None:
-        from parallel_lab.ds_checkpoint import use_weights_only_loading
+        from parallel_lab.checkpoint.ds_reader import use_weights_only_loading
 
         use_weights_only_loading(self.engine)
         path, _ = self.engine.load_checkpoint(

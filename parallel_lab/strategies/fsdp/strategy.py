@@ -197,7 +197,7 @@ class FSDPStrategy(Strategy):
     def load_checkpoint(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from parallel_lab.dcp_reader import load_sharded
+        from parallel_lab.checkpoint.dcp_reader import load_sharded
 
         state = self._sharded_state()  # the shapes and shards to fill in
         load_sharded(state, str(directory / DCP_DIR))

@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from parallel_lab.errors import ConfigError
 
 MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_GROUPS = ("strategy", "model", "data", "launcher")
 
 
@@ -279,7 +279,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     from parallel_lab.checkpoint import validate_checkpoint_config
 
     validate_checkpoint_config(cfg)
-    from parallel_lab.resources import check_machine_fits
+    from parallel_lab.config.resources import check_machine_fits
 
     check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
     return cfg
