@@ -17,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parallel_lab.checkpoint import checkpoint_name
+from parallel_lab.protocol import default_checkpoint_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = ["single", "ddp", "manual_ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp"]
 
@@ -31,7 +34,7 @@ def _run(run_dir: Path, *overrides: str) -> dict:
 def measure(strategy: str, model: str, workdir: Path) -> dict:
     common = [f"strategy={strategy}", f"model={model}", "trainer.global_batch=16"]
     first = _run(workdir / f"{strategy}_save", *common, "trainer.steps=2", "trainer.checkpoint_every=2")
-    folder = workdir / f"{strategy}_save" / "checkpoints" / "step_00000002"
+    folder = default_checkpoint_dir(workdir / f"{strategy}_save") / checkpoint_name(2)
     resumed = _run(workdir / f"{strategy}_load", *common, "trainer.steps=3", f"trainer.resume={folder}")
     files = json.loads((folder / "complete.json").read_text())["files"]
     return {"bytes": first["checkpoint_bytes"], "psi": first["checkpoint_bytes"] / (4 * first["params"]),

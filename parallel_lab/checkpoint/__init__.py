@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.errors import ConfigError, print_warning
 from parallel_lab.hashing import file_digest
+from parallel_lab.protocol import default_checkpoint_dir
 
 COMPLETE = "complete.json"
 PREFIX = "step_"
@@ -250,7 +251,7 @@ class Checkpointer:
         self.cfg = cfg
         self.env = env
         self.strategy = strategy
-        self.root = Path(cfg.trainer.checkpoint_dir or Path(cfg.run_dir or ".") / "checkpoints")
+        self.root = Path(cfg.trainer.checkpoint_dir or default_checkpoint_dir(cfg.run_dir or "."))
         self.every = cfg.trainer.checkpoint_every
         self.keep = cfg.trainer.keep_checkpoints
         self.save_seconds: list[float] = []  # wall time of each save, barriers included

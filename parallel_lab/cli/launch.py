@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.worker.dist_env import free_port
 from parallel_lab.errors import ConfigError
-from parallel_lab.worker.main import ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
 
 WORKER = ["-m", "parallel_lab.worker"]
 
@@ -197,7 +197,7 @@ def first_failure(run_dir: Path) -> tuple[str, str, str] | None:
 
 def launch(cfg: DictConfig, run_dir: Path) -> int:
     """Start the run's processes, wait for them, return 0 or the first non-zero exit code."""
-    config_path = run_dir / "config.yaml"
+    config_path = run_dir / CONFIG_FILE
     port = rendezvous_port(cfg)
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     procs = []

@@ -23,7 +23,8 @@ from parallel_lab.config import (
     write_run_config,
 )
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.worker.metrics import FAILED_FILE, METRICS_FILE, write_json_atomic
+from parallel_lab.protocol import FAILED_FILE, METRICS_FILE
+from parallel_lab.worker.metrics import write_json_atomic
 
 log = logging.getLogger("parallel_lab")
 _exit_codes: list[int] = []  # one per run of this invocation (a sweep goes on past failures)

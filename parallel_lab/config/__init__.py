@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import CONFIG_FILE, default_checkpoint_dir
 
 MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -226,7 +227,7 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     run_dir = run_dir.resolve()
     cfg.run_dir = str(run_dir)
     if not cfg.trainer.checkpoint_dir:
-        cfg.trainer.checkpoint_dir = str(run_dir / "checkpoints")
+        cfg.trainer.checkpoint_dir = str(default_checkpoint_dir(run_dir))
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
@@ -289,7 +290,7 @@ def write_run_config(cfg: DictConfig) -> Path:
     """Write the resolved <run_dir>/config.yaml workers read (cfg validated with its run_dir)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
+    path = run_dir / CONFIG_FILE
     OmegaConf.save(cfg, path, resolve=True)
     return path
 

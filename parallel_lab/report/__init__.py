@@ -16,7 +16,8 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from parallel_lab.worker.metrics import FAILED_FILE, METRICS_FILE, PARAMS_FILE, load_final_params
+from parallel_lab.protocol import CONFIG_FILE, FAILED_FILE, METRICS_FILE, PARAMS_FILE
+from parallel_lab.worker.metrics import load_final_params
 from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
 
 MiB = 1024 * 1024
@@ -286,7 +287,7 @@ def run_noise_floor(runs: list[dict], sweep_dir: Path) -> None:
             if (baseline_key(base), seed) in done:
                 continue
             done.add((baseline_key(base), seed))
-            cfg = OmegaConf.load(Path(base["run_dir"]) / "config.yaml")
+            cfg = OmegaConf.load(Path(base["run_dir"]) / CONFIG_FILE)
             cfg.trainer.ulp_jitter_seed = seed
             cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_dir = 0, None
             run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base['run_dir']).name}_seed{seed}")

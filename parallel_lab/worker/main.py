@@ -9,7 +9,6 @@ environment (``parallel_lab.worker.dist_env``), never Hydra.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import signal
@@ -23,20 +22,9 @@ import torch
 from parallel_lab.config import load_run_config
 from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.worker.metrics import METRICS_FILE, write_json_atomic
+from parallel_lab.protocol import ERRORS_DIR, METRICS_FILE, PIDS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.worker.metrics import write_json_atomic
 from parallel_lab.strategies import get_strategy_class
-
-SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
-ERRORS_DIR = "errors"
-PIDS_DIR = "pids"
-
-
-def set_parent_death_signal(sig: int) -> None:
-    """Linux: the kernel sends sig to this process when its parent dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-
 
 def die_with_parent() -> None:
     """If the launching parent dies, this worker gets SIGKILL: no orphans."""

@@ -12,9 +12,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-METRICS_FILE = "metrics.json"
-FAILED_FILE = "failed.json"
-PARAMS_FILE = "final_params.pt"  # the full (gathered) final parameters, by name: parity compares these
+from parallel_lab.protocol import PARAMS_FILE
+
 
 
 def peak_rss_bytes() -> int:
