@@ -191,7 +191,7 @@ def mirror_expected(size: int, k: int) -> dict[str, list[float] | None]:
 @pytest.mark.parametrize("ranks", [0, 2, 3])
 def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
     size, k = ranks or 1, 3
-    out = ok(mpi(ranks, "-m", "parallel_lab.mirror", "--k", str(k), "--json", str(tmp_path / "m.json")))
+    out = ok(mpi(ranks, str(EXAMPLES / "mirror.py"), "--k", str(k), "--json", str(tmp_path / "m.json")))
     assert "every MPI result equals its torch.distributed twin" in out
     report = json.loads((tmp_path / "m.json").read_text())
     assert report["world_size"] == size
@@ -208,7 +208,7 @@ def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
 
 
 def test_mirror_bad_argument():
-    result = mpi(2, "-m", "parallel_lab.mirror", "--k", "0", timeout=120)
+    result = mpi(2, str(EXAMPLES / "mirror.py"), "--k", "0", timeout=120)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--k: 0 must be >= 1" in errors[0], result.stderr

@@ -4,8 +4,10 @@ hand-written chunked ring (torch send/recv), in ONE mpiexec job, plus memcpy as 
     python -m parallel_lab.bench collectives [--np 2] [--min-bytes 1K] [--max-bytes 64M]
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
 
-Run without mpiexec, it starts ``mpiexec -n NP`` on itself (one job: MPI and a gloo group whose
-ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
+Run without mpiexec, it starts ``mpiexec -n NP python -m mpi4py`` on itself (one job: MPI and a
+gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
+Under your own mpiexec, run it as ``python -m mpi4py -m parallel_lab.bench.collectives``: mpi4py's
+runner aborts the job when a rank raises.
 
 Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's median time per call:
   algbw = S / t, where S is the whole vector (all_reduce, broadcast: the tensor; all_gather: the
@@ -175,18 +177,16 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from parallel_lab.worker.dist_env import init_process_group
-    from parallel_lab.mirror import abort_on_exception, torch_env
+    from parallel_lab.worker.dist_env import init_process_group, read_dist_env
 
     comm = MPI.COMM_WORLD
-    abort_on_exception(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     # The others wait in the Barrier. Two sizes: the largest (memory-bound) and 256 KiB (fits in
     # cache, so small collectives can beat the big-copy number).
     ceiling = (memcpy_gbps(args.max_bytes), memcpy_gbps(256 << 10, reps=200)) if rank == 0 else (0.0, 0.0)
     comm.Barrier()
-    env = torch_env()
+    env = read_dist_env("cpu")
     init_process_group(env, timeout_s=300)
     sizes, size = [], args.min_bytes
     while size <= args.max_bytes:
@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
     forwarded = argv if argv is not None else sys.argv[1:]
-    cmd = [tool, "-n", str(args.np), sys.executable, "-m", "parallel_lab.bench.collectives", *forwarded]
+    # mpi4py's runner (python -m mpi4py) aborts the whole job when one rank raises, so no rank is
+    # left waiting in a collective for a peer that is gone.
+    cmd = [tool, "-n", str(args.np), sys.executable, "-m", "mpi4py", "-m", "parallel_lab.bench.collectives", *forwarded]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
     return subprocess.run(cmd, env=env).returncode
 

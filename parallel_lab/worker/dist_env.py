@@ -88,6 +88,8 @@ def read_dist_env(requested_device: str = "auto", environ=None) -> DistEnv:
         port = int(environ["MASTER_PORT"])
     elif world > 1 and any(k in environ for k in MPI_MARKERS):
         port = _port_from_mpi()
+    elif world == 1:
+        port = free_port(addr)  # no peer to agree with, and the default port may be taken
     else:
         port = DEFAULT_PORT
     device, backend = pick_device(requested_device, local)

@@ -1,7 +1,7 @@
 """Every MPI collective beside its torch.distributed twin, in ONE mpirun job, checked equal.
 
-    mpiexec -n 2 python -m parallel_lab.mirror [--k 4] [--json out.json]
-    python -m parallel_lab.mirror                 # size 1 works too
+    mpiexec -n 2 python mpi_examples/mirror.py [--k 4] [--json out.json]
+    python mpi_examples/mirror.py                 # size 1 works too
 
 Each rank runs every collective twice on identical inputs: once through mpi4py (the buffer API,
 on numpy arrays) and once through torch.distributed (gloo, on tensors), and asserts the two
@@ -16,13 +16,9 @@ the worker's environment reading works under mpirun.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import os
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,7 +27,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from parallel_lab.worker.dist_env import DistEnv, free_port, init_process_group, read_dist_env
+from common import abort_on_exception
+from parallel_lab.worker.dist_env import DistEnv, init_process_group, read_dist_env
 
 ROOT = 0
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a FutureWarning);
@@ -286,15 +283,6 @@ def fmt(a, limit: int = 6) -> str:
     return f"[{vals}]"
 
 
-def torch_env() -> DistEnv:
-    """Rank/world/rendezvous from the MPI environment, exactly as the training worker reads them.
-    One process has no peer to agree on a port with, and 29500 may be taken: use a free one."""
-    env = read_dist_env("cpu")
-    if env.world_size == 1 and "MASTER_PORT" not in os.environ:
-        env = dataclasses.replace(env, master_port=free_port())
-    return env
-
-
 def run_all(ctx: Ctx) -> list[dict]:
     rows = []
     for case in CASES:
@@ -323,17 +311,6 @@ def print_table(rows: list[dict], env: DistEnv, size: int, k: int) -> None:
         print(f"| {r['name']:<20} | {r['mpi_call']:<20} | {r['torch_call']:<22} | {fmt(a):<28} | {fmt(b):<28} | {eq} |")
 
 
-def abort_on_exception(comm: MPI.Comm) -> None:
-    """An exception on one rank must end the job, not leave the others in a collective forever."""
-    def hook(exc_type, exc, tb):
-        sys.stdout.flush()
-        sys.stderr.write(f"[rank {comm.Get_rank()}] " + "".join(traceback.format_exception(exc_type, exc, tb)))
-        sys.stderr.flush()
-        time.sleep(0.5)  # let mpiexec forward the traceback before it kills the job
-        comm.Abort(1)
-    sys.excepthook = hook
-
-
 class RankZeroParser(argparse.ArgumentParser):
     """Every rank parses the same argv; only rank 0 prints the error, every rank exits 2."""
 
@@ -354,19 +331,19 @@ def positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     abort_on_exception(comm)
-    parser = RankZeroParser(prog="python -m parallel_lab.mirror", description=__doc__.split("\n")[0])
+    parser = RankZeroParser(prog="mirror.py", description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=positive, default=4, help="elements per rank (default 4)")
     parser.add_argument("--json", help="rank 0 writes every row (full results) to this file")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    env = torch_env()
+    env = read_dist_env("cpu")  # rank/world/rendezvous from the MPI environment, as the worker reads them
     assert (env.rank, env.world_size) == (comm.Get_rank(), comm.Get_size()), (
         f"dist_env read rank {env.rank}/{env.world_size} but MPI says {comm.Get_rank()}/{comm.Get_size()}")
     init_process_group(env, timeout_s=60)
     ctx = Ctx(comm, comm.Get_rank(), comm.Get_size(), args.k)
     rows = run_all(ctx)
-    gc.collect()  # the clean-exit recipe (../shared/FACTS.md): no references, barrier, destroy
+    gc.collect()  # the clean-exit recipe (docs/facts.md): no references, barrier, destroy
     dist.barrier()
     dist.destroy_process_group()
     bad = [r["name"] for r in rows if r["equal"] is False]
