@@ -37,15 +37,11 @@ def assert_losses_close(losses, reference, rtol: float) -> None:
 def write_config(path: Path, *overrides: str) -> str:
     """The resolved config.yaml the CLI parent would write, for in-process training bodies; the run
     folder (where rank 0 leaves final_params.pt) is the path without its suffix."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from parallel_lab.config import CONF_DIR, register_configs, validate
+    from parallel_lab.config import compose_config, validate
 
-    register_configs()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.progress=false", *overrides])
-    cfg = validate(cfg, Path(path).with_suffix(""))
+    cfg = validate(compose_config(["trainer.progress=false", *overrides]), Path(path).with_suffix(""))
     OmegaConf.save(cfg, path, resolve=True)
     return str(path)
 

@@ -16,15 +16,10 @@ from tests.reference import ParityReference, parity_reference
 
 def compose_config(*overrides: str) -> DictConfig:
     """conf/config.yaml + overrides, validated exactly as the parent does before a run."""
-    from hydra import compose, initialize_config_dir
+    from parallel_lab import config
 
-    from parallel_lab.config import CONF_DIR, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.progress=false", "trainer.threads_per_rank=1",
-                                           f"data.size={DATA_SIZE}", *overrides])
-    return validate(cfg)
+    return config.validate(config.compose_config(["trainer.progress=false", "trainer.threads_per_rank=1",
+                                                  f"data.size={DATA_SIZE}", *overrides]))
 
 
 DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to generate per configuration

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from conftest import ROOT, assert_losses_close, load_metrics, run_cli
-from parallel_lab.config import CONF_DIR, register_configs, validate
+from parallel_lab.config import CONF_DIR, compose_config, validate
 from parallel_lab.worker.dist_env import free_port
 from parallel_lab.strategies import registered_names
 from reference import parity_reference
@@ -23,9 +22,7 @@ def test_registry_matches_strategy_yaml_files():
 
 
 def compose_cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def test_compose_defaults_and_single_forces_one_process_with_same_total_threads():

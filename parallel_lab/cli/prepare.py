@@ -10,18 +10,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from parallel_lab.config import CONF_DIR, check_group_overrides, write_run_config, register_configs, validate
+from parallel_lab.config import compose_config, validate, write_run_config
 from parallel_lab.errors import ConfigError
 
 
 def prepare(run_dir: Path, overrides: list[str]) -> Path:
-    from hydra import compose, initialize_config_dir
-
-    check_group_overrides(overrides)
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return write_run_config(validate(cfg, run_dir))
+    """Compose, validate and write ``<run_dir>/config.yaml``; return its path."""
+    return write_run_config(validate(compose_config(overrides), run_dir))
 
 
 def main(argv: list[str]) -> int:
