@@ -13,7 +13,17 @@ from omegaconf import DictConfig
 from parallel_lab.config.schema import register_configs
 from parallel_lab.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _conf_dir() -> Path:
+    """conf/ at the top of a checkout (editable install, PYTHONPATH), or parallel_lab/conf where a
+    wheel installed it (setup.py maps the one onto the other)."""
+    package = Path(__file__).resolve().parents[1]
+    installed, checkout = package / "conf", package.parent / "conf"
+    return installed if installed.is_dir() else checkout
+
+
+CONF_DIR = _conf_dir()
 CONFIG_GROUPS = ("strategy", "model", "data", "launcher")
 
 
