@@ -23,7 +23,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError, print_warning
@@ -85,15 +84,14 @@ def memory_available_bytes() -> int | None:
 def estimate_rank_memory(cfg: DictConfig, micro_batch: int) -> RankMemory | None:
     """One rank's peak host memory for this validated config (None where /proc is missing)."""
     from parallel_lab.data import images_per_rank
-    from parallel_lab.models import MODELS, count_params
-    from parallel_lab.strategies.base import optimizer_bytes_per_param
+    from parallel_lab.models import MODELS, build_meta_model, count_params
+    from parallel_lab.strategies.memory import optimizer_bytes_per_param
 
     parent_rss = _proc_bytes(SELF_STATUS, "VmRSS")
     if parent_rss is None:
         return None
     model_cls = MODELS[cfg.model.name]
-    with torch.device("meta"):  # shapes only: no memory used, no random numbers drawn
-        params = count_params(model_cls(num_classes=cfg.model.num_classes))
+    params = count_params(build_meta_model(cfg.model))
     return RankMemory(
         runtime=parent_rss + WORKER_RUNTIME_BYTES,
         data=int(DATA_PEAK_FACTOR * images_per_rank(cfg.data) * IMAGE_FLOAT_BYTES),

@@ -27,5 +27,13 @@ def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
     return MODELS[cfg.name](num_classes=cfg.num_classes)
 
 
+def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:
+    """The model's structure on the meta device: shapes for planning and estimates, no memory used
+    and no random numbers drawn."""
+    validate_model_config(cfg)
+    with torch.device("meta"):
+        return MODELS[cfg.name](num_classes=cfg.num_classes)
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -17,6 +17,7 @@ def register(*names: str):
     """Class decorator: make the class the strategy for every name given."""
 
     def wrap(cls: type) -> type:
+        _check_state_hooks(cls, names)
         for name in names:
             if name in _REGISTRY and _REGISTRY[name] is not cls:
                 raise RuntimeError(f"strategy '{name}' registered twice")
@@ -24,6 +25,19 @@ def register(*names: str):
         return cls
 
     return wrap
+
+
+def _check_state_hooks(cls: type, names: tuple[str, ...]) -> None:
+    """A strategy must say where its model state lives; refuse it at registration, not mid-run."""
+    from parallel_lab.strategies.base import STATE_HOOKS
+
+    missing = [hook for hook in STATE_HOOKS if getattr(getattr(cls, hook, None), "__isabstractmethod__", False)]
+    if missing:
+        raise TypeError(
+            f"strategy '{names[0]}' ({cls.__name__}) does not say how it saves, loads, gathers and accounts its "
+            f"model state: define {', '.join(missing)}, or inherit ReplicatedModel "
+            f"(parallel_lab/strategies/replicated.py) if every rank holds the whole model"
+        )
 
 
 def _discover() -> None:

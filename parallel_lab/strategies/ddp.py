@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 
 @dataclass
@@ -28,7 +29,7 @@ class DDPOptions(StrategyOptions):
 
 
 @register("ddp")
-class DDPStrategy(Strategy):
+class DDPStrategy(ReplicatedModel, Strategy):
     Options = DDPOptions
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
 

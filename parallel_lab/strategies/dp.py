@@ -13,10 +13,11 @@ import torch
 
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 
 @register("dp")
-class DataParallelStrategy(Strategy):
+class DataParallelStrategy(ReplicatedModel, Strategy):
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0  # one process: replicas (GPUs) exchange through device copies, no collectives

@@ -33,6 +33,7 @@ from parallel_lab.comm import collectives
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 MB = 1024 * 1024
 
@@ -85,7 +86,7 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 
 
 @register("manual_ddp")
-class ManualDDPStrategy(Strategy):
+class ManualDDPStrategy(ReplicatedModel, Strategy):
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
     Options = ManualDDPOptions
 

@@ -45,13 +45,8 @@ from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import (
-    OptimizerFactory,
-    Strategy,
-    StrategyOptions,
-    optimizer_bytes_per_param,
-    storage_bytes,
-)
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
 
 SHARDINGS = ("full", "grad_op", "no_shard")
 PRECISIONS = ("fp32", "bf16")

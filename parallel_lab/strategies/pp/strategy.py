@@ -41,7 +41,10 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions, optimizer_bytes_per_param
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.clip import clip_by_global_norm
+from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes
+from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 
 IMPLS = ("manual", "torch")
 BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its backward BACKWARD_TAG + i
@@ -114,10 +117,9 @@ def plan_stages(model: nn.Sequential, stages: int, cuts: list[str]) -> list[list
 
 def _meta_model(cfg: DictConfig) -> nn.Sequential:
     """The model's structure without weights (meta device): for planning and shape inference."""
-    from parallel_lab.models import MODELS
+    from parallel_lab.models import build_meta_model
 
-    with torch.device("meta"):
-        return MODELS[cfg.model.name](num_classes=cfg.model.num_classes)
+    return build_meta_model(cfg.model)
 
 
 # ----- schedules: the order of forward (F) and backward (B) micro-batch steps on one stage -----
@@ -174,7 +176,7 @@ class BusyTimer:
 
 
 @register("pp")
-class PipelineParallelStrategy(Strategy):
+class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
     Options = PPOptions
 
     # ----- validation (parent) -----
@@ -227,10 +229,6 @@ class PipelineParallelStrategy(Strategy):
     @property
     def is_last(self) -> bool:
         return self.stage == self.opts.stages - 1
-
-    # Each rank holds a different part of the model: one checkpoint file per rank.
-    save_checkpoint = Strategy.save_rank_shard
-    load_checkpoint = Strategy.load_rank_shard
 
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
@@ -350,16 +348,9 @@ class PipelineParallelStrategy(Strategy):
 
     def clip_gradients(self) -> None:
         """Clip by the norm of the whole model's gradient: every stage's squares are summed."""
-        max_norm = self.cfg.trainer.grad_clip
-        if max_norm <= 0:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
-        sq = sq.to(self.device)
-        dist.all_reduce(sq)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if self.cfg.trainer.grad_clip > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_by_global_norm(grads, [], self.cfg.trainer.grad_clip, self.device)
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """Only the last stage has the loss: it broadcasts it, so every rank returns the same float."""
@@ -393,10 +384,12 @@ class PipelineParallelStrategy(Strategy):
         dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
         return [p for stage in per_stage[: self.opts.stages] for p in stage]
 
+    def memory_report(self) -> dict[str, int]:
+        return held_state_bytes(self.model, self.optimizer)  # the model here is this stage only
+
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
-        n = sum(p.numel() for p in self.model.parameters())
-        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * n}
+        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
 
     def extra_metrics(self) -> dict:
         p, m = self.opts.stages, self.opts.microbatches

@@ -40,13 +40,10 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import (
-    OptimizerFactory,
-    Strategy,
-    StrategyOptions,
-    optimizer_bytes_per_param,
-    tensor_bytes,
-)
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.clip import clip_by_global_norm
+from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes, local_tensor, tensor_bytes
+from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
 
 IMPLS = ("manual", "dtensor")
@@ -70,11 +67,6 @@ class TPOptions(StrategyOptions):
 
 def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
     return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
-
-
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) tensor that this rank really stores."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ----- the manual split: two small modules that hold one shard each -----
@@ -137,7 +129,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 @register("tp")
-class TensorParallelStrategy(Strategy):
+class TensorParallelStrategy(RankShardCheckpoint, Strategy):
     Options = TPOptions
 
     # ----- validation (parent) -----
@@ -170,10 +162,9 @@ class TensorParallelStrategy(Strategy):
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
         """(layer, width, which width) for every dimension the plan splits; built on the meta
         device, so no memory is used and no weights are initialised."""
-        from parallel_lab.models import MODELS
+        from parallel_lab.models import build_meta_model
 
-        with torch.device("meta"):
-            model = MODELS[cfg.model.name](num_classes=cfg.model.num_classes)
+        model = build_meta_model(cfg.model)
         widths = []
         for column, row in split_plan(cfg.model.name, opts.split_conv):
             if column is not None:
@@ -193,10 +184,6 @@ class TensorParallelStrategy(Strategy):
     @property
     def dp_size(self) -> int:
         return self.env.world_size // self.opts.tp
-
-    # Each rank holds a different part of the model: one checkpoint file per rank.
-    save_checkpoint = Strategy.save_rank_shard
-    load_checkpoint = Strategy.load_rank_shard
 
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
@@ -260,23 +247,11 @@ class TensorParallelStrategy(Strategy):
     def clip_gradients(self) -> None:
         """Clip by the norm of the FULL gradient: shard norms are summed over the tp ranks,
         replicated parameters (identical on every rank) are counted once."""
-        max_norm = self.cfg.trainer.grad_clip
-        if max_norm <= 0:
+        if self.cfg.trainer.grad_clip <= 0:
             return
-        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in named:
-            sq = _local_tensor(p.grad).double().pow(2).sum()
-            if name in self.shard_dims:
-                sharded += sq
-            else:
-                replicated += sq
-        dist.all_reduce(sharded, group=self.group)
-        total = (sharded + replicated).sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for _, p in named:
-            p.grad.mul_(coef.to(_local_tensor(p.grad).dtype))
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        clip_by_global_norm([g for n, g in named if n in self.shard_dims], [g for n, g in named if n not in self.shard_dims],
+                            self.cfg.trainer.grad_clip, self.device, self.group)
 
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:
@@ -284,7 +259,7 @@ class TensorParallelStrategy(Strategy):
         concatenated along their split dimension."""
         full = []
         for name, p in self.model.named_parameters():
-            local = _local_tensor(p.detach()).contiguous()
+            local = local_tensor(p.detach()).contiguous()
             if name in self.shard_dims:
                 parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
                 dist.all_gather(parts, local, group=self.group)
@@ -293,14 +268,11 @@ class TensorParallelStrategy(Strategy):
         return full
 
     def memory_report(self) -> dict[str, int]:
-        params = [_local_tensor(p) for p in self.model.parameters()]
-        grads = [_local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        optim = [_local_tensor(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(grads), "optim_bytes": tensor_bytes(optim)}
+        return held_state_bytes(self.model, self.optimizer)
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
-        n = self.analytic_numel
-        return {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * n}
+        """Textbook: the split layers' weights divided by tp, everything else whole."""
+        return analytic_state_bytes(self.analytic_numel, self.cfg.trainer)
 
     def extra_metrics(self) -> dict:
         return {
@@ -308,7 +280,7 @@ class TensorParallelStrategy(Strategy):
             "tp_impl": self.opts.impl,
             "tp_split_layers": self.split_kinds,
             "tp_shard_param_bytes": tensor_bytes(
-                _local_tensor(p) for n, p in self.model.named_parameters() if n in self.shard_dims),
+                local_tensor(p) for n, p in self.model.named_parameters() if n in self.shard_dims),
         }
 
     def teardown(self) -> None:
