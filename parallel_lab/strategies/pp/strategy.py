@@ -29,7 +29,6 @@ by m * grad_accum before backward: the summed gradient is the gradient of the gl
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes
+from parallel_lab.strategies.pp.plan import plan_stages
+from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 
 IMPLS = ("manual", "torch")
@@ -59,120 +60,11 @@ class PPOptions(StrategyOptions):
     cuts: list[str] = field(default_factory=list)  # blocks that start stages 2..p; [] = balance by params
 
 
-# ----- how the model is cut -----
-
-def cuttable_blocks(model: nn.Sequential) -> list[list[str]]:
-    """Top-level children grouped into blocks that can start a stage: a child without parameters
-    (ReLU, Flatten, pooling) stays with the block before it, so no stage is left without weights."""
-    blocks: list[list[str]] = []
-    for name, child in model.named_children():
-        has_params = any(True for _ in child.parameters())
-        if has_params or not blocks:
-            blocks.append([name])
-        else:
-            blocks[-1].append(name)
-    return blocks
-
-
-def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
-    """Block indices where stages 2..p start, minimising the largest stage's parameter count
-    (exhaustive: models here have fewer than ten blocks)."""
-    best, best_cost = [], None
-    for cuts in itertools.combinations(range(1, len(sizes)), stages - 1):
-        bounds = (0, *cuts, len(sizes))
-        cost = max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
-        if best_cost is None or cost < best_cost:
-            best, best_cost = list(cuts), cost
-    return best
-
-
-def block_label(block: list[str]) -> str:
-    return "+".join(block)
-
-
-def plan_stages(model: nn.Sequential, stages: int, cuts: list[str]) -> list[list[str]]:
-    """Child names of each stage, in model order. Raises ConfigError for an impossible cut."""
-    blocks = cuttable_blocks(model)
-    if stages > len(blocks):
-        raise ConfigError(
-            f"strategy.stages={stages} is more than the {len(blocks)} cuttable blocks of this model "
-            f"({', '.join(block_label(b) for b in blocks)}); use strategy.stages<={len(blocks)}"
-        )
-    starts = [b[0] for b in blocks]
-    if cuts:
-        if len(cuts) != stages - 1:
-            raise ConfigError(f"strategy.cuts={list(cuts)} must name {stages - 1} blocks for strategy.stages={stages} (or be [])")
-        bad = [c for c in cuts if c not in starts[1:]]
-        if bad:
-            raise ConfigError(f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}")
-        index = [starts.index(c) for c in cuts]
-        if index != sorted(set(index)):
-            raise ConfigError(f"strategy.cuts={list(cuts)} must be in model order without repeats")
-    else:
-        sizes = [sum(p.numel() for n in b for p in model.get_submodule(n).parameters()) for b in blocks]
-        index = balanced_cuts(sizes, stages)
-    bounds = (0, *index, len(blocks))
-    return [[name for b in blocks[a:e] for name in b] for a, e in zip(bounds, bounds[1:])]
-
-
 def _meta_model(cfg: DictConfig) -> nn.Sequential:
     """The model's structure without weights (meta device): for planning and shape inference."""
     from parallel_lab.models import build_meta_model
 
     return build_meta_model(cfg.model)
-
-
-# ----- schedules: the order of forward (F) and backward (B) micro-batch steps on one stage -----
-
-def gpipe_order(m: int, p: int, s: int) -> list[tuple[str, int]]:
-    """GPipe: fill the pipe with every forward, then drain it with every backward."""
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-
-
-def one_f_one_b_order(m: int, p: int, s: int) -> list[tuple[str, int]]:
-    """1F1B: p-s-1 warm-up forwards, then one forward / one backward, then the last backwards.
-    The oldest micro-batch is always the next to go backward, so at most p-s are in flight."""
-    warmup = min(p - s - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for k in range(m - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    return order + [("B", k) for k in range(m - warmup, m)]
-
-
-SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
-
-
-class BusyTimer:
-    """Time a stage spends computing (forward and backward of its blocks), from hooks, so both
-    implementations measure idle time the same way: idle = step time - busy time.
-
-    Forward: between the module's forward pre-hook and forward hook. Backward: from the moment
-    the gradient of the stage's output arrives (a hook on the output tensor) to the last
-    accumulation into one of its parameters (the first layers' gradients come last)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.busy = 0.0
-        self.enabled = False
-        self._start: float | None = None
-        module.register_forward_pre_hook(lambda *_: self._begin())
-        module.register_forward_hook(self._after_forward)
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(lambda _: self._end(keep_open=True))
-
-    def _after_forward(self, module, inputs, output) -> None:
-        self._end()
-        if output.requires_grad:
-            output.register_hook(lambda grad: self._begin())
-
-    def _begin(self) -> None:
-        self._start = time.perf_counter()
-
-    def _end(self, keep_open: bool = False) -> None:
-        if self._start is None or not self.enabled:
-            return
-        now = time.perf_counter()
-        self.busy += now - self._start
-        self._start = now if keep_open else None
 
 
 @register("pp")

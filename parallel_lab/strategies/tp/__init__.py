@@ -1,4 +1,6 @@
-"""``tp``: Megatron-style tensor parallelism (see :mod:`.strategy`; its f/g collectives in :mod:`.comm`)."""
-from parallel_lab.strategies.tp.strategy import ColumnParallel, RowParallel, TensorParallelStrategy
+"""``tp``: Megatron-style tensor parallelism. ``comm`` holds its two conjugate collectives (f, g),
+``layers`` the column/row-parallel modules built on them, ``strategy`` the split plan and training."""
+from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel
+from parallel_lab.strategies.tp.strategy import TensorParallelStrategy
 
 __all__ = ["ColumnParallel", "RowParallel", "TensorParallelStrategy"]

@@ -30,11 +30,9 @@ each tp group its own sub-group and a 2-D mesh, which is why the group is passed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
@@ -44,7 +42,7 @@ from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOpt
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes, local_tensor, tensor_bytes
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
-from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 
 IMPLS = ("manual", "dtensor")
 
@@ -67,65 +65,6 @@ class TPOptions(StrategyOptions):
 
 def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
     return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
-
-
-# ----- the manual split: two small modules that hold one shard each -----
-
-def _functional(layer: nn.Module):
-    """The layer's computation as a function of (input, weight, bias), so a shard can be passed."""
-    if isinstance(layer, nn.Linear):
-        return F.linear
-    if isinstance(layer, nn.Conv2d) and layer.groups == 1 and layer.padding_mode == "zeros":
-        return partial(F.conv2d, stride=layer.stride, padding=layer.padding, dilation=layer.dilation)
-    raise TypeError(f"tensor parallelism here splits nn.Linear and plain nn.Conv2d, not {type(layer).__name__}")
-
-
-def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> nn.Parameter:
-    return nn.Parameter(t.detach().chunk(size, dim)[rank].clone())
-
-
-class ColumnParallel(nn.Module):
-    """Output features (Linear) or output channels (Conv2d) split across the tp ranks.
-    Parameters keep the dense layer's names (``weight``, ``bias``) so checkpoints line up."""
-
-    def __init__(self, layer: nn.Module, group, rank: int, size: int) -> None:
-        super().__init__()
-        self.fn = _functional(layer)
-        self.group = group
-        self.weight = _shard(layer.weight, 0, rank, size)
-        self.bias = _shard(layer.bias, 0, rank, size) if layer.bias is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # f: the whole input is used here; in backward the ranks' partial input-gradients are summed.
-        return self.fn(copy_to_tp(x, self.group), self.weight, self.bias)
-
-
-class RowParallel(nn.Module):
-    """Input features/channels split across the tp ranks; output = all-reduce of partial sums."""
-
-    def __init__(self, layer: nn.Module, group, rank: int, size: int, input_is_split: bool) -> None:
-        super().__init__()
-        self.fn = _functional(layer)
-        self.group, self.rank, self.size = group, rank, size
-        self.input_is_split = input_is_split
-        self.weight = _shard(layer.weight, 1, rank, size)
-        # The bias is added once, after the sum, so it stays whole (replicated) on every rank.
-        self.bias = nn.Parameter(layer.bias.detach().clone()) if layer.bias is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_split:
-            # Replicated input (no column layer before us): take our slice of the features. f sums
-            # the zero-padded slice gradients in backward, giving the whole input gradient.
-            x = copy_to_tp(x, self.group).chunk(self.size, dim=1)[self.rank]
-        y = reduce_from_tp(self.fn(x, self.weight, None), self.group)  # g
-        if self.bias is not None:
-            y = y + self.bias.reshape(1, -1, *([1] * (y.dim() - 2)))
-        return y
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 @register("tp")
@@ -217,9 +156,9 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
         rank, size = self.tp_rank, self.opts.tp
         for column, row in plan:
             if column is not None:
-                _replace(model, column, ColumnParallel(model.get_submodule(column), self.group, rank, size))
+                replace_module(model, column, ColumnParallel(model.get_submodule(column), self.group, rank, size))
                 shard_dims.update({f"{column}.weight": 0, f"{column}.bias": 0})
-            _replace(model, row, RowParallel(model.get_submodule(row), self.group, rank, size, column is not None))
+            replace_module(model, row, RowParallel(model.get_submodule(row), self.group, rank, size, column is not None))
             shard_dims[f"{row}.weight"] = 1
         return {n: d for n, d in shard_dims.items() if n in dict(model.named_parameters())}
 
