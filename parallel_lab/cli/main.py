@@ -62,7 +62,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
         return 2
     metrics_path = run_dir / METRICS_FILE
     if code == 0 and metrics_path.is_file():
-        from parallel_lab.report import summary_line
+        from parallel_lab.report.table import summary_line
 
         print(summary_line(metrics_path), flush=True)
         return 0
@@ -90,7 +90,7 @@ def main() -> None:
         sys.exit(2)
     register_configs()
     hydra_main()
-    from parallel_lab.report import failed_proofs
+    from parallel_lab.report.sweep import failed_proofs
 
     for line in failed_proofs:
         print(f"parallel_lab: error: parity not proven for {line}", file=sys.stderr)

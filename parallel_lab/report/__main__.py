@@ -1,6 +1,6 @@
 """``python -m parallel_lab.report <dir> [<dir> ...] [--out DIR]``."""
 import sys
 
-from parallel_lab.report import main
+from parallel_lab.report.table import main
 
 sys.exit(main())
