@@ -19,9 +19,9 @@ from pathlib import Path
 
 from parallel_lab.checkpoint import checkpoint_name
 from parallel_lab.protocol import default_checkpoint_dir
+from parallel_lab.strategies import sweep_names
 
 ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ["single", "ddp", "manual_ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp"]
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:
@@ -44,12 +44,13 @@ def measure(strategy: str, model: str, workdir: Path) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench checkpoint", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet18", choices=["cnn", "resnet18"])
-    parser.add_argument("--only", choices=STRATEGIES, action="append", help="just these strategies")
+    strategies = sweep_names()  # every registered strategy, plugins included
+    parser.add_argument("--only", choices=strategies, action="append", help="just these strategies")
     args = parser.parse_args(argv)
     print(f"| strategy ({args.model}) | checkpoint MiB | in Ψ | files | save s | load s |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as workdir:
-        for strategy in args.only or STRATEGIES:
+        for strategy in args.only or strategies:
             m = measure(strategy, args.model, Path(workdir))
             print(f"| {strategy} | {m['bytes'] / 2**20:.1f} | {m['psi']:.2f} | {m['files']} | {m['save_s']:.2f} | "
                   f"{m['load_s']:.2f} |", flush=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from parallel_lab.config.schema import register_configs
+from parallel_lab.config.schema import CONFIG_GROUPS, register_configs
 from parallel_lab.errors import ConfigError
 
 
@@ -24,11 +24,13 @@ def _conf_dir() -> Path:
 
 
 CONF_DIR = _conf_dir()
-CONFIG_GROUPS = ("strategy", "model", "data", "launcher")
 
 
 def available_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """The names group=<name> accepts: conf/<group>/*.yaml and the plugins' (PARALLEL_LAB_PLUGINS)."""
+    from parallel_lab.plugins import plugin_config_files
+
+    return sorted({p.stem for p in (CONF_DIR / group).glob("*.yaml")} | set(plugin_config_files(group)))
 
 
 def check_group_overrides(argv: list[str]) -> None:

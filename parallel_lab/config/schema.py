@@ -1,8 +1,10 @@
 """The config schema: every setting's type, default and meaning, in one place.
 
 ``conf/config.yaml`` extends ``Config`` (``defaults: [base_config, ...]``); the yaml files of
-``conf/<group>/`` hold only what differs from these defaults. Each strategy's own options are its
-``Options`` dataclass (``parallel_lab/strategies``), merged in by ``validate``.
+``conf/<group>/`` hold only what differs from these defaults. Each strategy's options live in its
+``Options`` dataclass (``parallel_lab/strategies``), which ``conf/strategy/<name>.yaml`` extends
+(``defaults: [/strategy_options/<name>@_here_]``), so ``strategy.<key>=value`` is typed and checked
+like every other key.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+CONFIG_GROUPS = ("strategy", "model", "data", "launcher")  # chosen on the command line: group=name
 
 
 @dataclass
@@ -98,6 +102,29 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema that conf/config.yaml extends (``defaults: [base_config, ...]``)."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
+    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.plugins import plugin_config_files
+    from parallel_lab.strategies import options_schemas, sweep_names
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name, options in options_schemas().items():
+        store.store(group="strategy_options", name=name, node=options)
+    for group in CONFIG_GROUPS:
+        for name, path in plugin_config_files(group).items():
+            store.store(group=group, name=name, node=OmegaConf.load(path))
+    if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
+        OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
+    if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
+        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
+
+
+def _choices_text() -> str:
+    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
+    from parallel_lab.config.compose import available_options
+
+    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))
 

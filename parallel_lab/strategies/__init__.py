@@ -1,7 +1,10 @@
 """Registry of strategies: ``strategy=<name>`` -> one small Strategy class.
 
-Each module in this package registers its classes with ``@register("name")``. Modules must not
-import heavy optional packages (deepspeed) at import time: the parent imports them all to validate.
+Each module (or folder) in this package registers its classes with ``@register("name")``, and
+so may a plugin module outside it (``PARALLEL_LAB_PLUGINS``, see ``parallel_lab.plugins``): one
+class and one yaml is all a new strategy needs; the sweep, the report and the benchmarks list
+strategies from here. Modules must not import heavy optional packages (deepspeed) at import time:
+the parent imports them all to validate.
 """
 from __future__ import annotations
 
@@ -41,14 +44,29 @@ def _check_state_hooks(cls: type, names: tuple[str, ...]) -> None:
 
 
 def _discover() -> None:
+    from parallel_lab.plugins import import_plugins
+
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "base" and not info.name.startswith("_"):
+        if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
+    import_plugins()
 
 
 def registered_names() -> list[str]:
     _discover()
     return sorted(_REGISTRY)
+
+
+def sweep_names() -> list[str]:
+    """Every strategy, the baseline (``single``) first: what a comparison of all of them runs."""
+    names = registered_names()
+    return sorted(names, key=lambda name: (name != "single", name))
+
+
+def options_schemas() -> dict[str, type]:
+    """name -> the Options dataclass that holds the strategy's options, defaults and their meaning."""
+    _discover()
+    return {name: cls.Options for name, cls in sorted(_REGISTRY.items())}
 
 
 def get_strategy_class(name: str) -> type:

@@ -63,7 +63,8 @@ class Strategy(abc.ABC):
         """Type-check ``cfg.strategy`` against ``cls.Options``; unknown keys are errors."""
         try:
             schema = OmegaConf.structured(cls.Options)
-            merged = OmegaConf.merge(schema, cfg.strategy)
+            # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
+            merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
         cls.check_options(merged, cfg)

@@ -24,7 +24,9 @@ from parallel_lab.strategies.replicated import ReplicatedModel
 
 @dataclass
 class DDPOptions(StrategyOptions):
-    bucket_cap_mb: float = 25.0
+    """``strategy=ddp`` options."""
+
+    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
     gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
 
 

@@ -40,9 +40,13 @@ MB = 1024 * 1024
 
 @dataclass
 class ManualDDPOptions(StrategyOptions):
-    allreduce: str = "ring"  # star | ring | builtin
-    bucketed: bool = True  # false: one all-reduce of all gradients after backward
-    bucket_mb: float = 25.0  # bucket size when bucketed
+    """``strategy=manual_ddp`` options."""
+
+    allreduce: str = "ring"  # star | ring | builtin (= dist.all_reduce, for comparison)
+    # true: bucketed all-reduce launched from backward hooks, overlapping backward;
+    # false: one all-reduce of every gradient after backward (simple, no overlap)
+    bucketed: bool = True
+    bucket_mb: float = 25.0  # bucket size in MiB when bucketed (> 0)
 
 
 class Bucket:

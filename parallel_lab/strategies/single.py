@@ -6,6 +6,8 @@ from parallel_lab.strategies.replicated import ReplicatedModel
 
 @register("single")
 class SingleStrategy(ReplicatedModel, Strategy):
+    """No options beyond the name."""
+
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0

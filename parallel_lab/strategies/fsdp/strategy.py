@@ -57,8 +57,13 @@ DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* c
 
 @dataclass
 class FSDPOptions(StrategyOptions):
+    """``strategy=fsdp`` options."""
+
     version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
-    sharding: str = "full"  # full (~ZeRO-3) | grad_op (~ZeRO-2) | no_shard (~DDP)
+    # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
+    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh).
+    # Hybrid sharding is refused: it needs several nodes and silently diverges on one.
+    sharding: str = "full"
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
 
 

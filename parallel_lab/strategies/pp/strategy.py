@@ -53,11 +53,14 @@ BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its bac
 
 @dataclass
 class PPOptions(StrategyOptions):
+    """``strategy=pp`` options."""
+
     stages: int = 2  # pipeline stages, one per process: must equal world_size
-    microbatches: int = 4  # micro-batches per train step; must divide global_batch / grad_accum
+    microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
     schedule: str = "gpipe"  # gpipe | 1f1b
     impl: str = "manual"  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
-    cuts: list[str] = field(default_factory=list)  # blocks that start stages 2..p; [] = balance by params
+    # names of the blocks that start stages 2..p, e.g. [fc1]; [] = balance the stages by parameter count
+    cuts: list[str] = field(default_factory=list)
 
 
 def _meta_model(cfg: DictConfig) -> nn.Sequential:

@@ -58,9 +58,11 @@ CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
 
 @dataclass
 class TPOptions(StrategyOptions):
-    tp: int = 2  # tensor-parallel degree: ranks sharing one copy of the split layers
-    impl: str = "manual"  # manual (our autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
-    split_conv: bool = False  # cnn + manual only: also split the first conv pair by channels
+    """``strategy=tp`` options."""
+
+    tp: int = 2  # tensor-parallel degree: must divide every split width and (for now) equal world_size
+    impl: str = "manual"  # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
 
 
 def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:

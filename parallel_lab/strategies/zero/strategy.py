@@ -61,11 +61,17 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass
 class ZeroOptions(StrategyOptions):
-    stage: int = 0  # must agree with the name: zero2 is stage 2
-    offload: str = "none"  # none | cpu (optimizer states + fp32 master; stage 3 also parameters)
-    precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA)
-    bucket_mb: float = 25.0  # reduce / all-gather bucket size (DeepSpeed's default 500M elements is 2 GB in fp32)
-    ds_config: Optional[str] = None  # a user's ds_config.json, merged under the Hydra-derived settings
+    """``strategy=zero0``..``zero3`` options. The stage is the name's digit."""
+
+    # Filled in from the name (zero2 -> 2) when the config is validated; setting it is only a check.
+    stage: Optional[int] = None
+    # none | cpu: optimizer state + fp32 master partition on CPU (stage 3: parameters too); stages 1-3
+    offload: str = "none"
+    precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
+    # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
+    bucket_mb: float = 25.0
+    # a DeepSpeed JSON config of yours: merged under the generated settings, refused where it disagrees
+    ds_config: Optional[str] = None
 
 
 def _stage_from_name(name: str) -> int:
@@ -99,6 +105,8 @@ class ZeroStrategy(Strategy):
                 f"(make installs it), or use strategy=fsdp for the same sharding in plain torch"
             )
         named = _stage_from_name(opts.name)
+        if opts.stage is None:
+            opts.stage = named
         if opts.stage not in STAGES:
             raise ConfigError(
                 f"strategy.stage={opts.stage} does not exist: ZeRO has stages 0-3; choose the stage by name "
