@@ -51,7 +51,8 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         strategy.teardown()
         del strategy
         gc.collect()  # the clean-exit recipe (FACTS.md): no model state alive at destroy time
-        results.append({key: metrics[key] for key in ("losses", "final_param_checksum", "eval_accuracy", "buckets")})
+        results.append({"losses": metrics.losses, "final_param_checksum": metrics.final_param_checksum,
+                        "eval_accuracy": metrics.eval_accuracy, "buckets": metrics.strategy_extras["buckets"]})
     if rank == 0:
         print(json.dumps(results))
 
@@ -92,7 +93,7 @@ def train_variants(rank: int, world_size: int, runs: list[list[str]]) -> None:
         cfg = load_run_config(config_path)
         env = read_dist_env(cfg.device)
         strategy = (BROKEN[variant] if variant else get_strategy_class(cfg.strategy.name))(cfg, env)
-        losses.append(train(cfg, env, strategy)["losses"])
+        losses.append(train(cfg, env, strategy).losses)
         strategy.teardown()
         del strategy
         gc.collect()

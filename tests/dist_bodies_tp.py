@@ -109,7 +109,7 @@ def strategy_matrix_body(rank: int, world_size: int, configs: list[list[str]], s
         base = ["strategy=tp", f"world_size={world_size}", f"strategy.tp={world_size}"]
         metrics, strategy, ref = train_and_compare(steps, global_batch, *base, *overrides)
         full_bytes = 4 * sum(p.numel() for p in ref.params.values())
-        held = metrics["ranks"][rank]["param_bytes"]
+        held = metrics.ranks[rank]["param_bytes"]
         assert held < full_bytes, f"{overrides}: rank {rank} holds {held} bytes, the full model is {full_bytes}"
         strategy.teardown()
         dist.barrier()

@@ -65,14 +65,14 @@ def train_and_compare(steps: int, global_batch: int, *overrides: str):
     ref = reference_for(steps, global_batch, cfg.trainer.grad_clip)
     # Every rank must report the very same loss floats (the loss is broadcast/reduced, not local).
     everyone: list = [None] * env.world_size
-    dist.all_gather_object(everyone, metrics["losses"])
+    dist.all_gather_object(everyone, metrics.losses)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     full = strategy.full_parameters()
     for (name, want), got in zip(ref.params.items(), full, strict=True):
         assert got.shape == want.shape, f"[{label}] {name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    ref.assert_matches(metrics["losses"], full, f"[{label}] rank {env.rank}")
+    ref.assert_matches(metrics.losses, full, f"[{label}] rank {env.rank}")
     acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
-    assert metrics["eval_accuracy"] == acc, f"[{label}] eval accuracy {metrics['eval_accuracy']} vs reference {acc}"
+    assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"
     return metrics, strategy, ref
 
 

@@ -54,15 +54,15 @@ def test_manual_ddp_cli_run(tmp_path, cnn_reference):
     metrics = {**load_metrics(tmp_path / "run"), "run_dir": tmp_path / "run"}
     cnn_reference.assert_run_matches(metrics)
     assert metrics["strategy_options"] == {"name": "manual_ddp", "allreduce": "ring", "bucketed": True, "bucket_mb": 25.0}
-    assert metrics["buckets"] == 1  # ~1.2 MB of cnn gradients fit one 25 MiB bucket
+    assert metrics["strategy_extras"]["buckets"] == 1  # ~1.2 MB of cnn gradients fit one 25 MiB bucket
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
-    assert metrics["analytic_sent_bytes_per_step_rank0"] == metrics["ranks"][0]["grad_bytes"]  # 2(N-1)/N = 1
+    assert metrics["strategy_extras"]["analytic_sent_bytes_per_step_rank0"] == metrics["ranks"][0]["grad_bytes"]  # 2(N-1)/N = 1
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_dp_matches_reference_with_one_replica_on_cpu(cli, cnn_reference, accum):
     metrics = cli("strategy=dp", "world_size=2", *CNN, f"trainer.grad_accum={accum}")
-    assert metrics["world_size"] == 1 and metrics["replicas"] == 1
+    assert metrics["world_size"] == 1 and metrics["strategy_extras"]["replicas"] == 1
     cnn_reference.assert_run_matches(metrics)
 
 
@@ -97,4 +97,4 @@ def test_resnet18_few_steps_match_reference(cli, strategy):
                   "trainer.eval_batches=0", "strategy.bucket_mb=5" if strategy == "manual_ddp" else "trainer.grad_accum=1")
     ref.assert_run_matches(metrics)
     if strategy == "manual_ddp":
-        assert metrics["buckets"] > 1
+        assert metrics["strategy_extras"]["buckets"] > 1

@@ -90,10 +90,11 @@ def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size
     # Each rank holds exactly the parameters of the layers of its stage, and together all of them.
     dense = SmallCNN()
     stage_bytes = [4 * sum(p.numel() for n in names for p in dense.get_submodule(n).parameters())
-                   for names in m["pp_stage_layers"]]
+                   for names in m["strategy_extras"]["pp_stage_layers"]]
     assert [r["param_bytes"] for r in m["ranks"]] == stage_bytes
     assert sum(stage_bytes) == 4 * sum(p.numel() for p in dense.parameters()) and len(stage_bytes) == world_size
-    assert len(m["pp_idle_s"]) == world_size and 0 < m["pp_bubble_fraction_theory"] < 1
+    extras = m["strategy_extras"]
+    assert len(extras["pp_idle_s"]) == world_size and 0 < extras["pp_bubble_fraction_theory"] < 1
 
 
 @pytest.mark.parametrize(

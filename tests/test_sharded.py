@@ -52,8 +52,8 @@ ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3",
 def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
     metrics, stderr = run_ok(tmp_path, f"strategy={strategy}", f"strategy.offload={offload}", *COMMON)
     assert_parity(metrics, reference)
-    assert metrics["ds_config"]["gradient_clipping"] == 0.0  # trainer.grad_clip, not DeepSpeed's 1.0
-    assert metrics["ds_config"]["train_batch_size"] == BATCH
+    assert metrics["strategy_extras"]["ds_config"]["gradient_clipping"] == 0.0  # trainer.grad_clip, not DeepSpeed's 1.0
+    assert metrics["strategy_extras"]["ds_config"]["train_batch_size"] == BATCH
     assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
 
 

@@ -49,7 +49,7 @@ def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     expected = 4 * (total - split + split // 2)
     assert [r["param_bytes"] for r in m["ranks"]] == [expected, expected]
     assert [r["analytic_param_bytes"] for r in m["ranks"]] == [expected, expected]
-    assert m["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
+    assert m["strategy_extras"]["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
 
 
 @pytest.mark.parametrize(

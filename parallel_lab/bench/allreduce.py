@@ -109,8 +109,8 @@ def step_table(args) -> str:
         for name, strategy_args in runs.items():
             metrics = step_time(strategy_args, common, args.timeout)
             times[name].append(metrics["step_time_s"])
-            if "exposed_comm_s" in metrics:
-                exposed[name].append(metrics["exposed_comm_s"])
+            if "exposed_comm_s" in metrics["strategy_extras"]:
+                exposed[name].append(metrics["strategy_extras"]["exposed_comm_s"])
     base = statistics.median(times["ddp"])
     lines = [f"training step, {args.model}, world_size={args.world_size}, global_batch={args.global_batch}, "
              f"{args.steps} steps (median after warm-up), {args.repeats} run(s) each",

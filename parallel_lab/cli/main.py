@@ -23,8 +23,7 @@ from parallel_lab.config import (
     write_run_config,
 )
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.protocol import FAILED_FILE, METRICS_FILE
-from parallel_lab.worker.metrics import write_json_atomic
+from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, FailedRun
 
 log = logging.getLogger("parallel_lab")
 _exit_codes: list[int] = []  # one per run of this invocation (a sweep goes on past failures)
@@ -32,17 +31,13 @@ _exit_codes: list[int] = []  # one per run of this invocation (a sweep goes on p
 
 def _fail(run_dir: Path, cfg: DictConfig, message: str, traceback_text: str = "") -> None:
     """Record a failed run: failed.json (never metrics.json) and one line on stderr."""
-    write_json_atomic(
-        run_dir / FAILED_FILE,
-        {
-            "status": "failed",
-            "strategy": OmegaConf.select(cfg, "strategy.name"),
-            "launcher": OmegaConf.select(cfg, "launcher.name"),
-            "world_size": OmegaConf.select(cfg, "world_size"),
-            "model": OmegaConf.select(cfg, "model.name"),
-            "error": message,
-        },
-    )
+    FailedRun(
+        strategy=OmegaConf.select(cfg, "strategy.name"),
+        launcher=OmegaConf.select(cfg, "launcher.name"),
+        world_size=OmegaConf.select(cfg, "world_size"),
+        model=OmegaConf.select(cfg, "model.name"),
+        error=message,
+    ).write(run_dir / FAILED_FILE)
     if traceback_text:
         print(traceback_text, file=sys.stderr, end="" if traceback_text.endswith("\n") else "\n")
     print(f"parallel_lab: error: {message}", file=sys.stderr, flush=True)

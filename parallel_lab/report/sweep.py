@@ -8,29 +8,29 @@ from hydra.experimental.callback import Callback
 
 from parallel_lab.protocol import CONFIG_FILE
 from parallel_lab.report.parity import NOISE_SEEDS
-from parallel_lab.report.table import baseline_key, is_baseline, is_noise_run, load_runs, write_report
+from parallel_lab.report.table import Row, baseline_key, is_baseline, load_runs, write_report
 
 NOISE_DIR = "noise_floor"
 failed_proofs: list[str] = []  # rows of this process's sweeps whose proof failed; sets the exit code
 
 
-def run_noise_floor(runs: list[dict], sweep_dir: Path) -> None:
+def run_noise_floor(runs: list[Row], sweep_dir: Path) -> None:
     """Rerun every baseline of the sweep once per NOISE_SEEDS seed with its initial weights moved
-    one ulp (parallel_lab/parity.py), through the same launcher as any run."""
+    one ulp (report/parity.py), through the same launcher as any run."""
     from omegaconf import OmegaConf
 
     from parallel_lab.cli.main import run_one
 
-    done = {(baseline_key(r), r["ulp_jitter_seed"]) for r in runs if is_noise_run(r)}
+    done = {(baseline_key(r), r.metrics.ulp_jitter_seed) for r in runs if r.is_noise}
     for base in (r for r in runs if is_baseline(r)):
         for seed in NOISE_SEEDS:
             if (baseline_key(base), seed) in done:
                 continue
             done.add((baseline_key(base), seed))
-            cfg = OmegaConf.load(Path(base["run_dir"]) / CONFIG_FILE)
+            cfg = OmegaConf.load(Path(base.run_dir) / CONFIG_FILE)
             cfg.trainer.ulp_jitter_seed = seed
             cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_dir = 0, None
-            run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base['run_dir']).name}_seed{seed}")
+            run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base.run_dir).name}_seed{seed}")
 
 
 class SweepReport(Callback):
@@ -44,5 +44,5 @@ class SweepReport(Callback):
         if runs:
             print(write_report(runs, sweep_dir))
             print(f"report: {sweep_dir}/comparison.md (.csv .json .png, comparison_parity.png)")
-        failed_proofs.extend(f"{r['strategy']} ({r['run_dir']}): {r['parity']}" for r in runs
-                             if r["status"] == "ok" and r["parity"] not in ("pass", "envelope", "no baseline"))
+        failed_proofs.extend(f"{r.metrics.strategy} ({r.run_dir}): {r.parity}" for r in runs
+                             if r.ok and r.parity not in ("pass", "envelope", "no baseline"))

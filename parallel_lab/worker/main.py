@@ -22,8 +22,14 @@ import torch
 from parallel_lab.config import load_run_config
 from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.protocol import ERRORS_DIR, METRICS_FILE, PIDS_DIR, SUPERVISED_ENV, set_parent_death_signal
-from parallel_lab.worker.metrics import write_json_atomic
+from parallel_lab.protocol import (
+    ERRORS_DIR,
+    METRICS_FILE,
+    PIDS_DIR,
+    SUPERVISED_ENV,
+    RunMetrics,
+    set_parent_death_signal,
+)
 from parallel_lab.strategies import get_strategy_class
 
 def die_with_parent() -> None:
@@ -68,7 +74,7 @@ def record_pid(run_dir: Path, rank: int) -> None:
     (folder / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
-def run_worker(config_path: str) -> dict | None:
+def run_worker(config_path: str) -> RunMetrics:
     """Train one rank of the run described by config_path; rank 0 writes metrics.json."""
     from parallel_lab.worker.train import train
 
@@ -87,9 +93,8 @@ def run_worker(config_path: str) -> dict | None:
     try:
         strategy = strategy_cls(cfg, env)
         metrics = train(cfg, env, strategy)
-        metrics["launcher"] = cfg.launcher.name
         if env.is_main:
-            write_json_atomic(Path(cfg.run_dir) / METRICS_FILE, metrics)
+            metrics.write(Path(cfg.run_dir) / METRICS_FILE)
         return metrics
     finally:
         # Only on success: after an exception peers may be gone and a barrier would hang.

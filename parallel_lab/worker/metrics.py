@@ -1,8 +1,9 @@
-"""Measured numbers: memory per rank, timing medians, the parameter checksum, metrics.json."""
+"""Measured numbers: memory per rank, timing medians, the parameter checksum, the final parameters.
+
+What metrics.json holds is ``parallel_lab.protocol.RunMetrics``."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import resource
 import statistics
@@ -55,13 +56,6 @@ def gather_from_ranks(item: dict) -> list[dict]:
     items: list = [None] * dist.get_world_size()
     dist.all_gather_object(items, item)
     return items
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write to a temp file then rename, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
 
 
 def save_final_params(run_dir: Path, names: list[str], params: list[torch.Tensor]) -> None:
