@@ -1,9 +1,11 @@
-"""Helpers to run distributed code for real in tests and examples (Accelerate-style).
+"""Helpers to run the real thing from tests and benchmarks.
 
-A distributed test body is a plain importable function ``fn(rank, world_size, **kwargs)``. The
-same function runs under :func:`run_ranks` (N fresh processes with a gloo group on 127.0.0.1) or
-under any real launcher via ``python -m parallel_lab.testing module:function '{"kw": 1}'``.
-On failure every rank's stderr is shown, and every process is gone when it returns.
+- :func:`run_cli` / :func:`run_cli_metrics`: one ``python -m parallel_lab`` run in a subprocess,
+  and what it measured (the one place tests and benchmarks start the command line).
+- :func:`run_ranks`: a distributed test body, a plain importable function ``fn(rank, world_size,
+  **kwargs)``, on N fresh processes with a gloo group on 127.0.0.1 (Accelerate-style); the same
+  function runs under any real launcher via ``python -m parallel_lab.testing module:function
+  '{"kw": 1}'``. On failure every rank's stderr is shown, and every process is gone when it returns.
 """
 from __future__ import annotations
 
@@ -13,8 +15,38 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
+from parallel_lab.protocol import METRICS_FILE, RunMetrics
 from parallel_lab.worker.dist_env import free_port, read_dist_env
+
+CLI_TIMEOUT = 420  # seconds; generous for 2 shared cores, still ends a hung run
+
+
+class CLIFailed(RuntimeError):
+    """A ``python -m parallel_lab`` run that was expected to succeed exited non-zero."""
+
+
+def run_cli(run_dir: Path, *overrides: str, timeout: float = CLI_TIMEOUT, env: dict | None = None,
+            check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m parallel_lab hydra.run.dir=<run_dir> trainer.progress=false <overrides>``."""
+    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise CLIFailed(f"{' '.join(cmd)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    return result
+
+
+def load_metrics(run_dir: Path) -> dict:
+    """A run's metrics.json, read as the record it is (a missing or malformed field fails here)."""
+    return RunMetrics.read(Path(run_dir) / METRICS_FILE).to_json()
+
+
+def run_cli_metrics(run_dir: Path, *overrides: str, **kwargs) -> dict:
+    """run_cli, then the metrics it wrote."""
+    run_cli(run_dir, *overrides, **kwargs)
+    return load_metrics(run_dir)
 
 
 def _resolve(target: str):

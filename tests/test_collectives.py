@@ -1,6 +1,7 @@
 """Hand-written collectives (parallel_lab.comm.collectives) equal torch.distributed's results on real
-gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, world
-sizes 2 and 3, sizes not divisible by the world size (and smaller than it), float32 and int64."""
+gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, the ring's
+reduce_scatter and all_gather, world sizes 2 and 3, sizes not divisible by the world size (and
+smaller than it), float32 and int64."""
 import pytest
 
 from parallel_lab.testing import run_ranks

@@ -15,22 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from parallel_lab.bench._format import human
+
 KIB = 1024
 DEFAULT_SIZES = [KIB * 4**k for k in range(9)]  # 1 KiB, 4 KiB, ..., 64 MiB
 ALGORITHMS = ("star", "ring", "builtin")
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", KIB * KIB), ("KiB", KIB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
 
 
 def iterations(nbytes: int, max_iters: int, budget_bytes: int) -> int:
@@ -86,13 +79,10 @@ def collective_table(rows: list[dict], world_size: int) -> str:
 
 def step_time(strategy_args: list[str], common: list[str], timeout: float) -> dict:
     """One real CLI run; returns its metrics.json."""
+    from parallel_lab.testing import run_cli_metrics
+
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as run_dir:
-        cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false",
-               *common, *strategy_args]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        return json.loads((Path(run_dir) / "metrics.json").read_text())
+        return run_cli_metrics(Path(run_dir), *common, *strategy_args, timeout=timeout)
 
 
 def step_table(args) -> str:

@@ -11,24 +11,18 @@ and rank 0's sha256 of every file; on 2 shared CPU cores expect noise of tens of
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from parallel_lab.checkpoint import checkpoint_name
+from parallel_lab.checkpoint import checkpoint_name, read_manifest
 from parallel_lab.protocol import default_checkpoint_dir
 from parallel_lab.strategies import sweep_names
+from parallel_lab.testing import run_cli_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false",
-           "trainer.eval_batches=0", *overrides]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return run_cli_metrics(run_dir, "trainer.eval_batches=0", *overrides, timeout=900)
 
 
 def measure(strategy: str, model: str, workdir: Path) -> dict:
@@ -36,7 +30,7 @@ def measure(strategy: str, model: str, workdir: Path) -> dict:
     first = _run(workdir / f"{strategy}_save", *common, "trainer.steps=2", "trainer.checkpoint_every=2")
     folder = default_checkpoint_dir(workdir / f"{strategy}_save") / checkpoint_name(2)
     resumed = _run(workdir / f"{strategy}_load", *common, "trainer.steps=3", f"trainer.resume={folder}")
-    files = json.loads((folder / "complete.json").read_text())["files"]
+    files = read_manifest(folder)["files"]
     return {"bytes": first["checkpoint_bytes"], "psi": first["checkpoint_bytes"] / (4 * first["params"]),
             "files": len(files), "save_s": first["checkpoint_save_s"], "load_s": resumed["checkpoint_load_s"]}
 

@@ -1,5 +1,7 @@
-"""Collective bandwidth on one machine: mpi4py (buffer API) vs torch.distributed gloo vs a
-hand-written chunked ring (torch send/recv), in ONE mpiexec job, plus memcpy as the ceiling.
+"""Collective bandwidth on one machine: mpi4py (buffer API) vs torch.distributed gloo vs the
+hand-written collectives training uses (``parallel_lab.comm.collectives``: the segmented ring of
+manual_ddp, and its binomial-tree broadcast, on torch send/recv), in ONE mpiexec job, plus memcpy
+as the ceiling.
 
     python -m parallel_lab.bench collectives [--np 2] [--min-bytes 1K] [--max-bytes 64M]
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
@@ -29,8 +31,10 @@ from typing import Callable
 
 import numpy as np
 
+from parallel_lab.bench._format import human
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-IMPLS = ("mpi4py", "gloo", "ring")
+IMPLS = ("mpi4py", "gloo", "hand")  # hand: parallel_lab.comm.collectives, what manual_ddp trains with
 
 
 def parse_bytes(text: str) -> int:
@@ -51,50 +55,6 @@ def positive(text: str) -> int:
 def bus_factor(op: str, p: int) -> float:
     return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
             "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[op]
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-# ---- the hand-written ring (torch point-to-point over gloo) -----------------------------------
-def _exchange(dist, send, recv, right: int, left: int) -> None:
-    """Send right and receive left at once (isend first, so the ring cannot deadlock)."""
-    req = dist.isend(send, right)
-    dist.recv(recv, left)
-    req.wait()
-
-
-def ring_reduce_scatter_(dist, chunks, tmp, rank: int, p: int) -> None:
-    """In place: afterwards chunks[rank] holds the sum over ranks of chunk `rank`."""
-    right, left = (rank + 1) % p, (rank - 1) % p
-    for s in range(p - 1):
-        send, recv = chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p]
-        _exchange(dist, send, tmp[: recv.numel()], right, left)
-        recv += tmp[: recv.numel()]
-
-
-def ring_all_gather_(dist, chunks, rank: int, p: int) -> None:
-    """In place: rank r owns chunks[r]; afterwards every rank has every chunk."""
-    right, left = (rank + 1) % p, (rank - 1) % p
-    for s in range(p - 1):
-        _exchange(dist, chunks[(rank - s) % p], chunks[(rank - s - 1) % p], right, left)
-
-
-def ring_broadcast_(dist, buf, rank: int, p: int, max_segments: int = 8, min_segment: int = 1 << 14) -> None:
-    """Pipelined chain 0 -> 1 -> ... -> p-1: each rank forwards segment i while receiving i+1.
-    Segments of at least min_segment elements: below that, per-message latency dominates."""
-    reqs = []
-    for seg in buf.tensor_split(max(1, min(max_segments, buf.numel() // min_segment))):
-        if rank > 0:
-            dist.recv(seg, rank - 1)
-        if rank < p - 1:
-            reqs.append(dist.isend(seg, rank + 1))
-    for req in reqs:
-        req.wait()
 
 
 # ---- one (impl, op): buffers + a call, and a way to read the result ---------------------------
@@ -124,23 +84,23 @@ def make_call(impl: str, op: str, inp: np.ndarray, comm, rank: int, p: int) -> t
                "reduce_scatter": lambda: reduce_scatter(out, x),
                "broadcast": lambda: dist.broadcast(x, src=0)}[op]
         return run, (lambda: out.numpy()) if op in ("all_gather", "reduce_scatter") else (lambda: x.numpy())
-    # ring: reduce_scatter and all_reduce work in place on x; all_gather fills a full buffer.
-    full = torch.empty(n, dtype=x.dtype) if op == "all_gather" else x
-    chunks = list(full.tensor_split(p))
-    tmp = torch.empty(max(c.numel() for c in chunks), dtype=x.dtype)
-    if op == "all_gather":
+    # hand: the hand-written collectives manual_ddp trains with (parallel_lab.comm.collectives):
+    # the segmented ring for all_reduce, reduce_scatter and all_gather, a binomial tree for broadcast.
+    from parallel_lab.comm import collectives
+
+    if op == "all_gather":  # every rank's input is its chunk of the full buffer
+        full = torch.empty(n, dtype=x.dtype)
+
         def run():
-            chunks[rank].copy_(x)
-            ring_all_gather_(dist, chunks, rank, p)
+            collectives.ring_chunks(full, p)[rank].copy_(x)
+            collectives.all_gather(full)
+
         return run, lambda: full.numpy()
     if op == "reduce_scatter":
-        return (lambda: ring_reduce_scatter_(dist, chunks, tmp, rank, p)), (lambda: chunks[rank].numpy())
+        return (lambda: collectives.reduce_scatter(x)), (lambda: collectives.ring_chunks(x, p)[rank].numpy())
     if op == "all_reduce":
-        def run():
-            ring_reduce_scatter_(dist, chunks, tmp, rank, p)
-            ring_all_gather_(dist, chunks, rank, p)
-        return run, lambda: x.numpy()
-    return (lambda: ring_broadcast_(dist, x, rank, p)), (lambda: x.numpy())
+        return (lambda: collectives.all_reduce(x, algorithm="ring")), (lambda: x.numpy())
+    return (lambda: collectives.broadcast(x, src=0)), (lambda: x.numpy())
 
 
 def rank_input(op: str, n: int, rank: int, p: int, zeros: bool) -> np.ndarray:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parallel_lab.testing import run_cli_metrics
 from parallel_lab.worker.dist_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,10 +28,9 @@ PAIRS = {"ddp": "benchmarks/bare_ddp.py", "zero2": "benchmarks/bare_zero2.py"}
 
 def run_toolkit(strategy: str, steps: int, batch: int, workdir: Path) -> float:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    cmd = [sys.executable, "-m", "parallel_lab", f"strategy={strategy}", f"trainer.steps={steps}",
-           f"trainer.global_batch={batch}", "trainer.progress=false", f"hydra.run.dir={run_dir}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
-    return json.loads((run_dir / "metrics.json").read_text())["samples_per_s"]
+    metrics = run_cli_metrics(run_dir, f"strategy={strategy}", f"trainer.steps={steps}",
+                              f"trainer.global_batch={batch}", timeout=600)
+    return metrics["samples_per_s"]
 
 
 def run_bare(script: str, steps: int, batch: int) -> float:

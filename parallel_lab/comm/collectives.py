@@ -1,7 +1,8 @@
 """Collectives written by hand from point-to-point messages (``send``/``recv``/``isend``/``irecv``).
 
-They teach what ``torch.distributed``'s collectives do inside, and ``manual_ddp`` trains with
-them. Every function works on the default process group, in place, on any shape, any number of
+They teach what ``torch.distributed``'s collectives do inside, ``manual_ddp`` trains with them,
+and the benchmarks (``python -m parallel_lab.bench allreduce|collectives``) time these very
+functions. Every function works on the default process group, in place, on any shape, any number of
 elements (divisible by the world size or not) and any dtype that supports ``+`` (float, int).
 Reductions add in a fixed order, so float results are reproducible run to run and can differ from
 the library's only by rounding (the order of the additions).
@@ -17,6 +18,8 @@ function               pattern                                    bytes sent (bu
                                                                   at rank 0: a hotspot
 ``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
 ``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
+``reduce_scatter``     the ring's first half                      (N-1)/N * B on every rank
+``all_gather``         the ring's second half                     (N-1)/N * B on every rank
 =====================  =========================================  ===============================
 
 The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
@@ -166,52 +169,90 @@ def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, win
     In both phases round t receives chunk (r - t - 1) mod N, and the next round sends exactly what
     was just received (after the add). So chunks travel in segments, each forwarded as soon as it
     is ready: the add of one segment overlaps the transfer of the next, and the all-gather starts
-    while the reduce-scatter is still finishing. All 2(N-1) rounds form one stream of messages;
-    receives are posted ``window`` messages ahead into a small pool of reused scratch segments
-    (reduce-scatter) or straight into the tensor (all-gather). Every message has its own tag:
-    gloo takes milliseconds to match a receive posted while another with the same peer and tag
-    is pending.
+    while the reduce-scatter is still finishing (``_ring``).
+    """
+    world = dist.get_world_size()
+    _ring(flat, dist.get_rank(), world - 1, world - 1, segment_bytes, window)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", segment_bytes: int | None = None) -> torch.Tensor:
+    """Ring reduce-scatter, in place: afterwards this rank's chunk of the flattened tensor
+    (``ring_chunks(flat, N)[rank]``) holds the sum (or mean) of that chunk over all ranks; the other
+    chunks hold partial sums. Each rank sends (N-1)/N * B: the first half of the ring all-reduce."""
+    _check_op(op)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(flat: torch.Tensor) -> None:
+        if world > 1:  # start one chunk back, so the chunk completed after N-1 rounds is this rank's own
+            _ring(flat, (rank - 1) % world, world - 1, 0, segment_bytes or SEGMENT_BYTES)
+        _finish_mean(ring_chunks(flat, world)[rank], op, world)
+
+    return _in_place(run, tensor)
+
+
+def all_gather(tensor: torch.Tensor, segment_bytes: int | None = None) -> torch.Tensor:
+    """Ring all-gather, in place: each rank's contribution is its chunk (``ring_chunks(tensor, N)[rank]``);
+    afterwards every rank holds every chunk. Each rank sends (N-1)/N * B: the second half of the
+    ring all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1:
+        _in_place(lambda flat: _ring(flat, rank, 0, world - 1, segment_bytes or SEGMENT_BYTES), tensor)
+    return tensor
+
+
+def _ring(flat: torch.Tensor, owned: int, reduce_rounds: int, gather_rounds: int, segment_bytes: int = SEGMENT_BYTES,
+          window: int = RING_WINDOW) -> None:
+    """The segmented ring every function above runs: ``reduce_rounds`` rounds that add what they
+    receive, then ``gather_rounds`` that copy it. Round 0 sends chunk ``owned``; round t receives
+    chunk (owned - t - 1) mod N from the left neighbour and round t+1 forwards it to the right.
+
+    All rounds form one stream of messages; receives are posted ``window`` messages ahead into a
+    small pool of reused scratch segments (reducing rounds) or straight into the tensor (copying
+    rounds). Every message has its own tag: gloo takes milliseconds to match a receive posted
+    while another with the same peer and tag is pending.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
+    rounds = reduce_rounds + gather_rounds
     chunks = ring_chunks(flat, world)
     seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
     # (round, chunk index, the chunk's segments) for every message this rank receives, in order.
     stream = []
-    for t in range(2 * (world - 1)):
-        chunk = (rank - t - 1) % world
+    for t in range(rounds):
+        chunk = (owned - t - 1) % world
         stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
     per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
 
     def tag(t: int, k: int) -> int:
         return t * per_round + k
 
-    pool = [torch.empty(seg, dtype=flat.dtype, device=flat.device) for _ in range(min(window, len(stream)))]
+    ahead = min(window, len(stream))  # receives posted ahead; reducing rounds need a scratch segment each
+    pool = [torch.empty(seg, dtype=flat.dtype, device=flat.device) for _ in range(ahead if reduce_rounds else 0)]
     sends: dict[tuple[int, int], dist.Work] = {}  # (chunk, segment) -> in-flight send reading it
 
     def post(i: int) -> tuple[torch.Tensor, dist.Work]:
         t, chunk, k, part = stream[i]
-        if t < world - 1:  # reduce-scatter: receive beside the chunk, then add
-            target = pool[i % len(pool)][: part.numel()]
-        else:  # all-gather: receive straight into the chunk, once nothing still sends from it
+        if t < reduce_rounds:  # reduce: receive beside the chunk, then add
+            target = pool[i % ahead][: part.numel()]
+        else:  # copy: receive straight into the chunk, once nothing still sends from it
             target = part
             earlier = sends.pop((chunk, k), None)
             if earlier is not None:
                 earlier.wait()
         return target, dist.irecv(target, left, tag=tag(t, k))
 
-    for k, part in enumerate(torch.split(chunks[rank], seg)):  # round 0 sends this rank's chunk
-        sends[(rank, k)] = dist.isend(part, right, tag=tag(0, k))
-    posted = [post(i) for i in range(len(pool))]
+    for k, part in enumerate(torch.split(chunks[owned], seg)):  # round 0 sends the owned chunk
+        sends[(owned, k)] = dist.isend(part, right, tag=tag(0, k))
+    posted = [post(i) for i in range(ahead)]
     for i, (t, chunk, k, part) in enumerate(stream):
         incoming, work = posted[i]
         work.wait()
-        if t < world - 1:
+        if t < reduce_rounds:
             part.add_(incoming)
-        if t + 1 < 2 * (world - 1):  # forward to the right neighbour as round t+1's message
+        if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
             sends[(chunk, k)] = dist.isend(part, right, tag=tag(t + 1, k))
         posted[i] = None
-        if i + len(pool) < len(stream):
-            posted.append(post(i + len(pool)))  # message i's pool slot is free again
+        if i + ahead < len(stream):
+            posted.append(post(i + ahead))  # message i's pool slot is free again
     for work in sends.values():
         work.wait()

@@ -61,7 +61,8 @@ class DataConfig:
     root: Optional[str] = None  # folder holding cifar-10-python.tar.gz (cifar10 only)
     size: int = 4096  # synthetic: number of training samples generated from the seed
     download: bool = False  # cifar10: fetch the tarball if it is missing (needs internet)
-    md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"  # cifar10: expected tarball md5; null skips the check
+    # cifar10: md5 of the official cifar-10-python.tar.gz (the one place it is written); null skips the check
+    md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"
 
 
 @dataclass

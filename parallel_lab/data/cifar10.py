@@ -26,7 +26,6 @@ from parallel_lab.hashing import file_digest
 
 TARBALL = "cifar-10-python.tar.gz"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-MD5 = "c58f30108f718f92721af3b95e74349a"
 TRAIN_MEMBERS = [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
 TEST_MEMBER = "cifar-10-batches-py/test_batch"
 IMAGE_BYTES = 3 * 32 * 32  # one image in the tarball: uint8, channel-major
@@ -117,7 +116,7 @@ def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
         if not cfg.download:
             raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put it there or add data.download=true")
         download(path)
-    expected = cfg.get("md5", MD5)
+    expected = cfg.md5  # the official tarball's: DataConfig.md5 (config/schema.py)
     actual = file_digest(path, "md5") if expected else None
     if expected and actual != expected:
         raise ConfigError(f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it")
