@@ -50,7 +50,7 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         assert _all_equal_across_ranks(param_checksum(strategy.full_parameters())), f"replicas differ: {path}"
         strategy.teardown()
         del strategy
-        gc.collect()  # the clean-exit recipe (FACTS.md): no model state alive at destroy time
+        gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive at destroy time
         results.append({"losses": metrics.losses, "final_param_checksum": metrics.final_param_checksum,
                         "eval_accuracy": metrics.eval_accuracy, "buckets": metrics.strategy_extras["buckets"]})
     if rank == 0:

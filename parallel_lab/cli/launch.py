@@ -89,7 +89,7 @@ def torchrun_commands(cfg, config_path, port):
 
 def deepspeed_commands(cfg, config_path, port):
     tool = find_tool("deepspeed", "install it with pip install 'parallel_lab[deepspeed]' (make installs it)")
-    # --num_gpus is the local process count; on CPU it starts that many ranks (see FACTS.md).
+    # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
     cmd = [
         tool, "--num_nodes", "1", "--num_gpus", str(cfg.world_size), "--master_addr", cfg.launcher.master_addr,
         "--master_port", str(port), *cfg.launcher.extra_args, "--module", "parallel_lab.worker", str(config_path),

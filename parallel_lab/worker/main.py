@@ -54,7 +54,7 @@ def report_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 
 def close_cleanly(strategy) -> None:
-    """The clean-exit recipe (../shared/FACTS.md): plain destroy_process_group() aborts gloo at
+    """The clean-exit recipe (docs/facts.md): plain destroy_process_group() aborts gloo at
     exit about 40% of the time; dropping every model/optimizer reference, collecting garbage and
     meeting at a barrier first made it 0 in 30+ runs."""
     import torch.distributed as dist

@@ -141,7 +141,7 @@ class ZeroStrategy(Strategy):
     def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:
         """DeepSpeed's own init. With RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
         all exported from dist_env it skips its MPI discovery, which would pick a non-loopback
-        address under mpirun (../shared/FACTS.md)."""
+        address under mpirun (docs/facts.md)."""
         init_process_group(env, timeout_s)  # ours first (torchrun restarts need it); DeepSpeed adopts it
         if env.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
