@@ -8,7 +8,7 @@ STAMP := $(VENV)/.parallel_lab-installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test test-all venv clean bench
 
 venv: $(STAMP)
 
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m parallel_lab +experiment=compare_all
 
+# make test: every README claim (each strategy's parity, every launcher, checkpoint/resume, the
+# bad-input catalogue), in under 10 minutes on 2 cores. make test-all adds the extra matrices.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15 -m "not extra"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

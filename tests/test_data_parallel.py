@@ -28,7 +28,7 @@ def cnn_reference():
     return parity_reference("cnn", steps=STEPS, global_batch=BATCH)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extra)])
 def test_manual_ddp_every_allreduce_and_bucketing_matches_reference(tmp_path, cnn_reference, world_size):
     """3 algorithms x bucketed/unbucketed x grad_accum 1/2, in one set of ranks."""
     combos = list(itertools.product(ALGORITHMS, (True, False), (1, 2)))
@@ -90,6 +90,7 @@ def test_eval_accuracy_is_the_same_summed_over_ranks(cli, cnn_reference):
     cnn_reference.assert_run_matches(metrics)
 
 
+@pytest.mark.extra  # resnet18 parity in make test: tests/test_spine.py (single, ddp)
 @pytest.mark.parametrize("strategy", ["manual_ddp", "dp"])
 def test_resnet18_few_steps_match_reference(cli, strategy):
     ref = parity_reference("resnet18", steps=2, global_batch=8)

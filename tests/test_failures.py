@@ -45,14 +45,26 @@ def python_without(tmp: Path, packages: tuple[str, ...]) -> Path:
     return root / "bin" / "python"
 
 
-def _checkpoint_of(tmp: Path, strategy: str = "single") -> Path:
-    run_cli(tmp / "source", f"strategy={strategy}", "trainer.steps=2", "trainer.checkpoint_every=2",
-            "trainer.global_batch=16", "data.size=64", "trainer.eval_batches=0", timeout=CLI_TIMEOUT)
-    return tmp / "source" / "checkpoints" / checkpoint_name(2)
+@pytest.fixture(scope="module")
+def checkpoint_of(tmp_path_factory):
+    """checkpoint_of(tmp, strategy): a fresh copy, under tmp, of the step-2 checkpoint of a short
+    run of strategy; the run itself happens once per module."""
+    built: dict[str, Path] = {}
+
+    def copy(tmp: Path, strategy: str = "single") -> Path:
+        if strategy not in built:
+            source = tmp_path_factory.mktemp(f"source_{strategy}")
+            run_cli(source, f"strategy={strategy}", "trainer.steps=2", "trainer.checkpoint_every=2",
+                    "trainer.global_batch=16", "data.size=64", "trainer.eval_batches=0", timeout=CLI_TIMEOUT)
+            built[strategy] = source / "checkpoints"
+        shutil.copytree(built[strategy], tmp / "source" / "checkpoints")
+        return tmp / "source" / "checkpoints" / checkpoint_name(2)
+
+    return copy
 
 
-def corrupt_checkpoint(tmp: Path) -> list[str]:
-    folder = _checkpoint_of(tmp)
+def corrupt_checkpoint(tmp: Path, checkpoint_of) -> list[str]:
+    folder = checkpoint_of(tmp)
     weights = folder / "model_optimizer.pt"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern in the middle: same size, wrong content
@@ -60,59 +72,59 @@ def corrupt_checkpoint(tmp: Path) -> list[str]:
     return [f"trainer.resume={folder}"]
 
 
-def incomplete_checkpoint(tmp: Path) -> list[str]:
-    folder = _checkpoint_of(tmp)
+def incomplete_checkpoint(tmp: Path, checkpoint_of) -> list[str]:
+    folder = checkpoint_of(tmp)
     (folder / COMPLETE).unlink()  # as if the writer died before committing
     return [f"trainer.resume={folder}"]
 
 
-def other_strategy_checkpoint(tmp: Path) -> list[str]:
-    return ["strategy=ddp", f"trainer.resume={_checkpoint_of(tmp, 'single')}"]
+def other_strategy_checkpoint(tmp: Path, checkpoint_of) -> list[str]:
+    return ["strategy=ddp", f"trainer.resume={checkpoint_of(tmp, 'single')}"]
 
 
-def finished_checkpoint_dir(tmp: Path) -> list[str]:
-    return [f"trainer.checkpoint_dir={_checkpoint_of(tmp).parent}", "trainer.steps=2", "trainer.global_batch=16",
+def finished_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
+    return [f"trainer.checkpoint_dir={checkpoint_of(tmp).parent}", "trainer.steps=2", "trainer.global_batch=16",
             "data.size=64", "strategy=single"]
 
 
-def reused_checkpoint_dir(tmp: Path) -> list[str]:
-    return [f"trainer.checkpoint_dir={_checkpoint_of(tmp).parent}", "trainer.resume=never"]
+def reused_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
+    return [f"trainer.checkpoint_dir={checkpoint_of(tmp).parent}", "trainer.resume=never"]
 
 
-def checkpoints_parent_folder(tmp: Path) -> list[str]:
-    return [f"trainer.resume={_checkpoint_of(tmp).parent}"]
+def checkpoints_parent_folder(tmp: Path, checkpoint_of) -> list[str]:
+    return [f"trainer.resume={checkpoint_of(tmp).parent}"]
 
 
-def resume_beside_other_checkpoints(tmp: Path) -> list[str]:
-    folder = _checkpoint_of(tmp)
+def resume_beside_other_checkpoints(tmp: Path, checkpoint_of) -> list[str]:
+    folder = checkpoint_of(tmp)
     shutil.copytree(folder, tmp / "other" / checkpoint_name(1))  # a restart could pick this one up
     return [f"trainer.resume={folder}", f"trainer.checkpoint_dir={tmp / 'other'}", "strategy=single",
             "trainer.global_batch=16", "data.size=64"]
 
 
-def tampered_tarball(tmp: Path) -> list[str]:
+def tampered_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
     build_tarball(tmp)  # the expected md5 is the real CIFAR-10's: this file does not match it
     return ["data=cifar10", f"data.root={tmp}"]
 
 
-def truncated_tarball(tmp: Path) -> list[str]:
+def truncated_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
     path = build_tarball(tmp)
     path.write_bytes(path.read_bytes()[:300])
     return ["data=cifar10", f"data.root={tmp}", "data.md5=null"]
 
 
-def evil_pickle_tarball(tmp: Path) -> list[str]:
+def evil_pickle_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
     path = build_tarball(tmp, {TRAIN_MEMBERS[0]: pickle.dumps({b"data": Evil()}, protocol=2)})
     return ["data=cifar10", f"data.root={tmp}", f"data.md5={md5_of(path)}"]
 
 
-def ds_config_disagreeing(tmp: Path) -> list[str]:
+def ds_config_disagreeing(tmp: Path, _checkpoint_of=None) -> list[str]:
     path = tmp / "ds_config.json"
     path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 2}}))
     return ["strategy=zero2", "trainer.global_batch=32", f"strategy.ds_config={path}"]
 
 
-def more_ranks_than_memory(tmp: Path) -> list[str]:
+def more_ranks_than_memory(tmp: Path, _checkpoint_of=None) -> list[str]:
     """64 ranks of 200000 synthetic images, ~7 GiB each: more than any test machine holds. Skipped where
     it would fit or cannot be checked (no /proc/meminfo), since there the run would really start 64 workers."""
     available = memory_available_bytes()
@@ -209,10 +221,10 @@ def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, na
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE))
-def test_bad_input_catalogue(tmp_path, case):
+def test_bad_input_catalogue(tmp_path, checkpoint_of, case):
     overrides, named = CATALOGUE[case]
     if callable(overrides):
-        overrides = overrides(tmp_path)
+        overrides = overrides(tmp_path, checkpoint_of)
     run_dir = tmp_path / "run"
     result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT)
     assert_one_clean_line(result, run_dir, named)

@@ -76,6 +76,7 @@ def test_pp_two_stages_match_reference_in_one_set_of_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.extra  # three stages in make test: the CLI run below (torch impl, gpipe)
 def test_pp_three_stages_match_reference_in_one_set_of_ranks():
     run_ranks("tests.dist_bodies_pp:strategy_matrix_body", world_size=3, timeout=400,
               configs=_matrix(3), steps=STEPS, global_batch=BATCH)

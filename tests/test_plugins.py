@@ -68,7 +68,7 @@ def test_a_strategy_that_does_not_say_where_its_state_lives_is_refused():
     from parallel_lab.strategies import register, registered_names
     from parallel_lab.strategies.base import Strategy
 
-    with pytest.raises(TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_report"):
+    with pytest.raises(TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"):
         @register("forgetful")
         class Forgetful(Strategy):  # shards nothing explicitly, inherits no state hooks
             pass

@@ -44,11 +44,11 @@ def assert_parity(metrics: dict, reference) -> None:
     reference.assert_run_matches(metrics)
 
 
-ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"),
-              ("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "cpu")]
+ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "cpu"),
+              pytest.param("zero1", "cpu", marks=pytest.mark.extra), pytest.param("zero3", "cpu", marks=pytest.mark.extra)]
 
 
-@pytest.mark.parametrize("strategy,offload", ZERO_CASES, ids=[f"{s}-offload_{o}" for s, o in ZERO_CASES])
+@pytest.mark.parametrize("strategy,offload", ZERO_CASES)
 def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
     metrics, stderr = run_ok(tmp_path, f"strategy={strategy}", f"strategy.offload={offload}", *COMMON)
     assert_parity(metrics, reference)
@@ -79,9 +79,11 @@ MEMORY_CASES = [("zero1",), ("zero2",), ("zero3",), ("fsdp", "strategy.sharding=
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=["zero1", "zero2", "zero3", "fsdp-full", "fsdp-grad_op"])
 def test_resnet18_memory_matches_zero_paper(tmp_path, case):
     """Per rank, the model-state bytes read from the real (sharded) tensors are within 5% of the
-    paper's value; each component is printed beside its analytic value."""
+    paper's value; each component is printed beside its analytic value. One step is enough: each
+    kind of state is measured while it exists (gradients before the optimizer step frees them,
+    Adam's state after the step that creates it), so a 1-step run reports what a long run does."""
     metrics, _ = run_ok(tmp_path, f"strategy={case[0]}", *case[1:], "model=resnet18", "world_size=2",
-                        "trainer.steps=2", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
+                        "trainer.steps=1", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
     for rank in metrics["ranks"]:
         measured = sum(rank.get(k, 0) for k in MODEL_STATE)
         analytic = sum(rank.get(f"analytic_{k}", 0) for k in MODEL_STATE)
@@ -108,7 +110,7 @@ def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
     assert mpi["launcher"] == "mpirun"
 
 
-@pytest.mark.parametrize("attempt", range(3))
+@pytest.mark.parametrize("attempt", [0, pytest.param(1, marks=pytest.mark.extra), pytest.param(2, marks=pytest.mark.extra)])
 def test_zero3_exits_cleanly_every_time(tmp_path, attempt):
     """The gloo abort at exit was intermittent (~40%): repeat a short run."""
     run_ok(tmp_path, "strategy=zero3", "trainer.steps=1", "trainer.global_batch=8", "trainer.eval_batches=0")

@@ -2,6 +2,7 @@
 reference, the same run under every launcher, and how bad input and crashes end."""
 from __future__ import annotations
 
+import csv
 import shutil
 import subprocess
 import sys
@@ -88,14 +89,20 @@ def test_worker_runs_under_raw_torchrun_on_a_written_config(tmp_path):
     assert load_metrics(run_dir)["losses"] == first["losses"]
 
 
-def test_report_renders_table_from_runs(tmp_path):
-    run_cli(tmp_path / "a", "strategy=single", "trainer.steps=2", "trainer.global_batch=16")
-    run_cli(tmp_path / "b", "strategy=ddp", "trainer.steps=2", "trainer.global_batch=16")
+def test_report_renders_table_from_runs_and_one_step_shows_all_model_state(tmp_path):
+    # One step: Adam creates its state in that step, and the report must still show 8 bytes/param.
+    run_cli(tmp_path / "a", "strategy=single", "trainer.steps=1", "trainer.global_batch=16")
+    run_cli(tmp_path / "b", "strategy=ddp", "trainer.steps=1", "trainer.global_batch=16")
     result = subprocess.run([sys.executable, "-m", "parallel_lab.report", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, check=True)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
-    # Two single runs, no noise-floor reruns: no verdict, and the report says how to get one.
+    # A single and a ddp run, no noise-floor reruns: no verdict, and the report says how to get one.
     assert len(rows) == 2 and all("no noise floor" in row for row in rows), result.stdout
     assert "ulp_jitter_seed" in result.stdout
     for name in ("comparison.md", "comparison.csv", "comparison.json"):
         assert (tmp_path / name).is_file()
+    with open(tmp_path / "comparison.csv") as f:
+        for row in csv.DictReader(f):
+            for column in ("params MiB meas/analytic", "grads MiB meas/analytic", "optim MiB meas/analytic"):
+                measured, analytic = (float(v) for v in row[column].split(" / "))
+                assert analytic > 0 and abs(measured - analytic) <= 1e-4 * analytic, (row["strategy"], column)

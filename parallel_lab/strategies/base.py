@@ -25,7 +25,8 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 # The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for
 # the parity check, and accounted for in memory. No default: a sharded strategy that inherited a
 # replicated one would save only rank 0's shard and report full-model memory without a word.
-STATE_HOOKS = ("save_checkpoint", "load_checkpoint", "full_parameters", "memory_report", "analytic_memory")
+STATE_HOOKS = ("save_checkpoint", "load_checkpoint", "full_parameters", "memory_after_backward", "memory_after_step",
+               "analytic_memory")
 
 
 @dataclass
@@ -159,9 +160,17 @@ class Strategy(abc.ABC):
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter of the full (unsharded) model in the single model's order; collective."""
 
+    # The loop measures memory twice on the last step and merges the two (disjoint) reports:
+    # gradients exist only until the optimizer step frees or zeroes them, optimizer state only
+    # from the first optimizer step on. Neither hook may issue a collective or touch a value.
     @abc.abstractmethod
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank actually holds right now (param/grad/optim_bytes, ...)."""
+    def memory_after_backward(self) -> dict[str, int]:
+        """Bytes of parameters and gradients (param_bytes, grad_bytes, ...) this rank holds after
+        the last backward, before the optimizer step."""
+
+    @abc.abstractmethod
+    def memory_after_step(self) -> dict[str, int]:
+        """Bytes of optimizer state (optim_bytes, ...) this rank holds after the last optimizer step."""
 
     @abc.abstractmethod
     def analytic_memory(self, num_params: int) -> dict[str, int]:

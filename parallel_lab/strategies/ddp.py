@@ -61,8 +61,8 @@ class DDPStrategy(ReplicatedModel, Strategy):
         with contextlib.nullcontext() if sync else self.model.no_sync():
             return super().train_step(inputs, targets, micro, num_micro)
 
-    def memory_report(self) -> dict[str, int]:
-        report = super().memory_report()
+    def memory_after_backward(self) -> dict[str, int]:
+        report = super().memory_after_backward()
         # DDP's reducer keeps flat bucket buffers. With gradient_as_bucket_view the .grad tensors
         # are views into them (already counted); otherwise the buckets are a second gradient copy.
         if not self.opts.gradient_as_bucket_view:

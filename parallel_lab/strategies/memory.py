@@ -1,6 +1,6 @@
 """Bytes of model state: what a rank really holds (measured) and what the textbook says (analytic).
 
-Shared by every strategy's ``memory_report``/``analytic_memory``. A DTensor counts its local shard
+Shared by the strategies' ``memory_after_backward``/``memory_after_step``/``analytic_memory``. A DTensor counts its local shard
 only, so tensor- and sequence-parallel layouts are measured the same way as plain tensors.
 """
 from __future__ import annotations
@@ -41,15 +41,20 @@ def optimizer_bytes_per_param(trainer: DictConfig) -> int:
     return 4 if trainer.momentum else 0
 
 
-def held_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank stores now (DTensors: the local shard)."""
+def held_param_grad_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters and gradients this rank stores now (a DTensor: its local shard)."""
     params = list(model.parameters())
-    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
     return {
         "param_bytes": tensor_bytes(local_tensor(p) for p in params),
         "grad_bytes": tensor_bytes(local_tensor(p.grad) for p in params if p.grad is not None),
-        "optim_bytes": tensor_bytes(local_tensor(v) for v in state),
     }
+
+
+def held_optimizer_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Every optimizer state tensor this rank stores (a DTensor state: its shard); empty before the
+    first step."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    return {"optim_bytes": tensor_bytes(local_tensor(v) for v in state)}
 
 
 def analytic_state_bytes(numel: int, trainer: DictConfig) -> dict[str, int]:

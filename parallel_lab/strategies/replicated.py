@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes
+from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
 
 REPLICA_FILE = "model_optimizer.pt"
 
@@ -34,8 +34,11 @@ class ReplicatedModel:
     def full_parameters(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.model.parameters()]
 
-    def memory_report(self) -> dict[str, int]:
-        return held_state_bytes(self.model, self.optimizer)
+    def memory_after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)
+
+    def memory_after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """A full replica: every parameter's weights, gradient and optimizer state."""

@@ -82,7 +82,7 @@ def train_step(strategy: Strategy, counter: CommCounter, batch, env: DistEnv, gr
                measure_memory: bool) -> tuple[float, float, float, dict]:
     """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {})."""
     inputs, targets = batch
-    memory = {}
+    memory, after_backward = {}, {}
     _sync(env.device)
     start = time.perf_counter()
     with counter.counting():  # only the strategy's own communication, not the loss report
@@ -92,13 +92,15 @@ def train_step(strategy: Strategy, counter: CommCounter, batch, env: DistEnv, gr
         ]
         _sync(env.device)
         backward_done = time.perf_counter()
-        if measure_memory:
+        if measure_memory:  # gradients: the optimizer step frees or zeroes them
             with counter.paused():
-                memory = strategy.memory_report()  # gradients and optimizer state both alive here
+                after_backward = strategy.memory_after_backward()
         optimizer_start = time.perf_counter()
         strategy.optimizer_step()
     _sync(env.device)
     end = time.perf_counter()
+    if measure_memory:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
+        memory = {**after_backward, **strategy.memory_after_step()}
     # Split as far as the loop can see: forward+backward (including any communication that
     # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
     loss = strategy.global_mean_loss(torch.stack(micro_losses).mean())

@@ -31,10 +31,11 @@ diverges (docs/facts.md).
 bf16, gradients reduced in fp32) while the sharded parameters and Adam states stay fp32.
 
 The two torch APIs are two small classes, ``FSDP2`` (``v2.py``) and ``FSDP1`` (``v1.py``); this
-module holds what they share. Memory accounting (``memory_report``) reads the real storages: the
-local shards of the DTensor parameters (FSDP2) or the FlatParameter shards (FSDP1), the gathered parameter buffers that are
-alive at the end of forward (the moment ``grad_op`` holds the most), the sharded gradients and the
-optimizer's state tensors.
+module holds what they share. Memory accounting (``memory_after_backward``, ``memory_after_step``)
+reads the real storages: the local shards of the DTensor parameters (FSDP2) or the FlatParameter
+shards (FSDP1), the gathered parameter buffers that are alive at the end of forward (the moment
+``grad_op`` holds the most), the sharded gradients after backward and the optimizer's state
+tensors after the step.
 """
 from __future__ import annotations
 
@@ -178,21 +179,24 @@ class FSDPStrategy(Strategy):
         return self._gather_parameters()
 
     # ----- memory -----
-    def memory_report(self) -> dict[str, int]:
-        optim = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters (the shard, plus the gathered copies alive at the end of forward) and the
+        sharded gradients, which the optimizer step's zero_grad frees."""
+        grads = storage_bytes(self._grad_storages())
         shard = storage_bytes(self._shard_storages())
         peak = max(self._peak_param_bytes, storage_bytes(self._param_storages()))
-        report = {
-            "grad_bytes": storage_bytes(self._grad_storages()),
-            "optim_bytes": storage_bytes(optim),
-        }
         if self.opts.sharding == "grad_op":
             # The shard is what the optimizer updates (ZeRO's "master" copy); the gathered working
             # copy is what forward/backward use. Both are alive between forward and backward.
-            report.update(param_bytes=peak - shard, master_param_bytes=shard)
-        else:
-            report.update(param_bytes=peak, master_param_bytes=0)
-        return report
+            return {"param_bytes": peak - shard, "master_param_bytes": shard, "grad_bytes": grads}
+        return {"param_bytes": peak, "master_param_bytes": 0, "grad_bytes": grads}
+
+    def memory_after_step(self) -> dict[str, int]:
+        """The optimizer's per-parameter state of this rank's shards, created by the first step
+        (Adam's scalar step counters are left out)."""
+        state = self.optimizer.state.values()
+        return {"optim_bytes": storage_bytes(v for per_param in state for v in per_param.values()
+                                             if torch.is_tensor(v) and v.dim() > 0)}
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),

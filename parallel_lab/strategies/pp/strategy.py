@@ -42,7 +42,7 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.clip import clip_by_global_norm
-from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes
+from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
 from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
@@ -279,8 +279,11 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
         return [p for stage in per_stage[: self.opts.stages] for p in stage]
 
-    def memory_report(self) -> dict[str, int]:
-        return held_state_bytes(self.model, self.optimizer)  # the model here is this stage only
+    def memory_after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)  # the model here is this stage only
+
+    def memory_after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""

@@ -40,7 +40,13 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.clip import clip_by_global_norm
-from parallel_lab.strategies.memory import analytic_state_bytes, held_state_bytes, local_tensor, tensor_bytes
+from parallel_lab.strategies.memory import (
+    analytic_state_bytes,
+    held_optimizer_bytes,
+    held_param_grad_bytes,
+    local_tensor,
+    tensor_bytes,
+)
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 
@@ -208,8 +214,11 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
             full.append(local)
         return full
 
-    def memory_report(self) -> dict[str, int]:
-        return held_state_bytes(self.model, self.optimizer)
+    def memory_after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)  # the split layers count their shard
+
+    def memory_after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """Textbook: the split layers' weights divided by tp, everything else whole."""

@@ -27,12 +27,13 @@ Memory accounting reads DeepSpeed's real buffers (distinct storages, padding inc
 ``param_bytes`` the model's parameter storage (the flat buffers of stages 0-2, the ``ds_tensor``
 partitions of stage 3), ``master_param_bytes`` the fp32 partition the optimizer updates when it is
 a separate copy, ``grad_bytes`` the gradient buffers alive after backward, ``optim_bytes`` the
-optimizer's state tensors, ``comm_buffer_bytes`` the bucket buffers. The analytic value is the
-paper's: fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter, stage 1 dividing the optimizer
-state by N, stage 2 also the gradients, stage 3 also the parameters. One difference is real and
-reported as its own column: at stages 1-3 DeepSpeed keeps its fp32 master partition as a
-*clone* of the parameters even in fp32 (the paper's mixed-precision K=12 counts that master copy
-inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on 0.19.8).
+optimizer's state tensors after the optimizer step, ``comm_buffer_bytes`` the bucket buffers. The
+analytic value is the paper's: fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter, stage 1
+dividing the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters. One
+difference is real and reported as its own column: at stages 1-3 DeepSpeed keeps its fp32 master
+partition as a *clone* of the parameters even in fp32 (the paper's mixed-precision K=12 counts that
+master copy inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on
+0.19.8).
 """
 from __future__ import annotations
 
@@ -250,36 +251,51 @@ class ZeroStrategy(Strategy):
         return [p.detach().float() for p in self.engine.module.parameters()]
 
     # ----- memory -----
-    def memory_report(self) -> dict[str, int]:
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """What holds the model's parameters: the flat bit16 buffers (stages 0-2), or the ds_tensor
+        partitions plus any gathered copies still alive (stage 3)."""
         opt = self.engine.optimizer
         params = list(self.engine.module.parameters())
-        inner = getattr(opt, "optimizer", opt)  # the torch optimizer DeepSpeed steps
+        if self.opts.stage == 3:
+            partitions = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
+            return partitions + [p.data for p in params]
+        return [p.data for p in params] + list(getattr(opt, "bit16_groups_flat", []))
+
+    def _master_tensors(self) -> list[torch.Tensor]:
+        """DeepSpeed's fp32 partitions the optimizer updates."""
+        name = "fp32_partitioned_groups_flat" if self.opts.stage == 3 else "single_partition_of_fp32_groups"
+        return list(getattr(self.engine.optimizer, name, []))
+
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters and every gradient buffer alive after backward; step() frees the averaged
+        gradients and the partitions' .grad."""
+        opt = self.engine.optimizer
         averaged = getattr(opt, "averaged_gradients", None) or {}
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in self.engine.module.parameters()]
         for value in (averaged.values() if isinstance(averaged, dict) else averaged):
             grads += value if isinstance(value, (list, tuple)) else [value]
         if self.opts.stage == 3:
-            param_tensors = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
-            param_tensors += [p.data for p in params]  # gathered copies still alive, if any
-            master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
             grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
         else:
-            param_tensors = [p.data for p in params] + list(getattr(opt, "bit16_groups_flat", []))
-            master = list(getattr(opt, "single_partition_of_fp32_groups", []))
-            grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in master]
-        param_bytes = storage_bytes(param_tensors)
-        # The master copy counts only where it is its own storage (stage 3 fp32 reuses the partition).
-        master_bytes = storage_bytes(param_tensors + master) - param_bytes
-        states = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+            grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in self._master_tensors()]
         return {
-            "param_bytes": param_bytes,
-            "master_param_bytes": master_bytes,
+            "param_bytes": storage_bytes(self._param_tensors()),
             # Stage 1 frees the gradients outside its partition right after its one reduction at
             # the end of backward; before it, every rank holds them all (the ZeRO-1 state).
             "grad_bytes": max(storage_bytes(grads), self._grads_before_reduction),
-            "optim_bytes": storage_bytes(states),
             "comm_buffer_bytes": self._bucket_bytes(opt),
         }
+
+    def memory_after_step(self) -> dict[str, int]:
+        """The optimizer's state on this rank's partition (created by the first step) and the fp32
+        master partition."""
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer DeepSpeed steps
+        states = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        params = self._param_tensors()
+        # The master copy counts only where it is its own storage, not a view of the parameters.
+        master_bytes = storage_bytes(params + self._master_tensors()) - storage_bytes(params)
+        return {"master_param_bytes": master_bytes, "optim_bytes": storage_bytes(states)}
 
     @staticmethod
     def _bucket_bytes(opt) -> int:
