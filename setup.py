@@ -5,6 +5,7 @@ as ``parallel_lab/conf/`` (a package-dir mapping), so a wheel carries them and
 ``parallel_lab.config.compose.CONF_DIR`` finds them in either place. Everything else about the
 project is in pyproject.toml.
 """
+
 from setuptools import find_packages, setup
 
 setup(

@@ -13,6 +13,7 @@ group whose rank, world size and rendezvous come from the MPI environment throug
 ``parallel_lab.worker.dist_env``: the same code the training worker uses, so this is also the proof that
 the worker's environment reading works under mpirun.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +118,12 @@ def torch_allgather(c):
     return out.numpy()
 
 
-OPS = {"SUM": (MPI.SUM, dist.ReduceOp.SUM), "PROD": (MPI.PROD, dist.ReduceOp.PRODUCT),
-       "MAX": (MPI.MAX, dist.ReduceOp.MAX), "MIN": (MPI.MIN, dist.ReduceOp.MIN)}
+OPS = {
+    "SUM": (MPI.SUM, dist.ReduceOp.SUM),
+    "PROD": (MPI.PROD, dist.ReduceOp.PRODUCT),
+    "MAX": (MPI.MAX, dist.ReduceOp.MAX),
+    "MIN": (MPI.MIN, dist.ReduceOp.MIN),
+}
 
 
 def mpi_reduce(op):
@@ -126,6 +131,7 @@ def mpi_reduce(op):
         out = np.empty(c.k) if c.rank == ROOT else None
         c.comm.Reduce(c.x, out, op=OPS[op][0], root=ROOT)
         return out
+
     return run
 
 
@@ -134,6 +140,7 @@ def torch_reduce(op):
         x = t(c.x)
         dist.reduce(x, dst=ROOT, op=OPS[op][1])  # only the root's tensor is defined afterwards
         return x.numpy() if c.rank == ROOT else None
+
     return run
 
 
@@ -142,6 +149,7 @@ def mpi_allreduce(op):
         out = np.empty(c.k)
         c.comm.Allreduce(c.x, out, op=OPS[op][0])
         return out
+
     return run
 
 
@@ -150,6 +158,7 @@ def torch_allreduce(op):
         x = t(c.x)
         dist.all_reduce(x, op=OPS[op][1])
         return x.numpy()
+
     return run
 
 
@@ -255,10 +264,14 @@ CASES = [
     Case("scatter", "Scatter", "scatter", mpi_scatter, torch_scatter),
     Case("gather", "Gather", "gather", mpi_gather, torch_gather),
     Case("all-gather", "Allgather", ALL_GATHER.__name__, mpi_allgather, torch_allgather),
-    *[Case(f"reduce {op}", f"Reduce({op})", f"reduce({tname})", mpi_reduce(op), torch_reduce(op))
-      for op, tname in (("SUM", "SUM"), ("PROD", "PRODUCT"), ("MAX", "MAX"), ("MIN", "MIN"))],
-    *[Case(f"all-reduce {op}", f"Allreduce({op})", f"all_reduce({tname})", mpi_allreduce(op), torch_allreduce(op))
-      for op, tname in (("SUM", "SUM"), ("PROD", "PRODUCT"), ("MAX", "MAX"), ("MIN", "MIN"))],
+    *[
+        Case(f"reduce {op}", f"Reduce({op})", f"reduce({tname})", mpi_reduce(op), torch_reduce(op))
+        for op, tname in (("SUM", "SUM"), ("PROD", "PRODUCT"), ("MAX", "MAX"), ("MIN", "MIN"))
+    ],
+    *[
+        Case(f"all-reduce {op}", f"Allreduce({op})", f"all_reduce({tname})", mpi_allreduce(op), torch_allreduce(op))
+        for op, tname in (("SUM", "SUM"), ("PROD", "PRODUCT"), ("MAX", "MAX"), ("MIN", "MIN"))
+    ],
     Case("reduce-scatter", "Reduce_scatter_block", REDUCE_SCATTER.__name__, mpi_reduce_scatter, torch_reduce_scatter),
     Case("all-to-all", "Alltoall", "all_to_all_single", mpi_alltoall, torch_alltoall),
     Case("barrier", "Barrier", "barrier", mpi_barrier, torch_barrier),
@@ -287,22 +300,43 @@ def run_all(ctx: Ctx) -> list[dict]:
     rows = []
     for case in CASES:
         if ctx.size < case.min_ranks:
-            rows.append(dict(name=case.name, mpi_call=case.mpi_call, torch_call=case.torch_call,
-                             mpi=None, torch=None, equal=None, note=f"needs >= {case.min_ranks} ranks"))
+            rows.append(
+                dict(
+                    name=case.name,
+                    mpi_call=case.mpi_call,
+                    torch_call=case.torch_call,
+                    mpi=None,
+                    torch=None,
+                    equal=None,
+                    note=f"needs >= {case.min_ranks} ranks",
+                )
+            )
             continue
         a, b = case.mpi(ctx), case.torch(ctx)
         equal_everywhere = ctx.comm.allreduce(same(a, b), op=MPI.LAND)
-        rows.append(dict(name=case.name, mpi_call=case.mpi_call, torch_call=case.torch_call,
-                         mpi=None if a is None else a.tolist(), torch=None if b is None else b.tolist(),
-                         equal=bool(equal_everywhere), note=""))
+        rows.append(
+            dict(
+                name=case.name,
+                mpi_call=case.mpi_call,
+                torch_call=case.torch_call,
+                mpi=None if a is None else a.tolist(),
+                torch=None if b is None else b.tolist(),
+                equal=bool(equal_everywhere),
+                note="",
+            )
+        )
     return rows
 
 
 def print_table(rows: list[dict], env: DistEnv, size: int, k: int) -> None:
-    print(f"mirror: {size} MPI ranks; torch.distributed gloo rank/world from {env.source} "
-          f"({env.world_size}), rendezvous tcp://{env.master_addr}:{env.master_port}; k={k} per rank")
-    print(f"| {'collective':<20} | {'mpi4py':<20} | {'torch.distributed':<22} | {'mpi result (rank 0)':<28} "
-          f"| {'torch result (rank 0)':<28} | equal |")
+    print(
+        f"mirror: {size} MPI ranks; torch.distributed gloo rank/world from {env.source} "
+        f"({env.world_size}), rendezvous tcp://{env.master_addr}:{env.master_port}; k={k} per rank"
+    )
+    print(
+        f"| {'collective':<20} | {'mpi4py':<20} | {'torch.distributed':<22} | {'mpi result (rank 0)':<28} "
+        f"| {'torch result (rank 0)':<28} | equal |"
+    )
     print(f"|{'-' * 22}|{'-' * 22}|{'-' * 24}|{'-' * 30}|{'-' * 30}|-------|")
     for r in rows:
         a = None if r["mpi"] is None else np.array(r["mpi"])
@@ -339,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     env = read_dist_env("cpu")  # rank/world/rendezvous from the MPI environment, as the worker reads them
     assert (env.rank, env.world_size) == (comm.Get_rank(), comm.Get_size()), (
-        f"dist_env read rank {env.rank}/{env.world_size} but MPI says {comm.Get_rank()}/{comm.Get_size()}")
+        f"dist_env read rank {env.rank}/{env.world_size} but MPI says {comm.Get_rank()}/{comm.Get_size()}"
+    )
     init_process_group(env, timeout_s=60)
     ctx = Ctx(comm, comm.Get_rank(), comm.Get_size(), args.k)
     rows = run_all(ctx)
@@ -352,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": ctx.size, "k": ctx.k, "source": env.source, "rows": rows}, f, indent=1)
-        print(f"mirror: {'MISMATCH in ' + ', '.join(bad) if bad else 'every MPI result equals its torch.distributed twin'}")
+        print(
+            f"mirror: {'MISMATCH in ' + ', '.join(bad) if bad else 'every MPI result equals its torch.distributed twin'}"
+        )
     return 1 if bad else 0  # `bad` comes from an allreduce: every rank exits the same way
 
 

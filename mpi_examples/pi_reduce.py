@@ -10,6 +10,7 @@
    (it read argv); ``Bcast`` sends it to everyone (the buffer API: a 1-element numpy array),
    each rank sums its strided midpoints, ``Reduce(SUM)`` again. Fast: error ~ 1/n^2.
 """
+
 import math
 import sys
 

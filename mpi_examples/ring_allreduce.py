@@ -13,6 +13,7 @@ Each rank sends 2(p-1)/p of the vector in total, whatever p is: that is why the 
 bandwidth-optimal and why "bus bandwidth" = algorithm bandwidth * 2(p-1)/p.
 Sendrecv sends and receives at once, so the ring cannot deadlock the way p blocking Sends can.
 """
+
 import sys
 import time
 

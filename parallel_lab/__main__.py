@@ -1,4 +1,5 @@
 """``python -m parallel_lab [overrides]``: the command line lives in :mod:`parallel_lab.cli.main`."""
+
 from parallel_lab.cli.main import main
 
 if __name__ == "__main__":

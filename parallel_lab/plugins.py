@@ -6,6 +6,7 @@ files live in a ``conf/`` folder beside the module, laid out like the project's
 (``conf/strategy/<name>.yaml``). The variable reaches every worker through the environment, so a
 plugin strategy runs under every launcher, in sweeps, the report and the benchmarks.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,8 +29,10 @@ def import_plugins() -> list:
         try:
             modules.append(importlib.import_module(name))
         except ImportError as exc:
-            raise ConfigError(f"{PLUGINS_ENV} names '{name}', which cannot be imported ({exc}); put its folder "
-                              f"on PYTHONPATH or fix the name") from None
+            raise ConfigError(
+                f"{PLUGINS_ENV} names '{name}', which cannot be imported ({exc}); put its folder "
+                f"on PYTHONPATH or fix the name"
+            ) from None
     return modules
 
 

@@ -13,6 +13,7 @@ records. Every side imports these names from here, so none imports another.
     <run_dir>/pids/rank<k>.pid     every worker's pid, to check none outlived the run
     <run_dir>/checkpoints/         the default trainer.checkpoint_dir
 """
+
 from __future__ import annotations
 
 import ctypes

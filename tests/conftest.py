@@ -1,4 +1,5 @@
 """Shared fixtures: run the real CLI in a subprocess with a timeout, read what it wrote."""
+
 from __future__ import annotations
 
 from pathlib import Path

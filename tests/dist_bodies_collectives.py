@@ -1,5 +1,6 @@
 """Distributed test bodies for parallel_lab.comm.collectives: each hand-written collective against
 torch.distributed's own result, on real gloo ranks (run by tests/test_collectives.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,11 @@ def _check_ring_halves(x: torch.Tensor, rank: int, world: int, what: str) -> int
         collectives.reduce_scatter(ours, op=op)
         dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
         want = _own_chunk(theirs, rank, world)
-        _assert_equal(_own_chunk(ours, rank, world), want if op == "sum" else _torch_mean(want, world),
-                      f"reduce_scatter op={op} {what}")
+        _assert_equal(
+            _own_chunk(ours, rank, world),
+            want if op == "sum" else _torch_mean(want, world),
+            f"reduce_scatter op={op} {what}",
+        )
     contribution = torch.zeros_like(x).reshape(-1)  # only this rank's chunk set: a sum is then a gather
     _own_chunk(contribution, rank, world).copy_(_own_chunk(x, rank, world))
     ours, theirs = contribution.clone(), contribution.clone()
@@ -84,8 +88,11 @@ def check_all(rank: int, world_size: int) -> None:
                 collectives.reduce(ours, dst=dst, op=op)
                 dist.reduce(theirs, dst=dst, op=dist.ReduceOp.SUM)
                 if rank == dst:
-                    _assert_equal(ours, theirs if op == "sum" else _torch_mean(theirs, world_size),
-                                  f"reduce dst={dst} op={op} {what}")
+                    _assert_equal(
+                        ours,
+                        theirs if op == "sum" else _torch_mean(theirs, world_size),
+                        f"reduce dst={dst} op={op} {what}",
+                    )
                 else:
                     assert torch.equal(ours, x), f"reduce changed non-destination rank {rank}: {what}"
                 checked += 1
@@ -97,8 +104,11 @@ def check_all(rank: int, world_size: int) -> None:
                 ours, theirs = x.clone(), x.clone()
                 collectives.all_reduce(ours, op=op, algorithm=algorithm, segment_bytes=segment)
                 dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
-                _assert_equal(ours, theirs if op == "sum" else _torch_mean(theirs, world_size),
-                              f"all_reduce {algorithm}/{segment} op={op} {what}")
+                _assert_equal(
+                    ours,
+                    theirs if op == "sum" else _torch_mean(theirs, world_size),
+                    f"all_reduce {algorithm}/{segment} op={op} {what}",
+                )
                 checked += 1
         checked += _check_ring_halves(x, rank, world_size, what)
     print(f"checked {checked}")

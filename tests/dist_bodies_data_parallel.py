@@ -1,5 +1,6 @@
 """Distributed test bodies for the data-parallel strategies: several training configurations in
 one set of real gloo ranks (cheaper than one CLI run each), run by tests/test_data_parallel.py."""
+
 from __future__ import annotations
 
 import gc
@@ -51,8 +52,14 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         strategy.teardown()
         del strategy
         gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive at destroy time
-        results.append({"losses": metrics.losses, "final_param_checksum": metrics.final_param_checksum,
-                        "eval_accuracy": metrics.eval_accuracy, "buckets": metrics.strategy_extras["buckets"]})
+        results.append(
+            {
+                "losses": metrics.losses,
+                "final_param_checksum": metrics.final_param_checksum,
+                "eval_accuracy": metrics.eval_accuracy,
+                "buckets": metrics.strategy_extras["buckets"],
+            }
+        )
     if rank == 0:
         print(json.dumps(results))
 

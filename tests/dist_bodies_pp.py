@@ -1,4 +1,5 @@
 """Distributed test bodies for pipeline parallelism (run with parallel_lab.testing.run_ranks)."""
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -15,7 +16,9 @@ def strategy_matrix_body(rank: int, world_size: int, configs: list[list[str]], s
         metrics, strategy, ref = train_and_compare(steps, global_batch, *base, *overrides)
         full_bytes = 4 * sum(p.numel() for p in ref.params.values())
         held = [r["param_bytes"] for r in metrics.ranks]
-        assert sum(held) == full_bytes and max(held) < full_bytes, f"{overrides}: per-rank param bytes {held}, full {full_bytes}"
+        assert sum(held) == full_bytes and max(held) < full_bytes, (
+            f"{overrides}: per-rank param bytes {held}, full {full_bytes}"
+        )
         assert held[rank] == 4 * sum(p.numel() for p in strategy.model.parameters())
         m, p = strategy.opts.microbatches, world_size
         idle = metrics.strategy_extras["pp_idle_fraction"]

@@ -1,4 +1,5 @@
 """Distributed test bodies for tensor parallelism (run with parallel_lab.testing.run_ranks)."""
+
 from __future__ import annotations
 
 import torch
@@ -74,9 +75,9 @@ def mlp_body(rank: int, world_size: int) -> None:
         assert torch.allclose(xp.grad, xd.grad, atol=1e-5), f"{type(dense1).__name__}: input gradient differs"
         half1 = dense1.weight.shape[0] // world_size
         half2 = dense2.weight.shape[1] // world_size
-        assert torch.allclose(col.weight.grad, dense1.weight.grad[rank * half1:(rank + 1) * half1], atol=1e-5)
-        assert torch.allclose(col.bias.grad, dense1.bias.grad[rank * half1:(rank + 1) * half1], atol=1e-5)
-        assert torch.allclose(row.weight.grad, dense2.weight.grad[:, rank * half2:(rank + 1) * half2], atol=1e-5)
+        assert torch.allclose(col.weight.grad, dense1.weight.grad[rank * half1 : (rank + 1) * half1], atol=1e-5)
+        assert torch.allclose(col.bias.grad, dense1.bias.grad[rank * half1 : (rank + 1) * half1], atol=1e-5)
+        assert torch.allclose(row.weight.grad, dense2.weight.grad[:, rank * half2 : (rank + 1) * half2], atol=1e-5)
         assert torch.allclose(row.bias.grad, dense2.bias.grad, atol=1e-5)
 
 

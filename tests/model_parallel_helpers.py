@@ -1,6 +1,7 @@
 """Shared by the tp/pp distributed test bodies: build a strategy from the real config files and
 train it with the real loop inside ranks started by ``parallel_lab.testing.run_ranks``, then
 compare with the independent single-process reference (tests/reference.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,11 @@ def compose_config(*overrides: str) -> DictConfig:
     """conf/config.yaml + overrides, validated exactly as the parent does before a run."""
     from parallel_lab import config
 
-    return config.validate(config.compose_config(["trainer.progress=false", "trainer.threads_per_rank=1",
-                                                  f"data.size={DATA_SIZE}", *overrides]))
+    return config.validate(
+        config.compose_config(
+            ["trainer.progress=false", "trainer.threads_per_rank=1", f"data.size={DATA_SIZE}", *overrides]
+        )
+    )
 
 
 DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to generate per configuration
@@ -27,8 +31,9 @@ DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to gener
 
 def reference_for(steps: int, global_batch: int, grad_clip: float = 0.0) -> ParityReference:
     """The plain-torch single-process run (and its noise floor) every configuration is compared with."""
-    return parity_reference("cnn", steps=steps, global_batch=global_batch, threads=1, data_size=DATA_SIZE,
-                            grad_clip=grad_clip)
+    return parity_reference(
+        "cnn", steps=steps, global_batch=global_batch, threads=1, data_size=DATA_SIZE, grad_clip=grad_clip
+    )
 
 
 def assert_one_line_config_error(strategy: str, overrides, named) -> None:
@@ -45,7 +50,9 @@ def assert_one_line_config_error(strategy: str, overrides, named) -> None:
         assert text in message, f"{text!r} not in {message!r}"
 
 
-def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = DATA_SIZE, seed: int = 0) -> float:
+def reference_accuracy(
+    net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = DATA_SIZE, seed: int = 0
+) -> float:
     """Accuracy of the reference model on the held-out samples metrics.json uses (no toolkit code)."""
     data = make_synthetic(max(size // 8, 64), seed + 1)
     count = min(len(data), global_batch * eval_batches) // global_batch * global_batch

@@ -2,6 +2,7 @@
 gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, the ring's
 reduce_scatter and all_gather, world sizes 2 and 3, sizes not divisible by the world size (and
 smaller than it), float32 and int64."""
+
 import pytest
 
 from parallel_lab.testing import run_ranks

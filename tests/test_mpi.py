@@ -4,6 +4,7 @@ mirror, the training run under mpirun, and the collectives bench as a correctnes
 Every process tree is started in its own session and killed as a group on timeout, so a hang
 fails the test instead of leaving spinning ranks behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ pytest.importorskip("mpi4py", reason="mpi4py is not installed; `make test` insta
 _local = Path(sys.executable).parent / "mpiexec"
 MPIEXEC = str(_local) if _local.exists() else shutil.which("mpiexec")
 if MPIEXEC is None:
-    pytest.skip("no mpiexec on PATH or next to python; `make test` installs it (pip install mpich)",
-                allow_module_level=True)
+    pytest.skip(
+        "no mpiexec on PATH or next to python; `make test` installs it (pip install mpich)", allow_module_level=True
+    )
 IS_MPICH = "HYDRA" in subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30).stdout
 EXAMPLES = ROOT / "mpi_examples"
 TIMEOUT = 180  # seconds per job: generous for 2 shared cores, still ends a hang
@@ -39,10 +41,12 @@ class Hung(AssertionError):
 
 def run(cmd: list[str], timeout: float = TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
     """Run cmd in its own session; on timeout SIGKILL the whole group (mpiexec and every rank)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning",
-               **extra_env)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning", **extra_env
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -177,9 +181,15 @@ def mirror_expected(size: int, k: int) -> dict[str, list[float] | None]:
     """Rank 0's result of every collective, computed with numpy from the mirror's inputs."""
     x = [np.arange(r * k + 1, (r + 1) * k + 1, dtype=float) for r in range(size)]
     full = [100.0 * r + np.arange(1, size * k + 1) for r in range(size)]
-    exp = {"broadcast": x[0], "scatter": full[0][:k], "gather": np.concatenate(x), "all-gather": np.concatenate(x),
-           "reduce-scatter": np.sum(full, axis=0)[:k], "all-to-all": np.concatenate([f[:k] for f in full]),
-           "barrier": np.zeros(0)}
+    exp = {
+        "broadcast": x[0],
+        "scatter": full[0][:k],
+        "gather": np.concatenate(x),
+        "all-gather": np.concatenate(x),
+        "reduce-scatter": np.sum(full, axis=0)[:k],
+        "all-to-all": np.concatenate([f[:k] for f in full]),
+        "barrier": np.zeros(0),
+    }
     for op, f in (("SUM", np.sum), ("PROD", np.prod), ("MAX", np.max), ("MIN", np.min)):
         exp[f"reduce {op}"] = exp[f"all-reduce {op}"] = f(x, axis=0)
     if size > 1:
@@ -243,9 +253,29 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
 
 # ---- the bench, as a correctness smoke run (it checks every implementation's result) -----------
 def test_collectives_bench_smoke():
-    result = run([sys.executable, "-m", "parallel_lab.bench", "collectives", "--np", "3", "--min-bytes", "1K",
-                  "--max-bytes", "4K", "--min-iters", "1", "--max-iters", "2", "--warmup", "0"])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "parallel_lab.bench",
+            "collectives",
+            "--np",
+            "3",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "4K",
+            "--min-iters",
+            "1",
+            "--max-iters",
+            "2",
+            "--warmup",
+            "0",
+        ]
+    )
     out = ok(result)
-    rows = [line for line in out.splitlines() if re.match(r"\| (all_reduce|all_gather|reduce_scatter|broadcast) \|", line)]
+    rows = [
+        line for line in out.splitlines() if re.match(r"\| (all_reduce|all_gather|reduce_scatter|broadcast) \|", line)
+    ]
     assert len(rows) == 4 * 2, out
     assert "memcpy ceiling" in out

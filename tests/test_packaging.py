@@ -1,6 +1,7 @@
 """Installs: ``parallel-lab`` and ``python -m parallel_lab`` behave the same from any folder, in the
 editable install (this environment) and in a non-editable install of a built wheel, which must carry
 conf/ (setup.py maps it into the package)."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ SOURCES = ("pyproject.toml", "setup.py", "README.md", "parallel_lab", "conf")
 
 
 def run(cmd: list, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
 
 
 def assert_help_and_bad_input(command: list, cwd: Path, **env: str) -> str:
@@ -50,14 +52,16 @@ def test_wheel_carries_conf_and_runs_from_another_folder(tmp_path):
             shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(ROOT / name, src / name)
-    built = run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, src],
-                tmp_path)
+    built = run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, src], tmp_path
+    )
     assert built.returncode == 0, built.stderr
     wheel = next(tmp_path.glob("parallel_lab-*.whl"))
     installed = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel], tmp_path)
     assert installed.returncode == 0, installed.stderr
     assert (site / "parallel_lab" / "conf" / "strategy" / "ddp.yaml").is_file()
-    where = run([sys.executable, "-c", "import parallel_lab.config as c; print(c.CONF_DIR)"], elsewhere,
-                PYTHONPATH=str(site))
+    where = run(
+        [sys.executable, "-c", "import parallel_lab.config as c; print(c.CONF_DIR)"], elsewhere, PYTHONPATH=str(site)
+    )
     assert where.stdout.strip() == str(site / "parallel_lab" / "conf"), where.stderr
     assert_help_and_bad_input([sys.executable, "-m", "parallel_lab"], elsewhere, PYTHONPATH=str(site))

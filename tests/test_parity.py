@@ -1,6 +1,7 @@
 """The parity criterion (parallel_lab/parity.py) itself: what it accepts, what it refuses, and
 that it marks deliberately broken data parallelism FAIL while the real strategy passes, judged
 against the independent reference and its measured noise floor (tests/reference.py)."""
+
 from __future__ import annotations
 
 import json
@@ -90,10 +91,22 @@ VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pas
 
 @pytest.mark.slow
 def test_broken_data_parallelism_fails_and_the_real_strategy_passes(tmp_path):
-    runs = [[write_config(tmp_path / f"v{i}.yaml", "strategy=manual_ddp", "world_size=2", "strategy.bucket_mb=0.1",
-                          f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"trainer.optimizer={opt}",
-                          "trainer.eval_batches=0"), variant]
-            for i, (opt, variant, _) in enumerate(VARIANTS)]
+    runs = [
+        [
+            write_config(
+                tmp_path / f"v{i}.yaml",
+                "strategy=manual_ddp",
+                "world_size=2",
+                "strategy.bucket_mb=0.1",
+                f"trainer.steps={STEPS}",
+                f"trainer.global_batch={BATCH}",
+                f"trainer.optimizer={opt}",
+                "trainer.eval_batches=0",
+            ),
+            variant,
+        ]
+        for i, (opt, variant, _) in enumerate(VARIANTS)
+    ]
     out = run_ranks("tests.dist_bodies_data_parallel:train_variants", world_size=2, timeout=300, runs=runs)
     losses = json.loads(out[0])
     verdicts = {}

@@ -1,6 +1,7 @@
 """One class and one yaml is all a new strategy needs: a throwaway strategy registered from a temp
 folder (PARALLEL_LAB_PLUGINS) shows up in compare_all's sweep, the report and the checkpoint bench.
 And a strategy that does not say where its model state lives is refused when it registers."""
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,11 @@ class ToyStrategy(ReplicatedModel, Strategy):
     needs_process_group = False
     comm_theory_psi = 0.0
 '''
-YAML = '''
+YAML = """
 defaults:
   - /strategy_options/toy@_here_
 name: toy
-'''
+"""
 
 
 @pytest.fixture
@@ -55,8 +56,16 @@ def test_plugin_strategy_is_in_the_sweep_the_report_and_the_checkpoint_bench(plu
     assert "toy" in sweep.split(":", 1)[1].strip().split(",") and "zero0" in sweep
 
     run_dir = tmp_path / "run"
-    run(plugin_env, "-m", "parallel_lab", "strategy=toy", "trainer.steps=2", "trainer.global_batch=16",
-        "trainer.progress=false", f"hydra.run.dir={run_dir}")
+    run(
+        plugin_env,
+        "-m",
+        "parallel_lab",
+        "strategy=toy",
+        "trainer.steps=2",
+        "trainer.global_batch=16",
+        "trainer.progress=false",
+        f"hydra.run.dir={run_dir}",
+    )
     report = run(plugin_env, "-m", "parallel_lab.report", str(run_dir))
     assert any(line.startswith("| toy |") for line in report.stdout.splitlines()), report.stdout
 
@@ -68,8 +77,12 @@ def test_a_strategy_that_does_not_say_where_its_state_lives_is_refused():
     from parallel_lab.strategies import register, registered_names
     from parallel_lab.strategies.base import Strategy
 
-    with pytest.raises(TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"):
+    with pytest.raises(
+        TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"
+    ):
+
         @register("forgetful")
         class Forgetful(Strategy):  # shards nothing explicitly, inherits no state hooks
             pass
+
     assert "forgetful" not in registered_names()

@@ -1,5 +1,6 @@
 """The parent's does-it-fit check (parallel_lab/resources.py), in-process: the per-sample activation
 figures the estimate uses, the refusal and its figures, no check without /proc, and the CPU warning."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Formatting shared by the benchmarks (a leading underscore: not a benchmark itself)."""
+
 from __future__ import annotations
 
 

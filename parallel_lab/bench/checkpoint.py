@@ -8,6 +8,7 @@ from that checkpoint for one more step, which times the load. Model + Adam state
 two moments); DeepSpeed also saves its fp32 master partition (+1Ψ). Save time includes the barriers
 and rank 0's sha256 of every file; on 2 shared CPU cores expect noise of tens of percent.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,6 @@ from parallel_lab.strategies import sweep_names
 from parallel_lab.testing import run_cli_metrics
 
 
-
 def _run(run_dir: Path, *overrides: str) -> dict:
     return run_cli_metrics(run_dir, "trainer.eval_batches=0", *overrides, timeout=900)
 
@@ -31,8 +31,13 @@ def measure(strategy: str, model: str, workdir: Path) -> dict:
     folder = default_checkpoint_dir(workdir / f"{strategy}_save") / checkpoint_name(2)
     resumed = _run(workdir / f"{strategy}_load", *common, "trainer.steps=3", f"trainer.resume={folder}")
     files = read_manifest(folder)["files"]
-    return {"bytes": first["checkpoint_bytes"], "psi": first["checkpoint_bytes"] / (4 * first["params"]),
-            "files": len(files), "save_s": first["checkpoint_save_s"], "load_s": resumed["checkpoint_load_s"]}
+    return {
+        "bytes": first["checkpoint_bytes"],
+        "psi": first["checkpoint_bytes"] / (4 * first["params"]),
+        "files": len(files),
+        "save_s": first["checkpoint_save_s"],
+        "load_s": resumed["checkpoint_load_s"],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -46,6 +51,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for strategy in args.only or strategies:
             m = measure(strategy, args.model, Path(workdir))
-            print(f"| {strategy} | {m['bytes'] / 2**20:.1f} | {m['psi']:.2f} | {m['files']} | {m['save_s']:.2f} | "
-                  f"{m['load_s']:.2f} |", flush=True)
+            print(
+                f"| {strategy} | {m['bytes'] / 2**20:.1f} | {m['psi']:.2f} | {m['files']} | {m['save_s']:.2f} | "
+                f"{m['load_s']:.2f} |",
+                flush=True,
+            )
     return 0

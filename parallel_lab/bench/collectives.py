@@ -20,6 +20,7 @@ Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's m
 Every process of the job lives on one machine, so "the link" is memory and the CPU cores doing
 the copies; the single-process memcpy line is the ceiling for busbw.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,9 @@ def parse_bytes(text: str) -> int:
     units = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
     t = text.strip().upper()
     digits = t.rstrip("KMGIB")
-    if not digits.isdigit() or t[len(digits):] not in units or int(digits) < 1:
+    if not digits.isdigit() or t[len(digits) :] not in units or int(digits) < 1:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size; use e.g. 1K, 64M, 4096")
-    return int(digits) * units[t[len(digits):]]
+    return int(digits) * units[t[len(digits) :]]
 
 
 def positive(text: str) -> int:
@@ -53,8 +54,9 @@ def positive(text: str) -> int:
 
 
 def bus_factor(op: str, p: int) -> float:
-    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
-            "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[op]
+    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[
+        op
+    ]
 
 
 # ---- one (impl, op): buffers + a call, and a way to read the result ---------------------------
@@ -69,20 +71,24 @@ def make_call(impl: str, op: str, inp: np.ndarray, comm, rank: int, p: int) -> t
         send = inp.copy()
         out = {"all_reduce": n, "all_gather": n, "reduce_scatter": n // p, "broadcast": 0}[op]
         recv = np.empty(out, dtype=inp.dtype)
-        run = {"all_reduce": lambda: comm.Allreduce(send, recv, op=MPI.SUM),
-               "all_gather": lambda: comm.Allgather(send, recv),
-               "reduce_scatter": lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
-               "broadcast": lambda: comm.Bcast(send, root=0)}[op]
+        run = {
+            "all_reduce": lambda: comm.Allreduce(send, recv, op=MPI.SUM),
+            "all_gather": lambda: comm.Allgather(send, recv),
+            "reduce_scatter": lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
+            "broadcast": lambda: comm.Bcast(send, root=0),
+        }[op]
         return run, (lambda: send) if op == "broadcast" else (lambda: recv)
     x = torch.from_numpy(inp.copy())
     if impl == "gloo":
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         out = torch.empty(n if op == "all_gather" else n // p, dtype=x.dtype)
-        run = {"all_reduce": lambda: dist.all_reduce(x),
-               "all_gather": lambda: all_gather(out, x),
-               "reduce_scatter": lambda: reduce_scatter(out, x),
-               "broadcast": lambda: dist.broadcast(x, src=0)}[op]
+        run = {
+            "all_reduce": lambda: dist.all_reduce(x),
+            "all_gather": lambda: all_gather(out, x),
+            "reduce_scatter": lambda: reduce_scatter(out, x),
+            "broadcast": lambda: dist.broadcast(x, src=0),
+        }[op]
         return run, (lambda: out.numpy()) if op in ("all_gather", "reduce_scatter") else (lambda: x.numpy())
     # hand: the hand-written collectives manual_ddp trains with (parallel_lab.comm.collectives):
     # the segmented ring for all_reduce, reduce_scatter and all_gather, a binomial tree for broadcast.
@@ -190,13 +196,19 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
     import torch
     from mpi4py import MPI
 
-    print(f"collectives bench: {p} ranks on one machine ({os.cpu_count()} CPUs), float32, 1 thread/rank; "
-          f"torch {torch.__version__} gloo; {MPI.Get_library_version().splitlines()[0].strip()}")
-    print(f"memcpy ceiling (1 process, numpy copyto): {human(args.max_bytes)} {ceiling[0]:.2f} GB/s, "
-          f"256 KiB (in cache) {ceiling[1]:.2f} GB/s; bytes copied per second: the ceiling for busbw, "
-          f"since every byte a rank sends or receives here is at least one memory copy")
-    print("time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
-          f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s")
+    print(
+        f"collectives bench: {p} ranks on one machine ({os.cpu_count()} CPUs), float32, 1 thread/rank; "
+        f"torch {torch.__version__} gloo; {MPI.Get_library_version().splitlines()[0].strip()}"
+    )
+    print(
+        f"memcpy ceiling (1 process, numpy copyto): {human(args.max_bytes)} {ceiling[0]:.2f} GB/s, "
+        f"256 KiB (in cache) {ceiling[1]:.2f} GB/s; bytes copied per second: the ceiling for busbw, "
+        f"since every byte a rank sends or receives here is at least one memory copy"
+    )
+    print(
+        "time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
+        f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s"
+    )
     head = "| op | size |" + "".join(f" {i} us | {i} algbw | {i} busbw |" for i in args.impls)
     print(head)
     print("|" + "---|" * (2 + 3 * len(args.impls)))
@@ -216,15 +228,21 @@ def under_mpi() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench collectives", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m parallel_lab.bench collectives", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--np", type=positive, default=2, help="ranks for mpiexec -n (default 2)")
     parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="smallest size (default 1K)")
     parser.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (default 64M)")
     parser.add_argument("--factor", type=int, default=4, choices=(2, 4, 8, 16), help="size step (default x4)")
     parser.add_argument("--min-iters", type=positive, default=3)
     parser.add_argument("--max-iters", type=positive, default=200)
-    parser.add_argument("--budget-bytes", type=parse_bytes, default=256 << 20,
-                        help="iterations per size = budget / size, clamped to [min-iters, max-iters]")
+    parser.add_argument(
+        "--budget-bytes",
+        type=parse_bytes,
+        default=256 << 20,
+        help="iterations per size = budget / size, clamped to [min-iters, max-iters]",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))

@@ -24,6 +24,7 @@ replicated strategies write one copy from rank 0, FSDP uses torch Distributed Ch
 uses DeepSpeed's own save_checkpoint/load_checkpoint, tensor/pipeline parallel write one shard
 per rank. Everything is read back with ``torch.load(..., weights_only=True)``.
 """
+
 from parallel_lab.checkpoint.checkpointer import Checkpointer, Resumed
 from parallel_lab.checkpoint.manifest import (
     COMPLETE,

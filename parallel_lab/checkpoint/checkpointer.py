@@ -4,6 +4,7 @@ The strategy's hooks write and read the model and optimizer state (each in its o
 adds every rank's trainer state (step, sampler position, RNG states, loss history), the barriers,
 and the atomic commit (``manifest.commit``) and pruning on rank 0.
 """
+
 from __future__ import annotations
 
 import random
@@ -106,8 +107,15 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         self.strategy.save_checkpoint(tmp)
-        torch.save({"step": steps_done, "batches_consumed": batches_consumed, "rng": rng_state(self.env.device),
-                    "history": history}, tmp / trainer_file(self.env.rank))
+        torch.save(
+            {
+                "step": steps_done,
+                "batches_consumed": batches_consumed,
+                "rng": rng_state(self.env.device),
+                "history": history,
+            },
+            tmp / trainer_file(self.env.rank),
+        )
         if fault_hook:
             fault_hook()  # fault.at=checkpoint: die with this checkpoint half-written
         _barrier()
@@ -120,7 +128,7 @@ class Checkpointer:
 
     def _prune(self, steps_done: int) -> None:
         """Keep the newest keep_checkpoints up to this step (never the one just written)."""
-        for old in [p for p in complete_checkpoints(self.root) if step_of(p) <= steps_done][self.keep:]:
+        for old in [p for p in complete_checkpoints(self.root) if step_of(p) <= steps_done][self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
 
     def restore(self) -> Resumed | None:
@@ -130,18 +138,19 @@ class Checkpointer:
         explicit = Path(str(self.cfg.trainer.resume)).expanduser()
         # Rank 0 decides; the others learn the step and whether it is trainer.resume's folder or
         # one in checkpoint_dir, so every rank loads the same folder.
-        step, from_resume = _broadcast_ints(choice[1]["step"] if choice else -1,
-                                            int(bool(choice) and choice[0] == explicit))
+        step, from_resume = _broadcast_ints(
+            choice[1]["step"] if choice else -1, int(bool(choice) and choice[0] == explicit)
+        )
         if step < 0:
             return None
         path = explicit if from_resume else self.root / checkpoint_name(step)
         self.strategy.load_checkpoint(path)
         state = torch.load(path / trainer_file(self.env.rank), map_location="cpu", weights_only=True)
         if state["step"] != step:
-            raise CheckpointError(f"checkpoint '{path}': {trainer_file(self.env.rank)} says step {state['step']}, "
-                                  f"complete.json says {step}; trainer.resume=never to start fresh")
+            raise CheckpointError(
+                f"checkpoint '{path}': {trainer_file(self.env.rank)} says step {state['step']}, "
+                f"complete.json says {step}; trainer.resume=never to start fresh"
+            )
         set_rng_state(state["rng"], self.env.device)
         self.load_seconds = time.perf_counter() - started
         return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=state["history"])
-
-

@@ -7,6 +7,7 @@ run whatever code a tampered file names. ``load_sharded`` closes both: the metad
 allowing only DCP's own metadata classes, byte entries are read with ``weights_only=True``.
 Tensors are raw storage either way.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,17 +20,29 @@ from torch.distributed.checkpoint.storage import StorageMeta
 # Exactly what torch 2.13's DCP writes into .metadata (FSDP1 and FSDP2, model + Adam state);
 # every entry is a plain data class or a value lookup, none can run code.
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-SAFE_GLOBALS = {
-    (_DCP_METADATA, name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-} | {("torch", name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")}
+SAFE_GLOBALS = (
+    {
+        (_DCP_METADATA, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+    }
+    | {("torch", name) for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")}
+)
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -74,5 +87,6 @@ def load_sharded(state: dict, path: str) -> None:
     except CheckpointException as exc:  # a BaseException carrying every rank's traceback: keep the cause
         causes = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
         reason = one_line(str(causes[0]))[:400] if causes else "unknown error"
-        raise CheckpointError(f"checkpoint '{path}' cannot be loaded: {reason}; "
-                              f"trainer.resume=never to start fresh") from None
+        raise CheckpointError(
+            f"checkpoint '{path}' cannot be loaded: {reason}; trainer.resume=never to start fresh"
+        ) from None

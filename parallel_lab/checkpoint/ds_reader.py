@@ -5,6 +5,7 @@ which would run whatever code a tampered file names. Its ZeRO files hold tensors
 and three DeepSpeed types (found with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on
 zero1-3 checkpoints, with and without offload); this engine allows exactly those and nothing else.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ Every rank writes into ``.tmp-step_NNNNNNNN/``; rank 0 then hashes every file, w
 before that rename leaves only the ``.tmp-`` folder, which nothing reads. ``read_manifest`` checks
 every listed file's size and sha256 before a checkpoint is used.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def step_of(path: Path) -> int:
-    return int(path.name[len(PREFIX):])
+    return int(path.name[len(PREFIX) :])
 
 
 def read_manifest(path: Path) -> dict:
@@ -63,9 +64,13 @@ def read_manifest(path: Path) -> dict:
     except FileNotFoundError:
         inside = complete_checkpoints(path)
         if inside:
-            raise CheckpointError(f"'{path}' holds checkpoints, it is not one; pass one of its step_* folders, "
-                                  f"e.g. trainer.resume={inside[0]}") from None
-        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {COMPLETE}: its write never finished); {fix}") from None
+            raise CheckpointError(
+                f"'{path}' holds checkpoints, it is not one; pass one of its step_* folders, "
+                f"e.g. trainer.resume={inside[0]}"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint '{path}' is incomplete (no {COMPLETE}: its write never finished); {fix}"
+        ) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint '{path}' has a corrupt {COMPLETE} ({exc}); {fix}") from None
     for rel, expected in files.items():
@@ -74,7 +79,8 @@ def read_manifest(path: Path) -> dict:
             raise CheckpointError(f"checkpoint '{path}' is missing {rel}; {fix}")
         if file.stat().st_size != expected["size"]:
             raise CheckpointError(
-                f"checkpoint '{path}' is corrupt: {rel} has {file.stat().st_size} bytes, {expected['size']} were written; {fix}")
+                f"checkpoint '{path}' is corrupt: {rel} has {file.stat().st_size} bytes, {expected['size']} were written; {fix}"
+            )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: {rel} does not match its sha256; {fix}")
     manifest["step"] = step
@@ -85,8 +91,8 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Finished checkpoint folders under root, newest (most steps) first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
 def commit(tmp: Path, final: Path, step: int, run: dict) -> int:

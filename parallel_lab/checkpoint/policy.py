@@ -4,6 +4,7 @@
 warning for the previous one); ``<path>`` exactly that one or a one-line error; ``never`` none.
 After a torchrun restart the newest checkpoint the run wrote itself wins, whatever ``resume`` says.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,16 +16,35 @@ from parallel_lab.errors import ConfigError, print_warning
 
 # What must match between the run that wrote a checkpoint and the run that loads it: the model
 # state's layout (strategy, its options, world size) and the batch sequence (data, batch, seed).
-COMPAT_KEYS = ("strategy", "strategy_options", "world_size", "model", "data", "data_size", "optimizer",
-               "global_batch", "grad_accum", "seed")
+COMPAT_KEYS = (
+    "strategy",
+    "strategy_options",
+    "world_size",
+    "model",
+    "data",
+    "data_size",
+    "optimizer",
+    "global_batch",
+    "grad_accum",
+    "seed",
+)
 
 
 def run_identity(cfg: DictConfig) -> dict:
     """The settings a checkpoint must agree on with the run that resumes from it."""
     t = cfg.trainer
-    return {"strategy": cfg.strategy.name, "strategy_options": OmegaConf.to_container(cfg.strategy, resolve=True),
-            "world_size": cfg.world_size, "model": cfg.model.name, "data": cfg.data.name, "data_size": cfg.data.size,
-            "optimizer": t.optimizer, "global_batch": t.global_batch, "grad_accum": t.grad_accum, "seed": t.seed}
+    return {
+        "strategy": cfg.strategy.name,
+        "strategy_options": OmegaConf.to_container(cfg.strategy, resolve=True),
+        "world_size": cfg.world_size,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "data_size": cfg.data.size,
+        "optimizer": t.optimizer,
+        "global_batch": t.global_batch,
+        "grad_accum": t.grad_accum,
+        "seed": t.seed,
+    }
 
 
 def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
@@ -40,7 +60,8 @@ def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
             name, then, now = f"strategy.{sub}", then.get(sub, missing), now.get(sub, missing)
         raise CheckpointError(
             f"checkpoint '{path}' was written with {name}={then} but this run has {name}={now}; "
-            f"resume with the same {name}, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)")
+            f"resume with the same {name}, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
+        )
 
 
 def check_not_finished(manifest: dict, cfg: DictConfig, path: Path, restarted: bool = False) -> None:
@@ -48,8 +69,10 @@ def check_not_finished(manifest: dict, cfg: DictConfig, path: Path, restarted: b
     the last checkpoint (before metrics.json) may resume at exactly trainer.steps, to finish up."""
     step, steps = manifest["step"], cfg.trainer.steps
     if step > steps or (step == steps and not restarted):
-        raise CheckpointError(f"checkpoint '{path}' is already at step {step} and trainer.steps={steps}; raise "
-                              f"trainer.steps above {step} to train further, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)")
+        raise CheckpointError(
+            f"checkpoint '{path}' is already at step {step} and trainer.steps={steps}; raise "
+            f"trainer.steps above {step} to train further, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
+        )
 
 
 def newest_good_checkpoint(cfg: DictConfig, warn) -> tuple[Path, dict] | None:
@@ -66,8 +89,10 @@ def newest_good_checkpoint(cfg: DictConfig, warn) -> tuple[Path, dict] | None:
         check_compatible(manifest, cfg, path)
         return path, manifest
     if candidates:
-        raise CheckpointError(f"every checkpoint under '{root}' is damaged; trainer.resume=never to start fresh "
-                              f"(or another trainer.checkpoint_dir)")
+        raise CheckpointError(
+            f"every checkpoint under '{root}' is damaged; trainer.resume=never to start fresh "
+            f"(or another trainer.checkpoint_dir)"
+        )
     return None
 
 
@@ -98,16 +123,29 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
     """Parent-side checks of trainer.checkpoint_* / trainer.resume (one-line errors)."""
     t = cfg.trainer
     if not isinstance(t.checkpoint_every, int) or t.checkpoint_every < 0:
-        raise ConfigError(f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = no checkpoints); "
-                          f"e.g. trainer.checkpoint_every=10")
+        raise ConfigError(
+            f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = no checkpoints); "
+            f"e.g. trainer.checkpoint_every=10"
+        )
     if not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 1:
-        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1; the default 2 keeps a "
-                          f"fallback if the newest is damaged")
+        raise ConfigError(
+            f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1; the default 2 keeps a "
+            f"fallback if the newest is damaged"
+        )
     fault = cfg.fault
-    if fault.rank >= 0 and fault.at == "checkpoint" and (t.checkpoint_every <= 0 or not (
-            fault.step % t.checkpoint_every == 0 or fault.step == t.steps) or fault.step <= 0):
-        raise ConfigError(f"fault.at=checkpoint fault.step={fault.step} names no checkpoint (trainer.checkpoint_every="
-                          f"{t.checkpoint_every}); use a step that is a multiple of trainer.checkpoint_every")
+    if (
+        fault.rank >= 0
+        and fault.at == "checkpoint"
+        and (
+            t.checkpoint_every <= 0
+            or not (fault.step % t.checkpoint_every == 0 or fault.step == t.steps)
+            or fault.step <= 0
+        )
+    ):
+        raise ConfigError(
+            f"fault.at=checkpoint fault.step={fault.step} names no checkpoint (trainer.checkpoint_every="
+            f"{t.checkpoint_every}); use a step that is a multiple of trainer.checkpoint_every"
+        )
     resume = str(t.resume)
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder
@@ -118,10 +156,14 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
     t.checkpoint_dir = str(Path(t.checkpoint_dir).expanduser().resolve())
     existing = complete_checkpoints(Path(t.checkpoint_dir))
     if resume == "never" and existing:
-        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {existing[0].name}; with "
-                          f"trainer.resume=never use an empty trainer.checkpoint_dir (or trainer.resume=auto)")
+        raise ConfigError(
+            f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {existing[0].name}; with "
+            f"trainer.resume=never use an empty trainer.checkpoint_dir (or trainer.resume=auto)"
+        )
     choice = pick_checkpoint(cfg, warn=lambda msg: None)
     others = [p for p in existing if resume not in ("auto", "never") and p != choice[0]]
     if others:  # after a restart the newest of these would win over the checkpoint asked for
-        raise ConfigError(f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {others[0].name}; to resume from "
-                          f"{t.resume} use an empty trainer.checkpoint_dir")
+        raise ConfigError(
+            f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {others[0].name}; to resume from "
+            f"{t.resume} use an empty trainer.checkpoint_dir"
+        )

@@ -6,6 +6,7 @@ itself, with RANK/WORLD_SIZE/LOCAL_RANK and a free rendezvous port on 127.0.0.1.
 command; ``launch/*.sh`` show the raw commands. In every case, if one rank fails, every rank is
 stopped and the failing rank's traceback is shown once.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,9 +81,17 @@ def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[tuple[
 
 def torchrun_commands(cfg, config_path, port):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={cfg.world_size}",
-        f"--master_addr={cfg.launcher.master_addr}", f"--master_port={port}",
-        f"--max_restarts={cfg.launcher.max_restarts}", *cfg.launcher.extra_args, *WORKER, str(config_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={cfg.world_size}",
+        f"--master_addr={cfg.launcher.master_addr}",
+        f"--master_port={port}",
+        f"--max_restarts={cfg.launcher.max_restarts}",
+        *cfg.launcher.extra_args,
+        *WORKER,
+        str(config_path),
     ]
     return [(None, cmd, base_env(cfg, port))]
 
@@ -91,8 +100,19 @@ def deepspeed_commands(cfg, config_path, port):
     tool = find_tool("deepspeed", "install it with pip install 'parallel_lab[deepspeed]' (make installs it)")
     # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
     cmd = [
-        tool, "--num_nodes", "1", "--num_gpus", str(cfg.world_size), "--master_addr", cfg.launcher.master_addr,
-        "--master_port", str(port), *cfg.launcher.extra_args, "--module", "parallel_lab.worker", str(config_path),
+        tool,
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        str(cfg.world_size),
+        "--master_addr",
+        cfg.launcher.master_addr,
+        "--master_port",
+        str(port),
+        *cfg.launcher.extra_args,
+        "--module",
+        "parallel_lab.worker",
+        str(config_path),
     ]
     return [(None, cmd, base_env(cfg, port))]
 
@@ -102,7 +122,10 @@ def mpirun_commands(cfg, config_path, port):
     env = base_env(cfg, port)
     flags = []
     if "Open MPI" in subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout:
-        flags = ["--oversubscribe", *[f"-x{v}" for v in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", SUPERVISED_ENV)]]
+        flags = [
+            "--oversubscribe",
+            *[f"-x{v}" for v in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", SUPERVISED_ENV)],
+        ]
     cmd = [tool, "-n", str(cfg.world_size), *flags, *cfg.launcher.extra_args, sys.executable, *WORKER, str(config_path)]
     return [(None, cmd, env)]
 
@@ -117,7 +140,9 @@ LAUNCHERS = {
 
 def launcher_commands(cfg: DictConfig, config_path: Path, port: int):
     if cfg.launcher.name not in LAUNCHERS:
-        raise ConfigError(f"unknown launcher '{cfg.launcher.name}'; choose one of: {', '.join(LAUNCHERS)} (launcher=<name>)")
+        raise ConfigError(
+            f"unknown launcher '{cfg.launcher.name}'; choose one of: {', '.join(LAUNCHERS)} (launcher=<name>)"
+        )
     return LAUNCHERS[cfg.launcher.name](cfg, config_path, port)
 
 
@@ -171,8 +196,17 @@ def run_processes(commands) -> list[Proc]:
             # A new session per child so the stop signal reaches a launcher tool's own children too.
             # In the child before exec: SIGTERM it if this parent dies, so a launcher tool
             # (torchrun, mpiexec) in its own session still stops and takes its ranks along.
-            procs.append(Proc(rank, subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                     preexec_fn=partial(set_parent_death_signal, signal.SIGTERM))))
+            procs.append(
+                Proc(
+                    rank,
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        start_new_session=True,
+                        preexec_fn=partial(set_parent_death_signal, signal.SIGTERM),
+                    ),
+                )
+            )
     except BaseException:
         _stop(procs)
         raise

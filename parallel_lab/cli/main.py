@@ -4,6 +4,7 @@ Hydra runs here, in the parent only: compose and validate the config, write the 
 ``<run_dir>/config.yaml``, start the workers through the chosen launcher, wait, summarise.
 With ``--multirun`` each sweep point is one such run, and the report is written at the end.
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@
 The same composition and validation as ``python -m parallel_lab``; a bad value is the same one-line
 error. ``launch/run_ds.sh`` uses it, then starts the workers with the real ``deepspeed`` launcher.
 """
+
 from __future__ import annotations
 
 import sys

@@ -25,6 +25,7 @@ function               pattern                                    bytes sent (bu
 The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
 all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -112,8 +113,9 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
     return _in_place(run, tensor)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
-               segment_bytes: int | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring", segment_bytes: int | None = None
+) -> torch.Tensor:
     """Sum (or average) the tensor over all ranks, in place, with the chosen algorithm.
 
     ``star``: reduce to rank 0 then send the result back (rank 0 moves 2(N-1)B: a hotspot).
@@ -200,8 +202,14 @@ def all_gather(tensor: torch.Tensor, segment_bytes: int | None = None) -> torch.
     return tensor
 
 
-def _ring(flat: torch.Tensor, owned: int, reduce_rounds: int, gather_rounds: int, segment_bytes: int = SEGMENT_BYTES,
-          window: int = RING_WINDOW) -> None:
+def _ring(
+    flat: torch.Tensor,
+    owned: int,
+    reduce_rounds: int,
+    gather_rounds: int,
+    segment_bytes: int = SEGMENT_BYTES,
+    window: int = RING_WINDOW,
+) -> None:
     """The segmented ring every function above runs: ``reduce_rounds`` rounds that add what they
     receive, then ``gather_rounds`` that copy it. Round 0 sends chunk ``owned``; round t receives
     chunk (owned - t - 1) mod N from the left neighbour and round t+1 forwards it to the right.

@@ -8,6 +8,7 @@ moves 2Ψ per rank (reduce-scatter + all-gather), an all-gather or reduce-scatte
 full tensor moves Ψ, a broadcast or send of Ψ moves Ψ; receives are not counted again.
 So DDP/ZeRO-1/2 should show ≈2Ψ per step and ZeRO-3/FSDP full shard ≈3Ψ.
 """
+
 from __future__ import annotations
 
 import contextlib

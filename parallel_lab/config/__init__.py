@@ -5,6 +5,7 @@
 - ``validate``: the parent's checks and the resolved ``<run_dir>/config.yaml`` workers read.
 - ``resources``: whether a validated run fits this machine's memory and cores.
 """
+
 from parallel_lab.config.compose import (
     CONF_DIR,
     CONFIG_GROUPS,

@@ -4,6 +4,7 @@
 ``check_overrides_compose`` run before Hydra's own command line, so a typo is one line
 (Hydra's report is a page) and nothing is launched.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,6 @@ from omegaconf import DictConfig
 
 from parallel_lab.config.schema import CONFIG_GROUPS, register_configs
 from parallel_lab.errors import ConfigError
-
 
 
 def _conf_dir() -> Path:
@@ -43,9 +43,7 @@ def check_group_overrides(argv: list[str]) -> None:
         options = available_options(key)
         for choice in value.split(","):
             if choice and choice not in options:
-                raise ConfigError(
-                    f"unknown {key} '{choice}'; choose one of: {', '.join(options)} ({key}=<name>)"
-                )
+                raise ConfigError(f"unknown {key} '{choice}'; choose one of: {', '.join(options)} ({key}=<name>)")
 
 
 def describe_compose_error(exc: BaseException) -> str:
@@ -59,8 +57,10 @@ def describe_compose_error(exc: BaseException) -> str:
     message = str(getattr(cause, "msg", None) or cause)
     first = " ".join(message.strip().splitlines()[0].split()) if message.strip() else type(cause).__name__
     where = f"'{cause.full_key}': " if keyed else ""
-    return (f"bad override {where}{first}; fix the value or the key name "
-            f"(python -m parallel_lab --cfg job prints every key with its current value)")
+    return (
+        f"bad override {where}{first}; fix the value or the key name "
+        f"(python -m parallel_lab --cfg job prints every key with its current value)"
+    )
 
 
 def _sweep_variants(argv: list[str]) -> list[list[str]]:
@@ -79,7 +79,7 @@ def _sweep_variants(argv: list[str]) -> list[list[str]]:
     variants = [[options[0] for options in choices]]
     for i, options in enumerate(choices):
         for option in options[1:]:
-            variants.append([*variants[0][:i], option, *variants[0][i + 1:]])
+            variants.append([*variants[0][:i], option, *variants[0][i + 1 :]])
     return variants
 
 

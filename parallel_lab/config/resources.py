@@ -17,6 +17,7 @@ data.size=4096, torch 2.13 CPU, parent at 231 MiB) it errs high by 5-10%:
   resnet18, micro-batch 32: estimate 829 MiB, measured 769-781;  micro-batch 1: 648 vs 592-595
 zero0-3 workers also import DeepSpeed (+70 MiB measured: cnn zero2 525 MiB), 6% above the estimate.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,12 @@ class RankMemory:
         return self.runtime + self.data + self.model_state + self.activations
 
     def describe(self) -> str:
-        parts = {"python+torch": self.runtime, "data": self.data, "model state": self.model_state,
-                 "activations": self.activations}
+        parts = {
+            "python+torch": self.runtime,
+            "data": self.data,
+            "model state": self.model_state,
+            "activations": self.activations,
+        }
         return "MiB: " + ", ".join(f"{v / MIB:.0f} {k}" for k, v in parts.items())
 
 
@@ -111,8 +116,7 @@ def check_memory(cfg: DictConfig, micro_batch: int) -> None:
     if need <= available:
         return
     fits = available // per_rank.total
-    fix = (f"use world_size <= {fits}" if fits else
-           "free memory, or lower data.size, trainer.global_batch or the model")
+    fix = f"use world_size <= {fits}" if fits else "free memory, or lower data.size, trainer.global_batch or the model"
     raise ConfigError(
         f"world_size={ranks} needs about {ranks} x {per_rank.total / GIB:.2f} GiB = {need / GIB:.1f} GiB of "
         f"memory (per rank, {per_rank.describe()}), this machine has {available / GIB:.1f} GiB available; {fix}"

@@ -6,6 +6,7 @@
 (``defaults: [/strategy_options/<name>@_here_]``), so ``strategy.<key>=value`` is typed and checked
 like every other key.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -128,4 +129,3 @@ def _choices_text() -> str:
     from parallel_lab.config.compose import available_options
 
     return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))
-

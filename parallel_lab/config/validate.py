@@ -4,6 +4,7 @@ The parent composes the config with Hydra, validates it here, and writes the res
 ``<run_dir>/config.yaml``. Workers only ever read that file (``load_run_config``), so a run started
 by torchrun, the deepspeed launcher or mpirun sees exactly what the parent saw.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,14 +24,23 @@ def _check_positive(name: str, value: int, alternative: str = "") -> None:
         raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1{alternative}")
 
 
-def _check_range(name: str, value: float, low: float, high: float = math.inf, *, default: float,
-                 low_open: bool = False, note: str = "") -> None:
+def _check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float = math.inf,
+    *,
+    default: float,
+    low_open: bool = False,
+    note: str = "",
+) -> None:
     """Refuse nan, inf and values outside [low, high) ((low, high) with low_open), naming the default."""
     inside = math.isfinite(value) and (value > low if low_open else value >= low) and value < high
     if not inside:
         rule = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else f"in [{low:g}, {high:g})"
-        raise ConfigError(f"{name}={value} must be a finite number {rule}{note}; "
-                          f"set {name} to one, e.g. the default {name}={default}")
+        raise ConfigError(
+            f"{name}={value} must be a finite number {rule}{note}; set {name} to one, e.g. the default {name}={default}"
+        )
 
 
 def _check_numbers(cfg: DictConfig) -> None:
@@ -40,8 +50,9 @@ def _check_numbers(cfg: DictConfig) -> None:
     _check_range("trainer.weight_decay", t.weight_decay, 0, default=TrainerConfig.weight_decay)
     _check_range("trainer.grad_clip", t.grad_clip, 0, default=TrainerConfig.grad_clip)
     if t.optimizer == "sgd":  # Adam does not read it
-        _check_range("trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum,
-                     note=" with trainer.optimizer=sgd")
+        _check_range(
+            "trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum, note=" with trainer.optimizer=sgd"
+        )
     _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
     _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
     _check_positive("dist_timeout_s", cfg.dist_timeout_s)
@@ -51,8 +62,9 @@ def _resolve_threads(t: DictConfig, requested_world: int, single_process: bool) 
     """trainer.threads as the processes will use it (see TrainerConfig.threads)."""
     if t.threads is None:
         return t.threads_per_rank * (requested_world if single_process else 1)
-    _check_positive("trainer.threads", t.threads,
-                    " (or trainer.threads=null to derive it from trainer.threads_per_rank)")
+    _check_positive(
+        "trainer.threads", t.threads, " (or trainer.threads=null to derive it from trainer.threads_per_rank)"
+    )
     return t.threads
 
 
@@ -74,9 +86,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     strategy_cls = get_strategy_class(cfg.strategy.name)
     ws = cfg.world_size
     if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:
-        raise ConfigError(
-            f"world_size={ws} is out of range; use 1 <= world_size <= {MAX_WORLD_SIZE} (world_size=2)"
-        )
+        raise ConfigError(f"world_size={ws} is out of range; use 1 <= world_size <= {MAX_WORLD_SIZE} (world_size=2)")
     t = cfg.trainer
     for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
         _check_positive(f"trainer.{key}", t[key])
@@ -88,13 +98,17 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     if cfg.fault.mode not in ("raise", "kill"):
         raise ConfigError(f"fault.mode='{cfg.fault.mode}' is unknown; use fault.mode=raise or kill")
     if cfg.launcher.max_restarts and cfg.launcher.name != "torchrun":
-        raise ConfigError(f"launcher.max_restarts={cfg.launcher.max_restarts} needs launcher=torchrun (launcher="
-                          f"{cfg.launcher.name} does not restart workers); add launcher=torchrun or drop max_restarts")
+        raise ConfigError(
+            f"launcher.max_restarts={cfg.launcher.max_restarts} needs launcher=torchrun (launcher="
+            f"{cfg.launcher.name} does not restart workers); add launcher=torchrun or drop max_restarts"
+        )
     if cfg.fault.at not in ("step", "checkpoint"):
         raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
     if t.ulp_jitter_seed is not None and cfg.strategy.name != "single":
-        raise ConfigError(f"trainer.ulp_jitter_seed={t.ulp_jitter_seed} is for noise-floor reruns of the baseline; "
-                          f"use it with strategy=single, or drop it")
+        raise ConfigError(
+            f"trainer.ulp_jitter_seed={t.ulp_jitter_seed} is for noise-floor reruns of the baseline; "
+            f"use it with strategy=single, or drop it"
+        )
     requested_world = ws
     if strategy_cls.single_process:
         ws = cfg.world_size = 1

@@ -3,6 +3,7 @@
 Both are ``nn.Sequential`` of coarse blocks, which is all a pipeline strategy needs to cut them into
 contiguous stages, and all a tensor-parallel strategy needs to find the layers it splits.
 """
+
 from __future__ import annotations
 
 import torch

@@ -31,6 +31,7 @@ swing by 100x while the size of the divergence does not.
 The ratio shown is ``divergence / (envelope + floor / ENVELOPE_MULTIPLE)``: a row passes when
 every ratio is at most ``ENVELOPE_MULTIPLE``.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,9 @@ class Gaps:
     max_abs: float  # max |θ - θ_base| over every parameter element
 
 
-def gaps(losses: list[float], params: dict[str, torch.Tensor], base_losses: list[float],
-         base_params: dict[str, torch.Tensor]) -> Gaps:
+def gaps(
+    losses: list[float], params: dict[str, torch.Tensor], base_losses: list[float], base_params: dict[str, torch.Tensor]
+) -> Gaps:
     if len(losses) != len(base_losses):
         raise ValueError(f"{len(losses)} losses vs the baseline's {len(base_losses)}")
     if set(params) != set(base_params):
@@ -83,8 +85,11 @@ def gaps(losses: list[float], params: dict[str, torch.Tensor], base_losses: list
 
 def envelope(noise: list[Gaps]) -> Gaps:
     """The noise floor: step by step, the largest gap of any noise run."""
-    return Gaps([max(step) for step in zip(*(g.loss for g in noise))], max(g.rel_l2 for g in noise),
-                max(g.max_abs for g in noise))
+    return Gaps(
+        [max(step) for step in zip(*(g.loss for g in noise))],
+        max(g.rel_l2 for g in noise),
+        max(g.max_abs for g in noise),
+    )
 
 
 @dataclass
@@ -115,13 +120,20 @@ class Verdict:
         return all(check.passed for check in self.checks().values())
 
     def checks(self) -> dict[str, Check]:
-        return {"early_dloss": self.early_dloss, "max_dloss": self.max_dloss,
-                "param_rel_l2": self.param_rel_l2, "param_max_abs": self.param_max_abs}
+        return {
+            "early_dloss": self.early_dloss,
+            "max_dloss": self.max_dloss,
+            "param_rel_l2": self.param_rel_l2,
+            "param_max_abs": self.param_max_abs,
+        }
 
     def reason(self) -> str:
         """The failed checks in words ('' when it passes)."""
-        return "; ".join(f"{name} {c.value:.2g} is {c.ratio:.3g}x the envelope {c.envelope:.2g} (> {ENVELOPE_MULTIPLE:g}x)"
-                         for name, c in self.checks().items() if not c.passed)
+        return "; ".join(
+            f"{name} {c.value:.2g} is {c.ratio:.3g}x the envelope {c.envelope:.2g} (> {ENVELOPE_MULTIPLE:g}x)"
+            for name, c in self.checks().items()
+            if not c.passed
+        )
 
     def as_dict(self) -> dict:
         out = {name: {**asdict(c), "ratio": c.ratio} for name, c in self.checks().items()}
@@ -141,8 +153,9 @@ def judge(row: Gaps, env: Gaps, base_losses: list[float], base_params: dict[str,
     )
 
 
-def judge_runs(run: tuple[list[float], dict], baseline: tuple[list[float], dict],
-               noise_runs: list[tuple[list[float], dict]]) -> Verdict:
+def judge_runs(
+    run: tuple[list[float], dict], baseline: tuple[list[float], dict], noise_runs: list[tuple[list[float], dict]]
+) -> Verdict:
     """judge() from (losses, params) pairs: the run, the baseline, and the baseline's noise reruns."""
     env = envelope([gaps(*noise, *baseline) for noise in noise_runs])
     return judge(gaps(*run, *baseline), env, *baseline)

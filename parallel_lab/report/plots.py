@@ -1,5 +1,6 @@
 """The report's pictures: comparison.png (throughput, model state per rank) and
 comparison_parity.png (each row's divergence from single against the noise envelope)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,7 +40,11 @@ def plot_parity(runs: list[Row], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     tiny = 1e-9  # log axes cannot show 0: an exact match is drawn at this height
     for run in judged:
-        ax.plot([max(v, tiny) for v in run.dloss_per_step], marker=".", label=f"{run.metrics.strategy}×{run.metrics.world_size}")
+        ax.plot(
+            [max(v, tiny) for v in run.dloss_per_step],
+            marker=".",
+            label=f"{run.metrics.strategy}×{run.metrics.world_size}",
+        )
     env, floor = judged[0].noise_envelope_per_step, judged[0].parity_checks["max_dloss"]["floor"]
     steps = range(len(env))
     ax.fill_between(steps, tiny, [max(v, tiny) for v in env], color="grey", alpha=0.3, label="noise envelope")

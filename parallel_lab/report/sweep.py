@@ -1,5 +1,6 @@
 """The end of a sweep (a Hydra callback): rerun the baseline for the noise floor, then write and
 print the comparison. A row whose parity is not proven makes the command exit non-zero."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,5 +45,8 @@ class SweepReport(Callback):
         if runs:
             print(write_report(runs, sweep_dir))
             print(f"report: {sweep_dir}/comparison.md (.csv .json .png, comparison_parity.png)")
-        failed_proofs.extend(f"{r.metrics.strategy} ({r.run_dir}): {r.parity}" for r in runs
-                             if r.ok and r.parity not in ("pass", "envelope", "no baseline"))
+        failed_proofs.extend(
+            f"{r.metrics.strategy} ({r.run_dir}): {r.parity}"
+            for r in runs
+            if r.ok and r.parity not in ("pass", "envelope", "no baseline")
+        )

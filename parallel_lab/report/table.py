@@ -7,6 +7,7 @@ same runs (same model, global batch and steps), and a pass/fail parity mark. Fai
 (failed.json) appear as rows with their error, and the rest of the report still renders. Runs are
 read as the records the workers and the parent wrote (``protocol.RunMetrics`` / ``FailedRun``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,10 @@ from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULP
 from parallel_lab.worker.metrics import load_final_params
 
 MiB = 1024 * 1024
-NOISE_HINT = ("run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
-              "strategy=single,...): it reruns the baseline with trainer.ulp_jitter_seed=1,2 for the noise floor")
+NOISE_HINT = (
+    "run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
+    "strategy=single,...): it reruns the baseline with trainer.ulp_jitter_seed=1,2 for the noise floor"
+)
 
 
 @dataclass
@@ -54,8 +57,11 @@ class Row:
         """comparison.json: the record's fields, where it lives, and the verdict with its evidence."""
         out = {**self.record.to_json(), "run_dir": self.run_dir, "parity": self.parity}
         if self.parity_checks:
-            out.update(dloss_per_step=self.dloss_per_step, noise_envelope_per_step=self.noise_envelope_per_step,
-                       parity_checks=self.parity_checks)
+            out.update(
+                dloss_per_step=self.dloss_per_step,
+                noise_envelope_per_step=self.noise_envelope_per_step,
+                parity_checks=self.parity_checks,
+            )
         return out
 
 
@@ -173,7 +179,10 @@ COLUMNS = [  # (header, how to read it from a row)
     ("params", _ok(lambda m: m.params)),
     ("samples/s", _ok(lambda m: m.samples_per_s)),
     ("step ms", _ok(lambda m: 1000 * m.step_time_s)),
-    ("fwd+bwd / opt ms", _ok(lambda m: f"{1000 * m.step_split_s['fwd_bwd']:.1f} / {1000 * m.step_split_s['optimizer']:.1f}")),
+    (
+        "fwd+bwd / opt ms",
+        _ok(lambda m: f"{1000 * m.step_split_s['fwd_bwd']:.1f} / {1000 * m.step_split_s['optimizer']:.1f}"),
+    ),
     ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
     ("CUDA alloc/reserved MiB", _cuda_mib),
     ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
@@ -210,11 +219,13 @@ def table_rows(runs: list[Row]) -> list[list[str]]:
 def criterion_line(runs: list[Row]) -> str:
     """How parity was judged, and on which CPU kernels (the floats depend on them)."""
     cpus = sorted({r.metrics.cpu_capability for r in runs if r.ok and r.metrics.cpu_capability})
-    return (f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
-            f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
-            f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
-            f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}."
-            + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else ""))
+    return (
+        f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
+        f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
+        f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
+        f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}."
+        + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else "")
+    )
 
 
 def markdown(runs: list[Row]) -> str:
@@ -257,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [str(d) for d in args.dirs if not d.is_dir()]
     if missing:
-        print(f"parallel_lab.report: error: not a folder: {', '.join(missing)}; pass run or sweep folders", file=sys.stderr)
+        print(
+            f"parallel_lab.report: error: not a folder: {', '.join(missing)}; pass run or sweep folders",
+            file=sys.stderr,
+        )
         return 2
     runs = load_runs(args.dirs)
     if not runs:
-        print(f"parallel_lab.report: error: no {METRICS_FILE} under {', '.join(map(str, args.dirs))}; run a sweep first", file=sys.stderr)
+        print(
+            f"parallel_lab.report: error: no {METRICS_FILE} under {', '.join(map(str, args.dirs))}; run a sweep first",
+            file=sys.stderr,
+        )
         return 2
     print(write_report(runs, args.out or args.dirs[0]), end="")
     return 0
-

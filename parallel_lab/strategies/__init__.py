@@ -6,6 +6,7 @@ class and one yaml is all a new strategy needs; the sweep, the report and the be
 strategies from here. Modules must not import heavy optional packages (deepspeed) at import time:
 the parent imports them all to validate.
 """
+
 from __future__ import annotations
 
 import importlib

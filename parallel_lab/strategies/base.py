@@ -5,6 +5,7 @@ has helpers) plus one yaml file in ``conf/strategy/``. It receives a single-devi
 splits them (its ``setup``), and owns backward and the optimizer step. The generic loop in
 ``parallel_lab.worker.train`` never asks which strategy it is running.
 """
+
 from __future__ import annotations
 
 import abc
@@ -25,8 +26,14 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 # The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for
 # the parity check, and accounted for in memory. No default: a sharded strategy that inherited a
 # replicated one would save only rank 0's shard and report full-model memory without a word.
-STATE_HOOKS = ("save_checkpoint", "load_checkpoint", "full_parameters", "memory_after_backward", "memory_after_step",
-               "analytic_memory")
+STATE_HOOKS = (
+    "save_checkpoint",
+    "load_checkpoint",
+    "full_parameters",
+    "memory_after_backward",
+    "memory_after_step",
+    "analytic_memory",
+)
 
 
 @dataclass

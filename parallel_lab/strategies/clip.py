@@ -1,4 +1,5 @@
 """Gradient clipping by the norm of the whole model's gradient when each rank holds part of it."""
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from parallel_lab.strategies.memory import local_tensor
 
 
-def clip_by_global_norm(split: Iterable[torch.Tensor], whole: Iterable[torch.Tensor], max_norm: float,
-                        device: torch.device, group=None) -> None:
+def clip_by_global_norm(
+    split: Iterable[torch.Tensor], whole: Iterable[torch.Tensor], max_norm: float, device: torch.device, group=None
+) -> None:
     """Scale every gradient by min(1, max_norm / ||g||), ||g|| over the full model: the squares of
     the ``split`` gradients (a different part on every rank of ``group``) are summed over the group,
     the ``whole`` ones (identical on every rank) are counted once. Float64 sums, as

@@ -6,6 +6,7 @@ backward still runs, so communication overlaps computation. Per step each rank s
 about 2(N-1)/N x the gradient bytes (ring all-reduce). With gradient accumulation, ``no_sync()``
 skips the all-reduce on every micro-batch but the last.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,9 @@ class DDPStrategy(ReplicatedModel, Strategy):
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.bucket_cap_mb <= 0:
-            raise ConfigError(f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25")
+            raise ConfigError(
+                f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
+            )
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)

@@ -7,6 +7,7 @@ GPU 0 is the hub (a star pattern), which is why DistributedDataParallel replaced
 On a CPU-only machine DataParallel just runs the wrapped module: one replica, reported as
 ``replicas: 1`` in metrics.json.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Shared by the strategies' ``memory_after_backward``/``memory_after_step``/``analytic_memory``. A DTensor counts its local shard
 only, so tensor- and sequence-parallel layouts are measured the same way as plain tensors.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -1,5 +1,6 @@
 """``ReplicatedModel``: the model-state hooks of a strategy whose every rank holds the whole model
 and optimizer state (single, dp, ddp, manual_ddp). A strategy that shards says so by not using it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,10 @@ class ReplicatedModel:
         """Every replica holds the same, so rank 0 writes one copy and the others wait at the
         checkpointer's barrier."""
         if self.env.rank == 0:
-            torch.save({"model": self.unwrapped_model().state_dict(), "optimizer": self.optimizer.state_dict()},
-                       directory / REPLICA_FILE)
+            torch.save(
+                {"model": self.unwrapped_model().state_dict(), "optimizer": self.optimizer.state_dict()},
+                directory / REPLICA_FILE,
+            )
 
     def load_checkpoint(self, directory: Path) -> None:
         """Every rank reads the one copy (weights_only: tensors and plain values only)."""

@@ -1,4 +1,5 @@
 """``single``: one process, no communication. The baseline every other row is checked against."""
+
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.strategies.replicated import ReplicatedModel

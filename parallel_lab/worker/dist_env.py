@@ -6,6 +6,7 @@ MPI_LOCALRANKID; PMIx sets PMIX_RANK; Slurm sets SLURM_PROCID/SLURM_NTASKS/SLURM
 rendezvous address comes from MASTER_ADDR/MASTER_PORT, or, under MPI without them, rank 0 picks a
 free port on 127.0.0.1 and broadcasts it over MPI.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Deliberate failures (``fault.*``), to see what a crash does to a run and its checkpoints."""
+
 from __future__ import annotations
 
 import os

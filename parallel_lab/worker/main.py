@@ -6,6 +6,7 @@ Started by our spawn launcher, ``torchrun -m parallel_lab.worker``, the ``deepsp
 (which adds ``--local_rank``) or ``mpirun``. It reads only the resolved config file and the
 environment (``parallel_lab.worker.dist_env``), never Hydra.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from parallel_lab.protocol import (
     set_parent_death_signal,
 )
 from parallel_lab.strategies import get_strategy_class
+
 
 def die_with_parent() -> None:
     """If the launching parent dies, this worker gets SIGKILL: no orphans."""

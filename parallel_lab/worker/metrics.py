@@ -1,6 +1,7 @@
 """Measured numbers: memory per rank, timing medians, the parameter checksum, the final parameters.
 
 What metrics.json holds is ``parallel_lab.protocol.RunMetrics``."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.protocol import PARAMS_FILE
-
 
 
 def peak_rss_bytes() -> int:

@@ -1,6 +1,7 @@
 """The generic training loop. It never asks which strategy it runs: the strategy owns backward,
 the optimizer step and every collective; the loop owns data, timing, the checkpoints' schedule and
 the metrics (``parallel_lab.protocol.RunMetrics``)."""
+
 from __future__ import annotations
 
 import statistics
@@ -78,8 +79,9 @@ class LoopState:
         self.history["optimizer"].append(optimizer_s)
 
 
-def train_step(strategy: Strategy, counter: CommCounter, batch, env: DistEnv, grad_accum: int,
-               measure_memory: bool) -> tuple[float, float, float, dict]:
+def train_step(
+    strategy: Strategy, counter: CommCounter, batch, env: DistEnv, grad_accum: int, measure_memory: bool
+) -> tuple[float, float, float, dict]:
     """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {})."""
     inputs, targets = batch
     memory, after_backward = {}, {}
@@ -107,22 +109,34 @@ def train_step(strategy: Strategy, counter: CommCounter, batch, env: DistEnv, gr
     return loss, backward_done - start, end - optimizer_start, memory
 
 
-def run_steps(cfg: DictConfig, env: DistEnv, strategy: Strategy, counter: CommCounter, checkpointer: Checkpointer,
-              batches: Iterator, state: LoopState) -> dict:
+def run_steps(
+    cfg: DictConfig,
+    env: DistEnv,
+    strategy: Strategy,
+    counter: CommCounter,
+    checkpointer: Checkpointer,
+    batches: Iterator,
+    state: LoopState,
+) -> dict:
     """Train from state.first_step to trainer.steps; return the memory report of the last step."""
     t, memory = cfg.trainer, {}
     for step in _progress(t.steps, t.progress and env.is_main, state.first_step):
         maybe_inject_fault(cfg.fault, env, step, "step")
         batch = next(batches)
         state.consumed += 1
-        loss, fwd_bwd_s, optimizer_s, step_memory = train_step(strategy, counter, batch, env, t.grad_accum,
-                                                               measure_memory=step == t.steps - 1)
+        loss, fwd_bwd_s, optimizer_s, step_memory = train_step(
+            strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1
+        )
         memory = step_memory or memory
         state.record(loss, fwd_bwd_s, optimizer_s)
         if checkpointer.due(step + 1):
             with counter.paused():
-                checkpointer.save(step + 1, state.consumed, state.history,
-                                  lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"))
+                checkpointer.save(
+                    step + 1,
+                    state.consumed,
+                    state.history,
+                    lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"),
+                )
     return memory
 
 
@@ -145,7 +159,9 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
     memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state)
-    accuracy = strategy.evaluate(eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size))
+    accuracy = strategy.evaluate(
+        eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size)
+    )
     checksum, digest = _final_parameters(cfg, env, strategy, param_names)
     counter.uninstall()
     return _metrics(cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest)
@@ -159,17 +175,32 @@ def _final_parameters(cfg: DictConfig, env: DistEnv, strategy: Strategy, names: 
     return param_checksum(full), param_sha256(full)
 
 
-def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, state: LoopState, checkpointer: Checkpointer,
-             counter: CommCounter, memory: dict, num_params: int, accuracy: float | None, checksum: float,
-             digest: str) -> RunMetrics:
+def _metrics(
+    cfg: DictConfig,
+    env: DistEnv,
+    strategy: Strategy,
+    state: LoopState,
+    checkpointer: Checkpointer,
+    counter: CommCounter,
+    memory: dict,
+    num_params: int,
+    accuracy: float | None,
+    checksum: float,
+    digest: str,
+) -> RunMetrics:
     t, history = cfg.trainer, state.history
     steps_run_here = max(1, t.steps - state.first_step)
     comm_per_step = counter.total_bytes / steps_run_here
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
-    rank_info = {"rank": env.rank, "peak_rss_bytes": peak_rss_bytes(), **memory, **analytic,
-                 "comm_bytes_per_step": comm_per_step,
-                 "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
-                 **device_memory(env.device)}
+    rank_info = {
+        "rank": env.rank,
+        "peak_rss_bytes": peak_rss_bytes(),
+        **memory,
+        **analytic,
+        "comm_bytes_per_step": comm_per_step,
+        "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
+        **device_memory(env.device),
+    }
     ranks = gather_from_ranks(rank_info)
     step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     step_time = timed_median(step_times, t.warmup_steps)

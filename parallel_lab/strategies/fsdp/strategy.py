@@ -37,6 +37,7 @@ shards (FSDP1), the gathered parameter buffers that are alive at the end of forw
 ``grad_op`` holds the most), the sharded gradients after backward and the optimizer's state
 tensors after the step.
 """
+
 from __future__ import annotations
 
 import abc
@@ -90,14 +91,18 @@ class FSDPStrategy(Strategy):
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.version not in (1, 2):
-            raise ConfigError(f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)")
+            raise ConfigError(
+                f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
+            )
         if opts.sharding.lower() in ("hybrid", "hybrid_shard", "_hybrid_shard_zero2"):
             raise ConfigError(
                 f"strategy.sharding={opts.sharding} is refused: hybrid sharding needs several nodes and "
                 "silently diverges on one; use strategy.sharding=full, grad_op or no_shard"
             )
         if opts.sharding not in SHARDINGS:
-            raise ConfigError(f"strategy.sharding={opts.sharding} is unknown; use one of {', '.join(SHARDINGS)} (strategy.sharding=full)")
+            raise ConfigError(
+                f"strategy.sharding={opts.sharding} is unknown; use one of {', '.join(SHARDINGS)} (strategy.sharding=full)"
+            )
         if opts.mixed_precision not in PRECISIONS:
             raise ConfigError(
                 f"strategy.mixed_precision={opts.mixed_precision} is unknown; use strategy.mixed_precision=fp32 or bf16"
@@ -195,8 +200,11 @@ class FSDPStrategy(Strategy):
         """The optimizer's per-parameter state of this rank's shards, created by the first step
         (Adam's scalar step counters are left out)."""
         state = self.optimizer.state.values()
-        return {"optim_bytes": storage_bytes(v for per_param in state for v in per_param.values()
-                                             if torch.is_tensor(v) and v.dim() > 0)}
+        return {
+            "optim_bytes": storage_bytes(
+                v for per_param in state for v in per_param.values() if torch.is_tensor(v) and v.dim() > 0
+            )
+        }
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),

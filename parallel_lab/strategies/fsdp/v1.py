@@ -1,4 +1,5 @@
 """FSDP1: the ``FullyShardedDataParallel`` wrapper, one flat parameter per unit, sharded."""
+
 from __future__ import annotations
 
 import torch
@@ -54,4 +55,6 @@ class FSDP1(FSDPStrategy):
 
     def _grad_storages(self) -> list[torch.Tensor | None]:
         flats = self._flat_params()
-        return super()._grad_storages() + [f.grad for f in flats] + [getattr(f, "_saved_grad_shard", None) for f in flats]
+        return (
+            super()._grad_storages() + [f.grad for f in flats] + [getattr(f, "_saved_grad_shard", None) for f in flats]
+        )

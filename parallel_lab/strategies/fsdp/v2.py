@@ -1,4 +1,5 @@
 """FSDP2: ``fully_shard`` turns every parameter into a DTensor shard on a device mesh."""
+
 from __future__ import annotations
 
 import torch

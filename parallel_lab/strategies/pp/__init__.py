@@ -1,5 +1,6 @@
 """``pp``: pipeline parallelism. ``plan`` cuts the model into stages, ``schedules`` orders each
 stage's forwards and backwards, ``strategy`` runs them (send/recv, or torch.distributed.pipelining)."""
+
 from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.schedules import SCHEDULES
 from parallel_lab.strategies.pp.strategy import PipelineParallelStrategy

@@ -1,4 +1,5 @@
 """How the model is cut into pipeline stages: contiguous runs of its top-level blocks."""
+
 from __future__ import annotations
 
 import itertools
@@ -48,10 +49,14 @@ def plan_stages(model: nn.Sequential, stages: int, cuts: list[str]) -> list[list
     starts = [b[0] for b in blocks]
     if cuts:
         if len(cuts) != stages - 1:
-            raise ConfigError(f"strategy.cuts={list(cuts)} must name {stages - 1} blocks for strategy.stages={stages} (or be [])")
+            raise ConfigError(
+                f"strategy.cuts={list(cuts)} must name {stages - 1} blocks for strategy.stages={stages} (or be [])"
+            )
         bad = [c for c in cuts if c not in starts[1:]]
         if bad:
-            raise ConfigError(f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}")
+            raise ConfigError(
+                f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}"
+            )
         index = [starts.index(c) for c in cuts]
         if index != sorted(set(index)):
             raise ConfigError(f"strategy.cuts={list(cuts)} must be in model order without repeats")

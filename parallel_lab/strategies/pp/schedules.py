@@ -1,5 +1,6 @@
 """The order in which one stage runs its forwards (F) and backwards (B), and how its busy time is
 measured, the same way for both implementations."""
+
 from __future__ import annotations
 
 import time

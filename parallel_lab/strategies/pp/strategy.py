@@ -27,6 +27,7 @@ Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` 
 pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
 by m * grad_accum before backward: the summed gradient is the gradient of the global-batch mean.
 """
+
 from __future__ import annotations
 
 import time
@@ -78,7 +79,9 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.schedule not in SCHEDULES:
-            raise ConfigError(f"strategy.schedule={opts.schedule} is unknown; use strategy.schedule=gpipe or strategy.schedule=1f1b")
+            raise ConfigError(
+                f"strategy.schedule={opts.schedule} is unknown; use strategy.schedule=gpipe or strategy.schedule=1f1b"
+            )
         if opts.impl not in IMPLS:
             raise ConfigError(f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=torch")
         for key in ("stages", "microbatches"):
@@ -139,8 +142,9 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         self.model = nn.Sequential(OrderedDict((n, children[n]) for n in mine)).to(self.device)
         self.optimizer = make_optimizer(self.model.parameters())
         meta = _meta_model(self.cfg)
-        self.meta_stages = [nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in names))
-                            for names in self.stage_names]
+        self.meta_stages = [
+            nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in names)) for names in self.stage_names
+        ]
         self.shapes: dict[tuple, torch.Size] = {}
         self.timer = BusyTimer(self.model)
         self.records: list[tuple[float, float, float]] = []  # per train_step: (total, busy, recv wait)
@@ -155,7 +159,8 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         # scale_grads=False: torch would divide ALL accumulated gradients by m after each step,
         # which breaks gradient accumulation; our loss is pre-scaled instead (see module docstring).
         return classes[self.opts.schedule](
-            self.pipe_stage, n_microbatches=self.opts.microbatches, loss_fn=self._torch_loss, scale_grads=False)
+            self.pipe_stage, n_microbatches=self.opts.microbatches, loss_fn=self._torch_loss, scale_grads=False
+        )
 
     def _boundary_shape(self, stage: int, sample_shape: torch.Size, batch: int) -> torch.Size:
         """Shape of stage `stage`'s output for a batch (inferred on the meta device: no compute)."""

@@ -1,5 +1,6 @@
 """``tp``: Megatron-style tensor parallelism. ``comm`` holds its two conjugate collectives (f, g),
 ``layers`` the column/row-parallel modules built on them, ``strategy`` the split plan and training."""
+
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel
 from parallel_lab.strategies.tp.strategy import TensorParallelStrategy
 

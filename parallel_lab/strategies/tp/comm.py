@@ -14,6 +14,7 @@ other's transpose, which is why the paper calls them conjugate:
 Both take the process group of the tensor-parallel ranks, so a later dp x tp layout can pass the
 tp sub-group instead of the world.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ row-parallel keeps the matching slice of the inputs and completes its partial su
 all-reduce (``comm.reduce_from_tp``). Parameter names stay the dense layer's (``weight``, ``bias``),
 so checkpoints and the parity check line up with the single model.
 """
+
 from __future__ import annotations
 
 from functools import partial

@@ -27,6 +27,7 @@ What is split, per model (``TP_PLANS``):
 collectives. Today tp must equal world_size (dp = world_size / tp = 1); a dp x tp layout would give
 each tp group its own sub-group and a 2-D mesh, which is why the group is passed around explicitly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,16 +84,24 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.impl not in IMPLS:
-            raise ConfigError(f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=dtensor")
+            raise ConfigError(
+                f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=dtensor"
+            )
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
         model_name = cfg.model.name
         if model_name not in TP_PLANS:
-            raise ConfigError(f"strategy=tp has no split plan for model={model_name}; use model={' or model='.join(TP_PLANS)}")
+            raise ConfigError(
+                f"strategy=tp has no split plan for model={model_name}; use model={' or model='.join(TP_PLANS)}"
+            )
         if opts.split_conv and model_name not in CONV_PLANS:
-            raise ConfigError(f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; set strategy.split_conv=false")
+            raise ConfigError(
+                f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; set strategy.split_conv=false"
+            )
         if opts.split_conv and opts.impl != "manual":
-            raise ConfigError("strategy.split_conv=true needs strategy.impl=manual (ColwiseParallel/RowwiseParallel split nn.Linear only)")
+            raise ConfigError(
+                "strategy.split_conv=true needs strategy.impl=manual (ColwiseParallel/RowwiseParallel split nn.Linear only)"
+            )
         for name, width, what in cls._split_widths(cfg, opts):
             if width % opts.tp:
                 raise ConfigError(
@@ -166,7 +175,9 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
             if column is not None:
                 replace_module(model, column, ColumnParallel(model.get_submodule(column), self.group, rank, size))
                 shard_dims.update({f"{column}.weight": 0, f"{column}.bias": 0})
-            replace_module(model, row, RowParallel(model.get_submodule(row), self.group, rank, size, column is not None))
+            replace_module(
+                model, row, RowParallel(model.get_submodule(row), self.group, rank, size, column is not None)
+            )
             shard_dims[f"{row}.weight"] = 1
         return {n: d for n, d in shard_dims.items() if n in dict(model.named_parameters())}
 
@@ -197,8 +208,13 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
         if self.cfg.trainer.grad_clip <= 0:
             return
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
-        clip_by_global_norm([g for n, g in named if n in self.shard_dims], [g for n, g in named if n not in self.shard_dims],
-                            self.cfg.trainer.grad_clip, self.device, self.group)
+        clip_by_global_norm(
+            [g for n, g in named if n in self.shard_dims],
+            [g for n, g in named if n not in self.shard_dims],
+            self.cfg.trainer.grad_clip,
+            self.device,
+            self.group,
+        )
 
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:
@@ -230,7 +246,8 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
             "tp_impl": self.opts.impl,
             "tp_split_layers": self.split_kinds,
             "tp_shard_param_bytes": tensor_bytes(
-                local_tensor(p) for n, p in self.model.named_parameters() if n in self.shard_dims),
+                local_tensor(p) for n, p in self.model.named_parameters() if n in self.shard_dims
+            ),
         }
 
     def teardown(self) -> None:

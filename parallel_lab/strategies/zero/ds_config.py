@@ -6,6 +6,7 @@ global_batch / world_size / grad_accum``, and ``gradient_clipping = trainer.grad
 own default is 1.0; 0 here means off, as for every strategy). A user's ``strategy.ds_config=<file>``
 is merged under the generated settings and refused where it disagrees with them.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,9 @@ def load_user_config(path: str) -> dict:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"strategy.ds_config={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+        raise ConfigError(
+            f"strategy.ds_config={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file"
+        ) from None
 
 
 def _flag(section) -> bool:

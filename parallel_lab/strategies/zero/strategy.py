@@ -35,6 +35,7 @@ partition as a *clone* of the parameters even in fp32 (the paper's mixed-precisi
 master copy inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on
 0.19.8).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -76,7 +77,7 @@ class ZeroOptions(StrategyOptions):
 
 
 def _stage_from_name(name: str) -> int:
-    return int(name[len("zero"):])
+    return int(name[len("zero") :])
 
 
 def quiet_deepspeed_warnings() -> None:
@@ -233,8 +234,10 @@ class ZeroStrategy(Strategy):
             str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
-            raise ConfigError(f"checkpoint '{directory}' holds no DeepSpeed state under tag '{DS_TAG}'; "
-                              f"trainer.resume=never to start fresh")
+            raise ConfigError(
+                f"checkpoint '{directory}' holds no DeepSpeed state under tag '{DS_TAG}'; "
+                f"trainer.resume=never to start fresh"
+            )
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -272,7 +275,7 @@ class ZeroStrategy(Strategy):
         opt = self.engine.optimizer
         averaged = getattr(opt, "averaged_gradients", None) or {}
         grads = [p.grad for p in self.engine.module.parameters()]
-        for value in (averaged.values() if isinstance(averaged, dict) else averaged):
+        for value in averaged.values() if isinstance(averaged, dict) else averaged:
             grads += value if isinstance(value, (list, tuple)) else [value]
         if self.opts.stage == 3:
             grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
