@@ -12,9 +12,8 @@ form we can assert. Values are small integers stored as float64: sums and produc
 import sys
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, fail_everywhere, positive_int_arg
+from mpi4py import MPI
 
 ROOT = 0
 
@@ -35,7 +34,8 @@ def main() -> int:
     fail_everywhere(  # rank 0 decides; every rank exits 2 if Scatter cannot split evenly
         None
         if rank != ROOT or total % size == 0
-        else f"total={total} elements cannot be Scattered evenly over {size} ranks; pass a multiple of {size}, e.g. {4 * size}"
+        else f"total={total} elements cannot be Scattered evenly over {size} ranks; "
+        f"pass a multiple of {size}, e.g. {4 * size}"
     )
     k = total // size
     everyone = np.arange(1, size * k + 1, dtype=np.float64).reshape(size, k)  # row r = x_r

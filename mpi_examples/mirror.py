@@ -26,9 +26,9 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from common import abort_on_exception
 from mpi4py import MPI
 
-from common import abort_on_exception
 from parallel_lab.worker.dist_env import DistEnv, init_process_group, read_dist_env
 
 ROOT = 0
@@ -387,9 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": ctx.size, "k": ctx.k, "source": env.source, "rows": rows}, f, indent=1)
-        print(
-            f"mirror: {'MISMATCH in ' + ', '.join(bad) if bad else 'every MPI result equals its torch.distributed twin'}"
-        )
+        verdict = "MISMATCH in " + ", ".join(bad) if bad else "every MPI result equals its torch.distributed twin"
+        print(f"mirror: {verdict}")
     return 1 if bad else 0  # `bad` comes from an allreduce: every rank exits the same way
 
 

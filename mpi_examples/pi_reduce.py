@@ -15,9 +15,8 @@ import math
 import sys
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, positive_int_arg
+from mpi4py import MPI
 
 BLOCK = 1 << 20  # indices per numpy step, so memory stays small even for n = 10**9
 

@@ -17,9 +17,8 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, positive_int_arg
+from mpi4py import MPI
 
 
 def blocking_pair(comm) -> None:

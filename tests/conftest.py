@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.testing import load_metrics, run_cli as _run_cli
+from parallel_lab.testing import load_metrics
+from parallel_lab.testing import run_cli as _run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.data.synthetic import make_synthetic
-from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.strategies import get_strategy_class
+from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 from tests.reference import ParityReference, parity_reference
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from parallel_lab.data.synthetic import make_synthetic
-from parallel_lab.worker.metrics import load_final_params
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
 from parallel_lab.report.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
+from parallel_lab.worker.metrics import load_final_params
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 

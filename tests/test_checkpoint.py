@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_metrics, run_cli
+
 from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest, sha256_file
 
 COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_metrics, run_cli
 from omegaconf import OmegaConf
 
-from conftest import load_metrics, run_cli
 from parallel_lab.data.cifar10 import TEST_MEMBER, TRAIN_MEMBERS, load_cifar10
 from parallel_lab.errors import ConfigError
 

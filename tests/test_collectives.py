@@ -17,8 +17,9 @@ def test_collectives_match_torch_distributed(world_size):
 
 
 def test_unknown_algorithm_and_op_are_rejected():
-    from parallel_lab.comm import collectives
     import torch
+
+    from parallel_lab.comm import collectives
 
     with pytest.raises(ValueError, match="algorithm='tree'"):
         collectives.all_reduce(torch.zeros(3), algorithm="tree")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
+
 from parallel_lab.report.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
 
 

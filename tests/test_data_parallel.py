@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
-from parallel_lab.worker.metrics import load_final_params
+
 from parallel_lab.testing import run_ranks
+from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 

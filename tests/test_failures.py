@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
-from parallel_lab.checkpoint import COMPLETE, checkpoint_name
-from parallel_lab.data.cifar10 import TRAIN_MEMBERS
-from parallel_lab.config.resources import memory_available_bytes
-from parallel_lab.protocol import PIDS_DIR
 from test_cifar10 import Evil, build_tarball, md5_of
+
+from parallel_lab.checkpoint import COMPLETE, checkpoint_name
+from parallel_lab.config.resources import memory_available_bytes
+from parallel_lab.data.cifar10 import TRAIN_MEMBERS
+from parallel_lab.protocol import PIDS_DIR
 
 CLI_TIMEOUT = 120
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, assert_losses_close, load_metrics
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed; `make test` installs it (pip install mpi4py mpich)")

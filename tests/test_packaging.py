@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "parallel_lab", "conf")

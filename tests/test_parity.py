@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_lab.worker.metrics import load_final_params
 from parallel_lab.report.parity import (
     EARLY_STEPS,
     ENVELOPE_MULTIPLE,
@@ -22,6 +21,7 @@ from parallel_lab.report.parity import (
     ulp,
 )
 from parallel_lab.testing import run_ranks
+from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import write_config
 from tests.reference import parity_reference
 

@@ -10,8 +10,8 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT
+
 from parallel_lab.plugins import PLUGINS_ENV
 
 PLUGIN = '''

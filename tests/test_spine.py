@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, assert_losses_close, load_metrics, run_cli
-from parallel_lab.config import CONF_DIR, compose_config, validate
-from parallel_lab.worker.dist_env import free_port
-from parallel_lab.strategies import registered_names
+from conftest import ROOT, load_metrics, run_cli
 from reference import parity_reference
+
+from parallel_lab.config import CONF_DIR, compose_config, validate
+from parallel_lab.strategies import registered_names
+from parallel_lab.worker.dist_env import free_port
 
 
 def test_registry_matches_strategy_yaml_files():

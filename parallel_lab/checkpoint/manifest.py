@@ -53,7 +53,10 @@ def step_of(path: Path) -> int:
 def read_manifest(path: Path) -> dict:
     """complete.json of a checkpoint, after checking every file it lists; CheckpointError if not."""
     path = Path(path)
-    fix = "point trainer.resume at another checkpoint, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
+    fix = (
+        "point trainer.resume at another checkpoint, or start fresh "
+        "(trainer.resume=never, an empty trainer.checkpoint_dir)"
+    )
     if not path.is_dir():
         raise CheckpointError(f"checkpoint '{path}' does not exist; {fix}")
     manifest_path = path / COMPLETE
@@ -79,7 +82,8 @@ def read_manifest(path: Path) -> dict:
             raise CheckpointError(f"checkpoint '{path}' is missing {rel}; {fix}")
         if file.stat().st_size != expected["size"]:
             raise CheckpointError(
-                f"checkpoint '{path}' is corrupt: {rel} has {file.stat().st_size} bytes, {expected['size']} were written; {fix}"
+                f"checkpoint '{path}' is corrupt: {rel} has {file.stat().st_size} bytes, "
+                f"{expected['size']} were written; {fix}"
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: {rel} does not match its sha256; {fix}")

@@ -71,7 +71,8 @@ def check_not_finished(manifest: dict, cfg: DictConfig, path: Path, restarted: b
     if step > steps or (step == steps and not restarted):
         raise CheckpointError(
             f"checkpoint '{path}' is already at step {step} and trainer.steps={steps}; raise "
-            f"trainer.steps above {step} to train further, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
+            f"trainer.steps above {step} to train further, or start fresh "
+            f"(trainer.resume=never, an empty trainer.checkpoint_dir)"
         )
 
 

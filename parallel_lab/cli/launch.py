@@ -22,9 +22,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from parallel_lab.worker.dist_env import free_port
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.worker.dist_env import free_port
 
 WORKER = ["-m", "parallel_lab.worker"]
 
@@ -53,7 +53,8 @@ def rendezvous_port(cfg: DictConfig) -> int:
             sock.bind((cfg.launcher.master_addr, port))
         except OSError:
             raise ConfigError(
-                f"launcher.master_port={port} is already in use; pick another port or launcher.master_port=0 for a free one"
+                f"launcher.master_port={port} is already in use; pick another port "
+                f"or launcher.master_port=0 for a free one"
             ) from None
     return port
 

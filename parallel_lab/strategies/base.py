@@ -1,9 +1,9 @@
 """The Strategy interface every parallelism plugs into.
 
 A strategy is one small class (a module under ``parallel_lab/strategies/``, or a folder where it
-has helpers) plus one yaml file in ``conf/strategy/``. It receives a single-device model and an optimizer factory, wraps or
-splits them (its ``setup``), and owns backward and the optimizer step. The generic loop in
-``parallel_lab.worker.train`` never asks which strategy it is running.
+has helpers) plus one yaml file in ``conf/strategy/``. It receives a single-device model and an
+optimizer factory, wraps or splits them (its ``setup``), and owns backward and the optimizer step.
+The generic loop in ``parallel_lab.worker.train`` never asks which strategy it is running.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel_lab.comm.counter import CommCounter
-from parallel_lab.worker.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 # The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for

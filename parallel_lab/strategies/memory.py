@@ -1,7 +1,8 @@
 """Bytes of model state: what a rank really holds (measured) and what the textbook says (analytic).
 
-Shared by the strategies' ``memory_after_backward``/``memory_after_step``/``analytic_memory``. A DTensor counts its local shard
-only, so tensor- and sequence-parallel layouts are measured the same way as plain tensors.
+Shared by the strategies' ``memory_after_backward``/``memory_after_step``/``analytic_memory``. A
+DTensor counts its local shard only, so tensor- and sequence-parallel layouts are measured the same
+way as plain tensors.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from parallel_lab.config import load_run_config
-from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.protocol import (
     ERRORS_DIR,
@@ -32,6 +31,7 @@ from parallel_lab.protocol import (
     set_parent_death_signal,
 )
 from parallel_lab.strategies import get_strategy_class
+from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 
 
 def die_with_parent() -> None:

@@ -101,7 +101,8 @@ class FSDPStrategy(Strategy):
             )
         if opts.sharding not in SHARDINGS:
             raise ConfigError(
-                f"strategy.sharding={opts.sharding} is unknown; use one of {', '.join(SHARDINGS)} (strategy.sharding=full)"
+                f"strategy.sharding={opts.sharding} is unknown; "
+                f"use one of {', '.join(SHARDINGS)} (strategy.sharding=full)"
             )
         if opts.mixed_precision not in PRECISIONS:
             raise ConfigError(

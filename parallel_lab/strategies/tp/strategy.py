@@ -96,11 +96,13 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
             )
         if opts.split_conv and model_name not in CONV_PLANS:
             raise ConfigError(
-                f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; set strategy.split_conv=false"
+                f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; "
+                f"set strategy.split_conv=false"
             )
         if opts.split_conv and opts.impl != "manual":
             raise ConfigError(
-                "strategy.split_conv=true needs strategy.impl=manual (ColwiseParallel/RowwiseParallel split nn.Linear only)"
+                "strategy.split_conv=true needs strategy.impl=manual "
+                "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
             )
         for name, width, what in cls._split_widths(cfg, opts):
             if width % opts.tp:
@@ -110,8 +112,9 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
                 )
         if opts.tp != cfg.world_size:
             raise ConfigError(
-                f"strategy.tp={opts.tp} must equal world_size={cfg.world_size} (data-parallel {cfg.world_size}/{opts.tp} "
-                f"x tensor-parallel {opts.tp} = world_size, and dp x tp is not implemented yet); set world_size={opts.tp}"
+                f"strategy.tp={opts.tp} must equal world_size={cfg.world_size} "
+                f"(data-parallel {cfg.world_size}/{opts.tp} x tensor-parallel {opts.tp} = world_size, "
+                f"and dp x tp is not implemented yet); set world_size={opts.tp}"
             )
 
     @classmethod

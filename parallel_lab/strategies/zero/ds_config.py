@@ -102,7 +102,8 @@ def merge_user_config(user: dict, ours: dict, path: str) -> dict:
     if "stage" in user_zero and int(user_zero["stage"]) != ours["zero_optimization"]["stage"]:
         stage = ours["zero_optimization"]["stage"]
         raise ConfigError(
-            f"strategy.ds_config={path} sets zero_optimization.stage={user_zero['stage']} but this is strategy=zero{stage}; "
+            f"strategy.ds_config={path} sets zero_optimization.stage={user_zero['stage']} "
+            f"but this is strategy=zero{stage}; "
             f"use strategy=zero{user_zero['stage']} or remove the stage from the file"
         )
     for precision in ("fp16", "bf16"):

@@ -49,12 +49,12 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.worker.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES, build_ds_config
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES, build_ds_config
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu")
