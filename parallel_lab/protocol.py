@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.json"
@@ -54,6 +54,9 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+R = TypeVar("R", bound="_Record")
+
+
 class _Record:
     """A dataclass stored as one json object, written and read by these two methods only."""
 
@@ -64,11 +67,11 @@ class _Record:
         write_json_atomic(Path(path), self.to_json())
 
     @classmethod
-    def from_json(cls, data: dict):
+    def from_json(cls: type[R], data: dict) -> R:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     @classmethod
-    def read(cls, path: Path):
+    def read(cls: type[R], path: Path) -> R:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 

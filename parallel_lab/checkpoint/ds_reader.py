@@ -19,7 +19,7 @@ def allowed_deepspeed_globals() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def weights_only_load(path: str, map_location=None):
+def weights_only_load(path: str, map_location=None) -> dict:
     """torch.load of a DeepSpeed file: tensors, plain values and the allowed DeepSpeed types only."""
     with torch.serialization.safe_globals(allowed_deepspeed_globals()):
         return torch.load(path, map_location=map_location, weights_only=True)

@@ -71,7 +71,11 @@ def base_env(cfg: DictConfig, port: int) -> dict[str, str]:
     return env
 
 
-def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[tuple[int | None, list[str], dict]]:
+# What a launcher starts: (rank, or None for a tool that starts several ranks; argv; environment).
+Command = tuple[int | None, list[str], dict[str, str]]
+
+
+def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     commands = []
     for rank in range(cfg.world_size):
         env = base_env(cfg, port)
@@ -80,7 +84,7 @@ def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[tuple[
     return commands
 
 
-def torchrun_commands(cfg, config_path, port):
+def torchrun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     cmd = [
         sys.executable,
         "-m",
@@ -97,7 +101,7 @@ def torchrun_commands(cfg, config_path, port):
     return [(None, cmd, base_env(cfg, port))]
 
 
-def deepspeed_commands(cfg, config_path, port):
+def deepspeed_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     tool = find_tool("deepspeed", "install it with pip install 'parallel_lab[deepspeed]' (make installs it)")
     # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
     cmd = [
@@ -118,7 +122,7 @@ def deepspeed_commands(cfg, config_path, port):
     return [(None, cmd, base_env(cfg, port))]
 
 
-def mpirun_commands(cfg, config_path, port):
+def mpirun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
     env = base_env(cfg, port)
     flags = []
@@ -139,7 +143,7 @@ LAUNCHERS = {
 }
 
 
-def launcher_commands(cfg: DictConfig, config_path: Path, port: int):
+def launcher_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     if cfg.launcher.name not in LAUNCHERS:
         raise ConfigError(
             f"unknown launcher '{cfg.launcher.name}'; choose one of: {', '.join(LAUNCHERS)} (launcher=<name>)"
@@ -190,7 +194,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
 
 
-def run_processes(commands) -> list[Proc]:
+def run_processes(commands: list[Command]) -> list[Proc]:
     procs = []
     try:
         for rank, cmd, env in commands:

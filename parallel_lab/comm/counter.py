@@ -16,7 +16,7 @@ import functools
 import inspect
 import threading
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ class CommCounter:
         self._originals.clear()
 
     @contextlib.contextmanager
-    def as_one(self, op: str, nbytes: int):
+    def as_one(self, op: str, nbytes: int) -> Iterator[None]:
         """Count a composite operation once (e.g. an all-reduce built from send/recv) and not
         the collectives it is made of, in this thread."""
         self.record(op, nbytes)
@@ -115,7 +115,7 @@ class CommCounter:
             self._local.inside = outer
 
     @contextlib.contextmanager
-    def paused(self):
+    def paused(self) -> Iterator[None]:
         """Collectives issued only to measure (memory reports, checksums) are not the strategy's."""
         active, self._active = self._active, False
         try:
@@ -124,7 +124,7 @@ class CommCounter:
             self._active = active
 
     @contextlib.contextmanager
-    def counting(self):
+    def counting(self) -> Iterator[None]:
         self._active = True
         try:
             yield

@@ -70,7 +70,9 @@ def train_batches(
         skip, epoch = 0, epoch + 1
 
 
-def eval_batches(dataset: TensorDataset, batch: int, num_batches: int, dp_rank: int, dp_size: int):
+def eval_batches(
+    dataset: TensorDataset, batch: int, num_batches: int, dp_rank: int, dp_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the first num_batches * batch held-out samples (no shuffling)."""
     # Whole batches only, so every rank runs the same number of (possibly collective) forwards.
     count = min(len(dataset), batch * num_batches) // batch * batch

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Callable
 
 from parallel_lab.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
 
 
-def register(*names: str):
+def register(*names: str) -> Callable[[type], type]:
     """Class decorator: make the class the strategy for every name given."""
 
     def wrap(cls: type) -> type:
