@@ -8,7 +8,7 @@ STAMP := $(VENV)/.parallel_lab-installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: demo test test-all venv clean bench
+.PHONY: demo lint test test-all venv clean bench
 
 venv: $(STAMP)
 
@@ -25,12 +25,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m parallel_lab +experiment=compare_all
 
-# make test: every README claim (each strategy's parity, every launcher, checkpoint/resume, the
-# bad-input catalogue), in under 10 minutes on 2 cores. make test-all adds the extra matrices.
-test: $(STAMP)
+# ruff (settings in pyproject.toml, version in constraints.txt): lint, then formatting, checked only.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# make test: lint, then every README claim (each strategy's parity, every launcher, checkpoint/resume,
+# the bad-input catalogue), in under 10 minutes on 2 cores. make test-all adds the extra matrices.
+test: lint
 	$(PY) -m pytest -q --durations=15 -m "not extra"
 
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -q --durations=15
 
 clean:

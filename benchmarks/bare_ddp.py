@@ -5,6 +5,7 @@
 Same model, data shape, optimizer and batch as `python -m parallel_lab strategy=ddp`; prints one
 JSON line with the median samples/s after warm-up steps.
 """
+
 import argparse
 import json
 import os
@@ -43,7 +44,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    step = statistics.median(times[args.warmup:])
+    step = statistics.median(times[args.warmup :])
     if rank == 0:
         print(json.dumps({"script": "bare_ddp", "samples_per_s": args.global_batch / step, "step_time_s": step}))
     del model, optimizer

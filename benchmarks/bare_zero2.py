@@ -5,6 +5,7 @@
 Same model, data shape, optimizer (torch Adam) and batch as `python -m parallel_lab strategy=zero2`;
 gradient clipping off as in parallel_lab's default. Prints one JSON line with the median samples/s.
 """
+
 import argparse
 import json
 import statistics
@@ -51,7 +52,7 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - start)
-    step = statistics.median(times[args.warmup:])
+    step = statistics.median(times[args.warmup :])
     if rank == 0:
         print(json.dumps({"script": "bare_zero2", "samples_per_s": args.global_batch / step, "step_time_s": step}))
     del engine, model, optimizer

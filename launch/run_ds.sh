@@ -23,4 +23,4 @@ config=$("$PY" -m parallel_lab.prepare "$RUN_DIR" launcher=deepspeed "world_size
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
 "$DS" --num_nodes 1 --num_gpus "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" \
     --module parallel_lab.worker "$config"
-"$PY" -c 'import sys; from parallel_lab.report import summary_line; print(summary_line(sys.argv[1]))' "$RUN_DIR/metrics.json"
+"$PY" -c 'import sys; from parallel_lab.report.table import summary_line; print(summary_line(sys.argv[1]))' "$RUN_DIR/metrics.json"

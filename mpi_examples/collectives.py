@@ -8,12 +8,12 @@ A collective is called by EVERY rank of the communicator (the same call, in the 
 Rank r's input below is x_r = [r*k + 1, ..., r*k + k] (k elements), so every result has a closed
 form we can assert. Values are small integers stored as float64: sums and products are exact.
 """
+
 import sys
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, fail_everywhere, positive_int_arg
+from mpi4py import MPI
 
 ROOT = 0
 
@@ -32,8 +32,10 @@ def main() -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     total = positive_int_arg(1, "total", 4 * size)
     fail_everywhere(  # rank 0 decides; every rank exits 2 if Scatter cannot split evenly
-        None if rank != ROOT or total % size == 0 else
-        f"total={total} elements cannot be Scattered evenly over {size} ranks; pass a multiple of {size}, e.g. {4 * size}"
+        None
+        if rank != ROOT or total % size == 0
+        else f"total={total} elements cannot be Scattered evenly over {size} ranks; "
+        f"pass a multiple of {size}, e.g. {4 * size}"
     )
     k = total // size
     everyone = np.arange(1, size * k + 1, dtype=np.float64).reshape(size, k)  # row r = x_r
@@ -66,8 +68,12 @@ def main() -> int:
     show(comm, "Allgather", allg.ravel())
 
     # Reduce: element-wise combine over ranks, result on the root only.
-    for name, op, expected in (("SUM", MPI.SUM, everyone.sum(0)), ("PROD", MPI.PROD, everyone.prod(0)),
-                               ("MAX", MPI.MAX, everyone.max(0)), ("MIN", MPI.MIN, everyone.min(0))):
+    for name, op, expected in (
+        ("SUM", MPI.SUM, everyone.sum(0)),
+        ("PROD", MPI.PROD, everyone.prod(0)),
+        ("MAX", MPI.MAX, everyone.max(0)),
+        ("MIN", MPI.MIN, everyone.min(0)),
+    ):
         out = np.empty(k) if rank == ROOT else None
         comm.Reduce(x, out, op=op, root=ROOT)
         if rank == ROOT:

@@ -12,6 +12,7 @@ Why they exist:
   takes the same branch, so rank 0 prints one clear line and all ranks ``sys.exit(2)`` together.
   Nobody is left waiting, so no Abort is needed.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,13 +10,13 @@
    (it read argv); ``Bcast`` sends it to everyone (the buffer API: a 1-element numpy array),
    each rank sums its strided midpoints, ``Reduce(SUM)`` again. Fast: error ~ 1/n^2.
 """
+
 import math
 import sys
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, positive_int_arg
+from mpi4py import MPI
 
 BLOCK = 1 << 20  # indices per numpy step, so memory stays small even for n = 10**9
 

@@ -13,13 +13,13 @@ Each rank sends 2(p-1)/p of the vector in total, whatever p is: that is why the 
 bandwidth-optimal and why "bus bandwidth" = algorithm bandwidth * 2(p-1)/p.
 Sendrecv sends and receives at once, so the ring cannot deadlock the way p blocking Sends can.
 """
+
 import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, positive_int_arg
+from mpi4py import MPI
 
 
 def ring_allreduce(comm, x: np.ndarray) -> np.ndarray:

@@ -12,13 +12,13 @@ mpi4py has two spellings of every call:
   reads or writes directly. No pickling, no copies, no allocation: the fast path, and what
   collectives on big tensors (gradients) use.
 """
+
 import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
-
 from common import abort_on_exception, positive_int_arg
+from mpi4py import MPI
 
 
 def blocking_pair(comm) -> None:
@@ -102,8 +102,10 @@ def main() -> int:
     ring = ring_shift(comm)
     if size == 1:
         if rank == 0:
-            print(f"send_recv: 1 rank: Isend/Irecv to itself got {ring[0]:.0f}; Send/Recv, tags and the"
-                  " ping-pong timing need 2 ranks (mpiexec -n 2 ...)")
+            print(
+                f"send_recv: 1 rank: Isend/Irecv to itself got {ring[0]:.0f}; Send/Recv, tags and the"
+                " ping-pong timing need 2 ranks (mpiexec -n 2 ...)"
+            )
         return 0
     blocking_pair(comm)
     tags_out_of_order(comm)
@@ -119,10 +121,14 @@ def main() -> int:
         print(f"send_recv: {size} ranks: Send/Recv with Status, tags received out of order, Isend/Irecv ring: ok")
         print(f"one-way time of a {payload.nbytes} B float64 message, rank 0 <-> 1, mean of {reps} round trips:")
         print(f"  buffer API  Send/Recv : {buffer_s * 1e3:9.3f} ms  ({payload.nbytes / buffer_s / 1e9:6.2f} GB/s)")
-        print(f"  pickle API  send/recv : {pickle_s * 1e3:9.3f} ms  ({payload.nbytes / pickle_s / 1e9:6.2f} GB/s)"
-              f"  = {pickle_s / buffer_s:.1f}x the buffer API time")
-        print("  (big messages: pickling copies and allocates each one, so the buffer API wins; tiny ones:"
-              " both are latency-bound; numbers are noisy when ranks share cores)")
+        print(
+            f"  pickle API  send/recv : {pickle_s * 1e3:9.3f} ms  ({payload.nbytes / pickle_s / 1e9:6.2f} GB/s)"
+            f"  = {pickle_s / buffer_s:.1f}x the buffer API time"
+        )
+        print(
+            "  (big messages: pickling copies and allocates each one, so the buffer API wins; tiny ones:"
+            " both are latency-bound; numbers are noisy when ranks share cores)"
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """One error type for bad input, printed as a single line by every entry point."""
+
 from __future__ import annotations
 
 import sys

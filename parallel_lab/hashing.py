@@ -1,4 +1,5 @@
 """File digests, read in 1 MiB blocks (CIFAR tarball md5, checkpoint sha256)."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,40 +1,9 @@
-"""Write a validated ``<run_dir>/config.yaml`` without launching anything, for raw launcher commands:
-
-    python -m parallel_lab.prepare <run_dir> [hydra overrides...]   # prints the config path
-
-The same composition and validation as ``python -m parallel_lab``; a bad value is the same one-line
-error. ``launch/run_ds.sh`` uses it, then starts the workers with the real ``deepspeed`` launcher.
-"""
-from __future__ import annotations
+"""``python -m parallel_lab.prepare <run_dir> [overrides]``: kept for ``launch/*.sh``; the code is
+:mod:`parallel_lab.cli.prepare`."""
 
 import sys
-from pathlib import Path
 
-from parallel_lab.config import CONF_DIR, check_group_overrides, write_run_config, register_configs, validate
-from parallel_lab.errors import ConfigError
-
-
-def prepare(run_dir: Path, overrides: list[str]) -> Path:
-    from hydra import compose, initialize_config_dir
-
-    check_group_overrides(overrides)
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return write_run_config(validate(cfg, run_dir))
-
-
-def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: python -m parallel_lab.prepare <run_dir> [overrides...]", file=sys.stderr)
-        return 2
-    try:
-        print(prepare(Path(argv[0]), argv[1:]))
-    except ConfigError as exc:
-        print(f"parallel_lab: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+from parallel_lab.cli.prepare import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,10 +1,13 @@
-"""Helpers to run distributed code for real in tests and examples (Accelerate-style).
+"""Helpers to run the real thing from tests and benchmarks.
 
-A distributed test body is a plain importable function ``fn(rank, world_size, **kwargs)``. The
-same function runs under :func:`run_ranks` (N fresh processes with a gloo group on 127.0.0.1) or
-under any real launcher via ``python -m parallel_lab.testing module:function '{"kw": 1}'``.
-On failure every rank's stderr is shown, and every process is gone when it returns.
+- :func:`run_cli` / :func:`run_cli_metrics`: one ``python -m parallel_lab`` run in a subprocess,
+  and what it measured (the one place tests and benchmarks start the command line).
+- :func:`run_ranks`: a distributed test body, a plain importable function ``fn(rank, world_size,
+  **kwargs)``, on N fresh processes with a gloo group on 127.0.0.1 (Accelerate-style); the same
+  function runs under any real launcher via ``python -m parallel_lab.testing module:function
+  '{"kw": 1}'``. On failure every rank's stderr is shown, and every process is gone when it returns.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,8 +16,47 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 
-from parallel_lab.dist_env import free_port, read_dist_env
+from parallel_lab.protocol import METRICS_FILE, RunMetrics
+from parallel_lab.worker.dist_env import free_port, read_dist_env
+
+CLI_TIMEOUT = 420  # seconds; generous for 2 shared cores, still ends a hung run
+
+
+class CLIFailed(RuntimeError):
+    """A ``python -m parallel_lab`` run that was expected to succeed exited non-zero."""
+
+
+def run_cli(
+    run_dir: Path,
+    *overrides: str,
+    timeout: float = CLI_TIMEOUT,
+    env: dict | None = None,
+    check: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m parallel_lab hydra.run.dir=<run_dir> trainer.progress=false <overrides>``."""
+    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
+    result = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    if check and result.returncode != 0:
+        raise CLIFailed(
+            f"{' '.join(cmd)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result
+
+
+def load_metrics(run_dir: Path) -> dict:
+    """A run's metrics.json, read as the record it is (a missing or malformed field fails here)."""
+    return RunMetrics.read(Path(run_dir) / METRICS_FILE).to_json()
+
+
+def run_cli_metrics(run_dir: Path, *overrides: str, **kwargs) -> dict:
+    """run_cli, then the metrics it wrote."""
+    run_cli(run_dir, *overrides, **kwargs)
+    return load_metrics(run_dir)
 
 
 def _resolve(target: str):
@@ -29,8 +71,14 @@ def run_ranks(target: str, world_size: int, timeout: float = 120, env: dict | No
     procs = []
     for rank in range(world_size):
         rank_env = dict(os.environ, **(env or {}))
-        rank_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        rank_env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
         cmd = [sys.executable, "-m", "parallel_lab.testing", target, json.dumps(kwargs)]
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs, failed = [], False
@@ -56,8 +104,13 @@ def main(argv: list[str]) -> int:
 
     target, kwargs = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
     env = read_dist_env("cpu")
-    dist.init_process_group("gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=60),
+    )
     try:
         _resolve(target)(env.rank, env.world_size, **kwargs)
     except BaseException:

@@ -1,31 +1,20 @@
 """Shared fixtures: run the real CLI in a subprocess with a timeout, read what it wrote."""
+
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from parallel_lab.testing import load_metrics
+from parallel_lab.testing import run_cli as _run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
-CLI_TIMEOUT = 420  # seconds; generous for 2 shared cores, still ends a hung run
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: float = CLI_TIMEOUT, env: dict | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m parallel_lab hydra.run.dir=<run_dir> trainer.progress=false <overrides>``."""
-    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **(env or {})})
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
-    return result
-
-
-def load_metrics(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / "metrics.json").read_text())
+def run_cli(run_dir: Path, *overrides: str, **kwargs):
+    """parallel_lab.testing.run_cli from the checkout's root."""
+    return _run_cli(run_dir, *overrides, cwd=ROOT, **kwargs)
 
 
 def assert_losses_close(losses, reference, rtol: float) -> None:
@@ -37,15 +26,11 @@ def assert_losses_close(losses, reference, rtol: float) -> None:
 def write_config(path: Path, *overrides: str) -> str:
     """The resolved config.yaml the CLI parent would write, for in-process training bodies; the run
     folder (where rank 0 leaves final_params.pt) is the path without its suffix."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from parallel_lab.config import CONF_DIR, register_configs, validate
+    from parallel_lab.config import compose_config, validate
 
-    register_configs()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.progress=false", *overrides])
-    cfg = validate(cfg, Path(path).with_suffix(""))
+    cfg = validate(compose_config(["trainer.progress=false", *overrides]), Path(path).with_suffix(""))
     OmegaConf.save(cfg, path, resolve=True)
     return str(path)
 

@@ -1,11 +1,12 @@
-"""Distributed test bodies for parallel_lab.collectives: each hand-written collective against
+"""Distributed test bodies for parallel_lab.comm.collectives: each hand-written collective against
 torch.distributed's own result, on real gloo ranks (run by tests/test_collectives.py)."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from parallel_lab import collectives
+from parallel_lab.comm import collectives
 
 # Sizes chosen so most are not divisible by 2 or 3 (and 1 < world size: empty ring chunks).
 SIZES = (1, 2, 5, 7, 1001, 40003)
@@ -45,8 +46,34 @@ def _torch_mean(t: torch.Tensor, world: int) -> torch.Tensor:
     return t / world if t.is_floating_point() else t.div(world, rounding_mode="floor")
 
 
+def _own_chunk(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return collectives.ring_chunks(t.reshape(-1), world)[rank]
+
+
+def _check_ring_halves(x: torch.Tensor, rank: int, world: int, what: str) -> int:
+    """reduce_scatter leaves this rank's chunk summed; all_gather spreads every rank's own chunk."""
+    for op in ("sum", "mean"):
+        ours, theirs = x.clone(), x.clone()
+        collectives.reduce_scatter(ours, op=op)
+        dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
+        want = _own_chunk(theirs, rank, world)
+        _assert_equal(
+            _own_chunk(ours, rank, world),
+            want if op == "sum" else _torch_mean(want, world),
+            f"reduce_scatter op={op} {what}",
+        )
+    contribution = torch.zeros_like(x).reshape(-1)  # only this rank's chunk set: a sum is then a gather
+    _own_chunk(contribution, rank, world).copy_(_own_chunk(x, rank, world))
+    ours, theirs = contribution.clone(), contribution.clone()
+    collectives.all_gather(ours)
+    dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
+    assert torch.equal(ours, theirs), f"all_gather {what}"
+    return 3
+
+
 def check_all(rank: int, world_size: int) -> None:
-    """broadcast, reduce sum/mean, all_reduce star/ring sum/mean vs torch.distributed."""
+    """broadcast, reduce sum/mean, all_reduce star/ring sum/mean, ring reduce_scatter and
+    all_gather vs torch.distributed."""
     checked = 0
     for what, x in _inputs(rank, seed=7):
         for src in range(world_size):
@@ -61,8 +88,11 @@ def check_all(rank: int, world_size: int) -> None:
                 collectives.reduce(ours, dst=dst, op=op)
                 dist.reduce(theirs, dst=dst, op=dist.ReduceOp.SUM)
                 if rank == dst:
-                    _assert_equal(ours, theirs if op == "sum" else _torch_mean(theirs, world_size),
-                                  f"reduce dst={dst} op={op} {what}")
+                    _assert_equal(
+                        ours,
+                        theirs if op == "sum" else _torch_mean(theirs, world_size),
+                        f"reduce dst={dst} op={op} {what}",
+                    )
                 else:
                     assert torch.equal(ours, x), f"reduce changed non-destination rank {rank}: {what}"
                 checked += 1
@@ -74,7 +104,11 @@ def check_all(rank: int, world_size: int) -> None:
                 ours, theirs = x.clone(), x.clone()
                 collectives.all_reduce(ours, op=op, algorithm=algorithm, segment_bytes=segment)
                 dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
-                _assert_equal(ours, theirs if op == "sum" else _torch_mean(theirs, world_size),
-                              f"all_reduce {algorithm}/{segment} op={op} {what}")
+                _assert_equal(
+                    ours,
+                    theirs if op == "sum" else _torch_mean(theirs, world_size),
+                    f"all_reduce {algorithm}/{segment} op={op} {what}",
+                )
                 checked += 1
+        checked += _check_ring_halves(x, rank, world_size, what)
     print(f"checked {checked}")

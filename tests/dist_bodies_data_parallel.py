@@ -1,5 +1,6 @@
 """Distributed test bodies for the data-parallel strategies: several training configurations in
 one set of real gloo ranks (cheaper than one CLI run each), run by tests/test_data_parallel.py."""
+
 from __future__ import annotations
 
 import gc
@@ -8,14 +9,14 @@ import json
 import torch
 import torch.distributed as dist
 
-from parallel_lab import collectives
+from parallel_lab.comm import collectives
 from parallel_lab.config import load_run_config
-from parallel_lab.dist_env import read_dist_env
-from parallel_lab.metrics import param_checksum
 from parallel_lab.models import build_model
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.manual_ddp import ManualDDPStrategy
-from parallel_lab.train import optimizer_factory, train
+from parallel_lab.worker.dist_env import read_dist_env
+from parallel_lab.worker.metrics import param_checksum
+from parallel_lab.worker.train import optimizer_factory, train
 
 
 def _all_equal_across_ranks(value: float) -> bool:
@@ -50,8 +51,15 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         assert _all_equal_across_ranks(param_checksum(strategy.full_parameters())), f"replicas differ: {path}"
         strategy.teardown()
         del strategy
-        gc.collect()  # the clean-exit recipe (FACTS.md): no model state alive at destroy time
-        results.append({key: metrics[key] for key in ("losses", "final_param_checksum", "eval_accuracy", "buckets")})
+        gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive at destroy time
+        results.append(
+            {
+                "losses": metrics.losses,
+                "final_param_checksum": metrics.final_param_checksum,
+                "eval_accuracy": metrics.eval_accuracy,
+                "buckets": metrics.strategy_extras["buckets"],
+            }
+        )
     if rank == 0:
         print(json.dumps(results))
 
@@ -92,7 +100,7 @@ def train_variants(rank: int, world_size: int, runs: list[list[str]]) -> None:
         cfg = load_run_config(config_path)
         env = read_dist_env(cfg.device)
         strategy = (BROKEN[variant] if variant else get_strategy_class(cfg.strategy.name))(cfg, env)
-        losses.append(train(cfg, env, strategy)["losses"])
+        losses.append(train(cfg, env, strategy).losses)
         strategy.teardown()
         del strategy
         gc.collect()

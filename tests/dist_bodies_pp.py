@@ -1,4 +1,5 @@
 """Distributed test bodies for pipeline parallelism (run with parallel_lab.testing.run_ranks)."""
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -14,15 +15,17 @@ def strategy_matrix_body(rank: int, world_size: int, configs: list[list[str]], s
         base = ["strategy=pp", f"world_size={world_size}", f"strategy.stages={world_size}"]
         metrics, strategy, ref = train_and_compare(steps, global_batch, *base, *overrides)
         full_bytes = 4 * sum(p.numel() for p in ref.params.values())
-        held = [r["param_bytes"] for r in metrics["ranks"]]
-        assert sum(held) == full_bytes and max(held) < full_bytes, f"{overrides}: per-rank param bytes {held}, full {full_bytes}"
+        held = [r["param_bytes"] for r in metrics.ranks]
+        assert sum(held) == full_bytes and max(held) < full_bytes, (
+            f"{overrides}: per-rank param bytes {held}, full {full_bytes}"
+        )
         assert held[rank] == 4 * sum(p.numel() for p in strategy.model.parameters())
         m, p = strategy.opts.microbatches, world_size
-        idle = metrics["pp_idle_fraction"]
+        idle = metrics.strategy_extras["pp_idle_fraction"]
         assert len(idle) == p and all(0.0 <= f <= 1.0 for f in idle), f"{overrides}: idle fractions {idle}"
         if strategy.opts.impl == "manual":
             expected = [m if strategy.opts.schedule == "gpipe" else min(p - s, m) for s in range(p)]
-            assert metrics["pp_max_inflight_microbatches"] == expected, (
-                f"{overrides}: stashed micro-batches {metrics['pp_max_inflight_microbatches']}, schedule promises {expected}")
+            inflight = metrics.strategy_extras["pp_max_inflight_microbatches"]
+            assert inflight == expected, f"{overrides}: stashed micro-batches {inflight}, schedule promises {expected}"
         strategy.teardown()
         dist.barrier()

@@ -1,4 +1,5 @@
 """Distributed test bodies for tensor parallelism (run with parallel_lab.testing.run_ranks)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.strategies.tp import ColumnParallel, RowParallel
-from parallel_lab.tp_collectives import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
 from tests.model_parallel_helpers import train_and_compare
 
 
@@ -74,9 +75,9 @@ def mlp_body(rank: int, world_size: int) -> None:
         assert torch.allclose(xp.grad, xd.grad, atol=1e-5), f"{type(dense1).__name__}: input gradient differs"
         half1 = dense1.weight.shape[0] // world_size
         half2 = dense2.weight.shape[1] // world_size
-        assert torch.allclose(col.weight.grad, dense1.weight.grad[rank * half1:(rank + 1) * half1], atol=1e-5)
-        assert torch.allclose(col.bias.grad, dense1.bias.grad[rank * half1:(rank + 1) * half1], atol=1e-5)
-        assert torch.allclose(row.weight.grad, dense2.weight.grad[:, rank * half2:(rank + 1) * half2], atol=1e-5)
+        assert torch.allclose(col.weight.grad, dense1.weight.grad[rank * half1 : (rank + 1) * half1], atol=1e-5)
+        assert torch.allclose(col.bias.grad, dense1.bias.grad[rank * half1 : (rank + 1) * half1], atol=1e-5)
+        assert torch.allclose(row.weight.grad, dense2.weight.grad[:, rank * half2 : (rank + 1) * half2], atol=1e-5)
         assert torch.allclose(row.bias.grad, dense2.bias.grad, atol=1e-5)
 
 
@@ -109,7 +110,7 @@ def strategy_matrix_body(rank: int, world_size: int, configs: list[list[str]], s
         base = ["strategy=tp", f"world_size={world_size}", f"strategy.tp={world_size}"]
         metrics, strategy, ref = train_and_compare(steps, global_batch, *base, *overrides)
         full_bytes = 4 * sum(p.numel() for p in ref.params.values())
-        held = metrics["ranks"][rank]["param_bytes"]
+        held = metrics.ranks[rank]["param_bytes"]
         assert held < full_bytes, f"{overrides}: rank {rank} holds {held} bytes, the full model is {full_bytes}"
         strategy.teardown()
         dist.barrier()

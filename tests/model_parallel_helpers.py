@@ -1,6 +1,7 @@
 """Shared by the tp/pp distributed test bodies: build a strategy from the real config files and
 train it with the real loop inside ranks started by ``parallel_lab.testing.run_ranks``, then
 compare with the independent single-process reference (tests/reference.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -8,23 +9,21 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.data.synthetic import make_synthetic
-from parallel_lab.dist_env import read_dist_env
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.train import train
+from parallel_lab.worker.dist_env import read_dist_env
+from parallel_lab.worker.train import train
 from tests.reference import ParityReference, parity_reference
 
 
 def compose_config(*overrides: str) -> DictConfig:
     """conf/config.yaml + overrides, validated exactly as the parent does before a run."""
-    from hydra import compose, initialize_config_dir
+    from parallel_lab import config
 
-    from parallel_lab.config import CONF_DIR, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.progress=false", "trainer.threads_per_rank=1",
-                                           f"data.size={DATA_SIZE}", *overrides])
-    return validate(cfg)
+    return config.validate(
+        config.compose_config(
+            ["trainer.progress=false", "trainer.threads_per_rank=1", f"data.size={DATA_SIZE}", *overrides]
+        )
+    )
 
 
 DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to generate per configuration
@@ -32,8 +31,9 @@ DATA_SIZE = 512  # synthetic samples: enough for a few steps, and cheap to gener
 
 def reference_for(steps: int, global_batch: int, grad_clip: float = 0.0) -> ParityReference:
     """The plain-torch single-process run (and its noise floor) every configuration is compared with."""
-    return parity_reference("cnn", steps=steps, global_batch=global_batch, threads=1, data_size=DATA_SIZE,
-                            grad_clip=grad_clip)
+    return parity_reference(
+        "cnn", steps=steps, global_batch=global_batch, threads=1, data_size=DATA_SIZE, grad_clip=grad_clip
+    )
 
 
 def assert_one_line_config_error(strategy: str, overrides, named) -> None:
@@ -50,7 +50,9 @@ def assert_one_line_config_error(strategy: str, overrides, named) -> None:
         assert text in message, f"{text!r} not in {message!r}"
 
 
-def reference_accuracy(net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = DATA_SIZE, seed: int = 0) -> float:
+def reference_accuracy(
+    net: torch.nn.Module, global_batch: int, eval_batches: int, size: int = DATA_SIZE, seed: int = 0
+) -> float:
     """Accuracy of the reference model on the held-out samples metrics.json uses (no toolkit code)."""
     data = make_synthetic(max(size // 8, 64), seed + 1)
     count = min(len(data), global_batch * eval_batches) // global_batch * global_batch
@@ -70,14 +72,14 @@ def train_and_compare(steps: int, global_batch: int, *overrides: str):
     ref = reference_for(steps, global_batch, cfg.trainer.grad_clip)
     # Every rank must report the very same loss floats (the loss is broadcast/reduced, not local).
     everyone: list = [None] * env.world_size
-    dist.all_gather_object(everyone, metrics["losses"])
+    dist.all_gather_object(everyone, metrics.losses)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     full = strategy.full_parameters()
     for (name, want), got in zip(ref.params.items(), full, strict=True):
         assert got.shape == want.shape, f"[{label}] {name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    ref.assert_matches(metrics["losses"], full, f"[{label}] rank {env.rank}")
+    ref.assert_matches(metrics.losses, full, f"[{label}] rank {env.rank}")
     acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
-    assert metrics["eval_accuracy"] == acc, f"[{label}] eval accuracy {metrics['eval_accuracy']} vs reference {acc}"
+    assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"
     return metrics, strategy, ref
 
 

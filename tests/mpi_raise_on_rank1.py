@@ -4,6 +4,7 @@ forever (rank 0 in a Recv that never gets its message, the rest in a Barrier ran
     mpiexec -n 2 python tests/mpi_raise_on_rank1.py            # hook on: the job must end at once
     mpiexec -n 2 python tests/mpi_raise_on_rank1.py --no-hook  # the control: this one hangs
 """
+
 import sys
 from pathlib import Path
 

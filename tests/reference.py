@@ -6,6 +6,7 @@ Parity is judged the way the report judges it (parallel_lab/parity.py): the refe
 rerun with every initial weight moved one ulp (one rerun per noise seed), and a run passes when
 its divergence from the reference stays within the stated multiple of that measured envelope.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,10 +16,10 @@ from pathlib import Path
 import torch
 
 from parallel_lab.data.synthetic import make_synthetic
-from parallel_lab.metrics import load_final_params
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
-from parallel_lab.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
+from parallel_lab.report.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
+from parallel_lab.worker.metrics import load_final_params
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 
@@ -29,13 +30,22 @@ def global_batches(size: int, global_batch: int, seed: int):
     while True:
         order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
         for start in range(0, size - global_batch + 1, global_batch):
-            yield order[start:start + global_batch]
+            yield order[start : start + global_batch]
         epoch += 1
 
 
-def reference_run(model: str = "cnn", steps: int = 4, global_batch: int = 32, lr: float = 1e-3, seed: int = 0,
-                  optimizer: str = "adam", data_size: int = 4096, threads: int = 2, grad_clip: float = 0.0,
-                  jitter_seed: int | None = None):
+def reference_run(
+    model: str = "cnn",
+    steps: int = 4,
+    global_batch: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    optimizer: str = "adam",
+    data_size: int = 4096,
+    threads: int = 2,
+    grad_clip: float = 0.0,
+    jitter_seed: int | None = None,
+):
     """Plain training loop: returns (per-step losses, final parameter checksum, final model).
     grad_clip > 0 clips the whole model's gradient norm; jitter_seed moves every initial weight
     one ulp (a noise-floor rerun)."""
@@ -99,7 +109,7 @@ class ParityReference:
 
 @functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
 def parity_reference(model: str = "cnn", **kwargs) -> ParityReference:
-    """reference_run(**kwargs) plus one rerun per parallel_lab.parity.NOISE_SEEDS seed."""
+    """reference_run(**kwargs) plus one rerun per parallel_lab.report.parity.NOISE_SEEDS seed."""
     losses, _, net = reference_run(model, **kwargs)
     noise = []
     for seed in NOISE_SEEDS:

@@ -6,6 +6,7 @@ checkpoint. torchrun restarts the group, the workers resume from the newest comp
 and finish. The data set holds 3 batches, so the 6 steps cross an epoch boundary and the resumed
 sampler position is exercised both mid-epoch and at an epoch start.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_metrics, run_cli
+
 from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest, sha256_file
 
 COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
@@ -54,13 +55,27 @@ def _checkpoints(run_dir: Path) -> list[str]:
 @pytest.mark.parametrize(
     "strategy, kill_rank, kill_before_step",
     # One per checkpoint format in make test (replicated file, DCP, DeepSpeed); make test-all adds two more.
-    [("ddp", 1, 3), ("fsdp", 1, 5), ("zero3", 1, 5),
-     pytest.param("manual_ddp", 0, 5, marks=pytest.mark.extra), pytest.param("zero2", 0, 3, marks=pytest.mark.extra)],
+    [
+        ("ddp", 1, 3),
+        ("fsdp", 1, 5),
+        ("zero3", 1, 5),
+        pytest.param("manual_ddp", 0, 5, marks=pytest.mark.extra),
+        pytest.param("zero2", 0, 3, marks=pytest.mark.extra),
+    ],
 )
 def test_killed_rank_torchrun_restart_resumes_bitwise(tmp_path, straight, strategy, kill_rank, kill_before_step):
-    run_cli(tmp_path, f"strategy={strategy}", *COMMON, "launcher=torchrun", "launcher.max_restarts=1",
-            "trainer.checkpoint_every=2", f"fault.rank={kill_rank}", f"fault.step={kill_before_step}",
-            "fault.mode=kill", timeout=TIMEOUT)
+    run_cli(
+        tmp_path,
+        f"strategy={strategy}",
+        *COMMON,
+        "launcher=torchrun",
+        "launcher.max_restarts=1",
+        "trainer.checkpoint_every=2",
+        f"fault.rank={kill_rank}",
+        f"fault.step={kill_before_step}",
+        "fault.mode=kill",
+        timeout=TIMEOUT,
+    )
     metrics = load_metrics(tmp_path)
     assert metrics["attempt"] == 1, "torchrun did not restart the workers"
     _assert_same_training(metrics, straight(strategy), resume_step=kill_before_step // 2 * 2)
@@ -69,9 +84,19 @@ def test_killed_rank_torchrun_restart_resumes_bitwise(tmp_path, straight, strate
 
 def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, straight):
     # Rank 1 dies after writing its part of the step-4 checkpoint, before it is committed.
-    run_cli(tmp_path, "strategy=ddp", *COMMON, "launcher=torchrun", "launcher.max_restarts=1",
-            "trainer.checkpoint_every=2", "fault.rank=1", "fault.step=4", "fault.at=checkpoint",
-            "fault.mode=kill", timeout=TIMEOUT)
+    run_cli(
+        tmp_path,
+        "strategy=ddp",
+        *COMMON,
+        "launcher=torchrun",
+        "launcher.max_restarts=1",
+        "trainer.checkpoint_every=2",
+        "fault.rank=1",
+        "fault.step=4",
+        "fault.at=checkpoint",
+        "fault.mode=kill",
+        timeout=TIMEOUT,
+    )
     metrics = load_metrics(tmp_path)
     assert metrics["attempt"] == 1
     _assert_same_training(metrics, straight("ddp"), resume_step=2)
@@ -86,25 +111,47 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk
 
     second = tmp_path / "second"
-    result = run_cli(second, "strategy=ddp", *COMMON, f"trainer.checkpoint_dir={first / 'checkpoints'}",
-                     timeout=TIMEOUT)
+    result = run_cli(
+        second, "strategy=ddp", *COMMON, f"trainer.checkpoint_dir={first / 'checkpoints'}", timeout=TIMEOUT
+    )
     assert "skipping checkpoint" in result.stderr and "corrupt" in result.stderr, result.stderr[-2000:]
     _assert_same_training(load_metrics(second), straight("ddp"), resume_step=2)
 
 
-@pytest.mark.parametrize("strategy, options, files", [
-    ("tp", [], ["shard_rank0.pt", "shard_rank1.pt"]),  # each rank its own part
-    # The other formats resume bitwise in make test through the torchrun kill tests above.
-    pytest.param("pp", [], ["shard_rank0.pt", "shard_rank1.pt"], marks=pytest.mark.extra),
-    pytest.param("fsdp", ["strategy.version=1"], ["dcp/__0_0.distcp", "dcp/__1_0.distcp"],  # DCP: a file per rank
-                 marks=pytest.mark.extra),
-    pytest.param("zero1", [], ["deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                               "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"], marks=pytest.mark.extra),
-])
+@pytest.mark.parametrize(
+    "strategy, options, files",
+    [
+        ("tp", [], ["shard_rank0.pt", "shard_rank1.pt"]),  # each rank its own part
+        # The other formats resume bitwise in make test through the torchrun kill tests above.
+        pytest.param("pp", [], ["shard_rank0.pt", "shard_rank1.pt"], marks=pytest.mark.extra),
+        pytest.param(
+            "fsdp",
+            ["strategy.version=1"],
+            ["dcp/__0_0.distcp", "dcp/__1_0.distcp"],  # DCP: a file per rank
+            marks=pytest.mark.extra,
+        ),
+        pytest.param(
+            "zero1",
+            [],
+            [
+                "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            ],
+            marks=pytest.mark.extra,
+        ),
+    ],
+)
 def test_resume_from_a_named_checkpoint(tmp_path, straight, strategy, options, files):
     first = tmp_path / "first"
-    run_cli(first, f"strategy={strategy}", *options, *COMMON, "trainer.steps=3", "trainer.checkpoint_every=3",
-            timeout=TIMEOUT)
+    run_cli(
+        first,
+        f"strategy={strategy}",
+        *options,
+        *COMMON,
+        "trainer.steps=3",
+        "trainer.checkpoint_every=3",
+        timeout=TIMEOUT,
+    )
     folder = first / "checkpoints" / checkpoint_name(3)
     assert set(files) <= set(json.loads((folder / COMPLETE).read_text())["files"])
     second = tmp_path / "second"
@@ -118,9 +165,19 @@ def test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint(tmp_path, 
     second = tmp_path / "second"
     # Resumes from first's step 2, checkpoints step 4 itself, loses rank 1 before step 5: the
     # restart must continue from its own step 4, not go back to the step-2 checkpoint it was given.
-    run_cli(second, "strategy=ddp", *COMMON, f"trainer.resume={first / 'checkpoints' / checkpoint_name(2)}",
-            "trainer.checkpoint_every=2", "launcher=torchrun", "launcher.max_restarts=1", "fault.rank=1",
-            "fault.step=5", "fault.mode=kill", timeout=TIMEOUT)
+    run_cli(
+        second,
+        "strategy=ddp",
+        *COMMON,
+        f"trainer.resume={first / 'checkpoints' / checkpoint_name(2)}",
+        "trainer.checkpoint_every=2",
+        "launcher=torchrun",
+        "launcher.max_restarts=1",
+        "fault.rank=1",
+        "fault.step=5",
+        "fault.mode=kill",
+        timeout=TIMEOUT,
+    )
     metrics = load_metrics(second)
     assert metrics["attempt"] == 1
     _assert_same_training(metrics, straight("ddp"), resume_step=4)
@@ -151,8 +208,9 @@ def test_planted_pickle_in_a_checkpoint_does_not_run(tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"model": Planted(marker), "optimizer": {}}, folder / "model_optimizer.pt")
     _rehash(folder)
-    result = run_cli(tmp_path / "second", "strategy=ddp", *COMMON, f"trainer.resume={folder}", check=False,
-                     timeout=TIMEOUT)
+    result = run_cli(
+        tmp_path / "second", "strategy=ddp", *COMMON, f"trainer.resume={folder}", check=False, timeout=TIMEOUT
+    )
     assert result.returncode != 0 and not marker.exists()
     assert "Weights only load failed" in result.stderr.strip().splitlines()[-1]
 
@@ -165,7 +223,7 @@ NO_PROCESS_GROUP = pytest.mark.filterwarnings("ignore:torch.distributed is disab
 def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
     import torch.distributed.checkpoint as dcp
 
-    from parallel_lab.dcp_reader import load_sharded
+    from parallel_lab.checkpoint.dcp_reader import load_sharded
 
     marker = tmp_path / "pwned"
     lr = Planted(marker) if where == "byte entry" else 0.1
@@ -181,7 +239,7 @@ def test_planted_pickle_in_dcp_files_does_not_run(tmp_path, where):
 def test_dcp_loader_still_reads_good_files(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from parallel_lab.dcp_reader import load_sharded
+    from parallel_lab.checkpoint.dcp_reader import load_sharded
 
     dcp.save({"w": torch.arange(4.0), "lr": 0.1, "betas": (0.9, 0.999)}, checkpoint_id=str(tmp_path), no_dist=True)
     state = {"w": torch.zeros(4), "lr": 0.0, "betas": (0.0, 0.0)}
@@ -191,7 +249,7 @@ def test_dcp_loader_still_reads_good_files(tmp_path):
 
 def test_planted_pickle_in_a_deepspeed_file_does_not_run(tmp_path):
     pytest.importorskip("deepspeed")
-    from parallel_lab.ds_checkpoint import weights_only_load
+    from parallel_lab.checkpoint.ds_reader import weights_only_load
 
     marker = tmp_path / "pwned"
     torch.save({"optimizer_state_dict": Planted(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -202,23 +260,34 @@ def test_planted_pickle_in_a_deepspeed_file_does_not_run(tmp_path):
 
 # ----- the integrity check itself, in process -----
 
+
 def _fake_checkpoint(root: Path, step: int) -> Path:
     folder = root / checkpoint_name(step)
     folder.mkdir(parents=True)
     torch.save({"w": torch.arange(10.0)}, folder / "model_optimizer.pt")
-    files = {"model_optimizer.pt": {"size": (folder / "model_optimizer.pt").stat().st_size,
-                                    "sha256": sha256_file(folder / "model_optimizer.pt")}}
+    files = {
+        "model_optimizer.pt": {
+            "size": (folder / "model_optimizer.pt").stat().st_size,
+            "sha256": sha256_file(folder / "model_optimizer.pt"),
+        }
+    }
     (folder / COMPLETE).write_text(json.dumps({"format": 1, "step": step, "run": {}, "files": files}))
     return folder
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: (f / "model_optimizer.pt").write_bytes((f / "model_optimizer.pt").read_bytes()[:-7]), "bytes"),
-    (lambda f: (f / "model_optimizer.pt").write_bytes(b"x" + (f / "model_optimizer.pt").read_bytes()[1:]), "sha256"),
-    (lambda f: (f / COMPLETE).unlink(), "incomplete"),
-    (lambda f: (f / COMPLETE).write_text("{not json"), "corrupt"),
-    (lambda f: (f / "model_optimizer.pt").unlink(), "missing"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "model_optimizer.pt").write_bytes((f / "model_optimizer.pt").read_bytes()[:-7]), "bytes"),
+        (
+            lambda f: (f / "model_optimizer.pt").write_bytes(b"x" + (f / "model_optimizer.pt").read_bytes()[1:]),
+            "sha256",
+        ),
+        (lambda f: (f / COMPLETE).unlink(), "incomplete"),
+        (lambda f: (f / COMPLETE).write_text("{not json"), "corrupt"),
+        (lambda f: (f / "model_optimizer.pt").unlink(), "missing"),
+    ],
+)
 def test_damaged_checkpoint_is_refused_with_the_reason(tmp_path, damage, message):
     folder = _fake_checkpoint(tmp_path, 2)
     assert read_manifest(folder)["step"] == 2

@@ -1,4 +1,5 @@
 """The real CIFAR-10 python tarball loader, on a tiny tarball built here in the exact format."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_metrics, run_cli
 from omegaconf import OmegaConf
 
-from conftest import load_metrics, run_cli
 from parallel_lab.data.cifar10 import TEST_MEMBER, TRAIN_MEMBERS, load_cifar10
 from parallel_lab.errors import ConfigError
 
@@ -79,9 +80,14 @@ def test_pickle_with_disallowed_global_is_refused(tmp_path):
 
 def test_training_on_the_tarball_end_to_end(tmp_path):
     path = build_tarball(tmp_path)
-    run_cli(tmp_path / "run", "strategy=ddp", "data=cifar10", f"data.root={tmp_path}", f"data.md5={md5_of(path)}",
-            "trainer.steps=2", "trainer.global_batch=16")
+    run_cli(
+        tmp_path / "run",
+        "strategy=ddp",
+        "data=cifar10",
+        f"data.root={tmp_path}",
+        f"data.md5={md5_of(path)}",
+        "trainer.steps=2",
+        "trainer.global_batch=16",
+    )
     metrics = load_metrics(tmp_path / "run")
     assert metrics["data"] == "cifar10" and len(metrics["losses"]) == 2
-
-

@@ -1,6 +1,8 @@
-"""Hand-written collectives (parallel_lab.collectives) equal torch.distributed's results on real
-gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, world
-sizes 2 and 3, sizes not divisible by the world size (and smaller than it), float32 and int64."""
+"""Hand-written collectives (parallel_lab.comm.collectives) equal torch.distributed's results on real
+gloo process groups: broadcast, reduce SUM/MEAN, all_reduce star/ring/builtin SUM/MEAN, the ring's
+reduce_scatter and all_gather, world sizes 2 and 3, sizes not divisible by the world size (and
+smaller than it), float32 and int64."""
+
 import pytest
 
 from parallel_lab.testing import run_ranks
@@ -15,8 +17,9 @@ def test_collectives_match_torch_distributed(world_size):
 
 
 def test_unknown_algorithm_and_op_are_rejected():
-    from parallel_lab import collectives
     import torch
+
+    from parallel_lab.comm import collectives
 
     with pytest.raises(ValueError, match="algorithm='tree'"):
         collectives.all_reduce(torch.zeros(3), algorithm="tree")

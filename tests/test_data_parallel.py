@@ -6,6 +6,7 @@ does. Gradient accumulation must not change the loss either (the reported loss i
 the global batch, and the gradient is the global-batch mean), so grad_accum=2 runs are compared
 with the same grad_accum=1 reference.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -13,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
-from parallel_lab.metrics import load_final_params
+
 from parallel_lab.testing import run_ranks
+from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 
@@ -34,13 +36,25 @@ def test_manual_ddp_every_allreduce_and_bucketing_matches_reference(tmp_path, cn
     combos = list(itertools.product(ALGORITHMS, (True, False), (1, 2)))
     paths = [
         # bucket_mb=0.1 (~100 KiB): the cnn's ~1.2 MB of gradients spans many buckets.
-        write_config(tmp_path / f"c{i}.yaml", "strategy=manual_ddp", f"world_size={world_size}", *CNN,
-                f"strategy.allreduce={algo}", f"strategy.bucketed={bucketed}", "strategy.bucket_mb=0.1",
-                f"trainer.grad_accum={accum}")
+        write_config(
+            tmp_path / f"c{i}.yaml",
+            "strategy=manual_ddp",
+            f"world_size={world_size}",
+            *CNN,
+            f"strategy.allreduce={algo}",
+            f"strategy.bucketed={bucketed}",
+            "strategy.bucket_mb=0.1",
+            f"trainer.grad_accum={accum}",
+        )
         for i, (algo, bucketed, accum) in enumerate(combos)
     ]
-    out = run_ranks("tests.dist_bodies_data_parallel:train_configs", world_size=world_size, timeout=300,
-                    config_paths=paths, broadcast_check=paths[0])
+    out = run_ranks(
+        "tests.dist_bodies_data_parallel:train_configs",
+        world_size=world_size,
+        timeout=300,
+        config_paths=paths,
+        broadcast_check=paths[0],
+    )
     results = json.loads(out[0])
     for (algo, bucketed, accum), result, path in zip(combos, results, paths):
         label = f"allreduce={algo} bucketed={bucketed} grad_accum={accum}"
@@ -53,23 +67,36 @@ def test_manual_ddp_cli_run(tmp_path, cnn_reference):
     run_cli(tmp_path / "run", "strategy=manual_ddp", "world_size=2", *CNN, "trainer.grad_accum=2")
     metrics = {**load_metrics(tmp_path / "run"), "run_dir": tmp_path / "run"}
     cnn_reference.assert_run_matches(metrics)
-    assert metrics["strategy_options"] == {"name": "manual_ddp", "allreduce": "ring", "bucketed": True, "bucket_mb": 25.0}
-    assert metrics["buckets"] == 1  # ~1.2 MB of cnn gradients fit one 25 MiB bucket
+    assert metrics["strategy_options"] == {
+        "name": "manual_ddp",
+        "allreduce": "ring",
+        "bucketed": True,
+        "bucket_mb": 25.0,
+    }
+    assert metrics["strategy_extras"]["buckets"] == 1  # ~1.2 MB of cnn gradients fit one 25 MiB bucket
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
-    assert metrics["analytic_sent_bytes_per_step_rank0"] == metrics["ranks"][0]["grad_bytes"]  # 2(N-1)/N = 1
+    assert (
+        metrics["strategy_extras"]["analytic_sent_bytes_per_step_rank0"] == metrics["ranks"][0]["grad_bytes"]
+    )  # 2(N-1)/N = 1
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_dp_matches_reference_with_one_replica_on_cpu(cli, cnn_reference, accum):
     metrics = cli("strategy=dp", "world_size=2", *CNN, f"trainer.grad_accum={accum}")
-    assert metrics["world_size"] == 1 and metrics["replicas"] == 1
+    assert metrics["world_size"] == 1 and metrics["strategy_extras"]["replicas"] == 1
     cnn_reference.assert_run_matches(metrics)
 
 
 def test_ddp_no_sync_accumulation_matches_reference(cli, cnn_reference):
     """no_sync() on the first micro-batch, several small buckets, gradients outside the buckets."""
-    metrics = cli("strategy=ddp", "world_size=2", *CNN, "trainer.grad_accum=2", "strategy.bucket_cap_mb=0.5",
-                  "strategy.gradient_as_bucket_view=false")
+    metrics = cli(
+        "strategy=ddp",
+        "world_size=2",
+        *CNN,
+        "trainer.grad_accum=2",
+        "strategy.bucket_cap_mb=0.5",
+        "strategy.gradient_as_bucket_view=false",
+    )
     cnn_reference.assert_run_matches(metrics)
     assert all(r["comm_buffer_bytes"] == r["grad_bytes"] > 0 for r in metrics["ranks"])
 
@@ -94,8 +121,14 @@ def test_eval_accuracy_is_the_same_summed_over_ranks(cli, cnn_reference):
 @pytest.mark.parametrize("strategy", ["manual_ddp", "dp"])
 def test_resnet18_few_steps_match_reference(cli, strategy):
     ref = parity_reference("resnet18", steps=2, global_batch=8)
-    metrics = cli(f"strategy={strategy}", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8",
-                  "trainer.eval_batches=0", "strategy.bucket_mb=5" if strategy == "manual_ddp" else "trainer.grad_accum=1")
+    metrics = cli(
+        f"strategy={strategy}",
+        "model=resnet18",
+        "trainer.steps=2",
+        "trainer.global_batch=8",
+        "trainer.eval_batches=0",
+        "strategy.bucket_mb=5" if strategy == "manual_ddp" else "trainer.grad_accum=1",
+    )
     ref.assert_run_matches(metrics)
     if strategy == "manual_ddp":
-        assert metrics["buckets"] > 1
+        assert metrics["strategy_extras"]["buckets"] > 1

@@ -5,6 +5,7 @@ Every bad input goes through the real CLI and must give exactly one line
 no traceback, and a run folder that does not claim success (failed.json, no metrics.json, no
 committed checkpoint).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
-from parallel_lab.checkpoint import COMPLETE, checkpoint_name
-from parallel_lab.data.cifar10 import TRAIN_MEMBERS
-from parallel_lab.resources import memory_available_bytes
-from parallel_lab.worker import PIDS_DIR
 from test_cifar10 import Evil, build_tarball, md5_of
+
+from parallel_lab.checkpoint import COMPLETE, checkpoint_name
+from parallel_lab.config.resources import memory_available_bytes
+from parallel_lab.data.cifar10 import TRAIN_MEMBERS
+from parallel_lab.protocol import PIDS_DIR
 
 CLI_TIMEOUT = 120
 
@@ -54,8 +55,16 @@ def checkpoint_of(tmp_path_factory):
     def copy(tmp: Path, strategy: str = "single") -> Path:
         if strategy not in built:
             source = tmp_path_factory.mktemp(f"source_{strategy}")
-            run_cli(source, f"strategy={strategy}", "trainer.steps=2", "trainer.checkpoint_every=2",
-                    "trainer.global_batch=16", "data.size=64", "trainer.eval_batches=0", timeout=CLI_TIMEOUT)
+            run_cli(
+                source,
+                f"strategy={strategy}",
+                "trainer.steps=2",
+                "trainer.checkpoint_every=2",
+                "trainer.global_batch=16",
+                "data.size=64",
+                "trainer.eval_batches=0",
+                timeout=CLI_TIMEOUT,
+            )
             built[strategy] = source / "checkpoints"
         shutil.copytree(built[strategy], tmp / "source" / "checkpoints")
         return tmp / "source" / "checkpoints" / checkpoint_name(2)
@@ -83,8 +92,13 @@ def other_strategy_checkpoint(tmp: Path, checkpoint_of) -> list[str]:
 
 
 def finished_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
-    return [f"trainer.checkpoint_dir={checkpoint_of(tmp).parent}", "trainer.steps=2", "trainer.global_batch=16",
-            "data.size=64", "strategy=single"]
+    return [
+        f"trainer.checkpoint_dir={checkpoint_of(tmp).parent}",
+        "trainer.steps=2",
+        "trainer.global_batch=16",
+        "data.size=64",
+        "strategy=single",
+    ]
 
 
 def reused_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
@@ -98,8 +112,13 @@ def checkpoints_parent_folder(tmp: Path, checkpoint_of) -> list[str]:
 def resume_beside_other_checkpoints(tmp: Path, checkpoint_of) -> list[str]:
     folder = checkpoint_of(tmp)
     shutil.copytree(folder, tmp / "other" / checkpoint_name(1))  # a restart could pick this one up
-    return [f"trainer.resume={folder}", f"trainer.checkpoint_dir={tmp / 'other'}", "strategy=single",
-            "trainer.global_batch=16", "data.size=64"]
+    return [
+        f"trainer.resume={folder}",
+        f"trainer.checkpoint_dir={tmp / 'other'}",
+        "strategy=single",
+        "trainer.global_batch=16",
+        "data.size=64",
+    ]
 
 
 def tampered_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
@@ -156,8 +175,10 @@ CATALOGUE = {
     "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
     "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
     "pp-stages": (["strategy=pp", "world_size=6", "strategy.stages=6"], ("strategy.stages=6", "5 cuttable blocks")),
-    "pp-microbatches": (["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
-                        ("strategy.microbatches=3", "32")),
+    "pp-microbatches": (
+        ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
+        ("strategy.microbatches=3", "32"),
+    ),
     "manual-ddp-allreduce": (["strategy=manual_ddp", "strategy.allreduce=tree"], "strategy.allreduce=tree"),
     "manual-ddp-bucket": (["strategy=manual_ddp", "strategy.bucket_mb=-5"], "strategy.bucket_mb=-5"),
     "ddp-bucket": (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
@@ -166,8 +187,10 @@ CATALOGUE = {
     "checkpoint-every": (["trainer.checkpoint_every=-1"], "checkpoint_every=-1"),
     "keep-checkpoints": (["trainer.keep_checkpoints=0"], "keep_checkpoints=0"),
     "fault-mode": (["fault.mode=explode"], "explode"),
-    "fault-at-no-checkpoint": (["fault.rank=0", "fault.at=checkpoint", "fault.step=3", "trainer.checkpoint_every=2"],
-                               "fault.step=3"),
+    "fault-at-no-checkpoint": (
+        ["fault.rank=0", "fault.at=checkpoint", "fault.step=3", "trainer.checkpoint_every=2"],
+        "fault.step=3",
+    ),
     "max-restarts-without-torchrun": (["launcher.max_restarts=2"], "launcher.max_restarts=2"),
     "max-restarts-negative": (["launcher=torchrun", "launcher.max_restarts=-1"], ("launcher.max_restarts=-1", ">= 0")),
     "grace-s-zero": (["launcher.grace_s=0"], ("launcher.grace_s=0", "> 0")),
@@ -198,9 +221,22 @@ CATALOGUE = {
 }
 
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
-REFUSED_BEFORE_WORKERS = {"max-restarts-negative", "grace-s-zero", "dist-timeout-zero", "lr-negative", "lr-zero",
-                          "lr-nan", "lr-inf", "weight-decay-negative", "weight-decay-nan", "grad-clip-nan",
-                          "sgd-momentum-1", "sgd-momentum-negative", "threads-zero", "world-size-beyond-memory"}
+REFUSED_BEFORE_WORKERS = {
+    "max-restarts-negative",
+    "grace-s-zero",
+    "dist-timeout-zero",
+    "lr-negative",
+    "lr-zero",
+    "lr-nan",
+    "lr-inf",
+    "weight-decay-negative",
+    "weight-decay-nan",
+    "grad-clip-nan",
+    "sgd-momentum-1",
+    "sgd-momentum-negative",
+    "threads-zero",
+    "world-size-beyond-memory",
+}
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
@@ -241,11 +277,14 @@ def test_port_already_in_use(tmp_path):
     assert_one_clean_line(result, tmp_path / "run", f"launcher.master_port={port}")
 
 
-@pytest.mark.parametrize("missing, overrides, named", [
-    (("mpi4py", "mpich"), ["launcher=mpirun"], "mpiexec"),
-    (("deepspeed",), ["strategy=zero2"], "DeepSpeed"),
-    (("deepspeed",), ["launcher=deepspeed"], "deepspeed"),
-])
+@pytest.mark.parametrize(
+    "missing, overrides, named",
+    [
+        (("mpi4py", "mpich"), ["launcher=mpirun"], "mpiexec"),
+        (("deepspeed",), ["strategy=zero2"], "DeepSpeed"),
+        (("deepspeed",), ["launcher=deepspeed"], "deepspeed"),
+    ],
+)
 def test_missing_tool_or_package(tmp_path, missing, overrides, named):
     python = python_without(tmp_path, missing)
     run_dir = tmp_path / "run"
@@ -256,6 +295,7 @@ def test_missing_tool_or_package(tmp_path, missing, overrides, named):
 
 
 # ----- a crashing rank -----
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -281,8 +321,17 @@ def _processes_mentioning(text: str) -> list[int]:
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_one_failing_rank_ends_every_rank_quickly(tmp_path, launcher, mode):
     run_dir = tmp_path / "run"
-    result = run_cli(run_dir, "strategy=ddp", "trainer.steps=200", "fault.rank=1", "fault.step=2",
-                     f"fault.mode={mode}", f"launcher={launcher}", check=False, timeout=CLI_TIMEOUT)
+    result = run_cli(
+        run_dir,
+        "strategy=ddp",
+        "trainer.steps=200",
+        "fault.rank=1",
+        "fault.step=2",
+        f"fault.mode={mode}",
+        f"launcher={launcher}",
+        check=False,
+        timeout=CLI_TIMEOUT,
+    )
     ended = time.time()
     assert result.returncode != 0
     assert not (run_dir / "metrics.json").exists() and (run_dir / "failed.json").exists()

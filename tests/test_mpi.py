@@ -4,6 +4,7 @@ mirror, the training run under mpirun, and the collectives bench as a correctnes
 Every process tree is started in its own session and killed as a group on timeout, so a hang
 fails the test instead of leaving spinning ranks behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, assert_losses_close, load_metrics
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed; `make test` installs it (pip install mpi4py mpich)")
 _local = Path(sys.executable).parent / "mpiexec"
 MPIEXEC = str(_local) if _local.exists() else shutil.which("mpiexec")
 if MPIEXEC is None:
-    pytest.skip("no mpiexec on PATH or next to python; `make test` installs it (pip install mpich)",
-                allow_module_level=True)
+    pytest.skip(
+        "no mpiexec on PATH or next to python; `make test` installs it (pip install mpich)", allow_module_level=True
+    )
 IS_MPICH = "HYDRA" in subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30).stdout
 EXAMPLES = ROOT / "mpi_examples"
 TIMEOUT = 180  # seconds per job: generous for 2 shared cores, still ends a hang
@@ -39,10 +40,12 @@ class Hung(AssertionError):
 
 def run(cmd: list[str], timeout: float = TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
     """Run cmd in its own session; on timeout SIGKILL the whole group (mpiexec and every rank)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning",
-               **extra_env)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning", **extra_env
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -177,9 +180,15 @@ def mirror_expected(size: int, k: int) -> dict[str, list[float] | None]:
     """Rank 0's result of every collective, computed with numpy from the mirror's inputs."""
     x = [np.arange(r * k + 1, (r + 1) * k + 1, dtype=float) for r in range(size)]
     full = [100.0 * r + np.arange(1, size * k + 1) for r in range(size)]
-    exp = {"broadcast": x[0], "scatter": full[0][:k], "gather": np.concatenate(x), "all-gather": np.concatenate(x),
-           "reduce-scatter": np.sum(full, axis=0)[:k], "all-to-all": np.concatenate([f[:k] for f in full]),
-           "barrier": np.zeros(0)}
+    exp = {
+        "broadcast": x[0],
+        "scatter": full[0][:k],
+        "gather": np.concatenate(x),
+        "all-gather": np.concatenate(x),
+        "reduce-scatter": np.sum(full, axis=0)[:k],
+        "all-to-all": np.concatenate([f[:k] for f in full]),
+        "barrier": np.zeros(0),
+    }
     for op, f in (("SUM", np.sum), ("PROD", np.prod), ("MAX", np.max), ("MIN", np.min)):
         exp[f"reduce {op}"] = exp[f"all-reduce {op}"] = f(x, axis=0)
     if size > 1:
@@ -191,11 +200,11 @@ def mirror_expected(size: int, k: int) -> dict[str, list[float] | None]:
 @pytest.mark.parametrize("ranks", [0, 2, 3])
 def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
     size, k = ranks or 1, 3
-    out = ok(mpi(ranks, "-m", "parallel_lab.mirror", "--k", str(k), "--json", str(tmp_path / "m.json")))
+    out = ok(mpi(ranks, str(EXAMPLES / "mirror.py"), "--k", str(k), "--json", str(tmp_path / "m.json")))
     assert "every MPI result equals its torch.distributed twin" in out
     report = json.loads((tmp_path / "m.json").read_text())
     assert report["world_size"] == size
-    # torch's rank/world came from the MPI launcher's variables, read by parallel_lab.dist_env.
+    # torch's rank/world came from the MPI launcher's variables, read by parallel_lab.worker.dist_env.
     assert report["source"] == ("none" if ranks == 0 else "PMI_RANK" if IS_MPICH else report["source"])
     expected = mirror_expected(size, k)
     rows = {r["name"]: r for r in report["rows"]}
@@ -208,7 +217,7 @@ def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
 
 
 def test_mirror_bad_argument():
-    result = mpi(2, "-m", "parallel_lab.mirror", "--k", "0", timeout=120)
+    result = mpi(2, str(EXAMPLES / "mirror.py"), "--k", "0", timeout=120)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--k: 0 must be >= 1" in errors[0], result.stderr
@@ -244,9 +253,29 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
 
 # ---- the bench, as a correctness smoke run (it checks every implementation's result) -----------
 def test_collectives_bench_smoke():
-    result = run([sys.executable, "-m", "parallel_lab.bench", "collectives", "--np", "3", "--min-bytes", "1K",
-                  "--max-bytes", "4K", "--min-iters", "1", "--max-iters", "2", "--warmup", "0"])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "parallel_lab.bench",
+            "collectives",
+            "--np",
+            "3",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "4K",
+            "--min-iters",
+            "1",
+            "--max-iters",
+            "2",
+            "--warmup",
+            "0",
+        ]
+    )
     out = ok(result)
-    rows = [line for line in out.splitlines() if re.match(r"\| (all_reduce|all_gather|reduce_scatter|broadcast) \|", line)]
+    rows = [
+        line for line in out.splitlines() if re.match(r"\| (all_reduce|all_gather|reduce_scatter|broadcast) \|", line)
+    ]
     assert len(rows) == 4 * 2, out
     assert "memcpy ceiling" in out

@@ -1,6 +1,7 @@
 """The parity criterion (parallel_lab/parity.py) itself: what it accepts, what it refuses, and
 that it marks deliberately broken data parallelism FAIL while the real strategy passes, judged
 against the independent reference and its measured noise floor (tests/reference.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_lab.metrics import load_final_params
-from parallel_lab.parity import (
+from parallel_lab.report.parity import (
     EARLY_STEPS,
     ENVELOPE_MULTIPLE,
     FLOOR_ULPS,
@@ -21,6 +21,7 @@ from parallel_lab.parity import (
     ulp,
 )
 from parallel_lab.testing import run_ranks
+from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import write_config
 from tests.reference import parity_reference
 
@@ -90,10 +91,22 @@ VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pas
 
 @pytest.mark.slow
 def test_broken_data_parallelism_fails_and_the_real_strategy_passes(tmp_path):
-    runs = [[write_config(tmp_path / f"v{i}.yaml", "strategy=manual_ddp", "world_size=2", "strategy.bucket_mb=0.1",
-                          f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"trainer.optimizer={opt}",
-                          "trainer.eval_batches=0"), variant]
-            for i, (opt, variant, _) in enumerate(VARIANTS)]
+    runs = [
+        [
+            write_config(
+                tmp_path / f"v{i}.yaml",
+                "strategy=manual_ddp",
+                "world_size=2",
+                "strategy.bucket_mb=0.1",
+                f"trainer.steps={STEPS}",
+                f"trainer.global_batch={BATCH}",
+                f"trainer.optimizer={opt}",
+                "trainer.eval_batches=0",
+            ),
+            variant,
+        ]
+        for i, (opt, variant, _) in enumerate(VARIANTS)
+    ]
     out = run_ranks("tests.dist_bodies_data_parallel:train_variants", world_size=2, timeout=300, runs=runs)
     losses = json.loads(out[0])
     verdicts = {}

@@ -1,6 +1,7 @@
 """Pipeline parallelism (strategy=pp): schedules, stage planning, parity with the single-process
 reference for both implementations x both schedules x micro-batch counts, per-stage memory, and
 bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.strategies.pp import SCHEDULES, plan_stages
 from parallel_lab.testing import run_ranks
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -71,36 +73,63 @@ def test_pp_two_stages_match_reference_in_one_set_of_ranks():
         ["strategy.impl=torch", "strategy.schedule=gpipe", "strategy.microbatches=2", "trainer.grad_accum=2"],
         ["strategy.impl=manual", "strategy.cuts=[fc1]", "trainer.grad_clip=0.05"],
     ]
-    run_ranks("tests.dist_bodies_pp:strategy_matrix_body", world_size=2, timeout=400,
-              configs=configs, steps=STEPS, global_batch=BATCH)
+    run_ranks(
+        "tests.dist_bodies_pp:strategy_matrix_body",
+        world_size=2,
+        timeout=400,
+        configs=configs,
+        steps=STEPS,
+        global_batch=BATCH,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.extra  # three stages in make test: the CLI run below (torch impl, gpipe)
 def test_pp_three_stages_match_reference_in_one_set_of_ranks():
-    run_ranks("tests.dist_bodies_pp:strategy_matrix_body", world_size=3, timeout=400,
-              configs=_matrix(3), steps=STEPS, global_batch=BATCH)
+    run_ranks(
+        "tests.dist_bodies_pp:strategy_matrix_body",
+        world_size=3,
+        timeout=400,
+        configs=_matrix(3),
+        steps=STEPS,
+        global_batch=BATCH,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, impl, schedule", [(2, "manual", "1f1b"), (3, "torch", "gpipe")])
 def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size, impl, schedule):
-    m = cli("strategy=pp", f"world_size={world_size}", f"strategy.stages={world_size}", f"strategy.impl={impl}",
-            f"strategy.schedule={schedule}", "strategy.microbatches=4", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
+    m = cli(
+        "strategy=pp",
+        f"world_size={world_size}",
+        f"strategy.stages={world_size}",
+        f"strategy.impl={impl}",
+        f"strategy.schedule={schedule}",
+        "strategy.microbatches=4",
+        f"trainer.steps={STEPS}",
+        f"trainer.global_batch={BATCH}",
+        f"data.size={DATA_SIZE}",
+    )
     reference.assert_run_matches(m)
     # Each rank holds exactly the parameters of the layers of its stage, and together all of them.
     dense = SmallCNN()
-    stage_bytes = [4 * sum(p.numel() for n in names for p in dense.get_submodule(n).parameters())
-                   for names in m["pp_stage_layers"]]
+    stage_bytes = [
+        4 * sum(p.numel() for n in names for p in dense.get_submodule(n).parameters())
+        for names in m["strategy_extras"]["pp_stage_layers"]
+    ]
     assert [r["param_bytes"] for r in m["ranks"]] == stage_bytes
     assert sum(stage_bytes) == 4 * sum(p.numel() for p in dense.parameters()) and len(stage_bytes) == world_size
-    assert len(m["pp_idle_s"]) == world_size and 0 < m["pp_bubble_fraction_theory"] < 1
+    extras = m["strategy_extras"]
+    assert len(extras["pp_idle_s"]) == world_size and 0 < extras["pp_bubble_fraction_theory"] < 1
 
 
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (["strategy.microbatches=16", "trainer.global_batch=32", "trainer.grad_accum=4"], ["strategy.microbatches=16", "8"]),
+        (
+            ["strategy.microbatches=16", "trainer.global_batch=32", "trainer.grad_accum=4"],
+            ["strategy.microbatches=16", "8"],
+        ),
         (["world_size=3", "strategy.stages=2"], ["strategy.stages=2", "world_size=3"]),
         (["strategy.impl=torch", "strategy.schedule=1f1b", "strategy.microbatches=1"], ["strategy.microbatches=1"]),
         (["strategy.cuts=[relu]"], ["relu"]),

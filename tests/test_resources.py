@@ -1,15 +1,15 @@
 """The parent's does-it-fit check (parallel_lab/resources.py), in-process: the per-sample activation
 figures the estimate uses, the refusal and its figures, no check without /proc, and the CPU warning."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_spine import compose_cfg
 
-from parallel_lab import resources
-from parallel_lab.config import validate
+from parallel_lab.config import resources, validate
 from parallel_lab.errors import ConfigError
 from parallel_lab.models import MODELS
-from test_spine import compose_cfg
 
 
 def saved_for_backward_bytes(model: torch.nn.Module, batch: int) -> int:

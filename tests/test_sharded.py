@@ -5,6 +5,7 @@ judged against an independent plain-torch loop and its measured noise floor (tes
 memory against the ZeRO paper's per-rank numbers. DeepSpeed's C++ ops compile once into TORCH_EXTENSIONS_DIR (the
 Makefile points it inside .venv; so does this module when it is unset), not once per test.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.dist_env import free_port
+from parallel_lab.worker.dist_env import free_port
 from tests.conftest import ROOT, assert_losses_close, load_metrics, run_cli
 from tests.reference import parity_reference
 
@@ -44,16 +45,23 @@ def assert_parity(metrics: dict, reference) -> None:
     reference.assert_run_matches(metrics)
 
 
-ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "cpu"),
-              pytest.param("zero1", "cpu", marks=pytest.mark.extra), pytest.param("zero3", "cpu", marks=pytest.mark.extra)]
+ZERO_CASES = [
+    ("zero0", "none"),
+    ("zero1", "none"),
+    ("zero2", "none"),
+    ("zero3", "none"),
+    ("zero2", "cpu"),
+    pytest.param("zero1", "cpu", marks=pytest.mark.extra),
+    pytest.param("zero3", "cpu", marks=pytest.mark.extra),
+]
 
 
 @pytest.mark.parametrize("strategy,offload", ZERO_CASES)
 def test_zero_matches_single_process(tmp_path, reference, strategy, offload):
     metrics, stderr = run_ok(tmp_path, f"strategy={strategy}", f"strategy.offload={offload}", *COMMON)
     assert_parity(metrics, reference)
-    assert metrics["ds_config"]["gradient_clipping"] == 0.0  # trainer.grad_clip, not DeepSpeed's 1.0
-    assert metrics["ds_config"]["train_batch_size"] == BATCH
+    assert metrics["strategy_extras"]["ds_config"]["gradient_clipping"] == 0.0  # trainer.grad_clip, not DeepSpeed's 1.0
+    assert metrics["strategy_extras"]["ds_config"]["train_batch_size"] == BATCH
     assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
 
 
@@ -63,7 +71,9 @@ FSDP_CASES = [(2, "full"), (2, "grad_op"), (2, "no_shard"), (1, "full")]
 
 @pytest.mark.parametrize("version,sharding", FSDP_CASES, ids=[f"fsdp{v}-{s}" for v, s in FSDP_CASES])
 def test_fsdp_matches_single_process(tmp_path, reference, version, sharding):
-    metrics, _ = run_ok(tmp_path, "strategy=fsdp", f"strategy.version={version}", f"strategy.sharding={sharding}", *COMMON)
+    metrics, _ = run_ok(
+        tmp_path, "strategy=fsdp", f"strategy.version={version}", f"strategy.sharding={sharding}", *COMMON
+    )
     assert_parity(metrics, reference)
 
 
@@ -73,9 +83,13 @@ def test_non_deepspeed_strategies_do_not_import_deepspeed():
     assert out.stdout.strip() == "False", out.stderr
 
 
-MEMORY_CASES = [("zero2",), ("zero3",), ("fsdp", "strategy.sharding=full"),
-                pytest.param(("zero1",), marks=pytest.mark.extra),
-                pytest.param(("fsdp", "strategy.sharding=grad_op"), marks=pytest.mark.extra)]
+MEMORY_CASES = [
+    ("zero2",),
+    ("zero3",),
+    ("fsdp", "strategy.sharding=full"),
+    pytest.param(("zero1",), marks=pytest.mark.extra),
+    pytest.param(("fsdp", "strategy.sharding=grad_op"), marks=pytest.mark.extra),
+]
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=["zero2", "zero3", "fsdp-full", "zero1", "fsdp-grad_op"])
@@ -84,8 +98,17 @@ def test_resnet18_memory_matches_zero_paper(tmp_path, case):
     paper's value; each component is printed beside its analytic value. One step is enough: each
     kind of state is measured while it exists (gradients before the optimizer step frees them,
     Adam's state after the step that creates it), so a 1-step run reports what a long run does."""
-    metrics, _ = run_ok(tmp_path, f"strategy={case[0]}", *case[1:], "model=resnet18", "world_size=2",
-                        "trainer.steps=1", "trainer.global_batch=4", "trainer.eval_batches=0", "trainer.warmup_steps=0")
+    metrics, _ = run_ok(
+        tmp_path,
+        f"strategy={case[0]}",
+        *case[1:],
+        "model=resnet18",
+        "world_size=2",
+        "trainer.steps=1",
+        "trainer.global_batch=4",
+        "trainer.eval_batches=0",
+        "trainer.warmup_steps=0",
+    )
     for rank in metrics["ranks"]:
         measured = sum(rank.get(k, 0) for k in MODEL_STATE)
         analytic = sum(rank.get(f"analytic_{k}", 0) for k in MODEL_STATE)
@@ -100,7 +123,10 @@ def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
     spawned, _ = run_ok(tmp_path / "spawn", "strategy=zero2", *COMMON)
     script = subprocess.run(
         [str(ROOT / "launch" / "run_ds.sh"), "strategy=zero2", "trainer.progress=false", *COMMON],
-        cwd=ROOT, capture_output=True, text=True, timeout=420,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
         env={**os.environ, **ENV, "RUN_DIR": str(tmp_path / "run_ds"), "MASTER_PORT": str(free_port())},
     )
     assert script.returncode == 0, script.stderr[-3000:]
@@ -112,9 +138,9 @@ def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
     assert mpi["launcher"] == "mpirun"
 
 
-@pytest.mark.parametrize("attempt", [0, pytest.param(1, marks=pytest.mark.extra), pytest.param(2, marks=pytest.mark.extra)])
+@pytest.mark.parametrize(
+    "attempt", [0, pytest.param(1, marks=pytest.mark.extra), pytest.param(2, marks=pytest.mark.extra)]
+)
 def test_zero3_exits_cleanly_every_time(tmp_path, attempt):
     """The gloo abort at exit was intermittent (~40%): repeat a short run."""
     run_ok(tmp_path, "strategy=zero3", "trainer.steps=1", "trainer.global_batch=8", "trainer.eval_batches=0")
-
-

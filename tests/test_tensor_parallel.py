@@ -1,5 +1,6 @@
 """Tensor parallelism (strategy=tp): the f/g collectives, parity with the single-process
 reference for both implementations, the per-rank split of the weights, and bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.testing import run_ranks
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -33,14 +35,27 @@ def test_tp_configurations_match_reference_in_one_set_of_ranks():
         ["strategy.impl=manual", "trainer.grad_clip=0.05"],  # clipping by the norm of the FULL gradient
         ["strategy.impl=dtensor", "trainer.grad_clip=0.05"],
     ]
-    run_ranks("tests.dist_bodies_tp:strategy_matrix_body", world_size=2, timeout=300,
-              configs=configs, steps=STEPS, global_batch=BATCH)
+    run_ranks(
+        "tests.dist_bodies_tp:strategy_matrix_body",
+        world_size=2,
+        timeout=300,
+        configs=configs,
+        steps=STEPS,
+        global_batch=BATCH,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["manual", "dtensor"])
 def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
-    m = cli("strategy=tp", f"strategy.impl={impl}", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
+    m = cli(
+        "strategy=tp",
+        f"strategy.impl={impl}",
+        "world_size=2",
+        f"trainer.steps={STEPS}",
+        f"trainer.global_batch={BATCH}",
+        f"data.size={DATA_SIZE}",
+    )
     reference.assert_run_matches(m)
     # Each rank holds half of fc1 (weight rows + bias) and half of fc2's weight columns, the rest whole.
     dense = SmallCNN()
@@ -49,7 +64,7 @@ def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     expected = 4 * (total - split + split // 2)
     assert [r["param_bytes"] for r in m["ranks"]] == [expected, expected]
     assert [r["analytic_param_bytes"] for r in m["ranks"]] == [expected, expected]
-    assert m["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
+    assert m["strategy_extras"]["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 Every module of this package is a benchmark; adding one needs no registration here.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -10,27 +10,21 @@ Part 2, training step: the same resnet18 run with ``manual_ddp`` (bucketed, ring
 
 On a shared CPU machine the numbers are noisy: run it on an idle machine for a fair comparison.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from parallel_lab.bench._format import human
+
 KIB = 1024
 DEFAULT_SIZES = [KIB * 4**k for k in range(9)]  # 1 KiB, 4 KiB, ..., 64 MiB
 ALGORITHMS = ("star", "ring", "builtin")
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", KIB * KIB), ("KiB", KIB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
 
 
 def iterations(nbytes: int, max_iters: int, budget_bytes: int) -> int:
@@ -38,13 +32,20 @@ def iterations(nbytes: int, max_iters: int, budget_bytes: int) -> int:
     return max(3, min(max_iters, budget_bytes // max(nbytes, 1)))
 
 
-def measure(rank: int, world_size: int, sizes: list[int], algorithms: list[str], max_iters: int,
-            budget_bytes: int, segment_bytes: int | None = None) -> None:
+def measure(
+    rank: int,
+    world_size: int,
+    sizes: list[int],
+    algorithms: list[str],
+    max_iters: int,
+    budget_bytes: int,
+    segment_bytes: int | None = None,
+) -> None:
     """Run on every rank (by parallel_lab.testing.run_ranks); rank 0 prints a JSON list."""
     import torch
     import torch.distributed as dist
 
-    from parallel_lab import collectives
+    from parallel_lab.comm import collectives
 
     rows = []
     for nbytes in sizes:
@@ -61,16 +62,27 @@ def measure(rank: int, world_size: int, sizes: list[int], algorithms: list[str],
         for algorithm in algorithms:
             seconds = statistics.median(times[algorithm])
             algbw = tensor.numel() * 4 / seconds
-            rows.append({"bytes": nbytes, "algorithm": algorithm, "time_s": seconds, "iters": len(times[algorithm]),
-                         "algbw": algbw, "busbw": algbw * 2 * (world_size - 1) / world_size})
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "algorithm": algorithm,
+                    "time_s": seconds,
+                    "iters": len(times[algorithm]),
+                    "algbw": algbw,
+                    "busbw": algbw * 2 * (world_size - 1) / world_size,
+                }
+            )
     if rank == 0:
         print(json.dumps(rows))
 
 
 def collective_table(rows: list[dict], world_size: int) -> str:
-    lines = [f"all_reduce, float32, world_size={world_size} (gloo, 127.0.0.1); GB/s = 1e9 bytes/s",
-             "| size | " + " | ".join(f"{a} time | {a} algbw | {a} busbw" for a in ALGORITHMS if any(r['algorithm'] == a for r in rows))
-             + " | ring/builtin busbw |"]
+    lines = [
+        f"all_reduce, float32, world_size={world_size} (gloo, 127.0.0.1); GB/s = 1e9 bytes/s",
+        "| size | "
+        + " | ".join(f"{a} time | {a} algbw | {a} busbw" for a in ALGORITHMS if any(r["algorithm"] == a for r in rows))
+        + " | ring/builtin busbw |",
+    ]
     algos = [a for a in ALGORITHMS if any(r["algorithm"] == a for r in rows)]
     lines.append("|" + "---|" * (1 + 3 * len(algos) + 1))
     for nbytes in sorted({r["bytes"] for r in rows}):
@@ -86,18 +98,20 @@ def collective_table(rows: list[dict], world_size: int) -> str:
 
 def step_time(strategy_args: list[str], common: list[str], timeout: float) -> dict:
     """One real CLI run; returns its metrics.json."""
+    from parallel_lab.testing import run_cli_metrics
+
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as run_dir:
-        cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false",
-               *common, *strategy_args]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        return json.loads((Path(run_dir) / "metrics.json").read_text())
+        return run_cli_metrics(Path(run_dir), *common, *strategy_args, timeout=timeout)
 
 
 def step_table(args) -> str:
-    common = [f"model={args.model}", f"world_size={args.world_size}", f"trainer.steps={args.steps}",
-              f"trainer.global_batch={args.global_batch}", "trainer.eval_batches=0"]
+    common = [
+        f"model={args.model}",
+        f"world_size={args.world_size}",
+        f"trainer.steps={args.steps}",
+        f"trainer.global_batch={args.global_batch}",
+        "trainer.eval_batches=0",
+    ]
     runs = {
         "ddp": ["strategy=ddp"],
         "manual_ddp ring bucketed": ["strategy=manual_ddp", "strategy.allreduce=ring", "strategy.bucketed=true"],
@@ -109,12 +123,15 @@ def step_table(args) -> str:
         for name, strategy_args in runs.items():
             metrics = step_time(strategy_args, common, args.timeout)
             times[name].append(metrics["step_time_s"])
-            if "exposed_comm_s" in metrics:
-                exposed[name].append(metrics["exposed_comm_s"])
+            if "exposed_comm_s" in metrics["strategy_extras"]:
+                exposed[name].append(metrics["strategy_extras"]["exposed_comm_s"])
     base = statistics.median(times["ddp"])
-    lines = [f"training step, {args.model}, world_size={args.world_size}, global_batch={args.global_batch}, "
-             f"{args.steps} steps (median after warm-up), {args.repeats} run(s) each",
-             "| strategy | step time | vs ddp | exposed comm (wait after backward) |", "|---|---|---|---|"]
+    lines = [
+        f"training step, {args.model}, world_size={args.world_size}, global_batch={args.global_batch}, "
+        f"{args.steps} steps (median after warm-up), {args.repeats} run(s) each",
+        "| strategy | step time | vs ddp | exposed comm (wait after backward) |",
+        "|---|---|---|---|",
+    ]
     for name in runs:
         t = statistics.median(times[name])
         wait = f"{statistics.median(exposed[name]) * 1e3:.1f} ms" if exposed[name] else "n/a"
@@ -129,7 +146,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per size at most")
     parser.add_argument("--budget-mb", type=int, default=256, help="fewer iterations once iters x size exceeds this")
-    parser.add_argument("--segment-kib", type=int, default=None, help="ring segment size (default: collectives.SEGMENT_BYTES)")
+    parser.add_argument(
+        "--segment-kib", type=int, default=None, help="ring segment size (default: collectives.SEGMENT_BYTES)"
+    )
     parser.add_argument("--model", default="resnet18", choices=("cnn", "resnet18"))
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6)
@@ -141,10 +160,16 @@ def main(argv: list[str]) -> int:
     if not args.skip_collectives:
         from parallel_lab.testing import run_ranks
 
-        out = run_ranks("parallel_lab.bench.allreduce:measure", world_size=args.world_size, timeout=args.timeout,
-                        sizes=args.sizes, algorithms=args.algorithms, max_iters=args.iters,
-                        budget_bytes=args.budget_mb * KIB * KIB,
-                        segment_bytes=args.segment_kib * KIB if args.segment_kib else None)
+        out = run_ranks(
+            "parallel_lab.bench.allreduce:measure",
+            world_size=args.world_size,
+            timeout=args.timeout,
+            sizes=args.sizes,
+            algorithms=args.algorithms,
+            max_iters=args.iters,
+            budget_bytes=args.budget_mb * KIB * KIB,
+            segment_bytes=args.segment_kib * KIB if args.segment_kib else None,
+        )
         print(collective_table(json.loads(out[0]), args.world_size), flush=True)
         print()
     if not args.skip_step:

@@ -8,46 +8,52 @@ from that checkpoint for one more step, which times the load. Model + Adam state
 two moments); DeepSpeed also saves its fp32 master partition (+1Ψ). Save time includes the barriers
 and rank 0's sha256 of every file; on 2 shared CPU cores expect noise of tens of percent.
 """
+
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-STRATEGIES = ["single", "ddp", "manual_ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp"]
+from parallel_lab.checkpoint import checkpoint_name, read_manifest
+from parallel_lab.protocol import default_checkpoint_dir
+from parallel_lab.strategies import sweep_names
+from parallel_lab.testing import run_cli_metrics
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false",
-           "trainer.eval_batches=0", *overrides]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return run_cli_metrics(run_dir, "trainer.eval_batches=0", *overrides, timeout=900)
 
 
 def measure(strategy: str, model: str, workdir: Path) -> dict:
     common = [f"strategy={strategy}", f"model={model}", "trainer.global_batch=16"]
     first = _run(workdir / f"{strategy}_save", *common, "trainer.steps=2", "trainer.checkpoint_every=2")
-    folder = workdir / f"{strategy}_save" / "checkpoints" / "step_00000002"
+    folder = default_checkpoint_dir(workdir / f"{strategy}_save") / checkpoint_name(2)
     resumed = _run(workdir / f"{strategy}_load", *common, "trainer.steps=3", f"trainer.resume={folder}")
-    files = json.loads((folder / "complete.json").read_text())["files"]
-    return {"bytes": first["checkpoint_bytes"], "psi": first["checkpoint_bytes"] / (4 * first["params"]),
-            "files": len(files), "save_s": first["checkpoint_save_s"], "load_s": resumed["checkpoint_load_s"]}
+    files = read_manifest(folder)["files"]
+    return {
+        "bytes": first["checkpoint_bytes"],
+        "psi": first["checkpoint_bytes"] / (4 * first["params"]),
+        "files": len(files),
+        "save_s": first["checkpoint_save_s"],
+        "load_s": resumed["checkpoint_load_s"],
+    }
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench checkpoint", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet18", choices=["cnn", "resnet18"])
-    parser.add_argument("--only", choices=STRATEGIES, action="append", help="just these strategies")
+    strategies = sweep_names()  # every registered strategy, plugins included
+    parser.add_argument("--only", choices=strategies, action="append", help="just these strategies")
     args = parser.parse_args(argv)
     print(f"| strategy ({args.model}) | checkpoint MiB | in Ψ | files | save s | load s |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as workdir:
-        for strategy in args.only or STRATEGIES:
+        for strategy in args.only or strategies:
             m = measure(strategy, args.model, Path(workdir))
-            print(f"| {strategy} | {m['bytes'] / 2**20:.1f} | {m['psi']:.2f} | {m['files']} | {m['save_s']:.2f} | "
-                  f"{m['load_s']:.2f} |", flush=True)
+            print(
+                f"| {strategy} | {m['bytes'] / 2**20:.1f} | {m['psi']:.2f} | {m['files']} | {m['save_s']:.2f} | "
+                f"{m['load_s']:.2f} |",
+                flush=True,
+            )
     return 0

@@ -1,11 +1,15 @@
-"""Collective bandwidth on one machine: mpi4py (buffer API) vs torch.distributed gloo vs a
-hand-written chunked ring (torch send/recv), in ONE mpiexec job, plus memcpy as the ceiling.
+"""Collective bandwidth on one machine: mpi4py (buffer API) vs torch.distributed gloo vs the
+hand-written collectives training uses (``parallel_lab.comm.collectives``: the segmented ring of
+manual_ddp, and its binomial-tree broadcast, on torch send/recv), in ONE mpiexec job, plus memcpy
+as the ceiling.
 
     python -m parallel_lab.bench collectives [--np 2] [--min-bytes 1K] [--max-bytes 64M]
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
 
-Run without mpiexec, it starts ``mpiexec -n NP`` on itself (one job: MPI and a gloo group whose
-ranks and rendezvous come from the MPI environment, via parallel_lab.dist_env).
+Run without mpiexec, it starts ``mpiexec -n NP python -m mpi4py`` on itself (one job: MPI and a
+gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
+Under your own mpiexec, run it as ``python -m mpi4py -m parallel_lab.bench.collectives``: mpi4py's
+runner aborts the job when a rank raises.
 
 Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's median time per call:
   algbw = S / t, where S is the whole vector (all_reduce, broadcast: the tensor; all_gather: the
@@ -16,6 +20,7 @@ Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's m
 Every process of the job lives on one machine, so "the link" is memory and the CPU cores doing
 the copies; the single-process memcpy line is the ceiling for busbw.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,17 +32,19 @@ from typing import Callable
 
 import numpy as np
 
+from parallel_lab.bench._format import human
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-IMPLS = ("mpi4py", "gloo", "ring")
+IMPLS = ("mpi4py", "gloo", "hand")  # hand: parallel_lab.comm.collectives, what manual_ddp trains with
 
 
 def parse_bytes(text: str) -> int:
     units = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
     t = text.strip().upper()
     digits = t.rstrip("KMGIB")
-    if not digits.isdigit() or t[len(digits):] not in units or int(digits) < 1:
+    if not digits.isdigit() or t[len(digits) :] not in units or int(digits) < 1:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size; use e.g. 1K, 64M, 4096")
-    return int(digits) * units[t[len(digits):]]
+    return int(digits) * units[t[len(digits) :]]
 
 
 def positive(text: str) -> int:
@@ -47,52 +54,9 @@ def positive(text: str) -> int:
 
 
 def bus_factor(op: str, p: int) -> float:
-    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
-            "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[op]
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-# ---- the hand-written ring (torch point-to-point over gloo) -----------------------------------
-def _exchange(dist, send, recv, right: int, left: int) -> None:
-    """Send right and receive left at once (isend first, so the ring cannot deadlock)."""
-    req = dist.isend(send, right)
-    dist.recv(recv, left)
-    req.wait()
-
-
-def ring_reduce_scatter_(dist, chunks, tmp, rank: int, p: int) -> None:
-    """In place: afterwards chunks[rank] holds the sum over ranks of chunk `rank`."""
-    right, left = (rank + 1) % p, (rank - 1) % p
-    for s in range(p - 1):
-        send, recv = chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p]
-        _exchange(dist, send, tmp[: recv.numel()], right, left)
-        recv += tmp[: recv.numel()]
-
-
-def ring_all_gather_(dist, chunks, rank: int, p: int) -> None:
-    """In place: rank r owns chunks[r]; afterwards every rank has every chunk."""
-    right, left = (rank + 1) % p, (rank - 1) % p
-    for s in range(p - 1):
-        _exchange(dist, chunks[(rank - s) % p], chunks[(rank - s - 1) % p], right, left)
-
-
-def ring_broadcast_(dist, buf, rank: int, p: int, max_segments: int = 8, min_segment: int = 1 << 14) -> None:
-    """Pipelined chain 0 -> 1 -> ... -> p-1: each rank forwards segment i while receiving i+1.
-    Segments of at least min_segment elements: below that, per-message latency dominates."""
-    reqs = []
-    for seg in buf.tensor_split(max(1, min(max_segments, buf.numel() // min_segment))):
-        if rank > 0:
-            dist.recv(seg, rank - 1)
-        if rank < p - 1:
-            reqs.append(dist.isend(seg, rank + 1))
-    for req in reqs:
-        req.wait()
+    return {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "broadcast": 1.0}[
+        op
+    ]
 
 
 # ---- one (impl, op): buffers + a call, and a way to read the result ---------------------------
@@ -107,38 +71,42 @@ def make_call(impl: str, op: str, inp: np.ndarray, comm, rank: int, p: int) -> t
         send = inp.copy()
         out = {"all_reduce": n, "all_gather": n, "reduce_scatter": n // p, "broadcast": 0}[op]
         recv = np.empty(out, dtype=inp.dtype)
-        run = {"all_reduce": lambda: comm.Allreduce(send, recv, op=MPI.SUM),
-               "all_gather": lambda: comm.Allgather(send, recv),
-               "reduce_scatter": lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
-               "broadcast": lambda: comm.Bcast(send, root=0)}[op]
+        run = {
+            "all_reduce": lambda: comm.Allreduce(send, recv, op=MPI.SUM),
+            "all_gather": lambda: comm.Allgather(send, recv),
+            "reduce_scatter": lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM),
+            "broadcast": lambda: comm.Bcast(send, root=0),
+        }[op]
         return run, (lambda: send) if op == "broadcast" else (lambda: recv)
     x = torch.from_numpy(inp.copy())
     if impl == "gloo":
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         out = torch.empty(n if op == "all_gather" else n // p, dtype=x.dtype)
-        run = {"all_reduce": lambda: dist.all_reduce(x),
-               "all_gather": lambda: all_gather(out, x),
-               "reduce_scatter": lambda: reduce_scatter(out, x),
-               "broadcast": lambda: dist.broadcast(x, src=0)}[op]
+        run = {
+            "all_reduce": lambda: dist.all_reduce(x),
+            "all_gather": lambda: all_gather(out, x),
+            "reduce_scatter": lambda: reduce_scatter(out, x),
+            "broadcast": lambda: dist.broadcast(x, src=0),
+        }[op]
         return run, (lambda: out.numpy()) if op in ("all_gather", "reduce_scatter") else (lambda: x.numpy())
-    # ring: reduce_scatter and all_reduce work in place on x; all_gather fills a full buffer.
-    full = torch.empty(n, dtype=x.dtype) if op == "all_gather" else x
-    chunks = list(full.tensor_split(p))
-    tmp = torch.empty(max(c.numel() for c in chunks), dtype=x.dtype)
-    if op == "all_gather":
+    # hand: the hand-written collectives manual_ddp trains with (parallel_lab.comm.collectives):
+    # the segmented ring for all_reduce, reduce_scatter and all_gather, a binomial tree for broadcast.
+    from parallel_lab.comm import collectives
+
+    if op == "all_gather":  # every rank's input is its chunk of the full buffer
+        full = torch.empty(n, dtype=x.dtype)
+
         def run():
-            chunks[rank].copy_(x)
-            ring_all_gather_(dist, chunks, rank, p)
+            collectives.ring_chunks(full, p)[rank].copy_(x)
+            collectives.all_gather(full)
+
         return run, lambda: full.numpy()
     if op == "reduce_scatter":
-        return (lambda: ring_reduce_scatter_(dist, chunks, tmp, rank, p)), (lambda: chunks[rank].numpy())
+        return (lambda: collectives.reduce_scatter(x)), (lambda: collectives.ring_chunks(x, p)[rank].numpy())
     if op == "all_reduce":
-        def run():
-            ring_reduce_scatter_(dist, chunks, tmp, rank, p)
-            ring_all_gather_(dist, chunks, rank, p)
-        return run, lambda: x.numpy()
-    return (lambda: ring_broadcast_(dist, x, rank, p)), (lambda: x.numpy())
+        return (lambda: collectives.all_reduce(x, algorithm="ring")), (lambda: x.numpy())
+    return (lambda: collectives.broadcast(x, src=0)), (lambda: x.numpy())
 
 
 def rank_input(op: str, n: int, rank: int, p: int, zeros: bool) -> np.ndarray:
@@ -175,18 +143,16 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from parallel_lab.dist_env import init_process_group
-    from parallel_lab.mirror import abort_on_exception, torch_env
+    from parallel_lab.worker.dist_env import init_process_group, read_dist_env
 
     comm = MPI.COMM_WORLD
-    abort_on_exception(comm)
     rank, p = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     # The others wait in the Barrier. Two sizes: the largest (memory-bound) and 256 KiB (fits in
     # cache, so small collectives can beat the big-copy number).
     ceiling = (memcpy_gbps(args.max_bytes), memcpy_gbps(256 << 10, reps=200)) if rank == 0 else (0.0, 0.0)
     comm.Barrier()
-    env = torch_env()
+    env = read_dist_env("cpu")
     init_process_group(env, timeout_s=300)
     sizes, size = [], args.min_bytes
     while size <= args.max_bytes:
@@ -230,13 +196,19 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
     import torch
     from mpi4py import MPI
 
-    print(f"collectives bench: {p} ranks on one machine ({os.cpu_count()} CPUs), float32, 1 thread/rank; "
-          f"torch {torch.__version__} gloo; {MPI.Get_library_version().splitlines()[0].strip()}")
-    print(f"memcpy ceiling (1 process, numpy copyto): {human(args.max_bytes)} {ceiling[0]:.2f} GB/s, "
-          f"256 KiB (in cache) {ceiling[1]:.2f} GB/s; bytes copied per second: the ceiling for busbw, "
-          f"since every byte a rank sends or receives here is at least one memory copy")
-    print("time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
-          f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s")
+    print(
+        f"collectives bench: {p} ranks on one machine ({os.cpu_count()} CPUs), float32, 1 thread/rank; "
+        f"torch {torch.__version__} gloo; {MPI.Get_library_version().splitlines()[0].strip()}"
+    )
+    print(
+        f"memcpy ceiling (1 process, numpy copyto): {human(args.max_bytes)} {ceiling[0]:.2f} GB/s, "
+        f"256 KiB (in cache) {ceiling[1]:.2f} GB/s; bytes copied per second: the ceiling for busbw, "
+        f"since every byte a rank sends or receives here is at least one memory copy"
+    )
+    print(
+        "time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
+        f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s"
+    )
     head = "| op | size |" + "".join(f" {i} us | {i} algbw | {i} busbw |" for i in args.impls)
     print(head)
     print("|" + "---|" * (2 + 3 * len(args.impls)))
@@ -250,21 +222,27 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
 
 
 def under_mpi() -> bool:
-    from parallel_lab.dist_env import MPI_MARKERS
+    from parallel_lab.worker.dist_env import MPI_MARKERS
 
     return any(k in os.environ for k in MPI_MARKERS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench collectives", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m parallel_lab.bench collectives", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--np", type=positive, default=2, help="ranks for mpiexec -n (default 2)")
     parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10, help="smallest size (default 1K)")
     parser.add_argument("--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (default 64M)")
     parser.add_argument("--factor", type=int, default=4, choices=(2, 4, 8, 16), help="size step (default x4)")
     parser.add_argument("--min-iters", type=positive, default=3)
     parser.add_argument("--max-iters", type=positive, default=200)
-    parser.add_argument("--budget-bytes", type=parse_bytes, default=256 << 20,
-                        help="iterations per size = budget / size, clamped to [min-iters, max-iters]")
+    parser.add_argument(
+        "--budget-bytes",
+        type=parse_bytes,
+        default=256 << 20,
+        help="iterations per size = budget / size, clamped to [min-iters, max-iters]",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
@@ -273,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
     if under_mpi() or args.np == 1:
         return run_job(args)
-    from parallel_lab.launch import find_tool
+    from parallel_lab.cli.launch import find_tool
 
     tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
     forwarded = argv if argv is not None else sys.argv[1:]
-    cmd = [tool, "-n", str(args.np), sys.executable, "-m", "parallel_lab.bench.collectives", *forwarded]
+    # mpi4py's runner (python -m mpi4py) aborts the whole job when one rank raises, so no rank is
+    # left waiting in a collective for a peer that is gone.
+    cmd = [tool, "-n", str(args.np), sys.executable, "-m", "mpi4py", "-m", "parallel_lab.bench.collectives", *forwarded]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
     return subprocess.run(cmd, env=env).returncode
 

@@ -8,6 +8,7 @@ on the same model (cnn), global batch, steps and one thread per rank. Each side 
 step time after warm-up (excluding data loading and start-up); the ratio printed is
 parallel_lab samples/s / bare samples/s (target >= 0.95).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from parallel_lab.dist_env import free_port
+from parallel_lab.testing import run_cli_metrics
+from parallel_lab.worker.dist_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = {"ddp": "benchmarks/bare_ddp.py", "zero2": "benchmarks/bare_zero2.py"}
@@ -27,15 +29,26 @@ PAIRS = {"ddp": "benchmarks/bare_ddp.py", "zero2": "benchmarks/bare_zero2.py"}
 
 def run_toolkit(strategy: str, steps: int, batch: int, workdir: Path) -> float:
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    cmd = [sys.executable, "-m", "parallel_lab", f"strategy={strategy}", f"trainer.steps={steps}",
-           f"trainer.global_batch={batch}", "trainer.progress=false", f"hydra.run.dir={run_dir}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
-    return json.loads((run_dir / "metrics.json").read_text())["samples_per_s"]
+    metrics = run_cli_metrics(
+        run_dir, f"strategy={strategy}", f"trainer.steps={steps}", f"trainer.global_batch={batch}", timeout=600
+    )
+    return metrics["samples_per_s"]
 
 
 def run_bare(script: str, steps: int, batch: int) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", script, "--steps", str(steps), "--global-batch", str(batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        script,
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(batch),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=600, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
@@ -57,5 +70,8 @@ def main(argv: list[str]) -> int:
                 ours.append(run_toolkit(strategy, args.steps, args.global_batch, Path(workdir)))
                 bare.append(run_bare(PAIRS[strategy], args.steps, args.global_batch))
             ratio = statistics.median(o / b for o, b in zip(ours, bare))
-            print(f"| {strategy} | {statistics.median(ours):.0f} | {statistics.median(bare):.0f} | {ratio:.3f} |", flush=True)
+            print(
+                f"| {strategy} | {statistics.median(ours):.0f} | {statistics.median(bare):.0f} | {ratio:.3f} |",
+                flush=True,
+            )
     return 0

@@ -5,6 +5,7 @@ same seed and epoch everywhere (its permutation does not depend on the number of
 takes every N-th index, so the union of the ranks' batches at step s is exactly the single-process
 batch s. Tensor/pipeline-parallel strategies have a data-parallel size of 1 and see the whole batch.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -64,12 +65,14 @@ def train_batches(
         sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
         order = torch.tensor(list(sampler), dtype=torch.int64)
         for b in range(skip, per_epoch):
-            index = order[b * per_rank:(b + 1) * per_rank]
+            index = order[b * per_rank : (b + 1) * per_rank]
             yield images[index], labels[index]
         skip, epoch = 0, epoch + 1
 
 
-def eval_batches(dataset: TensorDataset, batch: int, num_batches: int, dp_rank: int, dp_size: int):
+def eval_batches(
+    dataset: TensorDataset, batch: int, num_batches: int, dp_rank: int, dp_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the first num_batches * batch held-out samples (no shuffling)."""
     # Whole batches only, so every rank runs the same number of (possibly collective) forwards.
     count = min(len(dataset), batch * num_batches) // batch * batch

@@ -8,6 +8,7 @@ Pickle can run arbitrary code, so these members are read with a restricted unpic
 only the globals this format needs to rebuild numpy arrays; anything else is refused. Members are
 read straight from the archive, never extracted to disk.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,7 +27,6 @@ from parallel_lab.hashing import file_digest
 
 TARBALL = "cifar-10-python.tar.gz"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-MD5 = "c58f30108f718f92721af3b95e74349a"
 TRAIN_MEMBERS = [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
 TEST_MEMBER = "cifar-10-batches-py/test_batch"
 IMAGE_BYTES = 3 * 32 * 32  # one image in the tarball: uint8, channel-major
@@ -66,9 +66,7 @@ def validate_cifar_config(cfg: DictConfig) -> None:
         raise ConfigError("data=cifar10 needs data.root; set data.root=<folder holding cifar-10-python.tar.gz>")
     path = tarball_path(cfg)
     if not path.is_file() and not cfg.download:
-        raise ConfigError(
-            f"data.root={cfg.root} has no {TARBALL}; put the tarball there or add data.download=true"
-        )
+        raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put the tarball there or add data.download=true")
 
 
 def tarball_images(cfg: DictConfig) -> int:
@@ -117,10 +115,12 @@ def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
         if not cfg.download:
             raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put it there or add data.download=true")
         download(path)
-    expected = cfg.get("md5", MD5)
+    expected = cfg.md5  # the official tarball's: DataConfig.md5 (config/schema.py)
     actual = file_digest(path, "md5") if expected else None
     if expected and actual != expected:
-        raise ConfigError(f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it")
+        raise ConfigError(
+            f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it"
+        )
     try:
         with tarfile.open(path, "r:gz") as tar:
             train = [_read_member(tar, name, path) for name in TRAIN_MEMBERS]

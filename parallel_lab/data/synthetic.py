@@ -3,6 +3,7 @@
 Each class has a fixed random 3x32x32 prototype; a sample is its class prototype plus noise, so
 the task is learnable and losses fall the way they would on real data.
 """
+
 import torch
 from torch.utils.data import TensorDataset
 

@@ -3,6 +3,7 @@
 Both are ``nn.Sequential`` of coarse blocks, which is all a pipeline strategy needs to cut them into
 contiguous stages, and all a tensor-parallel strategy needs to find the layers it splits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,14 @@ def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
     validate_model_config(cfg)
     torch.manual_seed(seed)
     return MODELS[cfg.name](num_classes=cfg.num_classes)
+
+
+def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:
+    """The model's structure on the meta device: shapes for planning and estimates, no memory used
+    and no random numbers drawn."""
+    validate_model_config(cfg)
+    with torch.device("meta"):
+        return MODELS[cfg.name](num_classes=cfg.num_classes)
 
 
 def count_params(model: torch.nn.Module) -> int:

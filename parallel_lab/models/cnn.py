@@ -1,4 +1,5 @@
 """A small CIFAR-10 CNN (~0.3M parameters): three conv blocks and a two-layer classifier head."""
+
 import torch.nn as nn
 
 

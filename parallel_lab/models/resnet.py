@@ -4,6 +4,7 @@ GroupNorm instead of BatchNorm, on purpose: BatchNorm normalises over each proce
 so its loss depends on how the global batch is split and no strategy could match the single-process
 baseline exactly. GroupNorm is per-sample, so every split computes the same function.
 """
+
 import torch
 import torch.nn as nn
 

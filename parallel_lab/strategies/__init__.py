@@ -1,22 +1,28 @@
 """Registry of strategies: ``strategy=<name>`` -> one small Strategy class.
 
-Each module in this package registers its classes with ``@register("name")``. Modules must not
-import heavy optional packages (deepspeed) at import time: the parent imports them all to validate.
+Each module (or folder) in this package registers its classes with ``@register("name")``, and
+so may a plugin module outside it (``PARALLEL_LAB_PLUGINS``, see ``parallel_lab.plugins``): one
+class and one yaml is all a new strategy needs; the sweep, the report and the benchmarks list
+strategies from here. Modules must not import heavy optional packages (deepspeed) at import time:
+the parent imports them all to validate.
 """
+
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Callable
 
 from parallel_lab.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
 
 
-def register(*names: str):
+def register(*names: str) -> Callable[[type], type]:
     """Class decorator: make the class the strategy for every name given."""
 
     def wrap(cls: type) -> type:
+        _check_state_hooks(cls, names)
         for name in names:
             if name in _REGISTRY and _REGISTRY[name] is not cls:
                 raise RuntimeError(f"strategy '{name}' registered twice")
@@ -26,15 +32,43 @@ def register(*names: str):
     return wrap
 
 
+def _check_state_hooks(cls: type, names: tuple[str, ...]) -> None:
+    """A strategy must say where its model state lives; refuse it at registration, not mid-run."""
+    from parallel_lab.strategies.base import STATE_HOOKS
+
+    missing = [hook for hook in STATE_HOOKS if getattr(getattr(cls, hook, None), "__isabstractmethod__", False)]
+    if missing:
+        raise TypeError(
+            f"strategy '{names[0]}' ({cls.__name__}) does not say how it saves, loads, gathers and accounts its "
+            f"model state: define {', '.join(missing)}, or inherit ReplicatedModel "
+            f"(parallel_lab/strategies/replicated.py) if every rank holds the whole model"
+        )
+
+
 def _discover() -> None:
+    from parallel_lab.plugins import import_plugins
+
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "base" and not info.name.startswith("_"):
+        if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
+    import_plugins()
 
 
 def registered_names() -> list[str]:
     _discover()
     return sorted(_REGISTRY)
+
+
+def sweep_names() -> list[str]:
+    """Every strategy, the baseline (``single``) first: what a comparison of all of them runs."""
+    names = registered_names()
+    return sorted(names, key=lambda name: (name != "single", name))
+
+
+def options_schemas() -> dict[str, type]:
+    """name -> the Options dataclass that holds the strategy's options, defaults and their meaning."""
+    _discover()
+    return {name: cls.Options for name, cls in sorted(_REGISTRY.items())}
 
 
 def get_strategy_class(name: str) -> type:

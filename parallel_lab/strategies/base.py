@@ -1,12 +1,14 @@
-"""The Strategy interface every parallelism plugs into, and the defaults most of them share.
+"""The Strategy interface every parallelism plugs into.
 
-A strategy is one small class in its own module under ``parallel_lab/strategies/`` plus one yaml
-file in ``conf/strategy/``. It receives a single-device model and an optimizer factory, wraps or
-splits them (its ``setup``), and owns backward and the optimizer step. The generic loop in
-``parallel_lab.train`` never asks which strategy it is running.
+A strategy is one small class (a module under ``parallel_lab/strategies/``, or a folder where it
+has helpers) plus one yaml file in ``conf/strategy/``. It receives a single-device model and an
+optimizer factory, wraps or splits them (its ``setup``), and owns backward and the optimizer step.
+The generic loop in ``parallel_lab.worker.train`` never asks which strategy it is running.
 """
+
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable
@@ -16,78 +18,35 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallel_lab.comm_count import CommCounter
-from parallel_lab.dist_env import DistEnv, init_process_group
+from parallel_lab.comm.counter import CommCounter
 from parallel_lab.errors import ConfigError, one_line
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
-REPLICA_FILE = "model_optimizer.pt"
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+# The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for
+# the parity check, and accounted for in memory. No default: a sharded strategy that inherited a
+# replicated one would save only rank 0's shard and report full-model memory without a word.
+STATE_HOOKS = (
+    "save_checkpoint",
+    "load_checkpoint",
+    "full_parameters",
+    "memory_after_backward",
+    "memory_after_step",
+    "analytic_memory",
+)
 
 
 @dataclass
 class StrategyOptions:
     """Options every strategy yaml has. Subclasses add their own fields (``strategy.<key>``)."""
 
-    name: str = "?"
+    name: str = "?"  # the registered name (strategy=<name>), set by the yaml
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors))
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind tensors: views into one flat buffer count once, and
-    the whole buffer counts (padding included), freed storages (resized to 0) count nothing.
-    This is what sharded strategies hold for real, whatever views they hand out."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        storage = local_tensor(t).untyped_storage()
-        if storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-    return int(sum(seen.values()))
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every state tensor (this rank's shard of a DTensor state); empty before the first step."""
-    return tensor_bytes(
-        local_tensor(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    )
-
-
-def optimizer_bytes_per_param(trainer: DictConfig) -> int:
-    """fp32 optimizer state per parameter: Adam keeps two moments, SGD one momentum buffer."""
-    if trainer.optimizer == "adam":
-        return 8
-    return 4 if trainer.momentum else 0
-
-
-def _map_state(optim_state: dict, fn) -> dict:
-    """An optimizer state_dict with fn(param index, tensor) applied to every per-parameter tensor
-    except Adam's scalar step counter."""
-    state = {index: {k: fn(index, v) if torch.is_tensor(v) and k != "step" else v for k, v in per_param.items()}
-             for index, per_param in optim_state["state"].items()}
-    return {**optim_state, "state": state}
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A saved local shard as the kind of tensor the parameter is (a DTensor with its layout)."""
-    if not hasattr(param, "placements"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
-class Strategy:
-    """Base class: one process per data-parallel rank, replicated model, no communication."""
+class Strategy(abc.ABC):
+    """Base class: one process per data-parallel rank, plain forward/backward/step, no communication.
+    Where the model state lives is each strategy's to say (``STATE_HOOKS``; ``ReplicatedModel``
+    for strategies whose every rank holds all of it)."""
 
     Options: ClassVar[type] = StrategyOptions
     single_process: ClassVar[bool] = False  # True: the run always uses exactly one process
@@ -112,7 +71,8 @@ class Strategy:
         """Type-check ``cfg.strategy`` against ``cls.Options``; unknown keys are errors."""
         try:
             schema = OmegaConf.structured(cls.Options)
-            merged = OmegaConf.merge(schema, cfg.strategy)
+            # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
+            merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
         cls.check_options(merged, cfg)
@@ -194,74 +154,34 @@ class Strategy:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return counts
 
-    # ----- checkpoints (parallel_lab/checkpoint.py calls these; it owns atomicity and the barriers) -----
-    def unwrapped_model(self) -> torch.nn.Module:
-        """The user's module inside DDP/DataParallel wrappers, whose state_dict has the plain names."""
-        return getattr(self.model, "module", self.model)
-
+    # ----- model state: required, see STATE_HOOKS (checkpoint/ owns atomicity and the barriers) -----
+    @abc.abstractmethod
     def save_checkpoint(self, directory: Path) -> None:
-        """Replicated model and optimizer: every replica holds the same, so rank 0 writes one copy
-        and the others wait at the checkpointer's barrier."""
-        if self.env.rank == 0:
-            torch.save({"model": self.unwrapped_model().state_dict(), "optimizer": self.optimizer.state_dict()},
-                       directory / REPLICA_FILE)
+        """Write this rank's part of the model and optimizer state into directory."""
 
+    @abc.abstractmethod
     def load_checkpoint(self, directory: Path) -> None:
-        """Every rank reads the one copy (weights_only: tensors and plain values only)."""
-        state = torch.load(directory / REPLICA_FILE, map_location=self.device, weights_only=True)
-        self.unwrapped_model().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore what save_checkpoint wrote (collective where saving was)."""
 
-    def save_rank_shard(self, directory: Path) -> None:
-        """Tensor/pipeline parallel: each rank holds a different part, so each writes its own file
-        (DTensors as their local shards, so loading needs no DTensor types)."""
-        torch.save({"model": {k: local_tensor(v) for k, v in self.model.state_dict().items()},
-                    "optimizer": _map_state(self.optimizer.state_dict(), lambda index, value: local_tensor(value))},
-                   directory / f"shard_rank{self.env.rank}.pt")
-
-    def load_rank_shard(self, directory: Path) -> None:
-        state = torch.load(directory / f"shard_rank{self.env.rank}.pt", map_location=self.device, weights_only=True)
-        mine = self.model.state_dict()  # shares storage with the parameters and buffers
-        if set(mine) != set(state["model"]):
-            raise ConfigError(f"checkpoint '{directory}': shard_rank{self.env.rank}.pt holds "
-                              f"{sorted(state['model'])}, this rank has {sorted(mine)}; resume with the same "
-                              f"strategy options, or trainer.resume=never")
-        with torch.no_grad():
-            for name, tensor in mine.items():
-                local_tensor(tensor).copy_(state["model"][name])
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict(_map_state(state["optimizer"], lambda index, value: _like(params[index], value)))
-
-    # ----- proof -----
+    @abc.abstractmethod
     def full_parameters(self) -> list[torch.Tensor]:
-        """Every parameter of the full (unsharded) model; collective on sharded strategies."""
-        return [p.detach() for p in self.model.parameters()]
+        """Every parameter of the full (unsharded) model in the single model's order; collective."""
 
     # The loop measures memory twice on the last step and merges the two (disjoint) reports:
     # gradients exist only until the optimizer step frees or zeroes them, optimizer state only
     # from the first optimizer step on. Neither hook may issue a collective or touch a value.
+    @abc.abstractmethod
     def memory_after_backward(self) -> dict[str, int]:
-        """Bytes of parameters and gradients this rank holds after the last backward, before the
-        optimizer step (DTensor parameters count their local shard)."""
-        params = list(self.model.parameters())
-        return {
-            "param_bytes": tensor_bytes(local_tensor(p) for p in params),
-            "grad_bytes": tensor_bytes(local_tensor(p.grad) for p in params if p.grad is not None),
-        }
+        """Bytes of parameters and gradients (param_bytes, grad_bytes, ...) this rank holds after
+        the last backward, before the optimizer step."""
 
+    @abc.abstractmethod
     def memory_after_step(self) -> dict[str, int]:
-        """Bytes of optimizer state this rank holds after the last optimizer step."""
-        return {"optim_bytes": optimizer_state_bytes(self.optimizer)}
+        """Bytes of optimizer state (optim_bytes, ...) this rank holds after the last optimizer step."""
 
+    @abc.abstractmethod
     def analytic_memory(self, num_params: int) -> dict[str, int]:
-        """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054, fp32):
-        a full replica is 4 bytes/param of weights, 4 of gradients and the optimizer's state
-        (Adam: 8 = exp_avg + exp_avg_sq; SGD with momentum: 4). Sharded strategies override."""
-        return {
-            "param_bytes": 4 * num_params,
-            "grad_bytes": 4 * num_params,
-            "optim_bytes": optimizer_bytes_per_param(self.cfg.trainer) * num_params,
-        }
+        """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054), same keys."""
 
     def extra_metrics(self) -> dict:
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""

@@ -6,6 +6,7 @@ backward still runs, so communication overlaps computation. Per step each rank s
 about 2(N-1)/N x the gradient bytes (ring all-reduce). With gradient accumulation, ``no_sync()``
 skips the all-reduce on every micro-batch but the last.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,23 +20,28 @@ from torch.nn.parallel import DistributedDataParallel
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 
 @dataclass
 class DDPOptions(StrategyOptions):
-    bucket_cap_mb: float = 25.0
+    """``strategy=ddp`` options."""
+
+    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
     gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
 
 
 @register("ddp")
-class DDPStrategy(Strategy):
+class DDPStrategy(ReplicatedModel, Strategy):
     Options = DDPOptions
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.bucket_cap_mb <= 0:
-            raise ConfigError(f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25")
+            raise ConfigError(
+                f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
+            )
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
@@ -47,7 +53,7 @@ class DDPStrategy(Strategy):
             gradient_as_bucket_view=self.opts.gradient_as_bucket_view,
         )
         # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
-        # (parallel_lab.comm_count). The stock average-then-all-reduce hook does the same work
+        # (parallel_lab.comm.counter). The stock average-then-all-reduce hook does the same work
         # through torch.distributed.all_reduce, so every bucket is counted.
         self.model.register_comm_hook(None, allreduce_hook)
         self.optimizer = make_optimizer(self.model.parameters())

@@ -7,16 +7,18 @@ GPU 0 is the hub (a star pattern), which is why DistributedDataParallel replaced
 On a CPU-only machine DataParallel just runs the wrapped module: one replica, reported as
 ``replicas: 1`` in metrics.json.
 """
+
 from __future__ import annotations
 
 import torch
 
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 
 @register("dp")
-class DataParallelStrategy(Strategy):
+class DataParallelStrategy(ReplicatedModel, Strategy):
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0  # one process: replicas (GPUs) exchange through device copies, no collectives

@@ -1,5 +1,5 @@
 """``manual_ddp``: data parallelism written by hand on the point-to-point collectives of
-``parallel_lab.collectives`` (the way DDP is taught, but correct and fast).
+``parallel_lab.comm.collectives`` (the way DDP is taught, but correct and fast).
 
 Communication per optimizer step, per rank, for G bytes of gradients on N ranks:
 - setup: every parameter and buffer is broadcast from rank 0 (binomial tree), so all replicas
@@ -19,6 +19,7 @@ Gradients live inside the flat bucket buffers (``p.grad`` is a view, like DDP's
 ``gradient_as_bucket_view``): backward accumulates straight into the buffer the all-reduce sends,
 so there is no copy in and no copy out, and no second gradient copy in memory.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,19 +30,24 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab import collectives
+from parallel_lab.comm import collectives
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.replicated import ReplicatedModel
 
 MB = 1024 * 1024
 
 
 @dataclass
 class ManualDDPOptions(StrategyOptions):
-    allreduce: str = "ring"  # star | ring | builtin
-    bucketed: bool = True  # false: one all-reduce of all gradients after backward
-    bucket_mb: float = 25.0  # bucket size when bucketed
+    """``strategy=manual_ddp`` options."""
+
+    allreduce: str = "ring"  # star | ring | builtin (= dist.all_reduce, for comparison)
+    # true: bucketed all-reduce launched from backward hooks, overlapping backward;
+    # false: one all-reduce of every gradient after backward (simple, no overlap)
+    bucketed: bool = True
+    bucket_mb: float = 25.0  # bucket size in MiB when bucketed (> 0)
 
 
 class Bucket:
@@ -52,7 +58,7 @@ class Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.ready = 0
         self.pending: Future | None = None
@@ -64,8 +70,11 @@ class Bucket:
     def check_views(self) -> None:
         """Backward must have accumulated in place; anything that replaced .grad breaks the sync."""
         for p in self.params:
-            if p.grad is None or p.grad.data_ptr() < self.buffer.data_ptr() or \
-                    p.grad.data_ptr() >= self.buffer.data_ptr() + self.nbytes:
+            if (
+                p.grad is None
+                or p.grad.data_ptr() < self.buffer.data_ptr()
+                or p.grad.data_ptr() >= self.buffer.data_ptr() + self.nbytes
+            ):
                 raise RuntimeError("manual_ddp: a parameter's .grad was replaced; gradients must stay bucket views")
 
 
@@ -85,7 +94,7 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 
 
 @register("manual_ddp")
-class ManualDDPStrategy(Strategy):
+class ManualDDPStrategy(ReplicatedModel, Strategy):
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
     Options = ManualDDPOptions
 
@@ -187,14 +196,17 @@ class ManualDDPStrategy(Strategy):
         n = self.dp_size
         # Bytes rank 0 sends per step (ring/builtin: every rank the same; star: rank 0 is the hub
         # that sends the sum back to N-1 ranks, after receiving N-1 full gradients).
-        sent = {"ring": 2 * (n - 1) / n * grad_bytes, "builtin": 2 * (n - 1) / n * grad_bytes,
-                "star": (n - 1) * grad_bytes}
+        sent = {
+            "ring": 2 * (n - 1) / n * grad_bytes,
+            "builtin": 2 * (n - 1) / n * grad_bytes,
+            "star": (n - 1) * grad_bytes,
+        }
         return {
             "buckets": len(self.buckets),
             "bucket_bytes": [b.nbytes for b in self.buckets],
             # Seconds per step the training thread waited for gradient communication after
             # backward (median over steps after warm-up): small = communication was overlapped.
-            "exposed_comm_s": statistics.median(self._wait_times[self.cfg.trainer.warmup_steps:] or self._wait_times),
+            "exposed_comm_s": statistics.median(self._wait_times[self.cfg.trainer.warmup_steps :] or self._wait_times),
             "analytic_sent_bytes_per_step_rank0": int(sent[self.opts.allreduce]) if n > 1 else 0,
         }
 

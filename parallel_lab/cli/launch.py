@@ -1,0 +1,248 @@
+"""Start the worker processes of one run and supervise them (parent process only).
+
+``launcher=spawn`` (default) starts ``world_size`` copies of ``python -m parallel_lab.worker``
+itself, with RANK/WORLD_SIZE/LOCAL_RANK and a free rendezvous port on 127.0.0.1.
+``launcher=torchrun``, ``deepspeed`` and ``mpirun`` run those real tools with the same worker
+command; ``launch/*.sh`` show the raw commands. In every case, if one rank fails, every rank is
+stopped and the failing rank's traceback is shown once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.worker.dist_env import free_port
+
+WORKER = ["-m", "parallel_lab.worker"]
+
+
+@dataclass
+class Proc:
+    rank: int | None  # None: a launcher tool that owns several ranks
+    popen: subprocess.Popen
+
+
+def find_tool(name: str, install_hint: str) -> str:
+    """Prefer the tool installed next to this interpreter (the project's .venv), then PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if not found:
+        raise ConfigError(f"launcher needs '{name}' but it is not installed; {install_hint}")
+    return found
+
+
+def rendezvous_port(cfg: DictConfig) -> int:
+    port = cfg.launcher.master_port
+    if not port:
+        return free_port(cfg.launcher.master_addr)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((cfg.launcher.master_addr, port))
+        except OSError:
+            raise ConfigError(
+                f"launcher.master_port={port} is already in use; pick another port "
+                f"or launcher.master_port=0 for a free one"
+            ) from None
+    return port
+
+
+def base_env(cfg: DictConfig, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR=cfg.launcher.master_addr,
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(cfg.trainer.threads),  # the deepspeed launcher does not set it
+        PYTHONUNBUFFERED="1",
+        **{SUPERVISED_ENV: "1"},
+    )
+    return env
+
+
+# What a launcher starts: (rank, or None for a tool that starts several ranks; argv; environment).
+Command = tuple[int | None, list[str], dict[str, str]]
+
+
+def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    commands = []
+    for rank in range(cfg.world_size):
+        env = base_env(cfg, port)
+        env.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(rank))
+        commands.append((rank, [sys.executable, *WORKER, str(config_path)], env))
+    return commands
+
+
+def torchrun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={cfg.world_size}",
+        f"--master_addr={cfg.launcher.master_addr}",
+        f"--master_port={port}",
+        f"--max_restarts={cfg.launcher.max_restarts}",
+        *cfg.launcher.extra_args,
+        *WORKER,
+        str(config_path),
+    ]
+    return [(None, cmd, base_env(cfg, port))]
+
+
+def deepspeed_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    tool = find_tool("deepspeed", "install it with pip install 'parallel_lab[deepspeed]' (make installs it)")
+    # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
+    cmd = [
+        tool,
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        str(cfg.world_size),
+        "--master_addr",
+        cfg.launcher.master_addr,
+        "--master_port",
+        str(port),
+        *cfg.launcher.extra_args,
+        "--module",
+        "parallel_lab.worker",
+        str(config_path),
+    ]
+    return [(None, cmd, base_env(cfg, port))]
+
+
+def mpirun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
+    env = base_env(cfg, port)
+    flags = []
+    if "Open MPI" in subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout:
+        flags = [
+            "--oversubscribe",
+            *[f"-x{v}" for v in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", SUPERVISED_ENV)],
+        ]
+    cmd = [tool, "-n", str(cfg.world_size), *flags, *cfg.launcher.extra_args, sys.executable, *WORKER, str(config_path)]
+    return [(None, cmd, env)]
+
+
+LAUNCHERS = {
+    "spawn": spawn_commands,
+    "torchrun": torchrun_commands,
+    "deepspeed": deepspeed_commands,
+    "mpirun": mpirun_commands,
+}
+
+
+def launcher_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    if cfg.launcher.name not in LAUNCHERS:
+        raise ConfigError(
+            f"unknown launcher '{cfg.launcher.name}'; choose one of: {', '.join(LAUNCHERS)} (launcher=<name>)"
+        )
+    return LAUNCHERS[cfg.launcher.name](cfg, config_path, port)
+
+
+def _stop(procs: list[Proc]) -> None:
+    """SIGTERM whatever still runs, then SIGKILL after a moment: nothing is left behind."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            _signal_group(proc.popen, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.popen, signal.SIGKILL)
+            proc.popen.wait()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)  # the tool and every rank it started
+    except ProcessLookupError:
+        pass
+
+
+def supervise(procs: list[Proc], grace_s: float) -> int:
+    """Wait for all; after the first failure give the rest grace_s to exit, then stop them."""
+    failed_at = None
+    while True:
+        codes = [p.popen.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            _stop(procs)
+            break
+        time.sleep(0.05)
+    codes = [p.popen.returncode for p in procs]
+    return next((c for c in codes if c != 0), 0)
+
+
+def _raise_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
+
+
+def run_processes(commands: list[Command]) -> list[Proc]:
+    procs = []
+    try:
+        for rank, cmd, env in commands:
+            # A new session per child so the stop signal reaches a launcher tool's own children too.
+            # In the child before exec: SIGTERM it if this parent dies, so a launcher tool
+            # (torchrun, mpiexec) in its own session still stops and takes its ranks along.
+            procs.append(
+                Proc(
+                    rank,
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        start_new_session=True,
+                        preexec_fn=partial(set_parent_death_signal, signal.SIGTERM),
+                    ),
+                )
+            )
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs
+
+
+def first_failure(run_dir: Path) -> tuple[str, str, str] | None:
+    """(rank, one-line summary, traceback) of the rank that failed first, from errors/rank<k>.txt."""
+    files = sorted((run_dir / ERRORS_DIR).glob("rank*.txt"))
+    if not files:
+        return None
+    parsed = []
+    for path in files:
+        stamp_kind, summary, text = (path.read_text().split("\n", 2) + ["", ""])[:3]
+        stamp, _, kind = stamp_kind.partition(" ")
+        parsed.append((float(stamp or 0), path.stem[4:], kind, summary, text))
+    # A bad-input error beats the peers' secondary errors ("connection closed by peer").
+    parsed.sort(key=lambda item: (item[2] != "config", item[0]))
+    _, rank, kind, summary, text = parsed[0]
+    return rank, summary, "" if kind == "config" else text
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> int:
+    """Start the run's processes, wait for them, return 0 or the first non-zero exit code."""
+    config_path = run_dir / CONFIG_FILE
+    port = rendezvous_port(cfg)
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    procs = []
+    try:
+        procs = run_processes(launcher_commands(cfg, config_path, port))
+        return supervise(procs, cfg.launcher.grace_s)
+    finally:
+        _stop(procs)  # also on KeyboardInterrupt or SIGTERM: no orphan workers
+        signal.signal(signal.SIGTERM, previous)

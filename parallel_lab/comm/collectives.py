@@ -1,0 +1,266 @@
+"""Collectives written by hand from point-to-point messages (``send``/``recv``/``isend``/``irecv``).
+
+They teach what ``torch.distributed``'s collectives do inside, ``manual_ddp`` trains with them,
+and the benchmarks (``python -m parallel_lab.bench allreduce|collectives``) time these very
+functions. Every function works on the default process group, in place, on any shape, any number of
+elements (divisible by the world size or not) and any dtype that supports ``+`` (float, int).
+Reductions add in a fixed order, so float results are reproducible run to run and can differ from
+the library's only by rounding (the order of the additions).
+
+Costs below are for a tensor of B bytes on N ranks (per rank, per call):
+
+=====================  =========================================  ===============================
+function               pattern                                    bytes sent (busiest rank)
+=====================  =========================================  ===============================
+``broadcast``          binomial tree from ``src``                 <= B * ceil(log2 N)  (src)
+``reduce``             star: everyone sends to ``dst``            B (leaf);  dst receives (N-1)B
+``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B sent + (N-1)B received
+                                                                  at rank 0: a hotspot
+``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
+``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
+``reduce_scatter``     the ring's first half                      (N-1)/N * B on every rank
+``all_gather``         the ring's second half                     (N-1)/N * B on every rank
+=====================  =========================================  ===============================
+
+The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
+all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+OPS = ("sum", "mean")
+ALGORITHMS = ("star", "ring", "builtin")
+SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
+RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is unknown; use one of {OPS}")
+
+
+def _finish_mean(tensor: torch.Tensor, op: str, world: int) -> None:
+    """gloo has no MEAN/AVG for every call, so MEAN = SUM then divide (integers: floor)."""
+    if op != "mean":
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(world)
+    else:
+        tensor.floor_divide_(world)
+
+
+def _in_place(fn: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> torch.Tensor:
+    """Run fn on a contiguous flat view; copy back if the caller's tensor was not contiguous."""
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    fn(flat)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Copy ``src``'s tensor to every rank, in place (binomial tree: ceil(log2 N) rounds).
+
+    In round k every rank that already has the data (relative rank < 2^k) sends the whole
+    tensor to relative rank + 2^k, so the number of holders doubles each round.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return tensor
+
+    def run(flat: torch.Tensor) -> None:
+        rel = (rank - src) % world
+        step = 1
+        while step < world:
+            if rel < step and rel + step < world:
+                dist.send(flat, (rel + step + src) % world)
+            elif step <= rel < 2 * step:
+                dist.recv(flat, (rel - step + src) % world)
+            step *= 2
+
+    return _in_place(run, tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
+    """Sum (or average) every rank's tensor into ``dst``'s tensor, in place (star pattern).
+
+    Every other rank sends its whole tensor to ``dst`` (B bytes each); ``dst`` receives the
+    N-1 tensors concurrently and adds them in rank order. Other ranks' tensors are unchanged.
+    """
+    _check_op(op)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        _finish_mean(tensor, op, world)
+        return tensor
+
+    def run(flat: torch.Tensor) -> None:
+        if rank != dst:
+            dist.send(flat, dst)
+            return
+        peers = [r for r in range(world) if r != dst]
+        bufs = {r: torch.empty_like(flat) for r in peers}
+        works = {r: dist.irecv(bufs[r], r) for r in peers}
+        for r in peers:  # fixed order: the same float result on every run
+            works[r].wait()
+            flat.add_(bufs[r])
+        _finish_mean(flat, op, world)
+
+    return _in_place(run, tensor)
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring", segment_bytes: int | None = None
+) -> torch.Tensor:
+    """Sum (or average) the tensor over all ranks, in place, with the chosen algorithm.
+
+    ``star``: reduce to rank 0 then send the result back (rank 0 moves 2(N-1)B: a hotspot).
+    ``ring``: chunked ring, 2(N-1) rounds, each rank sends 2(N-1)/N * B in total; chunks travel
+    in pipelined segments of ``segment_bytes`` (default ``SEGMENT_BYTES``).
+    ``builtin``: ``dist.all_reduce`` for comparison.
+    """
+    _check_op(op)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {ALGORITHMS}")
+    world = dist.get_world_size()
+    if world == 1:
+        _finish_mean(tensor, op, world)
+        return tensor
+    if algorithm == "builtin":
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        _finish_mean(tensor, op, world)
+        return tensor
+    if algorithm == "star":
+        _in_place(_star_all_reduce, tensor)
+    else:
+        _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)
+    _finish_mean(tensor, op, world)
+    return tensor
+
+
+def _star_all_reduce(flat: torch.Tensor) -> None:
+    """Gather-and-add at rank 0, then rank 0 sends the sum to every other rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reduce(flat, dst=0, op="sum")
+    if rank == 0:
+        works = [dist.isend(flat, r) for r in range(1, world)]
+        for work in works:
+            work.wait()
+    else:
+        dist.recv(flat, 0)
+
+
+def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """N nearly equal contiguous views (the first numel % N chunks are one element longer)."""
+    return list(torch.tensor_split(flat, world))
+
+
+def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+    """Chunked ring all-reduce: reduce-scatter then all-gather, pipelined in segments.
+
+    The tensor is cut into N chunks. Reduce-scatter: in round s (s = 0..N-2) rank r sends chunk
+    (r - s) mod N to rank r+1 and adds the chunk (r - s - 1) mod N it receives from rank r-1;
+    after N-1 rounds rank r owns the full sum of chunk (r + 1) mod N. All-gather: N-1 more rounds
+    pass the finished chunks around the ring. Each round moves B/N bytes per rank, so each rank
+    sends 2(N-1)/N * B in total, whatever N is.
+
+    In both phases round t receives chunk (r - t - 1) mod N, and the next round sends exactly what
+    was just received (after the add). So chunks travel in segments, each forwarded as soon as it
+    is ready: the add of one segment overlaps the transfer of the next, and the all-gather starts
+    while the reduce-scatter is still finishing (``_ring``).
+    """
+    world = dist.get_world_size()
+    _ring(flat, dist.get_rank(), world - 1, world - 1, segment_bytes, window)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", segment_bytes: int | None = None) -> torch.Tensor:
+    """Ring reduce-scatter, in place: afterwards this rank's chunk of the flattened tensor
+    (``ring_chunks(flat, N)[rank]``) holds the sum (or mean) of that chunk over all ranks; the other
+    chunks hold partial sums. Each rank sends (N-1)/N * B: the first half of the ring all-reduce."""
+    _check_op(op)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(flat: torch.Tensor) -> None:
+        if world > 1:  # start one chunk back, so the chunk completed after N-1 rounds is this rank's own
+            _ring(flat, (rank - 1) % world, world - 1, 0, segment_bytes or SEGMENT_BYTES)
+        _finish_mean(ring_chunks(flat, world)[rank], op, world)
+
+    return _in_place(run, tensor)
+
+
+def all_gather(tensor: torch.Tensor, segment_bytes: int | None = None) -> torch.Tensor:
+    """Ring all-gather, in place: each rank's contribution is its chunk (``ring_chunks(tensor, N)[rank]``);
+    afterwards every rank holds every chunk. Each rank sends (N-1)/N * B: the second half of the
+    ring all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1:
+        _in_place(lambda flat: _ring(flat, rank, 0, world - 1, segment_bytes or SEGMENT_BYTES), tensor)
+    return tensor
+
+
+def _ring(
+    flat: torch.Tensor,
+    owned: int,
+    reduce_rounds: int,
+    gather_rounds: int,
+    segment_bytes: int = SEGMENT_BYTES,
+    window: int = RING_WINDOW,
+) -> None:
+    """The segmented ring every function above runs: ``reduce_rounds`` rounds that add what they
+    receive, then ``gather_rounds`` that copy it. Round 0 sends chunk ``owned``; round t receives
+    chunk (owned - t - 1) mod N from the left neighbour and round t+1 forwards it to the right.
+
+    All rounds form one stream of messages; receives are posted ``window`` messages ahead into a
+    small pool of reused scratch segments (reducing rounds) or straight into the tensor (copying
+    rounds). Every message has its own tag: gloo takes milliseconds to match a receive posted
+    while another with the same peer and tag is pending.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    rounds = reduce_rounds + gather_rounds
+    chunks = ring_chunks(flat, world)
+    seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
+    # (round, chunk index, the chunk's segments) for every message this rank receives, in order.
+    stream = []
+    for t in range(rounds):
+        chunk = (owned - t - 1) % world
+        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
+
+    def tag(t: int, k: int) -> int:
+        return t * per_round + k
+
+    ahead = min(window, len(stream))  # receives posted ahead; reducing rounds need a scratch segment each
+    pool = [torch.empty(seg, dtype=flat.dtype, device=flat.device) for _ in range(ahead if reduce_rounds else 0)]
+    sends: dict[tuple[int, int], dist.Work] = {}  # (chunk, segment) -> in-flight send reading it
+
+    def post(i: int) -> tuple[torch.Tensor, dist.Work]:
+        t, chunk, k, part = stream[i]
+        if t < reduce_rounds:  # reduce: receive beside the chunk, then add
+            target = pool[i % ahead][: part.numel()]
+        else:  # copy: receive straight into the chunk, once nothing still sends from it
+            target = part
+            earlier = sends.pop((chunk, k), None)
+            if earlier is not None:
+                earlier.wait()
+        return target, dist.irecv(target, left, tag=tag(t, k))
+
+    for k, part in enumerate(torch.split(chunks[owned], seg)):  # round 0 sends the owned chunk
+        sends[(owned, k)] = dist.isend(part, right, tag=tag(0, k))
+    posted = [post(i) for i in range(ahead)]
+    for i, (t, chunk, k, part) in enumerate(stream):
+        incoming, work = posted[i]
+        work.wait()
+        if t < reduce_rounds:
+            part.add_(incoming)
+        if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
+            sends[(chunk, k)] = dist.isend(part, right, tag=tag(t + 1, k))
+        posted[i] = None
+        if i + ahead < len(stream):
+            posted.append(post(i + ahead))  # message i's pool slot is free again
+    for work in sends.values():
+        work.wait()

@@ -1,0 +1,112 @@
+"""Hydra composition for every caller: the command line, ``prepare``, tests and benches.
+
+``compose_config`` is the one way to build a config in-process; ``check_group_overrides`` and
+``check_overrides_compose`` run before Hydra's own command line, so a typo is one line
+(Hydra's report is a page) and nothing is launched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from parallel_lab.config.schema import CONFIG_GROUPS, register_configs
+from parallel_lab.errors import ConfigError
+
+
+def _conf_dir() -> Path:
+    """conf/ at the top of a checkout (editable install, PYTHONPATH), or parallel_lab/conf where a
+    wheel installed it (setup.py maps the one onto the other)."""
+    package = Path(__file__).resolve().parents[1]
+    installed, checkout = package / "conf", package.parent / "conf"
+    return installed if installed.is_dir() else checkout
+
+
+CONF_DIR = _conf_dir()
+
+
+def available_options(group: str) -> list[str]:
+    """The names group=<name> accepts: conf/<group>/*.yaml and the plugins' (PARALLEL_LAB_PLUGINS)."""
+    from parallel_lab.plugins import plugin_config_files
+
+    return sorted({p.stem for p in (CONF_DIR / group).glob("*.yaml")} | set(plugin_config_files(group)))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Reject ``strategy=nope`` before Hydra does, with one line instead of Hydra's page."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in CONFIG_GROUPS:
+            continue
+        options = available_options(key)
+        for choice in value.split(","):
+            if choice and choice not in options:
+                raise ConfigError(f"unknown {key} '{choice}'; choose one of: {', '.join(options)} ({key}=<name>)")
+
+
+def describe_compose_error(exc: BaseException) -> str:
+    """Hydra/OmegaConf's multi-line error as one line naming the key, value and fix."""
+    chain = []
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__
+    keyed = [e for e in chain if getattr(e, "full_key", None)]
+    cause = keyed[0] if keyed else chain[0]
+    message = str(getattr(cause, "msg", None) or cause)
+    first = " ".join(message.strip().splitlines()[0].split()) if message.strip() else type(cause).__name__
+    where = f"'{cause.full_key}': " if keyed else ""
+    return (
+        f"bad override {where}{first}; fix the value or the key name "
+        f"(python -m parallel_lab --cfg job prints every key with its current value)"
+    )
+
+
+def _sweep_variants(argv: list[str]) -> list[list[str]]:
+    """Override lists that together use every value of every sweep (a,b,c / range(...)) once."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    choices = []
+    for arg in argv:
+        override = parser.parse_override(arg)
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            choices.append([f"{key}={v}" for v in override.sweep_string_iterator()] or [arg])
+        else:
+            choices.append([arg])
+    variants = [[options[0] for options in choices]]
+    for i, options in enumerate(choices):
+        for option in options[1:]:
+            variants.append([*variants[0][:i], option, *variants[0][i + 1 :]])
+    return variants
+
+
+def check_overrides_compose(argv: list[str]) -> None:
+    """Compose the config with the user's overrides before Hydra runs, so a wrong type or an
+    unknown key is one line (Hydra's own report is a page) and nothing is launched."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
+
+    known, _ = get_args_parser().parse_known_args(argv)
+    overrides = [a for a in known.overrides if not a.lstrip("+~").startswith("hydra")]
+    try:
+        variants = _sweep_variants(overrides)
+    except Exception as exc:  # noqa: BLE001 - a syntax error in an override is one line too
+        raise ConfigError(describe_compose_error(exc)) from None
+    for variant in variants:
+        compose_config(variant)
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config the command line would compose from these overrides, before validation.
+    Bad input is a one-line ConfigError, as on the command line."""
+    from hydra import compose, initialize_config_dir
+
+    check_group_overrides(list(overrides))
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except Exception as exc:  # noqa: BLE001 - every Hydra/OmegaConf error becomes one line
+        raise ConfigError(describe_compose_error(exc)) from None

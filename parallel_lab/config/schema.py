@@ -1,0 +1,131 @@
+"""The config schema: every setting's type, default and meaning, in one place.
+
+``conf/config.yaml`` extends ``Config`` (``defaults: [base_config, ...]``); the yaml files of
+``conf/<group>/`` hold only what differs from these defaults. Each strategy's options live in its
+``Options`` dataclass (``parallel_lab/strategies``), which ``conf/strategy/<name>.yaml`` extends
+(``defaults: [/strategy_options/<name>@_here_]``), so ``strategy.<key>=value`` is typed and checked
+like every other key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+CONFIG_GROUPS = ("strategy", "model", "data", "launcher")  # chosen on the command line: group=name
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    # Constant across world sizes (as in nanoGPT) so every strategy's numbers compare:
+    # each data-parallel rank gets global_batch / dp_world, split again into grad_accum micro-batches.
+    global_batch: int = 64
+    grad_accum: int = 1
+    lr: float = 1e-3
+    optimizer: str = "adam"  # adam | sgd
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
+    seed: int = 0
+    warmup_steps: int = 2  # steps left out of the timing medians
+    threads_per_rank: int = 1  # intra-op threads per process; one-process strategies get the total
+    # Intra-op threads (torch.set_num_threads and OMP_NUM_THREADS) of every process of the run.
+    # null = derived: threads_per_rank, times the requested world_size for a one-process strategy
+    # (single, dp) so it uses the cores the ranks would have; an explicit n >= 1 is used as is.
+    # config.yaml and metrics.json hold the resolved number.
+    threads: Optional[int] = None
+    progress: bool = True
+    eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
+    # Checkpoints (parallel_lab/checkpoint.py): every N optimizer steps and at the last step.
+    checkpoint_every: int = 0  # 0 = never
+    checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
+    keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
+    resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
+    # Noise-floor reruns of the `single` baseline only (parallel_lab/parity.py; a sweep starts them):
+    # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
+    ulp_jitter_seed: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # cnn | resnet18
+    num_classes: int = 10
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # synthetic | cifar10
+    root: Optional[str] = None  # folder holding cifar-10-python.tar.gz (cifar10 only)
+    size: int = 4096  # synthetic: number of training samples generated from the seed
+    download: bool = False  # cifar10: fetch the tarball if it is missing (needs internet)
+    # cifar10: md5 of the official cifar-10-python.tar.gz (the one place it is written); null skips the check
+    md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"
+
+
+@dataclass
+class LauncherConfig:
+    name: str = MISSING  # spawn | torchrun | deepspeed | mpirun
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port
+    max_restarts: int = 0  # torchrun only
+    extra_args: list = field(default_factory=list)
+    grace_s: float = 10.0  # after one rank fails, how long the others get before being killed
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate failure, for testing what a crash does: rank ``rank`` fails at step ``step``."""
+
+    rank: int = -1  # -1 = never
+    step: int = 0
+    mode: str = "raise"  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
+    # step: before step `step` runs; checkpoint: halfway through writing the checkpoint taken after
+    # `step` steps (its files written, not yet committed). Only in the first attempt: a torchrun
+    # restart (TORCHELASTIC_RESTART_COUNT > 0) runs clean, as after a real lost node.
+    at: str = "step"
+
+
+@dataclass
+class Config:
+    strategy: Any = MISSING  # validated against the strategy's own Options dataclass
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    world_size: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+    dist_timeout_s: int = 120  # timeout of every process group
+    run_dir: Optional[str] = None  # filled in by the parent
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+def register_configs() -> None:
+    """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
+    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.plugins import plugin_config_files
+    from parallel_lab.strategies import options_schemas, sweep_names
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name, options in options_schemas().items():
+        store.store(group="strategy_options", name=name, node=options)
+    for group in CONFIG_GROUPS:
+        for name, path in plugin_config_files(group).items():
+            store.store(group=group, name=name, node=OmegaConf.load(path))
+    if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
+        OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
+    if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
+        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
+
+
+def _choices_text() -> str:
+    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
+    from parallel_lab.config.compose import available_options
+
+    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))

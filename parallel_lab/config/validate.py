@@ -1,0 +1,152 @@
+"""Validation every run goes through in the parent, and the resolved file the workers read.
+
+The parent composes the config with Hydra, validates it here, and writes the resolved result to
+``<run_dir>/config.yaml``. Workers only ever read that file (``load_run_config``), so a run started
+by torchrun, the deepspeed launcher or mpirun sees exactly what the parent saw.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from parallel_lab.config.schema import LauncherConfig, TrainerConfig
+from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import CONFIG_FILE, default_checkpoint_dir
+
+MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
+
+
+def _check_positive(name: str, value: int, alternative: str = "") -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1{alternative}")
+
+
+def _check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float = math.inf,
+    *,
+    default: float,
+    low_open: bool = False,
+    note: str = "",
+) -> None:
+    """Refuse nan, inf and values outside [low, high) ((low, high) with low_open), naming the default."""
+    inside = math.isfinite(value) and (value > low if low_open else value >= low) and value < high
+    if not inside:
+        rule = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else f"in [{low:g}, {high:g})"
+        raise ConfigError(
+            f"{name}={value} must be a finite number {rule}{note}; set {name} to one, e.g. the default {name}={default}"
+        )
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Values torch.optim, torchrun or the supervisor would only reject once the workers run."""
+    t, launcher = cfg.trainer, cfg.launcher
+    _check_range("trainer.lr", t.lr, 0, low_open=True, default=TrainerConfig.lr)
+    _check_range("trainer.weight_decay", t.weight_decay, 0, default=TrainerConfig.weight_decay)
+    _check_range("trainer.grad_clip", t.grad_clip, 0, default=TrainerConfig.grad_clip)
+    if t.optimizer == "sgd":  # Adam does not read it
+        _check_range(
+            "trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum, note=" with trainer.optimizer=sgd"
+        )
+    _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
+    _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
+    _check_positive("dist_timeout_s", cfg.dist_timeout_s)
+
+
+def _resolve_threads(t: DictConfig, requested_world: int, single_process: bool) -> int:
+    """trainer.threads as the processes will use it (see TrainerConfig.threads)."""
+    if t.threads is None:
+        return t.threads_per_rank * (requested_world if single_process else 1)
+    _check_positive(
+        "trainer.threads", t.threads, " (or trainer.threads=null to derive it from trainer.threads_per_rank)"
+    )
+    return t.threads
+
+
+def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Settings that follow from the run folder (before validation, which checks the checkpoint folder)."""
+    run_dir = run_dir.resolve()
+    cfg.run_dir = str(run_dir)
+    if not cfg.trainer.checkpoint_dir:
+        cfg.trainer.checkpoint_dir = str(default_checkpoint_dir(run_dir))
+    cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
+
+
+def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
+    """Resolve derived values and check every cross-field rule. Returns a plain resolved config."""
+    if run_dir is not None:
+        use_run_dir(cfg, run_dir)
+    from parallel_lab.strategies import get_strategy_class
+
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    ws = cfg.world_size
+    if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:
+        raise ConfigError(f"world_size={ws} is out of range; use 1 <= world_size <= {MAX_WORLD_SIZE} (world_size=2)")
+    t = cfg.trainer
+    for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
+        _check_positive(f"trainer.{key}", t[key])
+    if t.optimizer not in ("adam", "sgd"):
+        raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
+    _check_numbers(cfg)
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
+    if cfg.fault.mode not in ("raise", "kill"):
+        raise ConfigError(f"fault.mode='{cfg.fault.mode}' is unknown; use fault.mode=raise or kill")
+    if cfg.launcher.max_restarts and cfg.launcher.name != "torchrun":
+        raise ConfigError(
+            f"launcher.max_restarts={cfg.launcher.max_restarts} needs launcher=torchrun (launcher="
+            f"{cfg.launcher.name} does not restart workers); add launcher=torchrun or drop max_restarts"
+        )
+    if cfg.fault.at not in ("step", "checkpoint"):
+        raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
+    if t.ulp_jitter_seed is not None and cfg.strategy.name != "single":
+        raise ConfigError(
+            f"trainer.ulp_jitter_seed={t.ulp_jitter_seed} is for noise-floor reruns of the baseline; "
+            f"use it with strategy=single, or drop it"
+        )
+    requested_world = ws
+    if strategy_cls.single_process:
+        ws = cfg.world_size = 1
+    t.threads = _resolve_threads(t, requested_world, strategy_cls.single_process)
+    cfg.strategy = strategy_cls.validate_options(cfg)
+    dp = strategy_cls.data_parallel_size(cfg)
+    if t.global_batch % (dp * t.grad_accum):
+        raise ConfigError(
+            f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
+            f"trainer.grad_accum={t.grad_accum}; pick a global_batch that is a multiple of {dp * t.grad_accum}"
+        )
+    from parallel_lab.data import validate_data_config
+    from parallel_lab.models import validate_model_config
+
+    validate_model_config(cfg.model)
+    validate_data_config(cfg.data, cfg.trainer)
+    from parallel_lab.checkpoint import validate_checkpoint_config
+
+    validate_checkpoint_config(cfg)
+    from parallel_lab.config.resources import check_machine_fits
+
+    check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
+    return cfg
+
+
+def write_run_config(cfg: DictConfig) -> Path:
+    """Write the resolved <run_dir>/config.yaml workers read (cfg validated with its run_dir)."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CONFIG_FILE
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
+def load_run_config(path: str | Path) -> DictConfig:
+    """What a worker reads: the resolved config the parent wrote, typed by the schema."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass <run_dir>/config.yaml written by the parent")
+    loaded = OmegaConf.load(path)
+    return loaded

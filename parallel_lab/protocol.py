@@ -1,0 +1,135 @@
+"""What the parent and its workers agree on: the files of a run folder, what the two json files
+hold (``RunMetrics``, ``FailedRun``: written and read by the same code), and the environment.
+
+The parent (``parallel_lab.cli``) writes ``config.yaml`` and reads what the workers leave; the
+workers (``parallel_lab.worker``) read ``config.yaml`` and write the rest; the report reads the
+records. Every side imports these names from here, so none imports another.
+
+    <run_dir>/config.yaml          the resolved config (parent)
+    <run_dir>/metrics.json         rank 0, on success only
+    <run_dir>/failed.json          the parent, when a run failed (never beside metrics.json)
+    <run_dir>/final_params.pt      rank 0: the full final parameters, for the parity check
+    <run_dir>/errors/rank<k>.txt   a failed rank's one-line summary and traceback
+    <run_dir>/pids/rank<k>.pid     every worker's pid, to check none outlived the run
+    <run_dir>/checkpoints/         the default trainer.checkpoint_dir
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.json"
+FAILED_FILE = "failed.json"
+PARAMS_FILE = "final_params.pt"  # the full (gathered) final parameters, by name: parity compares these
+ERRORS_DIR = "errors"
+PIDS_DIR = "pids"
+CHECKPOINTS_DIR = "checkpoints"
+SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
+
+
+def default_checkpoint_dir(run_dir: str | Path) -> Path:
+    """Where checkpoints go when trainer.checkpoint_dir is not set."""
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: the kernel sends sig to this process when its parent dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write to a temp file then rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+R = TypeVar("R", bound="_Record")
+
+
+class _Record:
+    """A dataclass stored as one json object, written and read by these two methods only."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_json(cls: type[R], data: dict) -> R:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    @classmethod
+    def read(cls: type[R], path: Path) -> R:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class FailedRun(_Record):
+    """<run_dir>/failed.json: the parent's record of a run that did not finish."""
+
+    status: str = field(default="failed", kw_only=True)
+    strategy: Optional[str]
+    launcher: Optional[str]
+    world_size: Optional[int]
+    model: Optional[str]
+    error: str  # the one line printed on stderr
+
+
+@dataclass
+class RunMetrics(_Record):
+    """<run_dir>/metrics.json: everything one successful run measured (rank 0 writes it).
+
+    Sizes are bytes, times seconds; "Ψ" is the model's fp32 parameter bytes (4 x params).
+    """
+
+    status: str = field(default="ok", kw_only=True)
+    strategy: str
+    launcher: str
+    world_size: int  # processes that ran
+    backend: str  # gloo | nccl | none (no process group)
+    device: str
+    model: str
+    data: str
+    params: int  # parameters of the full model
+    global_batch: int
+    optimizer: str
+    lr: float
+    grad_accum: int
+    steps: int
+    threads: int  # intra-op threads of every process
+    ulp_jitter_seed: Optional[int]  # set: a noise-floor rerun of the baseline (report/parity.py)
+    cpu_capability: str  # torch's CPU kernel path: the last bits of every float depend on it
+    losses: list[float]  # the global batch's mean loss at every step
+    final_loss: float
+    step_time_s: float  # median after trainer.warmup_steps
+    step_times_s: list[float]
+    step_split_s: dict[str, float]  # medians of fwd_bwd (with overlapped communication) and optimizer
+    samples_per_s: float
+    eval_accuracy: Optional[float]  # on trainer.eval_batches held-out batches (None: none run)
+    final_param_checksum: float  # float64 sum of every final parameter
+    final_param_sha256: str  # equal only for bitwise-identical final weights
+    attempt: int  # > 0: torchrun restarted the workers this many times
+    resumed_from_step: Optional[int]
+    resumed_from: Optional[str]
+    checkpoint_every: int
+    checkpoint_save_s: Optional[float]  # median wall time of a save, barriers included
+    checkpoint_load_s: Optional[float]
+    checkpoint_bytes: Optional[int]  # size of the newest checkpoint written
+    comm_bytes_per_step: float  # collective volume this rank issued per step, counted
+    comm_volume_psi: float  # the same in units of Ψ
+    comm_theory_psi: Optional[float]  # what the ZeRO paper's formula says (None: no formula applies)
+    ranks: list[dict]  # per rank: peak RSS, measured and analytic_* model-state bytes, comm by op
+    strategy_options: dict  # the validated strategy.* options
+    strategy_extras: dict[str, Any] = field(default_factory=dict)  # Strategy.extra_metrics(), by name

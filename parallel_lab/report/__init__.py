@@ -1,0 +1,4 @@
+"""The comparison, in the parent: ``table`` turns metrics.json files into comparison.md/.csv/.json,
+``plots`` draws them, ``parity`` judges each row against the measured noise floor, and ``sweep``
+does all that at the end of a ``--multirun`` (re-render any time: ``python -m parallel_lab.report``).
+"""

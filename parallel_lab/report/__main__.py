@@ -1,0 +1,7 @@
+"""``python -m parallel_lab.report <dir> [<dir> ...] [--out DIR]``."""
+
+import sys
+
+from parallel_lab.report.table import main
+
+sys.exit(main())

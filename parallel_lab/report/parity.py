@@ -1,0 +1,161 @@
+"""Is a run "the same training" as the baseline? Judged against a measured noise floor.
+
+Why no fixed tolerance: two computations of the same training that differ only in the last bits
+(another summation order, another CPU's kernels) drift apart. Adam turns a last-bit change in a
+gradient that is near zero into a full ``±lr`` update of that weight, and from there the runs
+separate further every step. How far depends on the model, the data, the steps and the CPU: on
+one machine a 20-step cnn run moved its losses by 2.7e-4 when only the kernel path changed
+(``ATEN_CPU_CAPABILITY``), on another by 1.4e-5. A constant that passes on one CPU fails on the
+next (docs/parity.md has the measurements).
+
+The noise floor, measured on every comparison: the baseline (``single``) is run again, once per
+seed in ``NOISE_SEEDS``, with every initial weight moved one unit in the last place (ulp) up or
+down (random signs from the seed). That is a last-bit change of exactly the size a different
+strategy's reduction order makes, applied to every weight, so it always perturbs, on every CPU
+(a kernel-path or thread-count change can happen to leave the bits alone on one machine and not
+on another). Its divergence from the baseline, step by step, is the envelope; two seeds, because
+the divergence lands on a few discrete paths and one sample can be a quiet one.
+
+A row passes when
+- early: over the first ``EARLY_STEPS`` steps, before chaos has amplified anything, every
+  ``|Δloss|`` is within ``ENVELOPE_MULTIPLE`` x the envelope there plus a floor of
+  ``FLOOR_ULPS`` float32 ulps of the loss (a real bug, such as a gradient that is not averaged,
+  shows here: the envelope is a few ulps wide then);
+- whole run: the largest ``|Δloss|``, the relative L2 distance of the full final parameters and
+  their largest ``|Δθ|`` are each within ``ENVELOPE_MULTIPLE`` x the envelope's (largest over the
+  noise runs) plus the same kind of floor.
+Whole-run maxima, not step-by-step ratios, after the early window: when the paths separate is
+itself random (measured: the same divergence arrived 2-4 steps apart), so step-by-step ratios
+swing by 100x while the size of the divergence does not.
+
+The ratio shown is ``divergence / (envelope + floor / ENVELOPE_MULTIPLE)``: a row passes when
+every ratio is at most ``ENVELOPE_MULTIPLE``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+ENVELOPE_MULTIPLE = 10.0  # measured worst ratio of a real strategy to one noise run: 5.6 (docs/parity.md)
+EARLY_STEPS = 5  # measured: every strategy and noise run stays within 2 ulps of the loss up to step 6
+FLOOR_ULPS = 8  # the absolute floor, in float32 units in the last place of the compared value
+NOISE_SEEDS = (1, 2)  # one noise-floor rerun of the baseline per seed
+
+
+def jitter_one_ulp(model: torch.nn.Module, seed: int) -> None:
+    """Move every parameter element one float ulp up or down, the signs drawn from seed."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            up = torch.randint(0, 2, p.shape, generator=generator).bool()
+            target = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
+            p.copy_(torch.nextafter(p, target))
+
+
+def ulp(value: float) -> float:
+    """Spacing of float32 numbers at value: the smallest change a float32 result can show."""
+    return float(np.spacing(np.float32(abs(value))))
+
+
+@dataclass
+class Gaps:
+    """How far one run is from the baseline."""
+
+    loss: list[float]  # |Δloss| per step
+    rel_l2: float  # ||θ - θ_base|| / ||θ_base|| over every full parameter
+    max_abs: float  # max |θ - θ_base| over every parameter element
+
+
+def gaps(
+    losses: list[float], params: dict[str, torch.Tensor], base_losses: list[float], base_params: dict[str, torch.Tensor]
+) -> Gaps:
+    if len(losses) != len(base_losses):
+        raise ValueError(f"{len(losses)} losses vs the baseline's {len(base_losses)}")
+    if set(params) != set(base_params):
+        raise ValueError(f"parameter names differ from the baseline's: {sorted(set(params) ^ set(base_params))[:4]}")
+    diff_sq = sum(float((params[k].double() - base_params[k].double()).pow(2).sum()) for k in base_params)
+    base_sq = sum(float(base_params[k].double().pow(2).sum()) for k in base_params)
+    max_abs = max(float((params[k] - base_params[k]).abs().max()) for k in base_params)
+    return Gaps([abs(a - b) for a, b in zip(losses, base_losses)], math.sqrt(diff_sq / base_sq), max_abs)
+
+
+def envelope(noise: list[Gaps]) -> Gaps:
+    """The noise floor: step by step, the largest gap of any noise run."""
+    return Gaps(
+        [max(step) for step in zip(*(g.loss for g in noise))],
+        max(g.rel_l2 for g in noise),
+        max(g.max_abs for g in noise),
+    )
+
+
+@dataclass
+class Check:
+    value: float
+    envelope: float
+    floor: float
+
+    @property
+    def ratio(self) -> float:
+        denominator = self.envelope + self.floor / ENVELOPE_MULTIPLE
+        return self.value / denominator if denominator > 0 else math.inf
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio <= ENVELOPE_MULTIPLE
+
+
+@dataclass
+class Verdict:
+    early_dloss: Check
+    max_dloss: Check
+    param_rel_l2: Check
+    param_max_abs: Check
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks().values())
+
+    def checks(self) -> dict[str, Check]:
+        return {
+            "early_dloss": self.early_dloss,
+            "max_dloss": self.max_dloss,
+            "param_rel_l2": self.param_rel_l2,
+            "param_max_abs": self.param_max_abs,
+        }
+
+    def reason(self) -> str:
+        """The failed checks in words ('' when it passes)."""
+        return "; ".join(
+            f"{name} {c.value:.2g} is {c.ratio:.3g}x the envelope {c.envelope:.2g} (> {ENVELOPE_MULTIPLE:g}x)"
+            for name, c in self.checks().items()
+            if not c.passed
+        )
+
+    def as_dict(self) -> dict:
+        out = {name: {**asdict(c), "ratio": c.ratio} for name, c in self.checks().items()}
+        return {**out, "passed": self.passed, "reason": self.reason()}
+
+
+def judge(row: Gaps, env: Gaps, base_losses: list[float], base_params: dict[str, torch.Tensor]) -> Verdict:
+    """The parity verdict of one run, given its gaps and the noise envelope (module docstring)."""
+    early = min(EARLY_STEPS, len(row.loss))
+    loss_floor = FLOOR_ULPS * ulp(max(abs(v) for v in base_losses))
+    theta_max = max(float(p.abs().max()) for p in base_params.values())
+    return Verdict(
+        early_dloss=Check(max(row.loss[:early]), max(env.loss[:early]), loss_floor),
+        max_dloss=Check(max(row.loss), max(env.loss), loss_floor),
+        param_rel_l2=Check(row.rel_l2, env.rel_l2, FLOOR_ULPS * float(np.finfo(np.float32).eps)),
+        param_max_abs=Check(row.max_abs, env.max_abs, FLOOR_ULPS * ulp(theta_max)),
+    )
+
+
+def judge_runs(
+    run: tuple[list[float], dict], baseline: tuple[list[float], dict], noise_runs: list[tuple[list[float], dict]]
+) -> Verdict:
+    """judge() from (losses, params) pairs: the run, the baseline, and the baseline's noise reruns."""
+    env = envelope([gaps(*noise, *baseline) for noise in noise_runs])
+    return judge(gaps(*run, *baseline), env, *baseline)

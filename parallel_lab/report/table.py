@@ -1,0 +1,284 @@
+"""Turn metrics.json files into the comparison: comparison.md/.csv/.json (+ .png plots, ``plots.py``).
+
+    python -m parallel_lab.report <dir> [<dir> ...] [--out DIR]
+
+Every row carries its proof: the loss difference against the ``single`` baseline found among the
+same runs (same model, global batch and steps), and a pass/fail parity mark. Failed runs
+(failed.json) appear as rows with their error, and the rest of the report still renders. Runs are
+read as the records the workers and the parent wrote (``protocol.RunMetrics`` / ``FailedRun``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics
+from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
+from parallel_lab.worker.metrics import load_final_params
+
+MiB = 1024 * 1024
+NOISE_HINT = (
+    "run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
+    "strategy=single,...): it reruns the baseline with trainer.ulp_jitter_seed=1,2 for the noise floor"
+)
+
+
+@dataclass
+class Row:
+    """One run of the comparison: its record and, once judged, its parity verdict."""
+
+    run_dir: str
+    metrics: RunMetrics | None = None  # the run finished (metrics.json)
+    failure: FailedRun | None = None  # it did not (failed.json)
+    parity: str = ""
+    parity_checks: dict = field(default_factory=dict)
+    dloss_per_step: list[float] | None = None
+    noise_envelope_per_step: list[float] | None = None
+
+    @property
+    def record(self) -> RunMetrics | FailedRun:
+        return self.metrics or self.failure
+
+    @property
+    def ok(self) -> bool:
+        return self.metrics is not None
+
+    @property
+    def is_noise(self) -> bool:
+        """A noise-floor rerun of the baseline (report/parity.py)."""
+        return self.ok and self.metrics.ulp_jitter_seed is not None
+
+    def to_json(self) -> dict:
+        """comparison.json: the record's fields, where it lives, and the verdict with its evidence."""
+        out = {**self.record.to_json(), "run_dir": self.run_dir, "parity": self.parity}
+        if self.parity_checks:
+            out.update(
+                dloss_per_step=self.dloss_per_step,
+                noise_envelope_per_step=self.noise_envelope_per_step,
+                parity_checks=self.parity_checks,
+            )
+        return out
+
+
+def load_runs(dirs: list[Path]) -> list[Row]:
+    runs = []
+    for top in dirs:
+        runs += [Row(str(path.parent), metrics=RunMetrics.read(path)) for path in sorted(top.rglob(METRICS_FILE))]
+        runs += [Row(str(path.parent), failure=FailedRun.read(path)) for path in sorted(top.rglob(FAILED_FILE))]
+    return sorted(runs, key=lambda r: (r.is_noise, r.run_dir))
+
+
+def baseline_key(run: Row) -> tuple:
+    """Runs that train the same thing (and so compare with one single baseline)."""
+    m = run.metrics
+    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr) if m else (run.failure.model,)
+
+
+def is_baseline(run: Row) -> bool:
+    return run.ok and run.metrics.strategy == "single" and not run.is_noise
+
+
+def _losses_params(run: Row) -> tuple[list[float], dict] | None:
+    params = load_final_params(Path(run.run_dir))
+    return None if params is None else (run.metrics.losses, params)
+
+
+def add_parity(runs: list[Row]) -> None:
+    """Judge every ok run against the single baseline of the same setup and that baseline's
+    noise-floor reruns (report/parity.py): fills each row's parity and parity_checks."""
+    for key in {baseline_key(r) for r in runs}:
+        group = [r for r in runs if baseline_key(r) == key]
+        base = next((r for r in group if is_baseline(r)), None)
+        noise = [r for r in group if r.is_noise]
+        base_pair = _losses_params(base) if base else None
+        noise_pairs = [p for p in map(_losses_params, noise) if p is not None]
+        env = envelope([gaps(*n, *base_pair) for n in noise_pairs]) if base_pair and noise_pairs else None
+        for run in group:
+            _judge_one(run, base_pair, env)
+
+
+def _judge_one(run: Row, base_pair, env) -> None:
+    pair = _losses_params(run) if run.ok else None
+    if not run.ok:
+        run.parity = "failed"
+    elif base_pair is None:
+        run.parity = "no baseline"
+    elif pair is None:
+        run.parity = f"no {PARAMS_FILE}"
+    elif env is None:
+        run.parity = "no noise floor"
+    else:
+        gap = gaps(*pair, *base_pair)
+        verdict = judge(gap, env, *base_pair)
+        run.dloss_per_step, run.noise_envelope_per_step = gap.loss, env.loss
+        run.parity_checks = verdict.as_dict()
+        run.parity = "envelope" if run.is_noise else ("pass" if verdict.passed else "FAIL")
+
+
+def _max_rank(run: Row, key: str) -> int | None:
+    values = [r.get(key) for r in (run.metrics.ranks if run.ok else []) if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _mib(run: Row, key: str) -> float | None:
+    value = _max_rank(run, key)
+    return None if value is None else value / MiB
+
+
+def _measured_vs_analytic(key: str):
+    """'measured / analytic' MiB of one kind of model state, on the rank holding the most."""
+
+    def read(run: Row) -> str | None:
+        measured, analytic = _mib(run, key), _mib(run, f"analytic_{key}")
+        if measured is None:
+            return None
+        return f"{_fmt(measured)} / {_fmt(analytic)}" if analytic is not None else _fmt(measured)
+
+    return read
+
+
+def _comm_psi(m: RunMetrics) -> str:
+    theory = m.comm_theory_psi
+    return f"{m.comm_volume_psi:.2f} / {'?' if theory is None else f'{theory:g}'}"
+
+
+def _check(name: str):
+    """'divergence (ratio to the noise envelope)' of one parity check; a ratio above the multiple fails."""
+
+    def read(run: Row) -> str | None:
+        check = run.parity_checks.get(name)
+        return check and f"{_fmt(check['value']) or 0} ({check['ratio']:.2g}×)"
+
+    return read
+
+
+def _ok(read):
+    """A column only finished runs have: read(metrics), blank for a failed run."""
+    return lambda run: read(run.metrics) if run.ok else None
+
+
+def _strategy_label(run: Row) -> str:
+    return run.record.strategy + (f" (noise seed {run.metrics.ulp_jitter_seed})" if run.is_noise else "")
+
+
+def _cuda_mib(run: Row) -> str | None:
+    allocated = _mib(run, "cuda_max_allocated_bytes")
+    return None if allocated is None else f"{allocated:.1f} / {_mib(run, 'cuda_max_reserved_bytes'):.1f}"
+
+
+COLUMNS = [  # (header, how to read it from a row)
+    ("strategy", _strategy_label),
+    ("launcher", lambda r: r.record.launcher),
+    ("world", lambda r: r.record.world_size),
+    ("model", lambda r: r.record.model),
+    ("params", _ok(lambda m: m.params)),
+    ("samples/s", _ok(lambda m: m.samples_per_s)),
+    ("step ms", _ok(lambda m: 1000 * m.step_time_s)),
+    (
+        "fwd+bwd / opt ms",
+        _ok(lambda m: f"{1000 * m.step_split_s['fwd_bwd']:.1f} / {1000 * m.step_split_s['optimizer']:.1f}"),
+    ),
+    ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
+    ("CUDA alloc/reserved MiB", _cuda_mib),
+    ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
+    ("grads MiB meas/analytic", _measured_vs_analytic("grad_bytes")),
+    ("optim MiB meas/analytic", _measured_vs_analytic("optim_bytes")),
+    ("comm MiB/step", _ok(lambda m: m.comm_bytes_per_step / MiB)),
+    ("comm Ψ meas/theory", _ok(_comm_psi)),
+    ("final loss", _ok(lambda m: m.final_loss)),
+    ("early Δloss (×env)", _check("early_dloss")),
+    ("max Δloss (×env)", _check("max_dloss")),
+    ("θ rel L2 (×env)", _check("param_rel_l2")),
+    ("max |Δθ| (×env)", _check("param_max_abs")),
+    ("parity", lambda r: r.parity),
+    ("error", lambda r: r.failure.error if r.failure else ""),
+]
+
+
+def _fmt(value) -> str:
+    if value is None or value is False:
+        return ""
+    if isinstance(value, float) and value == 0:
+        return "0"
+    if isinstance(value, float):
+        if abs(value) < 1e-2:
+            return f"{value:.2g}"
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+    return str(value)
+
+
+def table_rows(runs: list[Row]) -> list[list[str]]:
+    return [[_fmt(get(run)) for _, get in COLUMNS] for run in runs]
+
+
+def criterion_line(runs: list[Row]) -> str:
+    """How parity was judged, and on which CPU kernels (the floats depend on them)."""
+    cpus = sorted({r.metrics.cpu_capability for r in runs if r.ok and r.metrics.cpu_capability})
+    return (
+        f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
+        f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
+        f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
+        f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}."
+        + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else "")
+    )
+
+
+def markdown(runs: list[Row]) -> str:
+    headers = [h for h, _ in COLUMNS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
+    return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
+
+
+def write_report(runs: list[Row], out: Path) -> str:
+    add_parity(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(runs)
+    (out / "comparison.md").write_text(text)
+    with open(out / "comparison.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([h for h, _ in COLUMNS])
+        writer.writerows(table_rows(runs))
+    (out / "comparison.json").write_text(json.dumps([run.to_json() for run in runs], indent=2) + "\n")
+    from parallel_lab.report.plots import plot_comparison, plot_parity
+
+    plot_comparison(runs, out)
+    plot_parity(runs, out)
+    return text
+
+
+def summary_line(metrics_path: Path) -> str:
+    m = RunMetrics.read(metrics_path)
+    return (
+        f"{m.strategy} x{m.world_size} ({m.launcher}, {m.backend}, {m.device}): "
+        f"final loss {m.final_loss:.4f}, {m.samples_per_s:.0f} samples/s, "
+        f"checksum {m.final_param_checksum:.6f} -> {Path(metrics_path).parent}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lab.report", description=__doc__.split("\n")[0])
+    parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders holding metrics.json files")
+    parser.add_argument("--out", type=Path, default=None, help="where to write comparison.* (default: first dir)")
+    args = parser.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing:
+        print(
+            f"parallel_lab.report: error: not a folder: {', '.join(missing)}; pass run or sweep folders",
+            file=sys.stderr,
+        )
+        return 2
+    runs = load_runs(args.dirs)
+    if not runs:
+        print(
+            f"parallel_lab.report: error: no {METRICS_FILE} under {', '.join(map(str, args.dirs))}; run a sweep first",
+            file=sys.stderr,
+        )
+        return 2
+    print(write_report(runs, args.out or args.dirs[0]), end="")
+    return 0

@@ -1,0 +1,229 @@
+"""``fsdp``: Fully Sharded Data Parallel (torch FSDP2 ``fully_shard`` by default, FSDP1 with
+``strategy.version=1``). The ZeRO idea (Rajbhandari et al., arXiv 1910.02054) in PyTorch itself.
+
+Communication, per FSDP unit (here: every top-level block of the model that has parameters):
+each rank stores 1/N of the unit's parameters; before the unit's forward (and again before its
+backward) the shards are **all-gathered** into the full parameters; after backward the gradients
+are **reduce-scattered**, so each rank keeps the averaged gradient of its own shard only, and the
+optimizer updates only that shard. Per step a rank sends/receives about 3x the parameter bytes
+(all-gather forward + all-gather backward + reduce-scatter), 1.5x DDP's all-reduce.
+
+``strategy.sharding`` (how far it shards; the ZeRO stage it resembles):
+
+=============  ==================================  ===========================  ===========
+sharding       FSDP1 ShardingStrategy              FSDP2 fully_shard            ~ ZeRO
+=============  ==================================  ===========================  ===========
+``full``       FULL_SHARD                          reshard_after_forward=True   ZeRO-3
+``grad_op``    SHARD_GRAD_OP                       reshard_after_forward=False  ZeRO-2
+``no_shard``   NO_SHARD                            2-D mesh (replicate N x      DDP
+                                                   shard 1), resharded after
+                                                   forward: every rank holds
+                                                   everything, grads all-reduced
+=============  ==================================  ===========================  ===========
+
+``grad_op`` keeps the gathered parameters from forward until backward (no second all-gather), so
+between forward and backward a rank holds the full working copy *and* its shard; ``full`` frees
+each unit's gathered parameters right after using them. Hybrid sharding (HYBRID_SHARD: shard
+within a node, replicate across nodes) is refused: on one node without a 2-D mesh it silently
+diverges (docs/facts.md).
+
+``strategy.mixed_precision=bf16`` computes forward/backward in bf16 (parameters all-gathered in
+bf16, gradients reduced in fp32) while the sharded parameters and Adam states stay fp32.
+
+The two torch APIs are two small classes, ``FSDP2`` (``v2.py``) and ``FSDP1`` (``v1.py``); this
+module holds what they share. Memory accounting (``memory_after_backward``, ``memory_after_step``)
+reads the real storages: the local shards of the DTensor parameters (FSDP2) or the FlatParameter
+shards (FSDP1), the gathered parameter buffers that are alive at the end of forward (the moment
+``grad_op`` holds the most), the sharded gradients after backward and the optimizer's state
+tensors after the step.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
+
+SHARDINGS = ("full", "grad_op", "no_shard")
+PRECISIONS = ("fp32", "bf16")
+DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
+
+
+@dataclass
+class FSDPOptions(StrategyOptions):
+    """``strategy=fsdp`` options."""
+
+    version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
+    # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
+    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh).
+    # Hybrid sharding is refused: it needs several nodes and silently diverges on one.
+    sharding: str = "full"
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
+
+
+def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """FSDP units: the model's top-level blocks that own parameters (the root wraps the rest)."""
+    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+
+
+@register("fsdp")
+class FSDPStrategy(Strategy):
+    """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
+
+    Options = FSDPOptions
+
+    def __new__(cls, cfg: DictConfig, env) -> FSDPStrategy:
+        if cls is FSDPStrategy:  # the registry knows one name; the version picks the class
+            from parallel_lab.strategies.fsdp.v1 import FSDP1
+            from parallel_lab.strategies.fsdp.v2 import FSDP2
+
+            cls = FSDP2 if cfg.strategy.version == 2 else FSDP1
+        return super().__new__(cls)
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.version not in (1, 2):
+            raise ConfigError(
+                f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
+            )
+        if opts.sharding.lower() in ("hybrid", "hybrid_shard", "_hybrid_shard_zero2"):
+            raise ConfigError(
+                f"strategy.sharding={opts.sharding} is refused: hybrid sharding needs several nodes and "
+                "silently diverges on one; use strategy.sharding=full, grad_op or no_shard"
+            )
+        if opts.sharding not in SHARDINGS:
+            raise ConfigError(
+                f"strategy.sharding={opts.sharding} is unknown; "
+                f"use one of {', '.join(SHARDINGS)} (strategy.sharding=full)"
+            )
+        if opts.mixed_precision not in PRECISIONS:
+            raise ConfigError(
+                f"strategy.mixed_precision={opts.mixed_precision} is unknown; use strategy.mixed_precision=fp32 or bf16"
+            )
+
+    @property
+    def comm_theory_psi(self) -> float:
+        # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
+        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ).
+        return 3.0 if self.opts.sharding == "full" else 2.0
+
+    def __init__(self, cfg: DictConfig, env) -> None:
+        super().__init__(cfg, env)
+        self._peak_param_bytes = 0
+
+    # ----- what each torch API does its own way -----
+    @abc.abstractmethod
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard model (every unit, then the root) with this API."""
+
+    @abc.abstractmethod
+    def _gather_parameters(self) -> list[torch.Tensor]:
+        """Every full parameter, gathered from the shards (collective)."""
+
+    @abc.abstractmethod
+    def _param_storages(self) -> list[torch.Tensor | None]:
+        """Parameter storages alive now: the persistent shards and any gathered (unsharded) copies."""
+
+    @abc.abstractmethod
+    def _shard_storages(self) -> list[torch.Tensor]:
+        """The persistent parameter shards only (what the optimizer updates)."""
+
+    def _grad_storages(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model.parameters()]
+
+    def _before_state_dict(self) -> None:
+        """Bring the module into the state get_state_dict expects (FSDP2: resharded)."""
+
+    # ----- setup and training -----
+    def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
+        self.model = self._wrap(model.to(self.device))
+        self.optimizer = make_optimizer(self.model.parameters())
+
+    def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
+        loss = self.forward_loss(inputs, targets)
+        if micro == num_micro - 1:
+            # End of forward: grad_op still holds every gathered unit here, its peak of parameters.
+            self._peak_param_bytes = storage_bytes(self._param_storages())
+        (loss / num_micro).backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)  # collective (all-gathers): every rank runs the same batches
+
+    # ----- checkpoints: torch Distributed Checkpoint, each rank writing its own shards -----
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._before_state_dict()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from parallel_lab.checkpoint.dcp_reader import load_sharded
+
+        state = self._sharded_state()  # the shapes and shards to fill in
+        load_sharded(state, str(directory / DCP_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        return self._gather_parameters()
+
+    # ----- memory -----
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters (the shard, plus the gathered copies alive at the end of forward) and the
+        sharded gradients, which the optimizer step's zero_grad frees."""
+        grads = storage_bytes(self._grad_storages())
+        shard = storage_bytes(self._shard_storages())
+        peak = max(self._peak_param_bytes, storage_bytes(self._param_storages()))
+        if self.opts.sharding == "grad_op":
+            # The shard is what the optimizer updates (ZeRO's "master" copy); the gathered working
+            # copy is what forward/backward use. Both are alive between forward and backward.
+            return {"param_bytes": peak - shard, "master_param_bytes": shard, "grad_bytes": grads}
+        return {"param_bytes": peak, "master_param_bytes": 0, "grad_bytes": grads}
+
+    def memory_after_step(self) -> dict[str, int]:
+        """The optimizer's per-parameter state of this rank's shards, created by the first step
+        (Adam's scalar step counters are left out)."""
+        state = self.optimizer.state.values()
+        return {
+            "optim_bytes": storage_bytes(
+                v for per_param in state for v in per_param.values() if torch.is_tensor(v) and v.dim() > 0
+            )
+        }
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),
+        with N = world size: full = ZeRO-3 (everything /N); grad_op = ZeRO-2 (working parameters
+        replicated, 4 bytes/param, during forward/backward; the fp32 shard the optimizer updates,
+        4/N, is the paper's master copy; grads and optimizer state /N); no_shard = DDP."""
+        n = self.env.world_size
+        k = optimizer_bytes_per_param(self.cfg.trainer)
+        per = {  # bytes per parameter: (working params, master shard, grads, optimizer state)
+            "full": (4 / n, 0, 4 / n, k / n),
+            "grad_op": (4, 4 / n, 4 / n, k / n),
+            "no_shard": (4, 0, 4, k),
+        }[self.opts.sharding]
+        keys = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+        return {key: int(b * num_params) for key, b in zip(keys, per)}
+
+    def extra_metrics(self) -> dict:
+        return {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
+
+    def teardown(self) -> None:
+        super().teardown()

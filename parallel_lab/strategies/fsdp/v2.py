@@ -1,0 +1,71 @@
+"""FSDP2: ``fully_shard`` turns every parameter into a DTensor shard on a device mesh."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_lab.strategies.fsdp.strategy import FSDPStrategy, fsdp_units
+
+
+class FSDP2(FSDPStrategy):
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        n = self.env.world_size
+        if self.opts.sharding == "no_shard":
+            # HSDP with a shard group of 1: every parameter "shard" is the whole tensor, and the
+            # gradient reduction over the replicate dimension is DDP's all-reduce.
+            self._mesh = init_device_mesh(self.device.type, (n, 1), mesh_dim_names=("replicate", "shard"))
+        else:
+            self._mesh = init_device_mesh(self.device.type, (n,), mesh_dim_names=("shard",))
+        # no_shard reshards after forward too: its "all-gather" is a local copy of the whole
+        # tensor, so freeing that copy costs a memcpy and keeps memory at DDP's one replica.
+        kwargs = dict(mesh=self._mesh, reshard_after_forward=self.opts.sharding != "grad_op")
+        if self.opts.mixed_precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for _, unit in fsdp_units(model):
+            fully_shard(unit, **kwargs)
+        return fully_shard(model, **kwargs)
+
+    def clip_gradients(self) -> None:
+        if self.cfg.trainer.grad_clip > 0:
+            # DTensor gradients: the norm is reduced over the shards inside clip_grad_norm_.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+
+    def _before_state_dict(self) -> None:
+        """grad_op/no_shard leave the last forward's gathered parameters registered; go back to
+        the DTensor shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _gather_parameters(self) -> list[torch.Tensor]:
+        self._before_state_dict()
+        return [p.full_tensor().detach() for p in self.model.parameters()]
+
+    def _fsdp_params(self) -> list:
+        from torch.distributed.fsdp import FSDPModule
+
+        params = []
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                params.extend(group.fsdp_params if group is not None else [])
+        return params
+
+    def _param_storages(self) -> list[torch.Tensor | None]:
+        tensors = []
+        for fp in self._fsdp_params():
+            tensors.append(fp._sharded_param_data)
+            tensors.extend(fp.all_gather_outputs)  # storage resized to 0 once resharded
+        return tensors
+
+    def _shard_storages(self) -> list[torch.Tensor]:
+        return [fp._sharded_param_data for fp in self._fsdp_params()]
+
+    def teardown(self) -> None:
+        super().teardown()
+        self._mesh = None

@@ -1,0 +1,328 @@
+"""``pp``: toy pipeline parallelism. GPipe (Huang et al., arXiv 1811.06965) and 1F1B (PipeDream,
+Narayanan et al., arXiv 1806.03377).
+
+The SAME model (an ``nn.Sequential`` of blocks) is cut into ``strategy.stages`` contiguous stages,
+one per process: rank s keeps only stage s (the other stages' weights are freed). Each step's batch
+is split into ``strategy.microbatches`` micro-batches that flow through the stages:
+
+- forward: stage s receives micro-batch i's activation from s-1 (recv), runs its blocks, sends the
+  result to s+1 (send). The last stage computes the loss.
+- backward: the last stage starts from the loss; every other stage receives d(loss)/d(its output)
+  from s+1, back-propagates through its blocks and sends d(loss)/d(its input) to s-1.
+
+Communication is point-to-point only: per micro-batch, one activation and one gradient tensor per
+stage boundary. The price is the *bubble*: with p stages and m micro-batches each stage idles for
+(p-1) of the m+p-1 time slots of a step, a fraction (p-1)/(m+p-1), whatever the schedule.
+
+Schedules (the order in which one stage runs its forwards F and backwards B):
+- ``gpipe``: all m forwards, then all m backwards. Simple; every stage stashes m activations.
+- ``1f1b``: a few warm-up forwards (p-s-1), then alternate one forward / one backward, then the
+  remaining backwards. Same bubble, but stage s stashes at most p-s activations instead of m.
+
+``strategy.impl=torch`` runs the same stages with torch.distributed.pipelining (``PipelineStage``,
+``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss broadcast and the parameter gather are
+shared by both implementations.
+
+Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` chunk, and the
+pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
+by m * grad_accum before backward: the summed gradient is the gradient of the global-batch mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.clip import clip_by_global_norm
+from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
+from parallel_lab.strategies.pp.plan import plan_stages
+from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
+from parallel_lab.strategies.rank_shards import RankShardCheckpoint
+
+IMPLS = ("manual", "torch")
+BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its backward BACKWARD_TAG + i
+
+
+@dataclass
+class PPOptions(StrategyOptions):
+    """``strategy=pp`` options."""
+
+    stages: int = 2  # pipeline stages, one per process: must equal world_size
+    microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
+    schedule: str = "gpipe"  # gpipe | 1f1b
+    impl: str = "manual"  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
+    # names of the blocks that start stages 2..p, e.g. [fc1]; [] = balance the stages by parameter count
+    cuts: list[str] = field(default_factory=list)
+
+
+def _meta_model(cfg: DictConfig) -> nn.Sequential:
+    """The model's structure without weights (meta device): for planning and shape inference."""
+    from parallel_lab.models import build_meta_model
+
+    return build_meta_model(cfg.model)
+
+
+@register("pp")
+class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
+    Options = PPOptions
+
+    # ----- validation (parent) -----
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"strategy.schedule={opts.schedule} is unknown; use strategy.schedule=gpipe or strategy.schedule=1f1b"
+            )
+        if opts.impl not in IMPLS:
+            raise ConfigError(f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=torch")
+        for key in ("stages", "microbatches"):
+            if opts[key] < 1:
+                raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
+        plan_stages(_meta_model(cfg), opts.stages, list(opts.cuts))
+        if opts.stages != cfg.world_size:
+            raise ConfigError(
+                f"strategy.stages={opts.stages} must equal world_size={cfg.world_size} (one stage per process); "
+                f"set world_size={opts.stages}"
+            )
+        t = cfg.trainer
+        per_step = t.global_batch // t.grad_accum
+        if t.global_batch % t.grad_accum == 0 and per_step % opts.microbatches:
+            raise ConfigError(
+                f"strategy.microbatches={opts.microbatches} does not divide the per-step micro-batch of {per_step} "
+                f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
+                f"use a divisor of {per_step}"
+            )
+        if opts.impl == "torch" and opts.schedule == "1f1b" and opts.microbatches < opts.stages:
+            raise ConfigError(
+                f"strategy.microbatches={opts.microbatches} < strategy.stages={opts.stages}: torch's Schedule1F1B "
+                f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
+            )
+
+    # ----- data placement: every stage sees the whole batch (only the ends use it) -----
+    @classmethod
+    def data_parallel_size(cls, cfg: DictConfig) -> int:
+        return cfg.world_size // cfg.strategy.stages
+
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank // self.opts.stages
+
+    @property
+    def dp_size(self) -> int:
+        return self.env.world_size // self.opts.stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.opts.stages - 1
+
+    # ----- setup -----
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
+        p = self.opts.stages
+        self.stage = self.env.rank % p
+        self.stage_names = plan_stages(model, p, list(self.opts.cuts))
+        mine = self.stage_names[self.stage]
+        children = dict(model.named_children())
+        for name, child in children.items():
+            if name not in mine:
+                child.to("meta")  # free the weights of the other stages: this rank holds only its own
+        # Same child names as the full model, so parameter names match the single run's.
+        self.model = nn.Sequential(OrderedDict((n, children[n]) for n in mine)).to(self.device)
+        self.optimizer = make_optimizer(self.model.parameters())
+        meta = _meta_model(self.cfg)
+        self.meta_stages = [
+            nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in names)) for names in self.stage_names
+        ]
+        self.shapes: dict[tuple, torch.Size] = {}
+        self.timer = BusyTimer(self.model)
+        self.records: list[tuple[float, float, float]] = []  # per train_step: (total, busy, recv wait)
+        self.max_inflight = 0
+        self.schedule = self._torch_schedule() if self.opts.impl == "torch" else None
+
+    def _torch_schedule(self):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        self.pipe_stage = PipelineStage(self.model, self.stage, self.opts.stages, self.device)
+        # scale_grads=False: torch would divide ALL accumulated gradients by m after each step,
+        # which breaks gradient accumulation; our loss is pre-scaled instead (see module docstring).
+        return classes[self.opts.schedule](
+            self.pipe_stage, n_microbatches=self.opts.microbatches, loss_fn=self._torch_loss, scale_grads=False
+        )
+
+    def _boundary_shape(self, stage: int, sample_shape: torch.Size, batch: int) -> torch.Size:
+        """Shape of stage `stage`'s output for a batch (inferred on the meta device: no compute)."""
+        key = (stage, tuple(sample_shape), batch)
+        if key not in self.shapes:
+            x = torch.empty((batch, *sample_shape), device="meta")
+            for module in self.meta_stages[: stage + 1]:
+                x = module(x)
+            self.shapes[key] = x.shape
+        return self.shapes[key]
+
+    # ----- point-to-point helpers (manual impl) -----
+    def _recv(self, shape: torch.Size, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, device=self.device)
+        start = time.perf_counter()
+        dist.recv(buf, src=src, tag=tag)
+        self._recv_wait += time.perf_counter() - start  # idle: waiting for the neighbour
+        return buf
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        # Non-blocking: a stage never waits for its neighbour to take the data, so two stages
+        # sending to each other at once (1F1B's steady state) cannot deadlock.
+        self._pending.append((dist.isend(tensor.contiguous(), dst=dst, tag=tag), tensor))
+
+    # ----- training -----
+    def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
+        self._recv_wait, self._num_micro, self._losses = 0.0, num_micro, []
+        self.timer.busy, self.timer.enabled = 0.0, True
+        start = time.perf_counter()
+        if self.schedule is None:
+            self._manual_step(inputs, targets)
+        else:
+            self._torch_step(inputs, targets)
+        self.timer.enabled = False
+        self.records.append((time.perf_counter() - start, self.timer.busy, self._recv_wait))
+        # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
+        return torch.stack(self._losses).mean() if self.is_last else torch.zeros((), device=self.device)
+
+    def _manual_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        m, p, s = self.opts.microbatches, self.opts.stages, self.stage
+        xs, ys = inputs.chunk(m), targets.chunk(m)
+        self._pending, stash = [], {}
+        for op, i in SCHEDULES[self.opts.schedule](m, p, s):
+            if op == "F":
+                stash[i] = self._forward(i, xs[i], ys[i])
+                self.max_inflight = max(self.max_inflight, len(stash))
+            else:
+                self._backward(i, *stash.pop(i))
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+    def _forward(self, i: int, x: torch.Tensor, y: torch.Tensor):
+        if not self.is_first:
+            shape = self._boundary_shape(self.stage - 1, x.shape[1:], len(x))
+            x = self._recv(shape, src=self.env.rank - 1, tag=i).requires_grad_()
+        out = self.model(x)
+        if self.is_last:
+            loss = self.loss_fn(out, y)
+            self._losses.append(loss.detach())
+            return x, loss
+        self._send(out.detach(), dst=self.env.rank + 1, tag=i)
+        return x, out
+
+    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.is_last:
+            # out is micro-batch i's mean loss: scale so the summed gradient is the global mean's.
+            (out / (self.opts.microbatches * self._num_micro)).backward()
+        else:
+            grad = self._recv(out.shape, src=self.env.rank + 1, tag=BACKWARD_TAG + i)
+            out.backward(grad)
+        if not self.is_first:
+            self._send(x.grad, dst=self.env.rank - 1, tag=BACKWARD_TAG + i)
+
+    def _torch_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Called by torch per micro-batch (and once on placeholder tensors while it infers shapes).
+        return self.loss_fn(out, target) / (self.opts.microbatches * self._num_micro)
+
+    def _torch_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.is_last:  # undo the pre-scaling to report each micro-batch's mean loss
+            self._losses = [x.detach() * (self.opts.microbatches * self._num_micro) for x in kwargs["losses"]]
+
+    def clip_gradients(self) -> None:
+        """Clip by the norm of the whole model's gradient: every stage's squares are summed."""
+        if self.cfg.trainer.grad_clip > 0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_by_global_norm(grads, [], self.cfg.trainer.grad_clip, self.device)
+
+    def global_mean_loss(self, local_mean: torch.Tensor) -> float:
+        """Only the last stage has the loss: it broadcasts it, so every rank returns the same float."""
+        loss = local_mean.detach().clone().to(self.device)
+        dist.broadcast(loss, src=self.env.world_size - 1)
+        return float(loss)
+
+    # ----- evaluation: one forward of the whole batch through the stages -----
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Logits on the last stage, None elsewhere (every stage must call this together)."""
+        x = inputs
+        if not self.is_first:
+            shape = self._boundary_shape(self.stage - 1, inputs.shape[1:], len(inputs))
+            x = torch.empty(shape, device=self.device)
+            dist.recv(x, src=self.env.rank - 1)
+        out = self.model(x)
+        if self.is_last:
+            return out
+        dist.send(out.contiguous(), dst=self.env.rank + 1)
+        return None
+
+    def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(counts, src=self.env.world_size - 1)  # the last stage's counts are the answer
+        return counts
+
+    # ----- proof -----
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every stage's parameters, gathered to every rank in model order (stage order = rank order)."""
+        per_stage: list = [None] * self.env.world_size
+        dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
+        return [p for stage in per_stage[: self.opts.stages] for p in stage]
+
+    def memory_after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)  # the model here is this stage only
+
+    def memory_after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
+        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
+
+    def extra_metrics(self) -> dict:
+        p, m = self.opts.stages, self.opts.microbatches
+        skip = self.cfg.trainer.warmup_steps * self.cfg.trainer.grad_accum
+        kept = self.records[skip:] if len(self.records) > skip else self.records
+        total, busy, wait = (sum(r[i] for r in kept) for i in range(3))
+        mine = {
+            "idle_s": max(total - busy, 0.0),
+            "idle_fraction": max(total - busy, 0.0) / total if total else 0.0,
+            "recv_wait_s": wait if self.schedule is None else None,
+            "max_inflight": self.max_inflight if self.schedule is None else None,
+            "params": sum(q.numel() for q in self.model.parameters()),
+        }
+        stages: list = [None] * self.env.world_size
+        dist.all_gather_object(stages, mine)
+        return {
+            "pp_stages": p,
+            "pp_microbatches": m,
+            "pp_schedule": self.opts.schedule,
+            "pp_impl": self.opts.impl,
+            "pp_stage_layers": self.stage_names,
+            "pp_stage_params": [st["params"] for st in stages],
+            "pp_bubble_fraction_theory": (p - 1) / (m + p - 1),
+            # Measured over the steps after warm-up: step time minus time in this stage's compute.
+            "pp_idle_s": [st["idle_s"] for st in stages],
+            "pp_idle_fraction": [st["idle_fraction"] for st in stages],
+            "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
+            "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
+        }
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.schedule = self.pipe_stage = self.meta_stages = self.timer = None

@@ -1,0 +1,48 @@
+"""``ReplicatedModel``: the model-state hooks of a strategy whose every rank holds the whole model
+and optimizer state (single, dp, ddp, manual_ddp). A strategy that shards says so by not using it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
+
+REPLICA_FILE = "model_optimizer.pt"
+
+
+class ReplicatedModel:
+    """Mixin for ``Strategy``: one copy of the state is the whole state."""
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The user's module inside DDP/DataParallel wrappers, whose state_dict has the plain names."""
+        return getattr(self.model, "module", self.model)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Every replica holds the same, so rank 0 writes one copy and the others wait at the
+        checkpointer's barrier."""
+        if self.env.rank == 0:
+            torch.save(
+                {"model": self.unwrapped_model().state_dict(), "optimizer": self.optimizer.state_dict()},
+                directory / REPLICA_FILE,
+            )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Every rank reads the one copy (weights_only: tensors and plain values only)."""
+        state = torch.load(directory / REPLICA_FILE, map_location=self.device, weights_only=True)
+        self.unwrapped_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.model.parameters()]
+
+    def memory_after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)
+
+    def memory_after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """A full replica: every parameter's weights, gradient and optimizer state."""
+        return analytic_state_bytes(num_params, self.cfg.trainer)

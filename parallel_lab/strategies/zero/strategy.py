@@ -1,0 +1,334 @@
+"""``zero0``..``zero3``: DeepSpeed ZeRO (Rajbhandari et al., arXiv 1910.02054), one class, the
+stage taken from the name.
+
+Communication per step (N data-parallel ranks, Ψ parameters):
+
+* stage 0: plain data parallel: gradients all-reduced in buckets (like DDP).
+* stage 1: optimizer states partitioned: gradients all-reduced (or reduce-scattered) at the end
+  of backward, each rank updates its 1/N partition of the fp32 weights, then the updated
+  partitions are all-gathered into every rank's full parameters.
+* stage 2: also gradients partitioned: gradients are reduce-scattered bucket by bucket during
+  backward and each rank keeps only its partition; the same all-gather after the step.
+* stage 3: also parameters partitioned: each module's parameters are all-gathered just before
+  its forward and again before its backward and released after; gradients reduce-scattered.
+
+``strategy.offload=cpu`` moves the optimizer (its states and fp32 master partition, stages 1-3)
+and, at stage 3, the parameter partitions to CPU memory (ZeRO-Offload, arXiv 2101.06840). On a
+CPU-only machine this changes where DeepSpeed's code paths keep tensors, not the RAM used.
+
+The ds_config is generated from the Hydra config (``ds_config.py``) so every strategy sees the same
+global batch and the same clipping. The optimizer is the toolkit's own torch optimizer, passed to
+``deepspeed.initialize`` as the client optimizer: DeepSpeed steps it on its fp32 partitions, so
+the update rule is exactly the one every other strategy runs (per-tensor torch Adam), and losses
+match ``single``. (DeepSpeed's config Adam and DeepSpeedCPUAdam also train, but are different
+kernels; ``zero_force_ds_cpu_optimizer: false`` lets the torch optimizer drive offload too.)
+
+Memory accounting reads DeepSpeed's real buffers (distinct storages, padding included):
+``param_bytes`` the model's parameter storage (the flat buffers of stages 0-2, the ``ds_tensor``
+partitions of stage 3), ``master_param_bytes`` the fp32 partition the optimizer updates when it is
+a separate copy, ``grad_bytes`` the gradient buffers alive after backward, ``optim_bytes`` the
+optimizer's state tensors after the optimizer step, ``comm_buffer_bytes`` the bucket buffers. The
+analytic value is the paper's: fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter, stage 1
+dividing the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters. One
+difference is real and reported as its own column: at stages 1-3 DeepSpeed keeps its fp32 master
+partition as a *clone* of the parameters even in fp32 (the paper's mixed-precision K=12 counts that
+master copy inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on
+0.19.8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES, build_ds_config
+from parallel_lab.worker.dist_env import DistEnv, init_process_group
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ZeroOptions(StrategyOptions):
+    """``strategy=zero0``..``zero3`` options. The stage is the name's digit."""
+
+    # Filled in from the name (zero2 -> 2) when the config is validated; setting it is only a check.
+    stage: Optional[int] = None
+    # none | cpu: optimizer state + fp32 master partition on CPU (stage 3: parameters too); stages 1-3
+    offload: str = "none"
+    precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
+    # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
+    bucket_mb: float = 25.0
+    # a DeepSpeed JSON config of yours: merged under the generated settings, refused where it disagrees
+    ds_config: Optional[str] = None
+
+
+def _stage_from_name(name: str) -> int:
+    return int(name[len("zero") :])
+
+
+def quiet_deepspeed_warnings() -> None:
+    """ZeRO calls deprecated torch.distributed APIs at every step; each prints a FutureWarning
+    (plus a log line per rank at import). Hide exactly those, nothing else."""
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..*is deprecated.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed(\.|$)")
+    warnings.filterwarnings("ignore", category=UserWarning, message=r".*TypedStorage is deprecated.*")
+
+
+def _cpu_only(cfg: DictConfig) -> bool:
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+DS_TAG = "deepspeed"  # the subfolder DeepSpeed writes inside one of our step_* checkpoints
+
+
+@register("zero0", "zero1", "zero2", "zero3")
+class ZeroStrategy(Strategy):
+    Options = ZeroOptions
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(
+                f"strategy={opts.name} needs DeepSpeed, which is not installed; pip install deepspeed "
+                f"(make installs it), or use strategy=fsdp for the same sharding in plain torch"
+            )
+        named = _stage_from_name(opts.name)
+        if opts.stage is None:
+            opts.stage = named
+        if opts.stage not in STAGES:
+            raise ConfigError(
+                f"strategy.stage={opts.stage} does not exist: ZeRO has stages 0-3; choose the stage by name "
+                f"(strategy=zero0, zero1, zero2 or zero3) and drop strategy.stage"
+            )
+        if opts.stage != named:
+            raise ConfigError(
+                f"strategy.stage={opts.stage} contradicts strategy={opts.name} (stage {named}); "
+                f"use strategy=zero{opts.stage} instead of overriding strategy.stage"
+            )
+        if opts.offload not in OFFLOADS:
+            raise ConfigError(f"strategy.offload={opts.offload} is unknown; use strategy.offload=none or cpu")
+        if opts.offload != "none" and opts.stage == 0:
+            raise ConfigError(
+                "strategy.offload=cpu needs a partitioned optimizer (ZeRO stage 1-3); "
+                "use strategy=zero1, zero2 or zero3 with offload, or strategy.offload=none"
+            )
+        if opts.precision not in PRECISIONS:
+            raise ConfigError(f"strategy.precision={opts.precision} is unknown; use strategy.precision=fp32 or bf16")
+        if opts.precision == "fp16" and _cpu_only(cfg):
+            raise ConfigError(
+                "strategy.precision=fp16 is not supported by DeepSpeed on CPU; use strategy.precision=bf16 or fp32 "
+                "(fp16 needs device=cuda)"
+            )
+        if opts.bucket_mb <= 0:
+            raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use e.g. strategy.bucket_mb=25")
+        if opts.ds_config:
+            opts.ds_config = str(Path(opts.ds_config).expanduser().resolve())  # workers may start elsewhere
+        build_ds_config(cfg, opts)  # a user ds_config that disagrees fails here, in the parent
+
+    @classmethod
+    def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:
+        """DeepSpeed's own init. With RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        all exported from dist_env it skips its MPI discovery, which would pick a non-loopback
+        address under mpirun (docs/facts.md)."""
+        init_process_group(env, timeout_s)  # ours first (torchrun restarts need it); DeepSpeed adopts it
+        if env.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
+        quiet_deepspeed_warnings()
+        import deepspeed
+
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
+        deepspeed.init_distributed(
+            dist_backend=env.backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=timedelta(seconds=timeout_s),
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+
+    @property
+    def comm_theory_psi(self) -> float:
+        # ZeRO paper section 7: stages 0-2 move 2Ψ per step (reduce-scatter + all-gather of the
+        # gradients/parameters); stage 3 adds one more all-gather of the parameters for backward.
+        return 3.0 if self.opts.stage == 3 else 2.0
+
+    def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
+        super().__init__(cfg, env)
+        self.engine = None
+        self.ds_config = build_ds_config(cfg, self.opts)
+        self._grads_before_reduction = 0
+
+    def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
+        quiet_deepspeed_warnings()
+        import deepspeed
+
+        model = model.to(self.device)
+        optimizer = make_optimizer(model.parameters())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
+        )
+        self.model = self.engine
+        if self.opts.stage == 1 and hasattr(self.engine.optimizer, "reduce_gradients"):
+            self._measure_before_reduction(self.engine.optimizer)
+
+    def _measure_before_reduction(self, opt) -> None:
+        """Wrap this optimizer instance's boundary reduction to read the gradient bytes held just
+        before it (afterwards DeepSpeed keeps only this rank's partition)."""
+        reduce = opt.reduce_gradients
+        params = list(self.engine.module.parameters())
+
+        def measured_reduce(*args, **kwargs):
+            self._grads_before_reduction = storage_bytes(p.grad for p in params)
+            return reduce(*args, **kwargs)
+
+        opt.reduce_gradients = measured_reduce
+
+    def _input_dtype(self) -> torch.dtype:
+        # bf16 engines hold bf16 weights and expect bf16 inputs; the loss is computed in fp32.
+        return next((p.dtype for p in self.engine.module.parameters()), torch.float32)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.engine(inputs.to(self._input_dtype())).float(), targets)
+
+    def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
+        loss = self.forward_loss(inputs, targets)
+        # The engine divides by gradient_accumulation_steps and reduces at the boundary itself.
+        self.engine.backward(loss)
+        if micro < num_micro - 1:
+            # DeepSpeed counts micro-batches through step(): off the boundary it only advances
+            # its counter; the real update is the last call, in optimizer_step.
+            self.engine.step()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        # The accumulation boundary: clipping at gradient_clipping (= trainer.grad_clip, 0 = off),
+        # the optimizer step on each rank's partition, the all-gather of updated weights.
+        self.engine.step()
+
+    # ----- checkpoints: DeepSpeed's own format, each rank writing its optimizer partition -----
+    def save_checkpoint(self, directory: Path) -> None:
+        # save_latest=False: our complete.json, not DeepSpeed's "latest" file, says what is finished.
+        self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from parallel_lab.checkpoint.ds_reader import use_weights_only_loading
+
+        use_weights_only_loading(self.engine)
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise ConfigError(
+                f"checkpoint '{directory}' holds no DeepSpeed state under tag '{DS_TAG}'; "
+                f"trainer.resume=never to start fresh"
+            )
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        # The engine: stage 3 gathers parameters collectively (every rank runs the same batches).
+        return self.engine(inputs.to(self._input_dtype())).float()
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        if self.opts.stage == 3:
+            import deepspeed
+
+            params = list(self.engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return [p.detach().clone().float() for p in params]
+        return [p.detach().float() for p in self.engine.module.parameters()]
+
+    # ----- memory -----
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """What holds the model's parameters: the flat bit16 buffers (stages 0-2), or the ds_tensor
+        partitions plus any gathered copies still alive (stage 3)."""
+        opt = self.engine.optimizer
+        params = list(self.engine.module.parameters())
+        if self.opts.stage == 3:
+            partitions = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
+            return partitions + [p.data for p in params]
+        return [p.data for p in params] + list(getattr(opt, "bit16_groups_flat", []))
+
+    def _master_tensors(self) -> list[torch.Tensor]:
+        """DeepSpeed's fp32 partitions the optimizer updates."""
+        name = "fp32_partitioned_groups_flat" if self.opts.stage == 3 else "single_partition_of_fp32_groups"
+        return list(getattr(self.engine.optimizer, name, []))
+
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters and every gradient buffer alive after backward; step() frees the averaged
+        gradients and the partitions' .grad."""
+        opt = self.engine.optimizer
+        averaged = getattr(opt, "averaged_gradients", None) or {}
+        grads = [p.grad for p in self.engine.module.parameters()]
+        for value in averaged.values() if isinstance(averaged, dict) else averaged:
+            grads += value if isinstance(value, (list, tuple)) else [value]
+        if self.opts.stage == 3:
+            grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
+        else:
+            grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in self._master_tensors()]
+        return {
+            "param_bytes": storage_bytes(self._param_tensors()),
+            # Stage 1 frees the gradients outside its partition right after its one reduction at
+            # the end of backward; before it, every rank holds them all (the ZeRO-1 state).
+            "grad_bytes": max(storage_bytes(grads), self._grads_before_reduction),
+            "comm_buffer_bytes": self._bucket_bytes(opt),
+        }
+
+    def memory_after_step(self) -> dict[str, int]:
+        """The optimizer's state on this rank's partition (created by the first step) and the fp32
+        master partition."""
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)  # the torch optimizer DeepSpeed steps
+        states = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        params = self._param_tensors()
+        # The master copy counts only where it is its own storage, not a view of the parameters.
+        master_bytes = storage_bytes(params + self._master_tensors()) - storage_bytes(params)
+        return {"master_param_bytes": master_bytes, "optim_bytes": storage_bytes(states)}
+
+    @staticmethod
+    def _bucket_bytes(opt) -> int:
+        buffers = list(getattr(opt, "ipg_buffer", None) or [])
+        return storage_bytes(buffers)
+
+    def analytic_memory(self, num_params: int) -> dict[str, int]:
+        """ZeRO paper (arXiv 1910.02054) per rank, generalised to this precision: weights w and
+        gradients g bytes/param (4 in fp32, 2 in bf16), Adam 8 (SGD+momentum 4) of optimizer
+        state; stage >= 1 divides the optimizer state by N, >= 2 the gradients, 3 the weights.
+        master: DeepSpeed's fp32 master partition where it is a separate copy (4/N)."""
+        n = self.env.world_size
+        stage = self.opts.stage
+        w = PRECISION_BYTES[self.opts.precision]
+        k = optimizer_bytes_per_param(self.cfg.trainer)
+        # DeepSpeed 0.19.8 keeps its fp32 master partition as a separate copy at stages 1-3
+        # (measured, fp32 included), and an unpartitioned one for bf16 at stage 0.
+        separate_master = stage >= 1 or self.opts.precision != "fp32"
+        return {
+            "param_bytes": int(w * num_params / (n if stage >= 3 else 1)),
+            "master_param_bytes": int(4 * num_params / (n if stage >= 1 else 1)) if separate_master else 0,
+            "grad_bytes": int(w * num_params / (n if stage >= 2 else 1)),
+            "optim_bytes": int(k * num_params / (n if stage >= 1 else 1)),
+        }
+
+    def extra_metrics(self) -> dict:
+        return {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
+
+    def teardown(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()  # releases stage-3 hooks and buffers
+        self.engine = None
+        super().teardown()

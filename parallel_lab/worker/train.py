@@ -1,0 +1,246 @@
+"""The generic training loop. It never asks which strategy it runs: the strategy owns backward,
+the optimizer step and every collective; the loop owns data, timing, the checkpoints' schedule and
+the metrics (``parallel_lab.protocol.RunMetrics``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from parallel_lab.checkpoint import Checkpointer, Resumed
+from parallel_lab.comm.counter import CommCounter
+from parallel_lab.data import eval_batches, load_datasets, train_batches
+from parallel_lab.models import build_model, count_params
+from parallel_lab.protocol import RunMetrics
+from parallel_lab.report.parity import jitter_one_ulp
+from parallel_lab.strategies.base import Strategy
+from parallel_lab.worker.dist_env import DistEnv
+from parallel_lab.worker.faults import maybe_inject_fault
+from parallel_lab.worker.metrics import (
+    device_memory,
+    gather_from_ranks,
+    param_checksum,
+    param_sha256,
+    peak_rss_bytes,
+    save_final_params,
+    timed_median,
+)
+
+
+def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def make(params):
+        if trainer.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)
+        # foreach=False: the same per-tensor kernels whatever the wrapping, so sharded and
+        # replicated runs do bit-comparable updates.
+        return torch.optim.Adam(params, lr=trainer.lr, weight_decay=trainer.weight_decay, foreach=False)
+
+    return make
+
+
+def _progress(steps: int, enabled: bool, first: int = 0):
+    if not enabled:
+        return range(first, steps)
+    from tqdm import tqdm
+
+    return tqdm(range(first, steps), desc="train", unit="step", dynamic_ncols=True, initial=first, total=steps)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class LoopState:
+    """Where training stands: what a checkpoint saves and a resumed run continues from."""
+
+    first_step: int = 0  # steps already done when this process started
+    consumed: int = 0  # global batches the sampler has handed out
+    history: dict = field(default_factory=lambda: {"losses": [], "fwd_bwd": [], "optimizer": []})
+    resumed: Resumed | None = None
+
+    @classmethod
+    def start(cls, resumed: Resumed | None) -> LoopState:
+        if resumed is None:
+            return cls()
+        return cls(resumed.step, resumed.batches_consumed, resumed.history, resumed)
+
+    def record(self, loss: float, fwd_bwd_s: float, optimizer_s: float) -> None:
+        self.history["losses"].append(loss)
+        self.history["fwd_bwd"].append(fwd_bwd_s)
+        self.history["optimizer"].append(optimizer_s)
+
+
+def train_step(
+    strategy: Strategy, counter: CommCounter, batch, env: DistEnv, grad_accum: int, measure_memory: bool
+) -> tuple[float, float, float, dict]:
+    """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {})."""
+    inputs, targets = batch
+    memory, after_backward = {}, {}
+    _sync(env.device)
+    start = time.perf_counter()
+    with counter.counting():  # only the strategy's own communication, not the loss report
+        micro_losses = [
+            strategy.train_step(x.to(env.device), y.to(env.device), i, grad_accum)
+            for i, (x, y) in enumerate(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
+        ]
+        _sync(env.device)
+        backward_done = time.perf_counter()
+        if measure_memory:  # gradients: the optimizer step frees or zeroes them
+            with counter.paused():
+                after_backward = strategy.memory_after_backward()
+        optimizer_start = time.perf_counter()
+        strategy.optimizer_step()
+    _sync(env.device)
+    end = time.perf_counter()
+    if measure_memory:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
+        memory = {**after_backward, **strategy.memory_after_step()}
+    # Split as far as the loop can see: forward+backward (including any communication that
+    # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
+    loss = strategy.global_mean_loss(torch.stack(micro_losses).mean())
+    return loss, backward_done - start, end - optimizer_start, memory
+
+
+def run_steps(
+    cfg: DictConfig,
+    env: DistEnv,
+    strategy: Strategy,
+    counter: CommCounter,
+    checkpointer: Checkpointer,
+    batches: Iterator,
+    state: LoopState,
+) -> dict:
+    """Train from state.first_step to trainer.steps; return the memory report of the last step."""
+    t, memory = cfg.trainer, {}
+    for step in _progress(t.steps, t.progress and env.is_main, state.first_step):
+        maybe_inject_fault(cfg.fault, env, step, "step")
+        batch = next(batches)
+        state.consumed += 1
+        loss, fwd_bwd_s, optimizer_s, step_memory = train_step(
+            strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1
+        )
+        memory = step_memory or memory
+        state.record(loss, fwd_bwd_s, optimizer_s)
+        if checkpointer.due(step + 1):
+            with counter.paused():
+                checkpointer.save(
+                    step + 1,
+                    state.consumed,
+                    state.history,
+                    lambda s=step + 1: maybe_inject_fault(cfg.fault, env, s, "checkpoint"),
+                )
+    return memory
+
+
+def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
+    """Run cfg.trainer.steps optimizer steps (resuming from a checkpoint if there is one);
+    return the run's metrics (complete on rank 0)."""
+    t = cfg.trainer
+    model = build_model(cfg.model, t.seed)
+    param_names = [name for name, _ in model.named_parameters()]  # full_parameters() keeps this order
+    if t.ulp_jitter_seed is not None:  # a noise-floor rerun of the baseline (parallel_lab/report/parity.py)
+        jitter_one_ulp(model, t.ulp_jitter_seed)
+    # Installed before setup: libraries that keep a reference to a collective (DeepSpeed picks
+    # its all-gather function once, at initialisation) must keep the counted one.
+    counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
+    num_params = count_params(model)
+    strategy.setup(model, optimizer_factory(t))
+    checkpointer = Checkpointer(cfg, env, strategy)
+    with counter.paused():
+        state = LoopState.start(checkpointer.restore())  # RNG, sampler position, model and optimizer
+    train_set, eval_set = load_datasets(cfg.data, t.seed)
+    batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
+    memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state)
+    accuracy = strategy.evaluate(
+        eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size)
+    )
+    checksum, digest = _final_parameters(cfg, env, strategy, param_names)
+    counter.uninstall()
+    return _metrics(cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest)
+
+
+def _final_parameters(cfg: DictConfig, env: DistEnv, strategy: Strategy, names: list[str]) -> tuple[float, str]:
+    """The full final parameters' checksum and sha256; rank 0 also saves them for the parity check."""
+    full = strategy.full_parameters()
+    if env.is_main and cfg.run_dir:
+        save_final_params(Path(cfg.run_dir), names, full)
+    return param_checksum(full), param_sha256(full)
+
+
+def _metrics(
+    cfg: DictConfig,
+    env: DistEnv,
+    strategy: Strategy,
+    state: LoopState,
+    checkpointer: Checkpointer,
+    counter: CommCounter,
+    memory: dict,
+    num_params: int,
+    accuracy: float | None,
+    checksum: float,
+    digest: str,
+) -> RunMetrics:
+    t, history = cfg.trainer, state.history
+    steps_run_here = max(1, t.steps - state.first_step)
+    comm_per_step = counter.total_bytes / steps_run_here
+    analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
+    rank_info = {
+        "rank": env.rank,
+        "peak_rss_bytes": peak_rss_bytes(),
+        **memory,
+        **analytic,
+        "comm_bytes_per_step": comm_per_step,
+        "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
+        **device_memory(env.device),
+    }
+    ranks = gather_from_ranks(rank_info)
+    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
+    step_time = timed_median(step_times, t.warmup_steps)
+    return RunMetrics(
+        strategy=cfg.strategy.name,
+        launcher=cfg.launcher.name,
+        world_size=env.world_size,
+        backend=env.backend if strategy.needs_process_group else "none",
+        device=str(env.device),
+        model=cfg.model.name,
+        data=cfg.data.name,
+        params=num_params,
+        global_batch=t.global_batch,
+        optimizer=t.optimizer,
+        lr=t.lr,
+        grad_accum=t.grad_accum,
+        steps=t.steps,
+        threads=t.threads,
+        ulp_jitter_seed=t.ulp_jitter_seed,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        losses=history["losses"],
+        final_loss=history["losses"][-1],
+        step_time_s=step_time,
+        step_times_s=step_times,
+        step_split_s={part: timed_median(history[part], t.warmup_steps) for part in ("fwd_bwd", "optimizer")},
+        samples_per_s=t.global_batch / step_time,
+        eval_accuracy=accuracy,
+        final_param_checksum=checksum,
+        final_param_sha256=digest,
+        attempt=env.restart_count,
+        resumed_from_step=state.first_step if state.resumed else None,
+        resumed_from=str(state.resumed.path) if state.resumed else None,
+        checkpoint_every=t.checkpoint_every,
+        checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
+        checkpoint_load_s=checkpointer.load_seconds,
+        checkpoint_bytes=checkpointer.last_bytes or None,
+        comm_bytes_per_step=comm_per_step,
+        comm_volume_psi=comm_per_step / (4 * num_params),
+        comm_theory_psi=strategy.comm_theory_psi,
+        ranks=ranks,
+        strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
+        strategy_extras=strategy.extra_metrics(),
+    )
