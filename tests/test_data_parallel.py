@@ -80,7 +80,7 @@ def test_manual_ddp_cli_run(tmp_path, cnn_reference):
     )  # 2(N-1)/N = 1
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [pytest.param(1, marks=pytest.mark.extra), 2])
 def test_dp_matches_reference_with_one_replica_on_cpu(cli, cnn_reference, accum):
     metrics = cli("strategy=dp", "world_size=2", *CNN, f"trainer.grad_accum={accum}")
     assert metrics["world_size"] == 1 and metrics["strategy_extras"]["replicas"] == 1

@@ -351,8 +351,15 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-@pytest.mark.parametrize("mode", ["raise", "kill"])
+@pytest.mark.parametrize(
+    "launcher, mode",
+    [
+        ("spawn", "raise"),
+        ("torchrun", "raise"),
+        ("torchrun", "kill"),
+        pytest.param("spawn", "kill", marks=pytest.mark.extra),
+    ],
+)
 def test_one_failing_rank_ends_every_rank_quickly(tmp_path, launcher, mode):
     run_dir = tmp_path / "run"
     result = run_cli(

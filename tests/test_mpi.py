@@ -73,7 +73,7 @@ def example(name: str) -> str:
 
 
 # ---- pi_reduce ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("ranks", [0, 2, 3])
+@pytest.mark.parametrize("ranks", [0, 2, pytest.param(3, marks=pytest.mark.extra)])
 def test_pi_reduce_integral_error_below_1e_6(ranks):
     n = 10**6
     out = ok(mpi(ranks, example("pi_reduce"), str(n)))
@@ -86,7 +86,7 @@ def test_pi_reduce_integral_error_below_1e_6(ranks):
 
 
 # ---- send_recv, collectives, ring ----------------------------------------------------------------
-@pytest.mark.parametrize("ranks", [0, 2, 3])
+@pytest.mark.parametrize("ranks", [0, 2, pytest.param(3, marks=pytest.mark.extra)])
 def test_send_recv(ranks):
     out = ok(mpi(ranks, example("send_recv"), "65536"))
     if ranks:
@@ -106,7 +106,7 @@ def parse_collectives(out: str) -> dict[str, dict[int, list[float]]]:
     return held
 
 
-@pytest.mark.parametrize("ranks", [0, 2, 3, 4])
+@pytest.mark.parametrize("ranks", [0, 2, 3, pytest.param(4, marks=pytest.mark.extra)])
 def test_collectives_match_numpy(ranks):
     size, k = ranks or 1, 2
     out = ok(mpi(ranks, example("collectives"), str(size * k)))

@@ -68,6 +68,7 @@ def test_single_and_ddp_match_independent_reference(cli, model, steps, batch):
     assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
 
 
+@pytest.mark.extra  # make test: grad_accum=2 in tests/test_data_parallel.py (manual_ddp matrix, ddp no_sync)
 def test_grad_accum_keeps_the_same_losses(cli):
     ref = parity_reference(steps=3, global_batch=32)
     ref.assert_run_matches(cli("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "trainer.grad_accum=2"))

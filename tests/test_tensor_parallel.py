@@ -46,7 +46,7 @@ def test_tp_configurations_match_reference_in_one_set_of_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["manual", "dtensor"])
+@pytest.mark.parametrize("impl", ["manual", pytest.param("dtensor", marks=pytest.mark.extra)])  # dtensor: matrix above
 def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     m = cli(
         "strategy=tp",
