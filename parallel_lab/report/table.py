@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,12 @@ def load_runs(dirs: list[Path]) -> list[Row]:
     for top in dirs:
         runs += [Row(str(path.parent), metrics=RunMetrics.read(path)) for path in sorted(top.rglob(METRICS_FILE))]
         runs += [Row(str(path.parent), failure=FailedRun.read(path)) for path in sorted(top.rglob(FAILED_FILE))]
-    return sorted(runs, key=lambda r: (r.is_noise, r.run_dir))
+    return sorted(runs, key=lambda r: (r.is_noise, _natural(r.run_dir)))
+
+
+def _natural(text: str) -> list:
+    """Sort key that puts a sweep's 2_ddp before 10_zero3 (numbers compared as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def baseline_key(run: Row) -> tuple:
