@@ -8,8 +8,6 @@ committed checkpoint).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import pickle
@@ -247,29 +245,6 @@ REFUSED_BEFORE_WORKERS = {
 AS_A_PROCESS = {"unknown-strategy", "wrong-type-int", "lr-nan", "world-size-beyond-memory", "resume-corrupt-checkpoint"}
 
 
-def run_cli_in_this_process(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """parallel_lab's command-line main(), called here with this argv; stdout/stderr captured."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from parallel_lab.cli import main as cli
-    from parallel_lab.report import sweep
-
-    argv = ["parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    cli._exit_codes.clear()
-    sweep.failed_proofs.clear()
-    saved_argv, sys.argv = sys.argv, argv
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.argv = saved_argv
-        GlobalHydra.instance().clear()
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
-
-
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
     assert result.returncode != 0, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if "parallel_lab: error:" in line]
@@ -293,10 +268,7 @@ def test_bad_input_catalogue(tmp_path, checkpoint_of, case):
     if callable(overrides):
         overrides = overrides(tmp_path, checkpoint_of)
     run_dir = tmp_path / "run"
-    if case in AS_A_PROCESS:
-        result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT)
-    else:
-        result = run_cli_in_this_process(run_dir, *overrides)
+    result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT, in_process=case not in AS_A_PROCESS)
     assert_one_clean_line(result, run_dir, named)
     if case in REFUSED_BEFORE_WORKERS:
         assert result.returncode == 2 and not (run_dir / PIDS_DIR).exists(), "a worker started"

@@ -112,9 +112,13 @@ def export_rendezvous(env: DistEnv) -> None:
 
 
 def init_process_group(env: DistEnv, timeout_s: int) -> None:
+    """The default process group of this rank; one that already exists (made by a script or a
+    test body that trains several configs in one set of ranks) is adopted as it is."""
     import torch.distributed as dist
 
     export_rendezvous(env)
+    if dist.is_initialized():
+        return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=timeout_s)
