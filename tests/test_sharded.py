@@ -48,7 +48,7 @@ def assert_parity(metrics: dict, reference) -> None:
     reference.assert_run_matches(metrics)
 
 
-# Every case trains in ONE set of 2 rank processes (tests/dist_bodies_sharded.py), through each
+# Every case trains in ONE set of 2 rank processes (tests/dist_bodies_runs.py), through each
 # strategy's own init and the generic train loop, as a worker does; the command line and the real
 # launchers run ZeRO in test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2 below.
 ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none")]
@@ -83,7 +83,7 @@ def sharded_runs(tmp_path_factory):
     cases |= {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in MEMORY_CASES.items()}
     paths = {name: write_config(root / f"{name}.yaml", *overrides) for name, overrides in cases.items()}
     run_ranks(
-        "tests.dist_bodies_sharded:train_and_record",
+        "tests.dist_bodies_runs:train_and_record",
         world_size=2,
         timeout=600,
         env=ENV,

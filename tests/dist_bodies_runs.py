@@ -1,8 +1,9 @@
-"""Distributed test body for the sharded family (FSDP 1/2, ZeRO 0-3 + offload): every config
-trained in turn on ONE set of real gloo ranks, through the worker's own steps (the strategy's
-init_distributed, which adopts the existing group as DeepSpeed does, then the generic train loop);
-rank 0 writes each run's metrics.json and final_params.pt as a worker would. One DeepSpeed import
-per rank instead of one per config: ~10 s of start-up saved per config on 2 cores."""
+"""Distributed test body: many whole runs (any strategy) trained in turn on ONE set of real gloo
+ranks, through the worker's own steps (the strategy's init_distributed, which adopts the existing
+group as DeepSpeed does, then the generic train loop); rank 0 writes each run's metrics.json and
+final_params.pt as a worker would. Used by the sharded matrix (tests/test_sharded.py) and the
+uninterrupted runs that resumed ones must equal bitwise (tests/test_checkpoint.py): one process
+start-up (and one DeepSpeed import) per rank instead of one per run."""
 
 from __future__ import annotations
 
