@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import signal
@@ -45,8 +46,10 @@ def run_cli(
     cwd: Path | None = None,
     in_process: bool = False,
 ) -> subprocess.CompletedProcess:
-    """``python -m parallel_lab hydra.run.dir=<run_dir> trainer.progress=false <overrides>``."""
-    argv = [f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
+    """``python -m parallel_lab hydra.run.dir=<run_dir> trainer.progress=false <overrides>``;
+    Hydra's own flags (``--multirun``) at the start of overrides stay first, as argparse needs."""
+    flags = list(itertools.takewhile(lambda arg: arg.startswith("-"), overrides))
+    argv = [*flags, f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides[len(flags) :]]
     if in_process:
         result = _run_cli_in_this_process(argv, timeout, env or {})
     else:
