@@ -43,7 +43,7 @@ def group_key(group) -> str:
     """A process group's name, the same on every rank that belongs to it ("world" for the default)."""
     if group is None or group is dist.group.WORLD:
         return WORLD
-    return group.group_name
+    return getattr(group, "group_name", None) or f"group {id(group)}"
 
 
 # op name -> bytes of volume from the call's bound arguments
@@ -68,6 +68,14 @@ VOLUME: dict[str, Callable[[dict], int]] = {
 _MODULES = (dist, dist.distributed_c10d)
 
 
+def _ranks_label(group, key: str) -> str:
+    """An unnamed sub-group, named by its global ranks (the same on all of them)."""
+    try:
+        return "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+    except (RuntimeError, ValueError, TypeError):  # not a c10d group this rank knows: its name will do
+        return key
+
+
 class CommCounter:
     """Bytes of collective volume issued by this rank while ``counting()`` is active."""
 
@@ -87,9 +95,7 @@ class CommCounter:
     def group_label(self, group) -> str:
         key = group_key(group)
         if key not in self._labels:
-            self._labels[key] = (
-                WORLD if key == WORLD else "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
-            )
+            self._labels[key] = key if key == WORLD else _ranks_label(group, key)
         return self._labels[key]
 
     def record(self, op: str, nbytes: int, group=None) -> None:
