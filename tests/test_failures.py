@@ -170,17 +170,9 @@ CATALOGUE = {
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),
-    "fsdp-hybrid-degree": (
-        ["strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=3", "world_size=4"],
-        ("strategy.replicate=3", "world_size=4"),
-    ),
     "tp-dp-degree": (
         ["strategy=tp", "strategy.replicate=2"],
         ("strategy.replicate=2 x strategy.tp=2 = 4", "world_size=2"),
-    ),
-    "pp-dp-degree": (
-        ["strategy=pp", "strategy.replicate=2", "world_size=3"],
-        ("strategy.replicate=2 x strategy.stages=2 = 4", "world_size=3"),
     ),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
@@ -237,9 +229,7 @@ CATALOGUE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
     "fsdp-hybrid",
-    "fsdp-hybrid-degree",
     "tp-dp-degree",
-    "pp-dp-degree",
     "max-restarts-negative",
     "grace-s-zero",
     "dist-timeout-zero",
