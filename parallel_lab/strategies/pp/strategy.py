@@ -20,7 +20,7 @@ Schedules (the order in which one stage runs its forwards F and backwards B):
   remaining backwards. Same bubble, but stage s stashes at most p-s activations instead of m.
 
 ``strategy.impl=torch`` runs the same stages with torch.distributed.pipelining (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss broadcast and the parameter gather are
+``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss report and the parameter gather are
 shared by both implementations.
 
 dp x pp: ``strategy.replicate=R`` pipelines on a (replicate, pp) mesh (``strategies/mesh.py``),
