@@ -167,7 +167,11 @@ CATALOGUE = {
     "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
-    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
+    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),
+    "tp-dp-degree": (
+        ["strategy=tp", "strategy.replicate=2"],
+        ("strategy.replicate=2 x strategy.tp=2 = 4", "world_size=2"),
+    ),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
     "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
@@ -222,6 +226,8 @@ CATALOGUE = {
 
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
+    "fsdp-hybrid",
+    "tp-dp-degree",
     "max-restarts-negative",
     "grace-s-zero",
     "dist-timeout-zero",
