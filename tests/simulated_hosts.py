@@ -32,6 +32,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 host=$1; shift
+echo "$host" >> "$(dirname "$0")/ssh.log"  # which hosts were reached, for the tests
 case "$host" in
 {cases}
   *) echo "ssh: Could not resolve hostname $host" >&2; exit 255 ;;
@@ -91,12 +92,24 @@ class SimulatedHosts:
             (NETNS_ETC / ns / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             _ip("-n", ns, "link", "set", "lo", "up")
         veth = [f"{self.prefix}v{i}" for i in range(2)]
-        _ip("link", "add", veth[0], "netns", self.namespaces[0], "type", "veth", "peer", veth[1], "netns", self.namespaces[1])
+        _ip(
+            "link",
+            "add",
+            veth[0],
+            "netns",
+            self.namespaces[0],
+            "type",
+            "veth",
+            "peer",
+            veth[1],
+            "netns",
+            self.namespaces[1],
+        )
         for ns, dev, addr in zip(self.namespaces, veth, self.addrs):
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
         cases = "\n".join(
-            f'  {n}|{a}) ns={ns}; name={n} ;;' for n, a, ns in zip(self.names, self.addrs, self.namespaces)
+            f"  {n}|{a}) ns={ns}; name={n} ;;" for n, a, ns in zip(self.names, self.addrs, self.namespaces)
         )
         self.bin.mkdir(parents=True, exist_ok=True)
         ssh = self.bin / "ssh"
@@ -118,6 +131,11 @@ class SimulatedHosts:
     def pids(ns: str) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=CMD_TIMEOUT)
         return [int(p) for p in out.stdout.split()]
+
+    def reached(self) -> list[str]:
+        """Every host the fake ssh was asked to reach so far, in order."""
+        log = self.bin / "ssh.log"
+        return log.read_text().split() if log.exists() else []
 
     def env(self) -> dict[str, str]:
         """The environment for commands run on the hosts: the fake ssh first on PATH; MPICH over TCP
