@@ -25,6 +25,7 @@ import pytest
 from conftest import ROOT
 from private_slurm import PrivateSlurm, ensure_packages
 from simulated_hosts import SimulatedHosts, unavailable_reason
+from test_failures import run_cli_in_this_process
 
 from parallel_lab.testing import load_metrics
 from tests.reference import parity_reference
@@ -90,21 +91,75 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference, launcher, 
     reference.assert_run_matches(metrics, f"{launcher} {strategy} on 2 hosts")
 
 
-def test_failing_rank_on_one_host_ends_every_rank(hosts, tmp_path):
-    """Rank 1 (on node1) raises at step 2: both hosts' ranks end within the grace period, its
-    traceback is shown once, and nothing is left running in either namespace."""
+@pytest.mark.parametrize("mode", ["raise", pytest.param("kill", marks=pytest.mark.extra)])
+def test_failing_rank_on_one_host_ends_every_rank(hosts, tmp_path, mode):
+    """Rank 1 (on node1) raises (or SIGKILLs itself) at step 2: both hosts' ranks end within the
+    grace period, a raised traceback is shown once, nothing is left running in either namespace."""
     grace = 10
     run_dir = tmp_path / "run"
-    extra = ("launcher=torchrun", "launcher.hosts=[node0,node1]", f"launcher.grace_s={grace}")
+    extra = ("launcher=torchrun", "launcher.hosts=[node0,node1]", f"launcher.grace_s={grace}", f"fault.mode={mode}")
+    started = time.time()
     result = cli_on_node0(hosts, run_dir, *COMMON, *extra, "trainer.steps=200", "fault.rank=1", "fault.step=2")
     ended = time.time()
     assert result.returncode != 0 and not (run_dir / "metrics.json").exists()
-    raised_at = float((run_dir / "errors" / "rank1.txt").read_text().split()[0])
-    assert ended - raised_at < grace + 15, f"ranks ran on {ended - raised_at:.1f} s after rank 1 failed"
-    assert result.stderr.count("raise InjectedFault(") == 1, result.stderr[-3000:]
-    assert "rank 1 failed: InjectedFault" in result.stderr.strip().splitlines()[-1]
+    assert result.stderr.strip().splitlines()[-1].startswith("parallel_lab: error:"), result.stderr[-3000:]
     for ns in hosts.namespaces:
         assert hosts.pids(ns) == [], f"a process outlived the failed run in {ns}"
+    if mode == "raise":
+        raised_at = float((run_dir / "errors" / "rank1.txt").read_text().split()[0])
+        assert ended - raised_at < grace + 15, f"ranks ran on {ended - raised_at:.1f} s after rank 1 failed"
+        assert result.stderr.count("raise InjectedFault(") == 1, result.stderr[-3000:]
+        assert "rank 1 failed: InjectedFault" in result.stderr.strip().splitlines()[-1]
+    else:
+        assert ended - started < RUN_TIMEOUT / 2, "the run did not end soon after rank 1 was killed"
+
+
+@pytest.mark.extra  # make test proves the same per-host torchrun commands through launcher=torchrun
+def test_run_torchrun_sh_on_each_host(hosts, tmp_path, reference):
+    """launch/run_torchrun.sh's multi-node form, typed on each host by hand."""
+    run_dir = tmp_path / "run"
+    args = f"trainer.steps={STEPS} trainer.global_batch={BATCH} trainer.eval_batches=0 trainer.progress=false"
+    env = {**os.environ, **hosts.env(), "PY": sys.executable}
+    procs = []
+    for rank in range(2):
+        line = (
+            f"cd {ROOT} && NNODES=2 NODE_RANK={rank} NPROC=1 MASTER_ADDR=node0 MASTER_PORT=29517 "
+            f"RUN_DIR={run_dir} launch/run_torchrun.sh {args}"
+        )
+        procs.append(
+            subprocess.Popen(
+                [str(hosts.bin / "ssh"), hosts.names[rank], line],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    reference.assert_run_matches({**load_metrics(run_dir), "run_dir": str(run_dir)}, "run_torchrun.sh on 2 hosts")
+
+
+def test_hosts_out_of_reach_get_the_exact_per_host_commands(tmp_path):
+    """launcher.remote_shell=null: nothing starts; each host's torchrun line is printed instead
+    (the same lines the parent runs through ssh in the tests above)."""
+    run_dir = tmp_path / "run"
+    overrides = ("launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.nproc_per_node=2", "world_size=4")
+    result = run_cli_in_this_process(run_dir, *overrides, "launcher.remote_shell=null", "launcher.master_port=29555")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[node")]
+    assert [line.split()[0] for line in lines] == ["[node0]", "[node1]"], result.stdout
+    for rank, line in enumerate(lines):
+        argv = shlex.split(line.split(" ", 1)[1])
+        assert argv[:2] == ["cd", str(Path.cwd())] and "OMP_NUM_THREADS=1" in argv
+        assert {"--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=2", "--master_addr=node0"} <= set(argv)
+        assert "--master_port=29555" in argv and argv[-1] == str(run_dir / "config.yaml")
+    assert not (run_dir / "pids").exists() and not (run_dir / "metrics.json").exists()
 
 
 @pytest.fixture(scope="module")

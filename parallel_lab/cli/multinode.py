@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,12 @@ def write_hostfile(cfg: DictConfig, config_path: Path, style: str) -> Path:
 def deepspeed_multi_node(cfg: DictConfig, config_path: Path, port: int, tool: str, env: dict[str, str]) -> list:
     """deepspeed --hostfile through its runner; the variables each host needs go in a DeepSpeed
     environment file (DS_ENV_FILE, the '.deepspeed_env' format), which every runner exports."""
+    runner = cfg.launcher.ds_runner
+    if runner == "pdsh" and not shutil.which("pdsh"):
+        raise ConfigError(
+            "launcher.ds_runner=pdsh needs pdsh on this host (Debian: apt-get install pdsh); install it "
+            "or pick another runner (launcher.ds_runner=openmpi, slurm, ...)"
+        )
     env_file = config_path.parent / "deepspeed_env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in worker_env(cfg).items() if k != "PATH"))
     env = {**env, "DS_ENV_FILE": str(env_file), "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"}
@@ -140,7 +147,7 @@ def deepspeed_multi_node(cfg: DictConfig, config_path: Path, port: int, tool: st
         "--hostfile",
         str(write_hostfile(cfg, config_path, "deepspeed")),
         "--launcher",
-        cfg.launcher.ds_runner,
+        runner,
         "--master_addr",
         cfg.launcher.master_addr,
         "--master_port",

@@ -84,9 +84,15 @@ def _master_addr(launcher: DictConfig, hosts: list[str], nodes: int) -> str | No
     addr = launcher.master_addr
     if nodes == 1:
         return addr or LOOPBACK
+    if addr is None and launcher.name in FOUND_AT_RUN_TIME:
+        return None  # mpirun/slurm find rank 0's host at run time
+    if addr is None and not hosts:
+        raise ConfigError(
+            f"launcher.nodes={nodes} names no hosts, so launcher={launcher.name} has no rendezvous host; "
+            f"set launcher.hosts=[...] or launcher.master_addr=<host 0's address>"
+        )
     if addr is None:
-        # mpirun/slurm find rank 0's host at run time; torchrun and deepspeed need it now.
-        return None if launcher.name in FOUND_AT_RUN_TIME else hosts[0]
+        return hosts[0]
     try:
         loopback = ipaddress.ip_address(addr).is_loopback
     except ValueError:
@@ -124,6 +130,11 @@ def resolve_hosts(cfg: DictConfig, world: int, single_process: bool) -> None:
         raise ConfigError(
             f"strategy={cfg.strategy.name} runs one process, but {nodes} nodes are asked for; "
             f"drop launcher.hosts/launcher.nodes or pick a distributed strategy"
+        )
+    if nodes > 1 and launcher.name == "deepspeed" and launcher.ds_runner == "mpich":
+        raise ConfigError(
+            "launcher.ds_runner=mpich cannot start a module in DeepSpeed 0.19.8 (it runs "
+            "`python -m <path>/launcher_helper.py`); use launcher.ds_runner=pdsh, or launcher=mpirun"
         )
     slots = {s for _, s in entries if s is not None}
     launcher.nproc_per_node = 1 if single_process else _procs_per_node(launcher, slots, nodes, world)
