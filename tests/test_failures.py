@@ -152,13 +152,43 @@ def more_ranks_than_memory(tmp: Path, _checkpoint_of=None) -> list[str]:
     return ["world_size=64", "data.size=200000"]
 
 
+def uneven_hostfile(tmp: Path, _checkpoint_of=None) -> list[str]:
+    path = tmp / "hostfile"
+    path.write_text("node0 slots=1\nnode1 slots=2\n")
+    return ["launcher=deepspeed", f"launcher.hostfile={path}", "world_size=3"]
+
+
 # id: (overrides or a function building them in tmp_path, text(s) the error line must contain)
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
     "unknown-model": (["model=vgg"], "vgg"),
     "unknown-data": (["data=imagenet"], "imagenet"),
-    "unknown-launcher": (["launcher=slurm"], "slurm"),
+    "unknown-launcher": (["launcher=pbs"], "pbs"),
     "unknown-key": (["trainer.stepz=3"], "stepz"),
+    "hosts-world-size": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.nproc_per_node=2"],
+        ("world_size=2", "2 x 2 = 4"),
+    ),
+    "hosts-with-spawn": (["launcher.hosts=[node0,node1]"], ("launcher=spawn", "launcher=torchrun")),
+    "hosts-and-hostfile": (
+        ["launcher=mpirun", "launcher.hosts=[node0,node1]", "launcher.hostfile=/etc/hostname"],
+        "launcher.hostfile=/etc/hostname",
+    ),
+    "hostfile-missing": (["launcher=mpirun", "launcher.hostfile=/nonexistent/hosts"], "/nonexistent/hosts"),
+    "hostfile-uneven-slots": (uneven_hostfile, "[1, 2]"),
+    "hosts-repeated": (["launcher=torchrun", "launcher.hosts=[node0,node0]"], "['node0', 'node0']"),
+    "master-addr-loopback-on-hosts": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.master_addr=127.0.0.1"],
+        "launcher.master_addr=127.0.0.1",
+    ),
+    "ds-runner-mpich": (
+        ["launcher=deepspeed", "strategy=zero2", "launcher.hosts=[node0,node1]", "launcher.ds_runner=mpich"],
+        "launcher.ds_runner=mpich",
+    ),
+    "host-unreachable": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.remote_shell=false"],
+        ("cannot reach host 'node0'", "launcher.remote_shell=null"),
+    ),
     "wrong-type-int": (["trainer.steps=ten"], "'ten'"),
     "wrong-type-float": (["trainer.lr=fast"], "'fast'"),
     "override-syntax": (["trainer.steps=[1"], "[1"),
@@ -228,6 +258,15 @@ CATALOGUE = {
 REFUSED_BEFORE_WORKERS = {
     "fsdp-hybrid",
     "tp-dp-degree",
+    "hosts-world-size",
+    "hosts-with-spawn",
+    "hosts-and-hostfile",
+    "hostfile-missing",
+    "hostfile-uneven-slots",
+    "hosts-repeated",
+    "master-addr-loopback-on-hosts",
+    "host-unreachable",
+    "ds-runner-mpich",
     "max-restarts-negative",
     "grace-s-zero",
     "dist-timeout-zero",
