@@ -50,7 +50,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = validate(cfg, run_dir)
+        cfg = validate(cfg, run_dir, explicit=list(HydraConfig.get().overrides.task))
         write_run_config(cfg)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
@@ -79,6 +79,10 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     try:
+        if any(a.startswith(("--deep", "--local")) for a in sys.argv[1:]):  # DeepSpeed's own flags
+            from parallel_lab.cli.ds_args import overrides_from_deepspeed_args
+
+            sys.argv[1:] = overrides_from_deepspeed_args(sys.argv[1:])
         check_group_overrides(sys.argv[1:])
         check_overrides_compose(sys.argv[1:])
     except ConfigError as exc:
