@@ -176,9 +176,12 @@ def file_settings(key: str, path: str, cfg: DictConfig, dp_size: int) -> dict:
     if any(k in data for k in defaults):
         settings["trainer.global_batch"] = int(ds.train_batch_size)
         settings["trainer.grad_accum"] = int(ds.gradient_accumulation_steps)
-    if "gradient_clipping" in data:
-        settings["trainer.grad_clip"] = float(ds.gradient_clipping)
-    settings.update(optimizer_settings(key, path, ds.optimizer_name, ds.optimizer_params))
+    # A key the file leaves out has DeepSpeed's default, as for a DeepSpeed user (clipping at 1.0):
+    # taken unless the command line sets it (then no conflict: the file said nothing).
+    key_or_default = "trainer.grad_clip" if "gradient_clipping" in data else "default:trainer.grad_clip"
+    settings[key_or_default] = float(ds.gradient_clipping)
+    raw_name = ds.optimizer_name and (data.get("optimizer") or {}).get("type")  # DeepSpeed lowercases some
+    settings.update(optimizer_settings(key, path, raw_name, ds.optimizer_params))
     settings.update(scheduler_settings(key, path, ds.scheduler_name, ds.scheduler_params))
     if ds.float16_config.enabled and _cpu_only(cfg):
         raise ConfigError(
@@ -187,6 +190,7 @@ def file_settings(key: str, path: str, cfg: DictConfig, dp_size: int) -> dict:
         )
     settings["precision"] = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     settings["zero"] = ds.zero_config
+    settings["stage_in_file"] = "stage" in (data.get("zero_optimization") or {})  # else the strategy's
     return settings
 
 
@@ -208,6 +212,7 @@ def _strategy_settings(key: str, path: str, cfg: DictConfig, file: dict, whole_f
     name, settings = cfg.strategy.name, {}
     precision = file.pop("precision")
     zero = file.pop("zero")
+    stage_in_file = file.pop("stage_in_file")
     if "precision" in cfg.strategy:
         settings["strategy.precision"] = precision
     elif "mixed_precision" in cfg.strategy:
@@ -218,7 +223,7 @@ def _strategy_settings(key: str, path: str, cfg: DictConfig, file: dict, whole_f
             f"drop {name} from the sweep or disable {precision} in the file"
         )
     if whole_file:
-        if zero.stage != int(name.removeprefix("zero")):
+        if stage_in_file and zero.stage != int(name.removeprefix("zero")):
             settings["strategy.name"] = f"zero{int(zero.stage)}"
         devices = {_device(zero.offload_optimizer), _device(zero.offload_param)} - {"none"}
         if devices - {"cpu"}:
@@ -242,6 +247,10 @@ def adopt(cfg: DictConfig, key: str, path: str, explicit: Sequence[str], whole_f
     file = file_settings(key, path, cfg, dp_size)
     file.update(_strategy_settings(key, path, cfg, file, whole_file))
     given = _explicit_keys(explicit)
+    for dotted in [k for k in file if k.startswith("default:")]:
+        value = file.pop(dotted)
+        if dotted.removeprefix("default:") not in given:
+            OmegaConf.update(cfg, dotted.removeprefix("default:"), value, merge=False)
     conflicts = []
     for dotted, value in file.items():
         typed = "strategy" if dotted == "strategy.name" else dotted
@@ -268,17 +277,19 @@ FILE_KEYS = {  # run setting -> the DeepSpeed config key that sets it (for messa
     "trainer.optimizer": "optimizer.type",
     "trainer.lr_scheduler": "scheduler.type",
     "trainer.lr_scheduler_params": "scheduler.params",
-    "strategy.precision": "bf16/fp16.enabled",
-    "strategy.mixed_precision": "bf16.enabled",
-    "strategy.offload": "zero_optimization offload",
 }
 
 
 def _file_word(key: str, value) -> str:
+    """How the file says it: train_batch_size=16, bf16.enabled=true, zero_optimization.stage=0."""
     if key == "strategy":
         return f"zero_optimization.stage={str(value).removeprefix('zero')}"
+    if key in ("strategy.precision", "strategy.mixed_precision"):
+        return "bf16.enabled=false" if value == "fp32" else f"{value}.enabled=true"
+    if key == "strategy.offload":
+        return f"zero_optimization offload device={value}"
     name = FILE_KEYS.get(key) or f"optimizer.params.{key.rsplit('.', 1)[1]}"
-    return f"{name} (={value})"
+    return f"{name}={value}"
 
 
 def adopt_ds_files(cfg: DictConfig, explicit: Sequence[str] = ()) -> None:
