@@ -40,7 +40,8 @@ def _their_config(path: str) -> dict:
 def _batches(cfg, steps: int):
     gen = torch.Generator().manual_seed(1234)
     size = cfg.trainer.global_batch
-    return [(torch.randn(size, 3, 32, 32, generator=gen), torch.randint(0, 10, (size,), generator=gen)) for _ in range(steps)]
+    images = [torch.randn(size, 3, 32, 32, generator=gen) for _ in range(steps)]
+    return [(x, torch.randint(0, 10, (size,), generator=gen)) for x in images]
 
 
 def _lr(optimizer) -> float:

@@ -36,7 +36,8 @@ def test_the_issues_file_is_taken_unedited(tmp_path):
     path = _file(tmp_path, ds)
     cfg = _validated(tmp_path, "strategy=zero0", f"strategy.ds_config={path}", "world_size=2")
     t, opt = cfg.trainer, ds["optimizer"]["params"]
-    assert t.global_batch == ds["train_batch_size"] and t.grad_accum == 1  # DeepSpeed: accumulation 1 when only the batch
+    # DeepSpeed: accumulation 1 when the file gives only the batch
+    assert t.global_batch == ds["train_batch_size"] and t.grad_accum == 1
     assert t.grad_clip == ds["gradient_clipping"]
     assert t.optimizer == "adamw"  # DeepSpeed's "Adam" runs in AdamW mode unless adam_w_mode=false
     assert (t.lr, list(t.betas), t.eps, t.weight_decay) == (opt["lr"], opt["betas"], opt["eps"], opt["weight_decay"])
@@ -143,3 +144,32 @@ def test_files_train_exactly_as_deepspeed_runs_them(tmp_path):
         assert result["same_weights"], name
         if name != "issue-13-file":  # its warm-up spans 1000 steps: the others must really move the LR
             assert len(set(ours["lr"])) > 2, name
+
+
+def test_recipe_gives_every_strategy_the_files_training(tmp_path):
+    """trainer.recipe: the same optimizer, schedule, clipping and batch for every strategy of a sweep;
+    a strategy without the file's precision says so (its row's error), the others take it."""
+    from parallel_lab.errors import ConfigError
+
+    # A few kinds (the rest share these code paths; validating all 11 twice costs a minute).
+    strategies = {"fp32.json": ("single", "pp"), "bf16.json": ("ddp", "zero1")}
+    bf16 = ISSUE_13_DS_CONFIG
+    fp32 = {k: v for k, v in bf16.items() if k != "bf16"}
+    keys = ("global_batch", "grad_accum", "grad_clip", "optimizer", "lr", "betas", "eps", "weight_decay")
+    keys += ("lr_scheduler",)
+    for content, name in ((fp32, "fp32.json"), (bf16, "bf16.json")):
+        path = _file(tmp_path, content, name)
+        seen = {}
+        for strategy in strategies[name]:
+            try:
+                cfg = _validated(tmp_path / strategy, f"strategy={strategy}", f"trainer.recipe={path}")
+            except ConfigError as exc:
+                assert content is bf16 and f"strategy={strategy} has no bf16 mode" in str(exc), exc
+                continue
+            seen[strategy] = tuple(str(cfg.trainer[k]) for k in keys)
+            precision = cfg.strategy.get("precision", cfg.strategy.get("mixed_precision", "fp32"))
+            assert precision == ("bf16" if content is bf16 else "fp32"), strategy
+        assert len(set(seen.values())) == 1, seen  # one training recipe for every row
+        expected = (str(content["train_batch_size"]), "1", str(content["gradient_clipping"]), "adamw")
+        assert next(iter(seen.values()))[:4] == expected
+        assert set(seen) == set(strategies[name]) - {"ddp"}  # ddp has no bf16 mode (yet)

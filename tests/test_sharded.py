@@ -151,7 +151,8 @@ def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
     as_typed = [deepspeed, "--num_gpus", "2", "--master_port", port, run_ds, "strategy=zero2", *COMMON]
     by_ds = _run_ds(tmp_path, "deepspeed_run_ds", [*as_typed, "trainer.progress=false"])
     stage2 = tmp_path / "stage2.json"
-    stage2.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}')  # DeepSpeed clips at 1.0 by default
+    # gradient_clipping 0: DeepSpeed's default (1.0) would apply to a file that does not say
+    stage2.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}')
     flags = ["--deepspeed", "--deepspeed_config", str(stage2)]
     by_bash = _run_ds(tmp_path, "bash_run_ds", ["bash", run_ds, *flags, "trainer.progress=false", *COMMON])
     mpi, _ = run_ok(tmp_path / "mpirun", "strategy=zero2", "launcher=mpirun", *COMMON)

@@ -31,8 +31,15 @@ def make_scheduler(trainer: DictConfig, optimizer: Any, first_step: int = 0) -> 
     past ``first_step`` steps already taken (a resumed run); None without trainer.lr_scheduler."""
     if not trainer.get("lr_scheduler"):
         return None
+    import logging
+
     params = OmegaConf.to_container(trainer.lr_scheduler_params, resolve=True) or {}
-    scheduler = scheduler_class(trainer.lr_scheduler)(optimizer, **params)
+    logger, level = logging.getLogger("DeepSpeed"), logging.getLogger("DeepSpeed").level
+    logger.setLevel(logging.ERROR)  # WarmupLR warns "before it has started" at every construction
+    try:
+        scheduler = scheduler_class(trainer.lr_scheduler)(optimizer, **params)
+    finally:
+        logger.setLevel(level)
     for _ in range(first_step):  # the same calls a run from step 0 made, whatever the schedule
         scheduler.step()
     return scheduler
