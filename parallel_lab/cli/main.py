@@ -50,7 +50,10 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = validate(cfg, run_dir, explicit=list(HydraConfig.get().overrides.task))
+        # The command line's overrides (a ds_config file yields to none of them silently); a noise-floor
+        # rerun (report/sweep.py) starts from a resolved config.yaml, outside any Hydra job.
+        explicit = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        cfg = validate(cfg, run_dir, explicit=explicit)
         write_run_config(cfg)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
