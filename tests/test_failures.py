@@ -143,6 +143,64 @@ def ds_config_disagreeing(tmp: Path, _checkpoint_of=None) -> list[str]:
     return ["strategy=zero2", "trainer.global_batch=32", f"strategy.ds_config={path}"]
 
 
+def _ds_file(tmp: Path, content: dict) -> str:
+    path = tmp / "ds_config.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+def ds_config_refused_by_deepspeed(tmp: Path, _checkpoint_of=None) -> list[str]:
+    batch = {"train_batch_size": 15, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    return ["strategy=zero2", f"strategy.ds_config={_ds_file(tmp, batch)}"]
+
+
+def ds_config_unknown_optimizer(tmp: Path, _checkpoint_of=None) -> list[str]:
+    content = {"train_batch_size": 32, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    return ["strategy=zero1", f"strategy.ds_config={_ds_file(tmp, content)}"]
+
+
+def ds_config_unknown_scheduler(tmp: Path, _checkpoint_of=None) -> list[str]:
+    content = {"train_batch_size": 32, "scheduler": {"type": "WarmupFoo", "params": {}}}
+    return ["strategy=zero1", f"strategy.ds_config={_ds_file(tmp, content)}"]
+
+
+def ds_config_scheduler_params(tmp: Path, _checkpoint_of=None) -> list[str]:
+    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}  # total_num_steps missing
+    content = {"train_batch_size": 32, "scheduler": scheduler, "zero_optimization": {"stage": 1}}
+    return ["strategy=zero1", f"strategy.ds_config={_ds_file(tmp, content)}"]
+
+
+def ds_config_stage_contradicts(tmp: Path, _checkpoint_of=None) -> list[str]:
+    return ["strategy=zero1", f"strategy.ds_config={_ds_file(tmp, {'zero_optimization': {'stage': 3}})}"]
+
+
+def ds_config_fp16_on_cpu(tmp: Path, _checkpoint_of=None) -> list[str]:
+    return ["strategy=zero2", "device=cpu", f"strategy.ds_config={_ds_file(tmp, {'fp16': {'enabled': True}})}"]
+
+
+ISSUE_13_DS_CONFIG = {  # DeepSpeed's CIFAR example as the issue quotes it
+    "train_batch_size": 16,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000}},
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 0,
+        "allgather_bucket_size": 50000000,
+        "reduce_bucket_size": 50000000,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "cpu_offload": False,
+    },
+}
+
+
+def ds_config_many_conflicts(tmp: Path, _checkpoint_of=None) -> list[str]:
+    path = _ds_file(tmp, ISSUE_13_DS_CONFIG)
+    overrides = ["trainer.global_batch=32", "trainer.grad_clip=0", "strategy.precision=fp32"]
+    return ["strategy=zero2", f"strategy.ds_config={path}", *overrides]
+
+
 def more_ranks_than_memory(tmp: Path, _checkpoint_of=None) -> list[str]:
     """64 ranks of 200000 synthetic images, ~7 GiB each: more than any test machine holds. Skipped where
     it would fit or cannot be checked (no /proc/meminfo), since there the run would really start 64 workers."""
@@ -202,6 +260,22 @@ CATALOGUE = {
         ["strategy=tp", "strategy.replicate=2"],
         ("strategy.replicate=2 x strategy.tp=2 = 4", "world_size=2"),
     ),
+    "ds-config-refused-by-deepspeed": (ds_config_refused_by_deepspeed, ("refused by DeepSpeed", "15 != 4 * 2 * 2")),
+    "ds-config-unknown-optimizer": (ds_config_unknown_optimizer, ("optimizer.type=Lamb", "Adam, AdamW or SGD")),
+    "ds-config-unknown-scheduler": (ds_config_unknown_scheduler, ("WarmupFoo", "WarmupLR")),
+    "ds-config-scheduler-params": (ds_config_scheduler_params, ("WarmupDecayLR", "total_num_steps")),
+    "ds-config-stage-contradicts": (ds_config_stage_contradicts, ("zero_optimization.stage=3", "use strategy=zero3")),
+    "ds-config-fp16-on-cpu": (ds_config_fp16_on_cpu, ("fp16.enabled", "bf16")),
+    "ds-config-conflicts-at-once": (
+        ds_config_many_conflicts,
+        (
+            "train_batch_size=16 in the file vs trainer.global_batch=32",
+            "gradient_clipping=1.0 in the file vs trainer.grad_clip=0",
+            "bf16.enabled=true in the file vs strategy.precision=fp32",
+            "zero_optimization.stage=0 in the file vs strategy=zero2",
+        ),
+    ),
+    "deepspeed-flag-vs-strategy": (["--deepspeed", "strategy=ddp"], ("--deepspeed", "strategy=ddp")),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
     "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
@@ -281,6 +355,8 @@ REFUSED_BEFORE_WORKERS = {
     "sgd-momentum-negative",
     "threads-zero",
     "world-size-beyond-memory",
+    "ds-config-refused-by-deepspeed",
+    "ds-config-conflicts-at-once",
 }
 
 

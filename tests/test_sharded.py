@@ -11,6 +11,7 @@ Makefile points it inside .venv; so does this module when it is unset), not once
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -128,24 +129,48 @@ def test_resnet18_memory_matches_zero_paper(sharded_runs, case):
         assert all(r["param_bytes"] <= 0.55 * 4 * metrics["params"] for r in metrics["ranks"])
 
 
+def _run_ds(tmp_path: Path, name: str, argv: list[str]) -> dict:
+    """launch/run_ds.sh started one way (argv), into tmp_path/name; its metrics."""
+    env = {**os.environ, **ENV, "RUN_DIR": str(tmp_path / name), "MASTER_PORT": str(free_port())}
+    # Its own session: on a timeout the whole tree (deepspeed, its launch.py, the ranks) is stopped.
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "terminate called" not in stderr
+    return load_metrics(tmp_path / name)
+
+
 def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
+    """launch/run_ds.sh both ways a user starts it, and mpirun, give the self-spawned zero2 run's losses.
+
+    `deepspeed launch/run_ds.sh` (the launcher runs `python -u launch/run_ds.sh --local_rank=N` per rank:
+    the file's Python half) with Hydra overrides; `bash launch/run_ds.sh` (the bash half) with DeepSpeed's
+    own flags instead: --deepspeed --deepspeed_config <file whose stage is 2> and no strategy=."""
     spawned, stderr = run_ok(tmp_path / "spawn", "strategy=zero2", *COMMON)
     assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
-    script = subprocess.run(
-        [str(ROOT / "launch" / "run_ds.sh"), "strategy=zero2", "trainer.progress=false", *COMMON],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env={**os.environ, **ENV, "RUN_DIR": str(tmp_path / "run_ds"), "MASTER_PORT": str(free_port())},
-    )
-    assert script.returncode == 0, script.stderr[-3000:]
-    assert "terminate called" not in script.stderr
+    deepspeed = str(Path(sys.executable).parent / "deepspeed")
+    run_ds = str(ROOT / "launch" / "run_ds.sh")
+    port = str(free_port())
+    as_typed = [deepspeed, "--num_gpus", "2", "--master_port", port, run_ds, "strategy=zero2", *COMMON]
+    by_ds = _run_ds(tmp_path, "deepspeed_run_ds", [*as_typed, "trainer.progress=false"])
+    stage2 = tmp_path / "stage2.json"
+    # gradient_clipping 0: DeepSpeed's default (1.0) would apply to a file that does not say
+    stage2.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}')
+    flags = ["--deepspeed", "--deepspeed_config", str(stage2)]
+    by_bash = _run_ds(tmp_path, "bash_run_ds", ["bash", run_ds, *flags, "trainer.progress=false", *COMMON])
     mpi, _ = run_ok(tmp_path / "mpirun", "strategy=zero2", "launcher=mpirun", *COMMON)
-    for other in (load_metrics(tmp_path / "run_ds"), mpi):
+    for other in (by_ds, by_bash, mpi):
+        assert other["strategy"] == "zero2" and other["world_size"] == 2
         assert_losses_close(other["losses"], spawned["losses"], 1e-7)
         assert other["final_param_checksum"] == pytest.approx(spawned["final_param_checksum"], rel=1e-9)
-    assert mpi["launcher"] == "mpirun"
+    assert mpi["launcher"] == "mpirun" and by_ds["launcher"] == by_bash["launcher"] == "deepspeed"
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,10 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = validate(cfg, run_dir)
+        # The command line's overrides (a ds_config file yields to none of them silently); a noise-floor
+        # rerun (report/sweep.py) starts from a resolved config.yaml, outside any Hydra job.
+        explicit = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        cfg = validate(cfg, run_dir, explicit=explicit)
         write_run_config(cfg)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
@@ -81,6 +84,10 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     try:
+        if any(a.startswith(("--deep", "--local")) for a in sys.argv[1:]):  # DeepSpeed's own flags
+            from parallel_lab.cli.ds_args import overrides_from_deepspeed_args
+
+            sys.argv[1:] = overrides_from_deepspeed_args(sys.argv[1:])
         check_group_overrides(sys.argv[1:])
         check_overrides_compose(sys.argv[1:])
     except ConfigError as exc:

@@ -17,7 +17,10 @@ from parallel_lab.errors import ConfigError
 
 def prepare(run_dir: Path, overrides: list[str]) -> Path:
     """Compose, validate and write ``<run_dir>/config.yaml``; return its path."""
-    return write_run_config(validate(compose_config(overrides), run_dir))
+    from parallel_lab.cli.ds_args import overrides_from_deepspeed_args
+
+    overrides = overrides_from_deepspeed_args(overrides)  # --deepspeed_config F: DeepSpeed's own flags too
+    return write_run_config(validate(compose_config(overrides), run_dir, explicit=overrides))
 
 
 def main(argv: list[str]) -> int:

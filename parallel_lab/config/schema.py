@@ -26,9 +26,18 @@ class TrainerConfig:
     global_batch: int = 64
     grad_accum: int = 1
     lr: float = 1e-3
-    optimizer: str = "adam"  # adam | sgd
+    optimizer: str = "adam"  # adam | adamw (decoupled weight decay, DeepSpeed's "Adam") | sgd
     momentum: float = 0.9
     weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])  # adam/adamw (torch's default)
+    eps: float = 1e-8  # adam/adamw (torch's default)
+    # LR schedule: a DeepSpeed schedule name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+    # LRRangeTest) or a torch.optim.lr_scheduler one, stepped after every optimizer step; null = constant
+    lr_scheduler: Optional[str] = None
+    lr_scheduler_params: dict = field(default_factory=dict)  # its keyword arguments, as in a ds_config
+    # A DeepSpeed JSON config whose optimizer, scheduler, clipping, precision and batch become these
+    # trainer settings (and strategy precision) for every strategy (parallel_lab/config/ds_file.py)
+    recipe: Optional[str] = None
     grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
     seed: int = 0
     warmup_steps: int = 2  # steps left out of the timing medians

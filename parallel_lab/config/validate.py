@@ -8,6 +8,7 @@ by torchrun, the deepspeed launcher or mpirun sees exactly what the parent saw.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -77,12 +78,16 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
-def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
-    """Resolve derived values and check every cross-field rule. Returns a plain resolved config."""
+def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = ()) -> DictConfig:
+    """Resolve derived values and check every cross-field rule. Returns a plain resolved config.
+    ``explicit``: the command line's overrides, so a DeepSpeed JSON file (strategy.ds_config,
+    trainer.recipe) can tell the user's explicit choices (a conflict) from defaults (the file wins)."""
     if run_dir is not None:
         use_run_dir(cfg, run_dir)
+    from parallel_lab.config.ds_file import adopt_ds_files
     from parallel_lab.strategies import get_strategy_class
 
+    adopt_ds_files(cfg, explicit)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     ws = cfg.world_size
     if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:
@@ -90,8 +95,12 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
     t = cfg.trainer
     for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
         _check_positive(f"trainer.{key}", t[key])
-    if t.optimizer not in ("adam", "sgd"):
-        raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam or sgd")
+    if t.optimizer not in ("adam", "adamw", "sgd"):
+        raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam, adamw or sgd")
+    if t.lr_scheduler:
+        from parallel_lab.config.ds_file import check_scheduler
+
+        check_scheduler(t)
     _check_numbers(cfg)
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device='{cfg.device}' is unknown; use device=auto, cpu or cuda")
@@ -142,7 +151,9 @@ def write_run_config(cfg: DictConfig) -> Path:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    OmegaConf.save(cfg, path, resolve=True)
+    partial = path.with_name(f".{CONFIG_FILE}.partial")
+    OmegaConf.save(cfg, partial, resolve=True)
+    partial.replace(path)  # whole or absent: ranks started by another launcher may be waiting for it
     return path
 
 

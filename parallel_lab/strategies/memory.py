@@ -37,8 +37,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_bytes_per_param(trainer: DictConfig) -> int:
-    """fp32 optimizer state per parameter: Adam keeps two moments, SGD one momentum buffer."""
-    if trainer.optimizer == "adam":
+    """fp32 optimizer state per parameter: Adam/AdamW keep two moments, SGD one momentum buffer."""
+    if trainer.optimizer in ("adam", "adamw"):
         return 8
     return 4 if trainer.momentum else 0
 

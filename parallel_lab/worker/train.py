@@ -32,6 +32,7 @@ from parallel_lab.worker.metrics import (
     save_final_params,
     timed_median,
 )
+from parallel_lab.worker.schedule import make_scheduler
 
 
 def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -39,8 +40,12 @@ def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parame
         if trainer.optimizer == "sgd":
             return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)
         # foreach=False: the same per-tensor kernels whatever the wrapping, so sharded and
-        # replicated runs do bit-comparable updates.
-        return torch.optim.Adam(params, lr=trainer.lr, weight_decay=trainer.weight_decay, foreach=False)
+        # replicated runs do bit-comparable updates. adamw: decoupled weight decay (DeepSpeed's
+        # config "Adam" by default, adam_w_mode=true).
+        adam = torch.optim.AdamW if trainer.optimizer == "adamw" else torch.optim.Adam
+        betas = tuple(trainer.get("betas", (0.9, 0.999)))
+        eps = trainer.get("eps", 1e-8)
+        return adam(params, lr=trainer.lr, betas=betas, eps=eps, weight_decay=trainer.weight_decay, foreach=False)
 
     return make
 
@@ -117,6 +122,7 @@ def run_steps(
     checkpointer: Checkpointer,
     batches: Iterator,
     state: LoopState,
+    scheduler=None,
 ) -> dict:
     """Train from state.first_step to trainer.steps; return the memory report of the last step."""
     t, memory = cfg.trainer, {}
@@ -128,6 +134,8 @@ def run_steps(
             strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1
         )
         memory = step_memory or memory
+        if scheduler is not None:  # after the optimizer step, as DeepSpeed's engine steps its own
+            scheduler.step()
         state.record(loss, fwd_bwd_s, optimizer_s)
         if checkpointer.due(step + 1):
             with counter.paused():
@@ -158,7 +166,8 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
         state = LoopState.start(checkpointer.restore())  # RNG, sampler position, model and optimizer
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
-    memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state)
+    scheduler = make_scheduler(t, strategy.optimizer, state.first_step)
+    memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state, scheduler)
     accuracy = strategy.evaluate(
         eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size)
     )

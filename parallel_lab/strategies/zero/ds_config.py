@@ -4,17 +4,15 @@ Every batch setting comes from ``trainer.*``: ``train_batch_size = trainer.globa
 ``gradient_accumulation_steps = trainer.grad_accum``, ``train_micro_batch_size_per_gpu =
 global_batch / world_size / grad_accum``, and ``gradient_clipping = trainer.grad_clip`` (DeepSpeed's
 own default is 1.0; 0 here means off, as for every strategy). A user's ``strategy.ds_config=<file>``
-is merged under the generated settings and refused where it disagrees with them.
+is taken whole: the parent first turns what it sets into those trainer/strategy settings
+(``parallel_lab/config/ds_file.py``, refusing explicit command-line values that contradict it), and
+here the file is the base of the config DeepSpeed gets, its optimizer and scheduler sections
+replaced by the equivalent torch optimizer and schedule that every strategy runs.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from omegaconf import DictConfig
-
-from parallel_lab.errors import ConfigError
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -59,59 +57,38 @@ def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
     if opts.precision != "fp32":
         ds[opts.precision] = {"enabled": True}
     if opts.ds_config:
-        ds = merge_user_config(load_user_config(opts.ds_config), ds, opts.ds_config)
+        ds = with_user_file(load_user_config(opts.ds_config), ds)
     return ds
 
 
+# Sections the worker hands to DeepSpeed as objects instead: the torch optimizer with the file's
+# hyper-parameters (trainer.*) and its schedule (trainer.lr_scheduler), stepped by the training loop.
+HANDED_OVER = ("optimizer", "scheduler")
+# Legacy offload flags and the keys that replace them: set one, never both.
+LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
 def load_user_config(path: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"strategy.ds_config={path} does not exist; pass the path of a DeepSpeed JSON config")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"strategy.ds_config={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file"
-        ) from None
+    from parallel_lab.config.ds_file import read_ds_file
+
+    return read_ds_file("strategy.ds_config", path)
 
 
-def _flag(section) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
-
-
-def merge_user_config(user: dict, ours: dict, path: str) -> dict:
-    """The user's keys stay unless they contradict the Hydra config, which is then an error."""
-    checked = {  # ds_config key -> the Hydra setting that decides it
-        "train_batch_size": "trainer.global_batch",
-        "train_micro_batch_size_per_gpu": "trainer.global_batch / world_size / trainer.grad_accum",
-        "gradient_accumulation_steps": "trainer.grad_accum",
-        "gradient_clipping": "trainer.grad_clip",
-    }
-    for key, setting in checked.items():
-        if key in user and user[key] != "auto" and float(user[key]) != float(ours[key]):
-            raise ConfigError(
-                f"strategy.ds_config={path} sets {key}={user[key]} but the Hydra config gives {ours[key]} "
-                f"({setting}); remove {key} from the file or change {setting.split(' ')[0]}"
-            )
-    if "optimizer" in user or "scheduler" in user:
-        raise ConfigError(
-            f"strategy.ds_config={path} has an 'optimizer'/'scheduler' section; remove it: the optimizer comes "
-            "from trainer.optimizer and trainer.lr so every strategy runs the same update"
-        )
+def with_user_file(user: dict, ours: dict) -> dict:
+    """The user's file as DeepSpeed will run it. The parent (parallel_lab/config/ds_file.py) has
+    already made the trainer and strategy settings equal to what the file sets, so the generated
+    batch, clipping and precision keys agree with it; the file's own ZeRO keys (buckets,
+    overlap_comm, ...) win over the generated defaults."""
+    merged = {k: v for k, v in user.items() if k not in HANDED_OVER}
+    merged.update({k: v for k, v in ours.items() if k not in ("zero_optimization", "bf16", "fp16")})
+    zero = dict(ours["zero_optimization"])
     user_zero = dict(user.get("zero_optimization") or {})
-    if "stage" in user_zero and int(user_zero["stage"]) != ours["zero_optimization"]["stage"]:
-        stage = ours["zero_optimization"]["stage"]
-        raise ConfigError(
-            f"strategy.ds_config={path} sets zero_optimization.stage={user_zero['stage']} "
-            f"but this is strategy=zero{stage}; "
-            f"use strategy=zero{user_zero['stage']} or remove the stage from the file"
-        )
-    for precision in ("fp16", "bf16"):
-        if _flag(user.get(precision)) and precision not in ours:
-            raise ConfigError(
-                f"strategy.ds_config={path} enables {precision} but strategy.precision is not {precision}; "
-                f"set strategy.precision={precision} or remove the {precision} section"
-            )
-    merged = {**user, **ours}
-    merged["zero_optimization"] = {**user_zero, **ours["zero_optimization"]}
+    for legacy, current in LEGACY_OFFLOAD.items():
+        if legacy in user_zero:
+            zero.pop(current, None)
+    merged["zero_optimization"] = {**zero, **user_zero}
+    for precision in ("bf16", "fp16"):
+        section = {**(user.get(precision) or {}), **(ours.get(precision) or {"enabled": False})}
+        if precision in user or precision in ours:
+            merged[precision] = section
     return merged

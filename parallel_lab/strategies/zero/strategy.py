@@ -72,7 +72,8 @@ class ZeroOptions(StrategyOptions):
     precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
     # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
     bucket_mb: float = 25.0
-    # a DeepSpeed JSON config of yours: merged under the generated settings, refused where it disagrees
+    # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
+    # clipping, optimizer, schedule, bf16, ZeRO keys); an explicit override contradicting it is refused
     ds_config: Optional[str] = None
 
 
@@ -135,9 +136,7 @@ class ZeroStrategy(Strategy):
             )
         if opts.bucket_mb <= 0:
             raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use e.g. strategy.bucket_mb=25")
-        if opts.ds_config:
-            opts.ds_config = str(Path(opts.ds_config).expanduser().resolve())  # workers may start elsewhere
-        build_ds_config(cfg, opts)  # a user ds_config that disagrees fails here, in the parent
+        build_ds_config(cfg, opts)  # the file was read and adopted by validate() (config/ds_file.py)
 
     @classmethod
     def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:

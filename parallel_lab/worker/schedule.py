@@ -1,0 +1,45 @@
+"""The learning-rate schedule of ``trainer.lr_scheduler`` (usually from a DeepSpeed file's
+``scheduler`` section): the class DeepSpeed itself would build for that name, on every strategy.
+
+DeepSpeed's engine looks the name up in ``deepspeed.runtime.lr_schedules`` (WarmupLR, WarmupDecayLR,
+WarmupCosineLR, OneCycle, LRRangeTest), then in ``torch.optim.lr_scheduler``, builds it on the
+optimizer with the file's params and calls ``step()`` after every optimizer step. The training
+loop does exactly that for every strategy (a ZeRO engine gets no scheduler of its own), so the LR
+of step k is the same everywhere. Importing DeepSpeed's schedules imports DeepSpeed: only runs
+with a schedule pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+def scheduler_class(name: str) -> Any:
+    """DeepSpeed's lookup: its own schedules first, then torch's; None if neither has the name."""
+    from deepspeed.runtime import lr_schedules
+
+    if name in lr_schedules.VALID_LR_SCHEDULES and hasattr(lr_schedules, name):
+        return getattr(lr_schedules, name)
+    return getattr(torch.optim.lr_scheduler, name, None) if name and name[0].isupper() else None
+
+
+def make_scheduler(trainer: DictConfig, optimizer: Any, first_step: int = 0) -> Any:
+    """The schedule on this optimizer (a ZeRO wrapper's inner torch optimizer included), advanced
+    past ``first_step`` steps already taken (a resumed run); None without trainer.lr_scheduler."""
+    if not trainer.get("lr_scheduler"):
+        return None
+    import logging
+
+    params = OmegaConf.to_container(trainer.lr_scheduler_params, resolve=True) or {}
+    logger, level = logging.getLogger("DeepSpeed"), logging.getLogger("DeepSpeed").level
+    logger.setLevel(logging.ERROR)  # WarmupLR warns "before it has started" at every construction
+    try:
+        scheduler = scheduler_class(trainer.lr_scheduler)(optimizer, **params)
+    finally:
+        logger.setLevel(level)
+    for _ in range(first_step):  # the same calls a run from step 0 made, whatever the schedule
+        scheduler.step()
+    return scheduler
