@@ -1,0 +1,113 @@
+"""Check the plan against what runs measured.
+
+    python -m parallel_lab.plan.verify <run or sweep folder> [...]
+
+For every metrics.json under the folders, the run's own config.yaml is planned again (the same
+``predict_memory`` the worker stored as ``predicted_*``) and compared, per rank and per kind of
+model state, with the bytes the run measured. Prints a markdown table; exit 1 if any rank's
+model-state total is off by more than ``--tolerance`` (default 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from parallel_lab.plan.predict import MODEL_STATE, predicted_metrics
+
+TOLERANCE = 0.01
+
+
+def relative_error(predicted: int, measured: int) -> float:
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return (predicted - measured) / measured
+
+
+def rank_errors(metrics: dict, predicted_by_rank: list[dict]) -> list[dict]:
+    """Per rank: measured and predicted bytes of each kind, and the relative error of the total."""
+    out = []
+    for rank, pred in zip(metrics["ranks"], predicted_by_rank):
+        if not pred:
+            out.append({"rank": rank["rank"], "predicted": None})
+            continue
+        row = {"rank": rank["rank"], "predicted": True}
+        for k in MODEL_STATE:
+            row[k] = (rank.get(k, 0), pred.get(f"predicted_{k}", 0))
+        measured = sum(m for m, _ in (row[k] for k in MODEL_STATE))
+        predicted = sum(p for _, p in (row[k] for k in MODEL_STATE))
+        row["total"] = (measured, predicted)
+        row["error"] = relative_error(predicted, measured)
+        out.append(row)
+    return out
+
+
+def stored_predictions(metrics: dict) -> list[dict]:
+    """The predicted_* the worker stored in each ranks[k] (empty dicts where none)."""
+    return [{k: r[k] for k in r if k.startswith("predicted_")} for r in metrics["ranks"]]
+
+
+def replanned(run_dir: Path, metrics: dict) -> list[dict]:
+    """Plan the run's own config.yaml again (for runs made before predictions were stored)."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    model = build_meta_model(cfg.model)
+    cls = get_strategy_class(cfg.strategy.name)
+    return [predicted_metrics(cfg, cls, model, r["rank"]) for r in metrics["ranks"]]
+
+
+def verify_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    stored = stored_predictions(metrics)
+    predictions = stored if all(stored) else replanned(run_dir, metrics)
+    return metrics, rank_errors(metrics, predictions)
+
+
+def _pct(pair: tuple[int, int]) -> str:
+    measured, predicted = pair
+    err = relative_error(predicted, measured)
+    return f"{measured:,} / {predicted:,} ({100 * err:+.2f}%)" if err else f"{measured:,} (exact)"
+
+
+def table(run_dirs: list[Path]) -> tuple[str, float]:
+    """Markdown table of every rank of every run, and the largest |error| of a model-state total."""
+    lines = [
+        "| run | model | world | rank | params measured / predicted | master | grads | optim | model state error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = 0.0
+    for run_dir in run_dirs:
+        metrics, rows = verify_run(run_dir)
+        for row in rows:
+            head = f"| {metrics['strategy']} | {metrics['model']} | {metrics['world_size']} | {row['rank']} |"
+            if not row["predicted"]:
+                lines.append(head + " no prediction | | | | |")
+                continue
+            worst = max(worst, abs(row["error"]))
+            cells = [_pct(row[k]) for k in MODEL_STATE]
+            lines.append(head + " " + " | ".join(cells) + f" | {100 * row['error']:+.3f}% |")
+    return "\n".join(lines), worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lab.plan.verify", description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", type=Path)
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE)
+    args = parser.parse_args(argv)
+    runs = sorted({p.parent for d in args.dirs for p in d.rglob("metrics.json")})
+    text, worst = table(runs)
+    print(text)
+    print(
+        f"\nlargest model-state error: {100 * worst:.3f}% over {len(runs)} runs (tolerance {100 * args.tolerance:g}%)"
+    )
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
