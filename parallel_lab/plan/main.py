@@ -108,10 +108,17 @@ def run(overrides: list[str]) -> Path:
     write_markdown(rows, out / "plan.md", header)
     write_csv(rows, out / "plan.csv")
     write_json({"header": header, "device_memory_bytes": DEVICE[0], "rows": rows, "ranks": ranks}, out / "plan.json")
-    plot_bars(rows, DEVICE[0], out / "plan.png")
+    plot_bars(bar_rows(rows), DEVICE[0], out / "plan.png")
     if len(cfg.plan.world_sizes) > 1:
         plot_scaling(rows, measured_points(list(cfg.plan.measured), cfg.model), out / "scaling.png")
     return out
+
+
+def bar_rows(rows: list[dict]) -> list[dict]:
+    """plan.png draws one world size: the largest planned (one-process strategies at 1 beside it)."""
+    worlds = [r["world"] for r in rows if r.get("total_bytes") is not None]
+    largest = max(worlds, default=0)
+    return [r for r in rows if r["world"] == largest or (r["world"] == 1 and r["strategy"] in ("single", "dp"))]
 
 
 def rows_params(rows: list[dict]) -> str:

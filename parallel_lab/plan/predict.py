@@ -46,9 +46,19 @@ class RankPlan:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
 
 
+_SAVED: dict[tuple, int] = {}  # (modules' identity, batch, sample shape) -> bytes: strategies share forwards
+
+
 def saved_activation_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> int:
     """Bytes autograd saves for backward in one forward of ``batch`` samples (distinct storages,
     parameters left out): a meta-device forward, so nothing is allocated."""
+    key = (tuple(id(m) for m in module.children()) or id(module), batch, tuple(sample_shape))
+    if key not in _SAVED:
+        _SAVED[key] = _count_saved(module, batch, sample_shape)
+    return _SAVED[key]
+
+
+def _count_saved(module: nn.Module, batch: int, sample_shape: tuple) -> int:
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: dict[int, int] = {}
 
@@ -96,12 +106,35 @@ def _activations(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: in
     return stash * saved_activation_bytes(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:])), mb
 
 
+class Values(dict):
+    """A resolved config as plain values, read like a DictConfig (``cfg.strategy.name``): the
+    planner reads the config thousands of times at 1,024 ranks, and OmegaConf's checks per read
+    cost more than the prediction itself."""
+
+    def __getattr__(self, key: str):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @classmethod
+    def of(cls, node):
+        if isinstance(node, dict):
+            return cls({k: cls.of(v) for k, v in node.items()})
+        return [cls.of(v) for v in node] if isinstance(node, list) else node
+
+
 def plan_world(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> list[RankPlan]:
     """Every rank's plan for one validated config (activations computed once where every rank
     runs the same module)."""
+    from omegaconf import OmegaConf
+
+    cfg = Values.of(OmegaConf.to_container(cfg, resolve=True))
     micro = _micro_batch(cfg, strategy_cls)
     shared = None if cfg.strategy.name == "pp" else _activations(cfg, strategy_cls, model, 0, micro)
     params = sum(p.numel() for p in model.parameters())
+    # Only pipeline stages differ in what they send; for the rest one rank's volume is every rank's.
+    comm = None if cfg.strategy.name == "pp" else strategy_cls.predict_comm(cfg, model, 0)
     plans = []
     for rank in range(cfg.world_size):
         activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro)
@@ -112,7 +145,7 @@ def plan_world(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> list[Ra
                 rank=rank,
                 params=params,
                 state=strategy_cls.predict_memory(cfg, model, rank),
-                comm=strategy_cls.predict_comm(cfg, model, rank),
+                comm=comm if cfg.strategy.name != "pp" else strategy_cls.predict_comm(cfg, model, rank),
                 activation_bytes=activations,
                 micro_batch=mb,
             )
