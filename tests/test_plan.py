@@ -235,3 +235,22 @@ def test_plan_within_one_percent_of_every_strategy_at_world_3(tmp_path, model):
         metrics = load_metrics(run_dir)
         assert metrics["world_size"] == 3
         assert_plan_matches(metrics)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+def test_activation_prediction_equals_a_real_forward(name):
+    """The meta-device count of saved activations equals what autograd saves in a real forward +
+    loss (tests/test_resources.py's counter) at the same batch."""
+    from parallel_lab.plan.predict import saved_activation_bytes
+    from tests.test_resources import saved_for_backward_bytes
+
+    cfg = OmegaConf.create({"name": name, "num_classes": 10})
+    torch.manual_seed(0)
+    real = get_model(cfg)
+    assert saved_activation_bytes(build_meta_model(cfg), 3) == saved_for_backward_bytes(real, 3)
+
+
+def get_model(cfg):
+    from parallel_lab.models import build_model
+
+    return build_model(cfg, seed=0)

@@ -46,19 +46,20 @@ class RankPlan:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
 
 
-_SAVED: dict[tuple, int] = {}  # (modules' identity, batch, sample shape) -> bytes: strategies share forwards
+_SAVED: dict[tuple, int] = {}  # (modules' identity, batch, sample shape, loss) -> bytes: strategies share forwards
 
 
-def saved_activation_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> int:
-    """Bytes autograd saves for backward in one forward of ``batch`` samples (distinct storages,
-    parameters left out): a meta-device forward, so nothing is allocated."""
-    key = (tuple(id(m) for m in module.children()) or id(module), batch, tuple(sample_shape))
+def saved_activation_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32), loss: bool = True) -> int:
+    """Bytes autograd saves for backward in one forward of ``batch`` samples, and the loss when
+    ``loss`` (distinct storages, parameters left out): a meta-device forward, nothing allocated.
+    tests/test_plan.py checks it against a real forward's saved tensors."""
+    key = (tuple(id(m) for m in module.children()) or id(module), batch, tuple(sample_shape), loss)
     if key not in _SAVED:
-        _SAVED[key] = _count_saved(module, batch, sample_shape)
+        _SAVED[key] = _count_saved(module, batch, tuple(sample_shape), loss)
     return _SAVED[key]
 
 
-def _count_saved(module: nn.Module, batch: int, sample_shape: tuple) -> int:
+def _count_saved(module: nn.Module, batch: int, sample_shape: tuple, loss: bool) -> int:
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: dict[int, int] = {}
 
@@ -68,9 +69,11 @@ def _count_saved(module: nn.Module, batch: int, sample_shape: tuple) -> int:
             seen[storage._cdata] = storage.nbytes()
         return t
 
-    x = torch.empty(batch, *sample_shape, device="meta", requires_grad=True)
+    x = torch.empty(batch, *sample_shape, device="meta")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
+        out = module(x)
+        if loss:
+            torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta"))
     return sum(seen.values())
 
 
@@ -103,7 +106,8 @@ def _activations(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: in
         for s in range(stage):
             x = _stage_module(cfg, model, s)(x)
     stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
-    return stash * saved_activation_bytes(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:])), mb
+    last = stage == p - 1  # only the last stage computes the loss
+    return stash * saved_activation_bytes(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
 
 
 class Values(dict):
