@@ -158,6 +158,7 @@ def more_ranks_than_memory(tmp: Path, _checkpoint_of=None) -> list[str]:
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
     "unknown-model": (["model=vgg"], "vgg"),
+    "model-width-0": (["model.width=0"], ("model.width=0", "model.width=1")),
     "unknown-data": (["data=imagenet"], "imagenet"),
     "unknown-launcher": (["launcher=slurm"], "slurm"),
     "unknown-key": (["trainer.stepz=3"], "stepz"),

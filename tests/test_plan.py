@@ -91,6 +91,18 @@ def test_plan_refuses_what_a_run_refuses_with_the_same_line(tmp_path, overrides)
     assert not (tmp_path / "plan").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [(["plan.device_memory=lots"], "plan.device_memory=lots"), (["model.width=-2"], "model.width=-2")],
+)
+def test_plan_bad_input_is_one_line(tmp_path, overrides, named):
+    code, stdout, stderr = run_plan(*overrides, f"plan.out={tmp_path / 'plan'}")
+    assert code == 2 and not stdout
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("parallel_lab.plan: error: ") and named in line and "; " in line
+    assert not (tmp_path / "plan").exists()
+
+
 def test_plan_scales_to_1024_ranks_and_keeps_going_past_impossible_splits(tmp_path):
     worlds = [1, 2, 64, 1024]
     code, _, stderr = run_plan(

@@ -66,6 +66,9 @@ def planned_configs(overrides: list[str]) -> list[Planned]:
     config the run would refuse raises its ConfigError (exit 2); otherwise it becomes a row that
     says why it cannot run, and the other rows are still planned."""
     base = compose_config(overrides)
+    from parallel_lab.models import validate_model_config
+
+    validate_model_config(base.model)  # wrong for every strategy: an error, not a row per strategy
     chosen = _given(overrides, "strategy")
     names = [base.strategy.name] if chosen else sweep_names()
     worlds = [int(w) for w in base.plan.world_sizes] or [int(base.world_size)]

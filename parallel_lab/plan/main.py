@@ -90,12 +90,12 @@ DEVICE: list = [0, ""]  # (bytes, source) of the device memory of this invocatio
 
 
 def run(overrides: list[str]) -> Path:
-    planned = planned_configs(overrides)
-    base = next((p.cfg for p in planned if p.cfg is not None), None)
     from parallel_lab.config import compose_config
 
-    cfg = base or compose_config(overrides)
+    cfg = compose_config(overrides)
     DEVICE[:] = device_memory_bytes(cfg.plan.device_memory)
+    planned = planned_configs(overrides)
+    cfg = next((p.cfg for p in planned if p.cfg is not None), cfg)
     out = Path(cfg.plan.out or f"runs/plan/{time.strftime('%Y-%m-%d_%H-%M-%S')}").expanduser()
     rows, ranks = build_plans(planned)
     out.mkdir(parents=True, exist_ok=True)
