@@ -60,7 +60,7 @@ def measured_points(dirs: list[str], model: DictConfig) -> list[dict]:
     return points
 
 
-def build_plans(planned: list[Planned]) -> tuple[list[dict], list[dict]]:
+def build_plans(planned: list[Planned], device_bytes: int) -> tuple[list[dict], list[dict]]:
     """(summary rows, every rank's plan as json) for every planned (strategy, world size)."""
     from parallel_lab.models import build_meta_model
 
@@ -74,7 +74,7 @@ def build_plans(planned: list[Planned]) -> tuple[list[dict], list[dict]]:
         if key not in models:
             models[key] = build_meta_model(item.cfg.model)
         plans = plan_world(item.cfg, type_of(item.cfg), models[key])
-        rows.append(summary_row(plans, DEVICE[0]))
+        rows.append(summary_row(plans, device_bytes))
         keep = plans if len(plans) <= 16 else [p for p in plans if p.rank == rows[-1]["rank"]]
         ranks += [p.to_json() for p in keep]
     return rows, ranks
@@ -86,29 +86,26 @@ def type_of(cfg: DictConfig) -> type:
     return get_strategy_class(cfg.strategy.name)
 
 
-DEVICE: list = [0, ""]  # (bytes, source) of the device memory of this invocation
-
-
 def run(overrides: list[str]) -> Path:
     from parallel_lab.config import compose_config
 
     cfg = compose_config(overrides)
-    DEVICE[:] = device_memory_bytes(cfg.plan.device_memory)
+    device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     planned = planned_configs(overrides)
     cfg = next((p.cfg for p in planned if p.cfg is not None), cfg)
     out = Path(cfg.plan.out or f"runs/plan/{time.strftime('%Y-%m-%d_%H-%M-%S')}").expanduser()
-    rows, ranks = build_plans(planned)
+    rows, ranks = build_plans(planned, device_bytes)
     out.mkdir(parents=True, exist_ok=True)
     width = cfg.model.get("width", 1.0)
     header = (
         f"Plan: model={cfg.model.name} (width {width:g}, {rows_params(rows)} parameters), "
         f"global batch {cfg.trainer.global_batch}, optimizer {cfg.trainer.optimizer}; per rank, the rank holding "
-        f"the most; device memory {human(DEVICE[0])} ({DEVICE[1]})."
+        f"the most; device memory {human(device_bytes)} ({source})."
     )
     write_markdown(rows, out / "plan.md", header)
     write_csv(rows, out / "plan.csv")
-    write_json({"header": header, "device_memory_bytes": DEVICE[0], "rows": rows, "ranks": ranks}, out / "plan.json")
-    plot_bars(bar_rows(rows), DEVICE[0], out / "plan.png")
+    write_json({"header": header, "device_memory_bytes": device_bytes, "rows": rows, "ranks": ranks}, out / "plan.json")
+    plot_bars(bar_rows(rows), device_bytes, out / "plan.png")
     if len(cfg.plan.world_sizes) > 1:
         plot_scaling(rows, measured_points(list(cfg.plan.measured), cfg.model), out / "scaling.png")
     return out
