@@ -95,10 +95,41 @@ def table(run_dirs: list[Path]) -> tuple[str, float]:
     return "\n".join(lines), worst
 
 
+def comm_table(run_dirs: list[Path]) -> str:
+    """Communication per step of rank 0: counted by the run vs predicted (``predict_comm``), by collective."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies import get_strategy_class
+
+    lines = [
+        "| run | model | world | measured MiB/step | predicted MiB/step | error | by collective (measured / plan) |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
+    for run_dir in run_dirs:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        predicted = get_strategy_class(cfg.strategy.name).predict_comm(cfg, build_meta_model(cfg.model), 0)
+        measured = metrics["ranks"][0]["comm_bytes_by_op"]
+        head = f"| {metrics['strategy']} | {metrics['model']} | {metrics['world_size']} |"
+        if predicted is None:
+            lines.append(head + f" {sum(measured.values()) / 2**20:.4f} | no prediction | | |")
+            continue
+        total_m, total_p = sum(measured.values()), sum(predicted.values())
+        ops = sorted(set(measured) | set(predicted))
+        by_op = ", ".join(f"{op} {measured.get(op, 0) / 2**20:.4g} / {predicted.get(op, 0) / 2**20:.4g}" for op in ops)
+        err = (
+            f"{100 * relative_error(int(total_p), int(total_m)):+.3f}%"
+            if total_m
+            else ("exact" if not total_p else "?")
+        )
+        lines.append(head + f" {total_m / 2**20:.4f} | {total_p / 2**20:.4f} | {err} | {by_op} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.plan.verify", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE)
+    parser.add_argument("--comm", action="store_true", help="also compare communication per step (rank 0)")
     args = parser.parse_args(argv)
     runs = sorted({p.parent for d in args.dirs for p in d.rglob("metrics.json")})
     text, worst = table(runs)
@@ -106,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nlargest model-state error: {100 * worst:.3f}% over {len(runs)} runs (tolerance {100 * args.tolerance:g}%)"
     )
+    if args.comm:
+        print("\n" + comm_table(runs))
     return 0 if worst <= args.tolerance else 1
 
 
