@@ -66,6 +66,7 @@ def summary_row(plans: list[RankPlan], device_bytes: int) -> dict:
         "micro_batch": worst.micro_batch,
         "total_bytes": worst.total_bytes,
         "rank_spread": (max(states) - min(states)) / max(states) if states and max(states) else 0.0,
+        "max_model_state_bytes": max(states) if states else None,  # over the ranks (the scaling plot)
         "comm_bytes_per_step": sum(comm.values()) if worst.comm is not None else None,
         "comm_by_op": comm,
         "fits": fit_text(worst, device_bytes),
@@ -142,7 +143,7 @@ def plot_bars(rows: list[dict], device_bytes: int, path: Path) -> None:
 
 
 def plot_scaling(rows: list[dict], measured: list[dict], path: Path) -> None:
-    """Per-rank model-state bytes (worst rank) vs world size, log-log: predicted lines, measured
+    """Per-rank model-state bytes (the rank holding the most) vs world size, log-log: predicted lines, measured
     points (metrics.json: the rank holding the most)."""
     import matplotlib
 
@@ -150,13 +151,13 @@ def plot_scaling(rows: list[dict], measured: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    strategies = sorted({r["strategy"] for r in rows if r.get("param_bytes") is not None})
+    strategies = sorted({r["strategy"] for r in rows if r.get("max_model_state_bytes") is not None})
     colors = {s: plt.cm.tab20(i % 20) for i, s in enumerate(strategies)}
     for s in strategies:
         pts = sorted(
-            (r["world"], sum(r[k] or 0 for k in MODEL_STATE))
+            (r["world"], r["max_model_state_bytes"])
             for r in rows
-            if r["strategy"] == s and r.get("param_bytes") is not None
+            if r["strategy"] == s and r.get("max_model_state_bytes") is not None
         )
         ax.plot(
             [p[0] for p in pts],
@@ -168,11 +169,11 @@ def plot_scaling(rows: list[dict], measured: list[dict], path: Path) -> None:
         )
     for m in measured:
         if m["strategy"] in colors:
-            ax.plot(m["world"], m["model_state_bytes"] / MiB, "o", color=colors[m["strategy"]], mfc="none", ms=8)
+            ax.plot(m["world"], m["model_state_bytes"] / MiB, "o", color=colors[m["strategy"]], mfc="none", ms=9, mew=2)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("world size (ranks)")
-    ax.set_ylabel("model state per rank, MiB (worst rank)")
+    ax.set_ylabel("model state per rank, MiB (the rank holding the most)")
     ax.set_title("lines: predicted; circles: measured (metrics.json)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
