@@ -95,6 +95,33 @@ def table(run_dirs: list[Path]) -> tuple[str, float]:
     return "\n".join(lines), worst
 
 
+def summary_table(run_dirs: list[Path]) -> str:
+    """One line per run: model-state MiB per rank measured, and the largest error over the ranks
+    of the plan (exact) and of the ZeRO paper's formula (``analytic_*``, textbook)."""
+    lines = [
+        "| model | strategy | world | model state MiB per rank (measured) | plan error (max over ranks) "
+        "| paper formula error (max over ranks) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run_dir in sorted(run_dirs, key=lambda d: _order(json.loads((d / "metrics.json").read_text()))):
+        metrics, rows = verify_run(run_dir)
+        if not all(r["predicted"] for r in rows):
+            continue
+        textbook = [{f"predicted_{k}": r.get(f"analytic_{k}", 0) for k in MODEL_STATE} for r in metrics["ranks"]]
+        paper = max(abs(r["error"]) for r in rank_errors(metrics, textbook))
+        plan = max(abs(r["error"]) for r in rows)
+        per_rank = ", ".join(f"{r['total'][0] / 2**20:.3f}" for r in rows)
+        lines.append(
+            f"| {metrics['model']} | {metrics['strategy']} | {metrics['world_size']} | {per_rank} "
+            f"| {'0 (exact)' if plan == 0 else f'{100 * plan:.3f}%'} | {100 * paper:.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def _order(metrics: dict) -> tuple:
+    return (metrics["model"], metrics["world_size"], metrics["strategy"])
+
+
 def comm_table(run_dirs: list[Path]) -> str:
     """Communication per step of rank 0: counted by the run vs predicted (``predict_comm``), by collective."""
     from parallel_lab.models import build_meta_model
@@ -130,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dirs", nargs="+", type=Path)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE)
     parser.add_argument("--comm", action="store_true", help="also compare communication per step (rank 0)")
+    parser.add_argument("--summary", action="store_true", help="one line per run: plan vs paper formula error")
     args = parser.parse_args(argv)
     runs = sorted({p.parent for d in args.dirs for p in d.rglob("metrics.json")})
     text, worst = table(runs)
@@ -137,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nlargest model-state error: {100 * worst:.3f}% over {len(runs)} runs (tolerance {100 * args.tolerance:g}%)"
     )
+    if args.summary:
+        print("\n" + summary_table(runs))
     if args.comm:
         print("\n" + comm_table(runs))
     return 0 if worst <= args.tolerance else 1
