@@ -92,14 +92,15 @@ def run(overrides: list[str]) -> Path:
     cfg = compose_config(overrides)
     device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     planned = planned_configs(overrides)
-    cfg = next((p.cfg for p in planned if p.cfg is not None), cfg)
     out = Path(cfg.plan.out or f"runs/plan/{time.strftime('%Y-%m-%d_%H-%M-%S')}").expanduser()
     rows, ranks = build_plans(planned, device_bytes)
     out.mkdir(parents=True, exist_ok=True)
     width = cfg.model.get("width", 1.0)
     header = (
         f"Plan: model={cfg.model.name} (width {width:g}, {rows_params(rows)} parameters), "
-        f"global batch {cfg.trainer.global_batch}, optimizer {cfg.trainer.optimizer}; per rank, the rank holding "
+        f"global batch {cfg.trainer.global_batch} at world_size={cfg.world_size}"
+        + (" (each rank keeps its micro-batch at every world size)" if cfg.plan.world_sizes else "")
+        + f", optimizer {cfg.trainer.optimizer}; per rank, the rank holding "
         f"the most; device memory {human(device_bytes)} ({source})."
     )
     write_markdown(rows, out / "plan.md", header)

@@ -77,6 +77,14 @@ def error_row(strategy: str, world: int, error: str) -> dict:
     return {"strategy": strategy, "world": world, "fits": f"cannot run: {error}"}
 
 
+def _mib(value: float | None) -> str:
+    """MiB with 4 significant digits, whole MiB with separators from 1,000 on."""
+    if value is None:
+        return ""
+    mib = value / MiB
+    return f"{mib:,.0f}" if abs(mib) >= 1000 else f"{mib:.4g}"
+
+
 def write_markdown(rows: list[dict], path: Path, header: str) -> None:
     cols = ["strategy", "world", "worst rank", "params MiB", "master MiB", "grads MiB", "optim MiB",
             "comm buffers MiB", "activations MiB (micro-batch)", "total MiB", "ranks differ by",
@@ -86,13 +94,9 @@ def write_markdown(rows: list[dict], path: Path, header: str) -> None:
         if "total_bytes" not in r:
             lines.append(f"| {r['strategy']} | {r['world']} |" + " |" * (len(cols) - 3) + f" {r['fits']} |")
             continue
-        mib = lambda v: "" if v is None else f"{v / MiB:,.4g}"  # noqa: E731
-        ops = ", ".join(f"{op} {v / MiB:.4g}" for op, v in sorted(r["comm_by_op"].items()))
-        comm = (
-            ""
-            if r["comm_bytes_per_step"] is None
-            else f"{r['comm_bytes_per_step'] / MiB:.4g}" + (f" ({ops})" if ops else "")
-        )
+        mib = _mib
+        ops = ", ".join(f"{op} {_mib(v)}" for op, v in sorted(r["comm_by_op"].items()))
+        comm = "" if r["comm_bytes_per_step"] is None else _mib(r["comm_bytes_per_step"]) + (f" ({ops})" if ops else "")
         cells = [r["strategy"], r["world"], r["rank"], mib(r["param_bytes"]), mib(r["master_param_bytes"]),
                  mib(r["grad_bytes"]), mib(r["optim_bytes"]), mib(r["comm_buffer_bytes"]),
                  f"{mib(r['activation_bytes'])} ({r['micro_batch']})", mib(r["total_bytes"]),

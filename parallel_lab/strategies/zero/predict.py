@@ -91,8 +91,10 @@ def predict_zero_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dic
     updated flat partitions); stage 3 all-gathers each parameter for forward and again for
     backward (first step; later steps reuse gathered parameters of small models) and
     reduce-scatters the gradients. A few scalar collectives (8-16 bytes) are left out."""
-    if cfg.world_size < 2 or cfg.strategy.precision != "fp32":
+    if cfg.strategy.precision != "fp32":
         return None
+    if cfg.world_size < 2:
+        return {}
     numels = [p.numel() for p in model.parameters()]
     world, stage = cfg.world_size, cfg.strategy.stage
     if stage == 3:
