@@ -1,6 +1,6 @@
 """Checkpoint, resume and torchrun restarts: a killed run finishes with bitwise the same weights.
 
-Each strategy trains 6 steps straight (spawn, no checkpoints), then again under torchrun with
+Each strategy trains 6 steps straight (no checkpoints, all in one set of ranks), then again under torchrun with
 --max-restarts=1, checkpointing every 2 steps, while one rank SIGKILLs itself (a lost node) after a
 checkpoint. torchrun restarts the group, the workers resume from the newest complete checkpoint
 and finish. The data set holds 3 batches, so the 6 steps cross an epoch boundary and the resumed
@@ -16,25 +16,39 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_metrics, run_cli
+from conftest import load_metrics, run_cli, write_config
 
 from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest, sha256_file
+from parallel_lab.testing import run_ranks
 
 COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
 TIMEOUT = 300
 
 
+# The uninterrupted runs the make-test cases compare with, trained in one set of ranks.
+STRAIGHT_IN_MAKE_TEST = [("ddp",), ("fsdp",), ("zero3",), ("tp",)]
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted 6-step run of each strategy (+ options), computed once per module."""
+    """The uninterrupted 6-step run of each strategy (+ options), computed once per module, through
+    the worker's own steps in one set of ranks (tests/dist_bodies_runs.py): the first call trains
+    every STRAIGHT_IN_MAKE_TEST run, another key (make test-all) trains on demand."""
     cache: dict[tuple, dict] = {}
+    root = tmp_path_factory.mktemp("straight")
+
+    def train(keys: list[tuple]) -> None:
+        paths = []
+        for strategy, *options in keys:
+            name = "_".join((strategy, *options)).replace("=", "-")
+            paths.append(write_config(root / f"{name}.yaml", f"strategy={strategy}", *options, *COMMON))
+        run_ranks("tests.dist_bodies_runs:train_and_record", world_size=2, timeout=TIMEOUT, config_paths=paths)
+        cache.update({key: load_metrics(Path(path).with_suffix("")) for key, path in zip(keys, paths)})
 
     def get(strategy: str, *options: str) -> dict:
         key = (strategy, *options)
         if key not in cache:
-            run_dir = tmp_path_factory.mktemp(f"straight_{strategy}")
-            run_cli(run_dir, f"strategy={strategy}", *options, *COMMON, timeout=TIMEOUT)
-            cache[key] = load_metrics(run_dir)
+            train(STRAIGHT_IN_MAKE_TEST if not cache and key in STRAIGHT_IN_MAKE_TEST else [key])
         return cache[key]
 
     return get

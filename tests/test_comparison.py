@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_cli
 
 from parallel_lab.report.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
 
@@ -15,19 +13,17 @@ from parallel_lab.report.parity import ENVELOPE_MULTIPLE, NOISE_SEEDS
 def test_small_sweep_writes_a_proven_report_with_a_failed_row(tmp_path):
     # world_size=3 cannot split global_batch=20: those sweep points fail as bad config and must
     # appear as failed rows, while the rest of the report still renders.
-    cmd = [
-        sys.executable,
-        "-m",
-        "parallel_lab",
+    result = run_cli(
+        tmp_path / "unused",
         "--multirun",
         "strategy=single,ddp,manual_ddp",
         "world_size=2,3",
         "trainer.global_batch=20",
         "trainer.steps=3",
-        "trainer.progress=false",
         f"hydra.sweep.dir={tmp_path}",
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        check=False,
+        timeout=900,
+    )
     assert result.returncode != 0, "a sweep with failed runs must exit non-zero"
     for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png", "comparison_parity.png"):
         assert (tmp_path / name).is_file(), name

@@ -8,8 +8,6 @@ committed checkpoint).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import pickle
@@ -154,14 +152,44 @@ def more_ranks_than_memory(tmp: Path, _checkpoint_of=None) -> list[str]:
     return ["world_size=64", "data.size=200000"]
 
 
+def uneven_hostfile(tmp: Path, _checkpoint_of=None) -> list[str]:
+    path = tmp / "hostfile"
+    path.write_text("node0 slots=1\nnode1 slots=2\n")
+    return ["launcher=deepspeed", f"launcher.hostfile={path}", "world_size=3"]
+
+
 # id: (overrides or a function building them in tmp_path, text(s) the error line must contain)
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
     "unknown-model": (["model=vgg"], "vgg"),
     "model-width-0": (["model.width=0"], ("model.width=0", "model.width=1")),
     "unknown-data": (["data=imagenet"], "imagenet"),
-    "unknown-launcher": (["launcher=slurm"], "slurm"),
+    "unknown-launcher": (["launcher=pbs"], "pbs"),
     "unknown-key": (["trainer.stepz=3"], "stepz"),
+    "hosts-world-size": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.nproc_per_node=2"],
+        ("world_size=2", "2 x 2 = 4"),
+    ),
+    "hosts-with-spawn": (["launcher.hosts=[node0,node1]"], ("launcher=spawn", "launcher=torchrun")),
+    "hosts-and-hostfile": (
+        ["launcher=mpirun", "launcher.hosts=[node0,node1]", "launcher.hostfile=/etc/hostname"],
+        "launcher.hostfile=/etc/hostname",
+    ),
+    "hostfile-missing": (["launcher=mpirun", "launcher.hostfile=/nonexistent/hosts"], "/nonexistent/hosts"),
+    "hostfile-uneven-slots": (uneven_hostfile, "[1, 2]"),
+    "hosts-repeated": (["launcher=torchrun", "launcher.hosts=[node0,node0]"], "['node0', 'node0']"),
+    "master-addr-loopback-on-hosts": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.master_addr=127.0.0.1"],
+        "launcher.master_addr=127.0.0.1",
+    ),
+    "ds-runner-mpich": (
+        ["launcher=deepspeed", "strategy=zero2", "launcher.hosts=[node0,node1]", "launcher.ds_runner=mpich"],
+        "launcher.ds_runner=mpich",
+    ),
+    "host-unreachable": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.remote_shell=false"],
+        ("cannot reach host 'node0'", "launcher.remote_shell=null"),
+    ),
     "wrong-type-int": (["trainer.steps=ten"], "'ten'"),
     "wrong-type-float": (["trainer.lr=fast"], "'fast'"),
     "override-syntax": (["trainer.steps=[1"], "[1"),
@@ -170,7 +198,11 @@ CATALOGUE = {
     "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
-    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], "strategy.sharding=hybrid"),
+    "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),
+    "tp-dp-degree": (
+        ["strategy=tp", "strategy.replicate=2"],
+        ("strategy.replicate=2 x strategy.tp=2 = 4", "world_size=2"),
+    ),
     "world-size-0": (["world_size=0"], "world_size=0"),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
     "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
@@ -225,6 +257,17 @@ CATALOGUE = {
 
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
+    "fsdp-hybrid",
+    "tp-dp-degree",
+    "hosts-world-size",
+    "hosts-with-spawn",
+    "hosts-and-hostfile",
+    "hostfile-missing",
+    "hostfile-uneven-slots",
+    "hosts-repeated",
+    "master-addr-loopback-on-hosts",
+    "host-unreachable",
+    "ds-runner-mpich",
     "max-restarts-negative",
     "grace-s-zero",
     "dist-timeout-zero",
@@ -246,29 +289,6 @@ REFUSED_BEFORE_WORKERS = {
 # the rest call the same main() in this process: each is refused in the parent before anything starts,
 # so a new interpreter per case (~3 s of imports on 2 cores) would prove nothing more.
 AS_A_PROCESS = {"unknown-strategy", "wrong-type-int", "lr-nan", "world-size-beyond-memory", "resume-corrupt-checkpoint"}
-
-
-def run_cli_in_this_process(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """parallel_lab's command-line main(), called here with this argv; stdout/stderr captured."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from parallel_lab.cli import main as cli
-    from parallel_lab.report import sweep
-
-    argv = ["parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    cli._exit_codes.clear()
-    sweep.failed_proofs.clear()
-    saved_argv, sys.argv = sys.argv, argv
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.argv = saved_argv
-        GlobalHydra.instance().clear()
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
@@ -294,10 +314,7 @@ def test_bad_input_catalogue(tmp_path, checkpoint_of, case):
     if callable(overrides):
         overrides = overrides(tmp_path, checkpoint_of)
     run_dir = tmp_path / "run"
-    if case in AS_A_PROCESS:
-        result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT)
-    else:
-        result = run_cli_in_this_process(run_dir, *overrides)
+    result = run_cli(run_dir, *overrides, check=False, timeout=CLI_TIMEOUT, in_process=case not in AS_A_PROCESS)
     assert_one_clean_line(result, run_dir, named)
     if case in REFUSED_BEFORE_WORKERS:
         assert result.returncode == 2 and not (run_dir / PIDS_DIR).exists(), "a worker started"

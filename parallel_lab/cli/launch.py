@@ -2,9 +2,10 @@
 
 ``launcher=spawn`` (default) starts ``world_size`` copies of ``python -m parallel_lab.worker``
 itself, with RANK/WORLD_SIZE/LOCAL_RANK and a free rendezvous port on 127.0.0.1.
-``launcher=torchrun``, ``deepspeed`` and ``mpirun`` run those real tools with the same worker
-command; ``launch/*.sh`` show the raw commands. In every case, if one rank fails, every rank is
-stopped and the failing rank's traceback is shown once.
+``launcher=torchrun``, ``deepspeed``, ``mpirun`` and ``slurm`` (srun) run those real tools with the
+same worker command; ``launch/*.sh`` show the raw commands. On several hosts (``launcher.hosts``)
+each tool runs in its multi-node form (parallel_lab/cli/multinode.py). In every case, if one rank
+fails, every rank is stopped and the failing rank's traceback is shown once.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parallel_lab.cli import multinode
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
-from parallel_lab.worker.dist_env import free_port
+from parallel_lab.worker.dist_env import DEFAULT_PORT, free_port
 
 WORKER = ["-m", "parallel_lab.worker"]
 
@@ -45,12 +47,17 @@ def find_tool(name: str, install_hint: str) -> str:
 
 
 def rendezvous_port(cfg: DictConfig) -> int:
+    """launcher.master_port, checked free; 0 = a free one. Where the rendezvous host is not this
+    machine (several hosts), neither can be checked here: 0 then means the default port."""
     port = cfg.launcher.master_port
+    addr = cfg.launcher.master_addr or "127.0.0.1"
+    if multinode.is_multi_node(cfg) and not _is_local_address(addr):
+        return port or DEFAULT_PORT
     if not port:
-        return free_port(cfg.launcher.master_addr)
+        return free_port(addr)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
-            sock.bind((cfg.launcher.master_addr, port))
+            sock.bind((addr, port))
         except OSError:
             raise ConfigError(
                 f"launcher.master_port={port} is already in use; pick another port "
@@ -59,10 +66,20 @@ def rendezvous_port(cfg: DictConfig) -> int:
     return port
 
 
+def _is_local_address(addr: str) -> bool:
+    """Whether this machine owns addr (a bind to it succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((addr, 0))
+        except OSError:  # not an address of this host, or a name that does not resolve here
+            return False
+    return True
+
+
 def base_env(cfg: DictConfig, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        MASTER_ADDR=cfg.launcher.master_addr,
+        MASTER_ADDR=cfg.launcher.master_addr or "127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(cfg.trainer.threads),  # the deepspeed launcher does not set it
         PYTHONUNBUFFERED="1",
@@ -85,6 +102,8 @@ def spawn_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Comman
 
 
 def torchrun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    if multinode.is_multi_node(cfg):
+        return multinode.torchrun_multi_node(cfg, config_path, port, base_env(cfg, port))
     cmd = [
         sys.executable,
         "-m",
@@ -103,6 +122,8 @@ def torchrun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Com
 
 def deepspeed_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
     tool = find_tool("deepspeed", "install it with pip install 'parallel_lab[deepspeed]' (make installs it)")
+    if multinode.is_multi_node(cfg):
+        return multinode.deepspeed_multi_node(cfg, config_path, port, tool, base_env(cfg, port))
     # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
     cmd = [
         tool,
@@ -126,13 +147,29 @@ def mpirun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Comma
     tool = find_tool("mpiexec", "install MPI with pip install mpi4py mpich (make installs it)")
     env = base_env(cfg, port)
     flags = []
-    if "Open MPI" in subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout:
+    open_mpi = "Open MPI" in subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
+    if open_mpi:
         flags = [
             "--oversubscribe",
             *[f"-x{v}" for v in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", SUPERVISED_ENV)],
         ]
+    if multinode.is_multi_node(cfg):
+        # Rendezvous on rank 0's host, which the workers agree on over MPI (dist_env).
+        env = multinode.without_rendezvous(cfg, env)
+        flags = [f for f in flags if f not in ("-xMASTER_ADDR", "-xMASTER_PORT") or "MASTER_ADDR" in env]
+        flags += multinode.mpiexec_host_flags(cfg, config_path, open_mpi)
     cmd = [tool, "-n", str(cfg.world_size), *flags, *cfg.launcher.extra_args, sys.executable, *WORKER, str(config_path)]
     return [(None, cmd, env)]
+
+
+def slurm_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:
+    """srun starts every rank; without launcher.master_addr the workers take rank 0's node from
+    the allocation (dist_env), the port is the one picked here."""
+    tool = find_tool("srun", "run inside a Slurm cluster (Debian: apt-get install slurm-client)")
+    env = base_env(cfg, port)
+    if cfg.launcher.master_addr is None:
+        env.pop("MASTER_ADDR")
+    return [(None, multinode.srun_command(cfg, config_path, tool), env)]
 
 
 LAUNCHERS = {
@@ -140,6 +177,7 @@ LAUNCHERS = {
     "torchrun": torchrun_commands,
     "deepspeed": deepspeed_commands,
     "mpirun": mpirun_commands,
+    "slurm": slurm_commands,
 }
 
 
@@ -234,10 +272,14 @@ def first_failure(run_dir: Path) -> tuple[str, str, str] | None:
     return rank, summary, "" if kind == "config" else text
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> int:
-    """Start the run's processes, wait for them, return 0 or the first non-zero exit code."""
+def launch(cfg: DictConfig, run_dir: Path) -> int | None:
+    """Start the run's processes, wait for them, return 0 or the first non-zero exit code; None
+    when nothing was started because the per-host commands were printed for the user to run."""
     config_path = run_dir / CONFIG_FILE
     port = rendezvous_port(cfg)
+    if cfg.launcher.name == "torchrun" and multinode.is_multi_node(cfg) and not cfg.launcher.remote_shell:
+        multinode.print_per_host_commands(cfg, config_path, port)
+        return None
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     procs = []
     try:

@@ -56,6 +56,8 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
     except ConfigError as exc:
         _fail(run_dir, cfg, one_line(str(exc)))
         return 2
+    if code is None:  # the per-host commands were printed, for the user to start
+        return 0
     metrics_path = run_dir / METRICS_FILE
     if code == 0 and metrics_path.is_file():
         from parallel_lab.report.table import summary_line

@@ -7,6 +7,12 @@ comm hook. Volume follows the ZeRO paper (arXiv 1910.02054, section 7): an all-r
 moves 2Ψ per rank (reduce-scatter + all-gather), an all-gather or reduce-scatter of a Ψ-element
 full tensor moves Ψ, a broadcast or send of Ψ moves Ψ; receives are not counted again.
 So DDP/ZeRO-1/2 should show ≈2Ψ per step and ZeRO-3/FSDP full shard ≈3Ψ.
+
+Volume is also kept per process group (``bytes_by_group``): on a 2-D device mesh a strategy names
+its groups after the mesh dimensions (``label_group``), so the report can tell the bytes that cross
+the replicate dimension (between hosts, in HSDP's layout) from those that stay inside a shard,
+tensor- or pipeline-parallel group. The default group is "world"; an unnamed sub-group is named by
+its ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ def _nbytes(t) -> int:
 
 def _world(args: dict) -> int:
     return dist.get_world_size(args.get("group"))
+
+
+WORLD = "world"
+
+
+def group_key(group) -> str:
+    """A process group's name, the same on every rank that belongs to it ("world" for the default)."""
+    if group is None or group is dist.group.WORLD:
+        return WORLD
+    return getattr(group, "group_name", None) or f"group {id(group)}"
 
 
 # op name -> bytes of volume from the call's bound arguments
@@ -52,21 +68,42 @@ VOLUME: dict[str, Callable[[dict], int]] = {
 _MODULES = (dist, dist.distributed_c10d)
 
 
+def _ranks_label(group, key: str) -> str:
+    """An unnamed sub-group, named by its global ranks (the same on all of them)."""
+    try:
+        return "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+    except (RuntimeError, ValueError, TypeError):  # not a c10d group this rank knows: its name will do
+        return key
+
+
 class CommCounter:
     """Bytes of collective volume issued by this rank while ``counting()`` is active."""
 
     def __init__(self) -> None:
         self.bytes_by_op: Counter[str] = Counter()
         self.calls_by_op: Counter[str] = Counter()
+        self.bytes_by_group: Counter[str] = Counter()  # by label_group's name, see group_label
+        self._labels: dict[str, str] = {}
         self._active = False
         self._local = threading.local()  # per thread: inside an already-counted operation
         self._originals: list[tuple[object, str, Callable]] = []
 
-    def record(self, op: str, nbytes: int) -> None:
+    def label_group(self, group, label: str) -> None:
+        """Count what is issued on ``group`` under ``label`` (e.g. a mesh dimension's name)."""
+        self._labels[group_key(group)] = label
+
+    def group_label(self, group) -> str:
+        key = group_key(group)
+        if key not in self._labels:
+            self._labels[key] = key if key == WORLD else _ranks_label(group, key)
+        return self._labels[key]
+
+    def record(self, op: str, nbytes: int, group=None) -> None:
         """Add one collective's volume (also called by strategies whose comm bypasses Python)."""
         if self._active:
             self.bytes_by_op[op] += nbytes
             self.calls_by_op[op] += 1
+            self.bytes_by_group[self.group_label(group)] += nbytes
 
     @property
     def total_bytes(self) -> int:
@@ -80,7 +117,8 @@ class CommCounter:
             if not self._active or getattr(self._local, "inside", False):
                 return original(*args, **kwargs)
             # Deprecated entry points call the new ones: count the outermost call only.
-            with self.as_one(op, VOLUME[op](signature.bind_partial(*args, **kwargs).arguments)):
+            arguments = signature.bind_partial(*args, **kwargs).arguments
+            with self.as_one(op, VOLUME[op](arguments), arguments.get("group")):
                 return original(*args, **kwargs)
 
         return counted
@@ -104,10 +142,10 @@ class CommCounter:
         self._originals.clear()
 
     @contextlib.contextmanager
-    def as_one(self, op: str, nbytes: int) -> Iterator[None]:
+    def as_one(self, op: str, nbytes: int, group=None) -> Iterator[None]:
         """Count a composite operation once (e.g. an all-reduce built from send/recv) and not
         the collectives it is made of, in this thread."""
-        self.record(op, nbytes)
+        self.record(op, nbytes, group)
         outer, self._local.inside = getattr(self._local, "inside", False), True
         try:
             yield

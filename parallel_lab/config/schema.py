@@ -71,9 +71,23 @@ class DataConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = MISSING  # spawn | torchrun | deepspeed | mpirun
-    master_addr: str = "127.0.0.1"
+    name: str = MISSING  # spawn | torchrun | deepspeed | mpirun | slurm
+    # Rendezvous host. null = 127.0.0.1 on one node, the first host on several (slurm: rank 0's
+    # node from the allocation; mpirun on several hosts: rank 0's host address, found over MPI).
+    # Never 0.0.0.0 unless written here.
+    master_addr: Optional[str] = None
     master_port: int = 0  # 0 = pick a free port
+    # Several machines (docs/multinode.md): the hosts, or a file with one per line ("host",
+    # "host slots=N" or "host:N"); world_size must equal nodes x nproc_per_node.
+    hosts: list = field(default_factory=list)
+    hostfile: Optional[str] = None
+    nodes: Optional[int] = None  # null = len(hosts), or 1; slurm without hosts: how many nodes to ask for
+    nproc_per_node: Optional[int] = None  # null = the hostfile's slots, else world_size / nodes
+    # How the parent reaches another host to start its torchrun agent (and mpiexec's hydra, if it
+    # is not ssh). -tt: closing the connection hangs up the remote agent. null = do not start
+    # anything, print the exact per-host commands instead.
+    remote_shell: Optional[str] = "ssh -o BatchMode=yes -tt"
+    ds_runner: str = "pdsh"  # deepspeed on several hosts: its --launcher (pdsh | mpich | openmpi | ...)
     max_restarts: int = 0  # torchrun only
     extra_args: list = field(default_factory=list)
     grace_s: float = 10.0  # after one rank fails, how long the others get before being killed

@@ -128,6 +128,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> DictConfig:
             f"use it with strategy=single, or drop it"
         )
     requested_world = ws
+    from parallel_lab.config.hosts import resolve_hosts
+
+    resolve_hosts(cfg, requested_world, strategy_cls.single_process)
     if strategy_cls.single_process:
         ws = cfg.world_size = 1
     t.threads = _resolve_threads(t, requested_world, strategy_cls.single_process)

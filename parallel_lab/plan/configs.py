@@ -18,8 +18,8 @@ from parallel_lab.config.validate import check_split
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import get_strategy_class, sweep_names
 
-# Options that must equal the world size for these strategies today (tp x dp and pp x dp are not
-# implemented): set from each planned world size unless given on the command line.
+# Degrees that, times strategy.replicate, make the world size: set from each planned world size
+# unless given on the command line.
 DEGREE_KEYS = {"tp": "tp", "pp": "stages"}
 
 
@@ -46,12 +46,12 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     cfg.world_size = 1 if strategy_cls.single_process else world
     key = DEGREE_KEYS.get(cfg.strategy.name)
     if key and not _given(overrides, f"strategy.{key}"):
-        cfg.strategy[key] = cfg.world_size
+        cfg.strategy[key] = max(1, cfg.world_size // (cfg.strategy.get("replicate") or 1))
     if scale:
         # Weak scaling: every rank keeps the micro-batch it has at the configured world_size.
         reference = copy.deepcopy(base)
         if key and not _given(overrides, f"strategy.{key}"):
-            reference.strategy[key] = reference.world_size
+            reference.strategy[key] = max(1, reference.world_size // (reference.strategy.get("replicate") or 1))
         t = cfg.trainer
         micro = max(1, t.global_batch // (strategy_cls.data_parallel_size(reference) * t.grad_accum))
         t.global_batch = micro * strategy_cls.data_parallel_size(cfg) * t.grad_accum

@@ -214,6 +214,19 @@ def _cuda_mib(run: Row) -> str | None:
     return None if allocated is None else f"{allocated:.1f} / {_mib(run, 'cuda_max_reserved_bytes'):.1f}"
 
 
+def _mesh(m: RunMetrics) -> str | None:
+    """'replicate 2 × shard 2': the 2-D device mesh of the run (strategies/mesh.py), blank for a flat world."""
+    mesh = m.strategy_extras.get("mesh")
+    return mesh and " × ".join(f"{name} {size}" for name, size in mesh["dims"].items())
+
+
+def _mesh_comm(m: RunMetrics) -> str | None:
+    """MiB per step on each mesh dimension's group (busiest rank): on several hosts, replicate is
+    the traffic between them, the other dimension stays inside one."""
+    mesh = m.strategy_extras.get("mesh")
+    return mesh and " / ".join(f"{name} {_fmt(n / MiB) or 0}" for name, n in mesh["comm_bytes_per_step"].items())
+
+
 COLUMNS = [  # (header, how to read it from a row)
     ("strategy", _strategy_label),
     ("launcher", lambda r: r.record.launcher),
@@ -235,6 +248,8 @@ COLUMNS = [  # (header, how to read it from a row)
     ("plan error % params/master/grads/optim", _plan_error),
     ("comm MiB/step", _ok(lambda m: m.comm_bytes_per_step / MiB)),
     ("comm Ψ meas/theory", _ok(_comm_psi)),
+    ("mesh", _ok(_mesh)),
+    ("comm MiB/step per mesh dim", _ok(_mesh_comm)),
     ("final loss", _ok(lambda m: m.final_loss)),
     ("early Δloss (×env)", _check("early_dloss")),
     ("max Δloss (×env)", _check("max_dloss")),

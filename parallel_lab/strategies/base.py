@@ -202,6 +202,11 @@ class Strategy(abc.ABC):
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""
         return {}
 
+    def mesh_dims(self) -> dict[str, int] | None:
+        """{name: size} of the 2-D device mesh this run is laid out on (``strategies/mesh.py``),
+        None for a flat world; metrics.json then counts communication per mesh dimension."""
+        return None
+
     def teardown(self) -> None:
         """Drop every reference to model state so the process group can close cleanly."""
         self.model = None

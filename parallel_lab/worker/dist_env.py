@@ -3,14 +3,18 @@
 Every launcher leaves its own variables: torchrun, the deepspeed launcher and our spawn launcher
 set RANK/WORLD_SIZE/LOCAL_RANK; Open MPI sets OMPI_COMM_WORLD_*; MPICH sets PMI_RANK/PMI_SIZE/
 MPI_LOCALRANKID; PMIx sets PMIX_RANK; Slurm sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. The
-rendezvous address comes from MASTER_ADDR/MASTER_PORT, or, under MPI without them, rank 0 picks a
-free port on 127.0.0.1 and broadcasts it over MPI.
+rendezvous address comes from MASTER_ADDR/MASTER_PORT. Under MPI without them, rank 0 broadcasts
+its host address (127.0.0.1 when every rank shares its host) and a free port over MPI. Under Slurm
+without MASTER_ADDR it is rank 0's node in the allocation (its NodeAddr), the port one per job.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import socket
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,12 +67,55 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _port_from_mpi() -> int:
-    """Rank 0 picks a free loopback port and tells the others over MPI (mpirun without MASTER_PORT)."""
+def _rank0_rendezvous(addr: str | None, hostnames: list[str]) -> tuple[str | None, int, str]:
+    """On rank 0: (address, free port, error). Loopback when every rank runs on this host; else this
+    host's address, which must not be loopback (peers on other hosts could not reach it)."""
+    if addr is None and len(set(hostnames)) == 1:
+        addr = "127.0.0.1"
+    elif addr is None:
+        addr = socket.gethostbyname(hostnames[0])
+        if ipaddress.ip_address(addr).is_loopback:
+            return (
+                None,
+                0,
+                (
+                    f"rank 0's host name '{hostnames[0]}' resolves to {addr}, which ranks on the other hosts cannot "
+                    f"reach; map it to the host's network address (/etc/hosts or DNS) or set launcher.master_addr"
+                ),
+            )
+    return addr, free_port(addr), ""
+
+
+def _rendezvous_from_mpi(addr: str | None) -> tuple[str, int]:
+    """mpirun without MASTER_ADDR/MASTER_PORT: the ranks agree on rank 0's host over MPI."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    return comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+    hostnames = comm.gather(socket.gethostname(), root=0)
+    found = _rank0_rendezvous(addr, hostnames) if comm.Get_rank() == 0 else None
+    addr, port, error = comm.bcast(found, root=0)
+    if error:
+        raise ConfigError(error)
+    return addr, port
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def slurm_rendezvous_host(environ) -> str:
+    """Rank 0's node (the first of the step's nodes, block distribution) as Slurm reaches it: its
+    NodeAddr, which is the node name unless slurm.conf says otherwise (127.0.0.1 for nodes that
+    share one host)."""
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]
+    first = _scontrol("show", "hostnames", nodelist).split()[0]
+    found = re.search(r"NodeAddr=(\S+)", _scontrol("show", "node", first, "-o"))
+    return found[1] if found else first
+
+
+def slurm_port(environ) -> int:
+    """One port per job, the same on every rank without talking: 20000 + job id mod 20000."""
+    return 20000 + int(environ.get("SLURM_JOB_ID", 0)) % 20000
 
 
 def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
@@ -84,15 +131,21 @@ def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
 def read_dist_env(requested_device: str = "auto", environ=None) -> DistEnv:
     environ = os.environ if environ is None else environ
     rank, world, local, source = read_rank(environ)
-    addr = environ.get("MASTER_ADDR", "127.0.0.1")
+    addr = environ.get("MASTER_ADDR")
+    slurm = source == "SLURM_PROCID" and world > 1
+    if addr is None and slurm:
+        addr = slurm_rendezvous_host(environ)
     if "MASTER_PORT" in environ:
         port = int(environ["MASTER_PORT"])
     elif world > 1 and any(k in environ for k in MPI_MARKERS):
-        port = _port_from_mpi()
+        addr, port = _rendezvous_from_mpi(addr)
+    elif slurm:
+        port = slurm_port(environ)
     elif world == 1:
-        port = free_port(addr)  # no peer to agree with, and the default port may be taken
+        port = free_port(addr or "127.0.0.1")  # no peer to agree with, and the default port may be taken
     else:
         port = DEFAULT_PORT
+    addr = addr or "127.0.0.1"
     device, backend = pick_device(requested_device, local)
     restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -112,9 +165,13 @@ def export_rendezvous(env: DistEnv) -> None:
 
 
 def init_process_group(env: DistEnv, timeout_s: int) -> None:
+    """The default process group of this rank; one that already exists (made by a script or a
+    test body that trains several configs in one set of ranks) is adopted as it is."""
     import torch.distributed as dist
 
     export_rendezvous(env)
+    if dist.is_initialized():
+        return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=timeout_s)

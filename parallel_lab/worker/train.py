@@ -203,9 +203,13 @@ def _metrics(
         **predicted,
         "comm_bytes_per_step": comm_per_step,
         "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
+        "comm_bytes_by_group": {group: n / steps_run_here for group, n in counter.bytes_by_group.items()},
         **device_memory(env.device),
     }
     ranks = gather_from_ranks(rank_info)
+    extras = strategy.extra_metrics()
+    if strategy.mesh_dims():
+        extras["mesh"] = _mesh_metrics(strategy.mesh_dims(), ranks)
     step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     step_time = timed_median(step_times, t.warmup_steps)
     return RunMetrics(
@@ -246,5 +250,12 @@ def _metrics(
         comm_theory_psi=strategy.comm_theory_psi,
         ranks=ranks,
         strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
-        strategy_extras=strategy.extra_metrics(),
+        strategy_extras=extras,
     )
+
+
+def _mesh_metrics(dims: dict[str, int], ranks: list[dict]) -> dict:
+    """The mesh and, per dimension, the bytes per step the busiest rank issued on its group of
+    that dimension: on several hosts, "replicate" is what crosses between them."""
+    by_dim = {name: max(r["comm_bytes_by_group"].get(name, 0.0) for r in ranks) for name in dims}
+    return {"dims": dims, "comm_bytes_per_step": by_dim}

@@ -27,7 +27,12 @@ from parallel_lab.strategies.memory import chunk_rows, predicted_optimizer_bytes
 
 
 def _shard_world(cfg: DictConfig) -> int:
-    return 1 if cfg.strategy.sharding == "no_shard" else cfg.world_size
+    """Ranks one parameter is sharded over: all, one (no_shard), or a shard group (hybrid = HSDP)."""
+    if cfg.strategy.sharding == "no_shard":
+        return 1
+    if cfg.strategy.sharding == "hybrid":
+        return cfg.world_size // (cfg.strategy.get("replicate") or 1)
+    return cfg.world_size
 
 
 def shard_layout(model: torch.nn.Module, world: int, rank: int) -> list[tuple[int, int]]:
@@ -43,7 +48,7 @@ def shard_layout(model: torch.nn.Module, world: int, rank: int) -> list[tuple[in
 
 def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
     world = _shard_world(cfg)
-    layout = shard_layout(model, world, rank)
+    layout = shard_layout(model, world, rank % world)
     padded = 4 * sum(p for p, _ in layout)
     report = {"param_bytes": padded, "master_param_bytes": 0, "grad_bytes": padded}
     if cfg.strategy.sharding == "grad_op":
@@ -56,6 +61,8 @@ def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> 
 def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
     if cfg.world_size < 2:
         return {}
+    if cfg.strategy.sharding == "hybrid":
+        return None  # HSDP's two dimensions are not predicted (docs/meshes.md measures them)
     full_padded = 4 * sum(p for p, _ in shard_layout(model, cfg.world_size, rank)) * cfg.world_size
     sharding = cfg.strategy.sharding
     if sharding == "no_shard":

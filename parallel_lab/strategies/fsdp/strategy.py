@@ -23,9 +23,16 @@ sharding       FSDP1 ShardingStrategy              FSDP2 fully_shard            
 
 ``grad_op`` keeps the gathered parameters from forward until backward (no second all-gather), so
 between forward and backward a rank holds the full working copy *and* its shard; ``full`` frees
-each unit's gathered parameters right after using them. Hybrid sharding (HYBRID_SHARD: shard
-within a node, replicate across nodes) is refused: on one node without a 2-D mesh it silently
-diverges (docs/facts.md).
+each unit's gathered parameters right after using them.
+
+``hybrid`` is HSDP (FSDP2 only): a 2-D mesh of ``strategy.replicate`` replicas x world_size /
+replicate shards (``strategies/mesh.py``). Inside a shard group (the ranks of one host) it is
+``full``: all-gathers forward and backward, reduce-scatter of the gradients, 3Ψ per rank; across
+the replicate dimension (between hosts) only the reduced gradient shards are all-reduced, 2Ψ/S
+per rank for a shard group of S. Every rank holds 1/S of the model state, not 1/world_size: HSDP
+trades memory for traffic between hosts, which is why metrics.json counts both dimensions apart
+(``strategy_extras.mesh``). FSDP1's HYBRID_SHARD without a 2-D mesh silently diverges on one node
+(docs/facts.md), so hybrid needs the explicit mesh and ``strategy.version=2``.
 
 ``strategy.mixed_precision=bf16`` computes forward/backward in bf16 (parameters all-gathered in
 bf16, gradients reduced in fp32) while the sharded parameters and Adam states stay fp32.
@@ -43,6 +50,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
@@ -52,7 +60,7 @@ from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
 
-SHARDINGS = ("full", "grad_op", "no_shard")
+SHARDINGS = ("full", "grad_op", "no_shard", "hybrid")
 PRECISIONS = ("fp32", "bf16")
 DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
 
@@ -63,9 +71,12 @@ class FSDPOptions(StrategyOptions):
 
     version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
     # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
-    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh).
-    # Hybrid sharding is refused: it needs several nodes and silently diverges on one.
+    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh)
+    # | hybrid = HSDP, FSDP2 on a replicate x shard mesh: full shard within a group, replicas across.
     sharding: str = "full"
+    # hybrid only: data-parallel replicas R (the mesh's replicate dimension, e.g. one per host);
+    # R x shard group size = world_size. null = not given: hybrid is refused without it.
+    replicate: Optional[int] = None
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
 
 
@@ -94,11 +105,6 @@ class FSDPStrategy(Strategy):
             raise ConfigError(
                 f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
             )
-        if opts.sharding.lower() in ("hybrid", "hybrid_shard", "_hybrid_shard_zero2"):
-            raise ConfigError(
-                f"strategy.sharding={opts.sharding} is refused: hybrid sharding needs several nodes and "
-                "silently diverges on one; use strategy.sharding=full, grad_op or no_shard"
-            )
         if opts.sharding not in SHARDINGS:
             raise ConfigError(
                 f"strategy.sharding={opts.sharding} is unknown; "
@@ -108,12 +114,56 @@ class FSDPStrategy(Strategy):
             raise ConfigError(
                 f"strategy.mixed_precision={opts.mixed_precision} is unknown; use strategy.mixed_precision=fp32 or bf16"
             )
+        cls._check_hybrid(opts, cfg)
+
+    @classmethod
+    def _check_hybrid(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """hybrid needs FSDP2 and the replicate degree of its mesh; replicate means nothing elsewhere."""
+        if opts.sharding != "hybrid":
+            if opts.replicate is not None:
+                raise ConfigError(
+                    f"strategy.replicate={opts.replicate} applies to strategy.sharding=hybrid only; "
+                    f"add strategy.sharding=hybrid or drop strategy.replicate"
+                )
+            return
+        if opts.version != 2:
+            raise ConfigError(
+                "strategy.sharding=hybrid needs strategy.version=2 (fully_shard on a 2-D mesh); "
+                "FSDP1's HYBRID_SHARD diverges on one node, see docs/facts.md"
+            )
+        world = cfg.world_size
+        example = next((r for r in range(2, world) if world % r == 0), None)
+        hint = (
+            f"e.g. strategy.replicate={example} ({example} x {world // example} = world_size={world})"
+            if example
+            else f"e.g. world_size=4 strategy.replicate=2 (world_size={world} has no split into replicas x shards)"
+        )
+        if opts.replicate is None:
+            raise ConfigError(
+                "strategy.sharding=hybrid needs the replicate degree of its replicate x shard mesh "
+                f"(replicas x shard group size = world_size); set strategy.replicate=<replicas>, {hint}"
+            )
+        if opts.replicate < 1 or world % opts.replicate:
+            raise ConfigError(
+                f"strategy.replicate={opts.replicate} does not divide world_size={world} "
+                f"(replicas x shard group size = world_size); {hint}"
+            )
 
     @property
     def comm_theory_psi(self) -> float:
         # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
-        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ).
+        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
+        # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
+        if self.opts.sharding == "hybrid":
+            return 3.0 + 2.0 / self.shard_size
         return 3.0 if self.opts.sharding == "full" else 2.0
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the model is sharded over: the world, or a shard group (hybrid)."""
+        if self.opts.sharding == "hybrid":
+            return self.env.world_size // self.opts.replicate
+        return self.env.world_size
 
     def __init__(self, cfg: DictConfig, env) -> None:
         super().__init__(cfg, env)
@@ -209,13 +259,15 @@ class FSDPStrategy(Strategy):
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),
-        with N = world size: full = ZeRO-3 (everything /N); grad_op = ZeRO-2 (working parameters
-        replicated, 4 bytes/param, during forward/backward; the fp32 shard the optimizer updates,
-        4/N, is the paper's master copy; grads and optimizer state /N); no_shard = DDP."""
-        n = self.env.world_size
+        with N = world size (hybrid: the shard group's size): full and hybrid = ZeRO-3 (everything
+        /N); grad_op = ZeRO-2 (working parameters replicated, 4 bytes/param, during forward/backward;
+        the fp32 shard the optimizer updates, 4/N, is the paper's master copy; grads and optimizer
+        state /N); no_shard = DDP."""
+        n = self.shard_size
         k = optimizer_bytes_per_param(self.cfg.trainer)
         per = {  # bytes per parameter: (working params, master shard, grads, optimizer state)
             "full": (4 / n, 0, 4 / n, k / n),
+            "hybrid": (4 / n, 0, 4 / n, k / n),
             "grad_op": (4, 4 / n, 4 / n, k / n),
             "no_shard": (4, 0, 4, k),
         }[self.opts.sharding]
@@ -238,6 +290,9 @@ class FSDPStrategy(Strategy):
 
     def extra_metrics(self) -> dict:
         return {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
+
+    def mesh_dims(self) -> dict[str, int] | None:
+        return {"replicate": self.opts.replicate, "shard": self.shard_size} if self.opts.sharding == "hybrid" else None
 
     def teardown(self) -> None:
         super().teardown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from parallel_lab.strategies.fsdp.strategy import FSDPStrategy, fsdp_units
+from parallel_lab.strategies.mesh import build_mesh
 
 
 class FSDP2(FSDPStrategy):
@@ -13,7 +14,10 @@ class FSDP2(FSDPStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         n = self.env.world_size
-        if self.opts.sharding == "no_shard":
+        if self.opts.sharding == "hybrid":
+            # HSDP: shard within each run of n/R consecutive ranks, replicate across the runs.
+            self._mesh = build_mesh(self.device.type, self.opts.replicate, n // self.opts.replicate, "shard", self.comm)
+        elif self.opts.sharding == "no_shard":
             # HSDP with a shard group of 1: every parameter "shard" is the whole tensor, and the
             # gradient reduction over the replicate dimension is DDP's all-reduce.
             self._mesh = init_device_mesh(self.device.type, (n, 1), mesh_dim_names=("replicate", "shard"))

@@ -20,8 +20,12 @@ Schedules (the order in which one stage runs its forwards F and backwards B):
   remaining backwards. Same bubble, but stage s stashes at most p-s activations instead of m.
 
 ``strategy.impl=torch`` runs the same stages with torch.distributed.pipelining (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss broadcast and the parameter gather are
+``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss report and the parameter gather are
 shared by both implementations.
+
+dp x pp: ``strategy.replicate=R`` pipelines on a (replicate, pp) mesh (``strategies/mesh.py``),
+R x stages = world_size. Pipeline r is ranks r*p .. r*p+p-1 and reads its own global_batch / R
+samples; stage s averages its gradients with stage s of the other pipelines after backward.
 
 Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` chunk, and the
 pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
@@ -49,6 +53,7 @@ from parallel_lab.strategies.memory import (
     held_param_grad_bytes,
     predicted_optimizer_bytes,
 )
+from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
 from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
@@ -61,7 +66,8 @@ BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its bac
 class PPOptions(StrategyOptions):
     """``strategy=pp`` options."""
 
-    stages: int = 2  # pipeline stages, one per process: must equal world_size
+    stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
+    replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
     schedule: str = "gpipe"  # gpipe | 1f1b
     impl: str = "manual"  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
@@ -83,7 +89,7 @@ def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequen
 
 
 @register("pp")
-class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
+class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
     Options = PPOptions
 
     # ----- validation (parent) -----
@@ -99,11 +105,7 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
             if opts[key] < 1:
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         plan_stages(_meta_model(cfg), opts.stages, list(opts.cuts))
-        if opts.stages != cfg.world_size:
-            raise ConfigError(
-                f"strategy.stages={opts.stages} must equal world_size={cfg.world_size} (one stage per process); "
-                f"set world_size={opts.stages}"
-            )
+        check_degrees(cfg, opts.replicate, "stages", opts.stages, "pipeline stages, one per process")
         t = cfg.trainer
         per_step = t.global_batch // t.grad_accum
         if t.global_batch % t.grad_accum == 0 and per_step % opts.microbatches:
@@ -143,6 +145,7 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         p = self.opts.stages
         self.stage = self.env.rank % p
+        self.group = self.build_replicas(p, "pp")  # this rank's pipeline (None: the world)
         self.stage_names = plan_stages(model, p, list(self.opts.cuts))
         mine = self.stage_names[self.stage]
         children = dict(model.named_children())
@@ -166,7 +169,7 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        self.pipe_stage = PipelineStage(self.model, self.stage, self.opts.stages, self.device)
+        self.pipe_stage = PipelineStage(self.model, self.stage, self.opts.stages, self.device, group=self.group)
         # scale_grads=False: torch would divide ALL accumulated gradients by m after each step,
         # which breaks gradient accumulation; our loss is pre-scaled instead (see module docstring).
         return classes[self.opts.schedule](
@@ -187,14 +190,14 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
     def _recv(self, shape: torch.Size, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, device=self.device)
         start = time.perf_counter()
-        dist.recv(buf, src=src, tag=tag)
+        dist.recv(buf, src=src, tag=tag, group=self.group)  # src: a global rank
         self._recv_wait += time.perf_counter() - start  # idle: waiting for the neighbour
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         # Non-blocking: a stage never waits for its neighbour to take the data, so two stages
         # sending to each other at once (1F1B's steady state) cannot deadlock.
-        self._pending.append((dist.isend(tensor.contiguous(), dst=dst, tag=tag), tensor))
+        self._pending.append((dist.isend(tensor.contiguous(), dst=dst, tag=tag, group=self.group), tensor))
 
     # ----- training -----
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
@@ -261,13 +264,14 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         """Clip by the norm of the whole model's gradient: every stage's squares are summed."""
         if self.cfg.trainer.grad_clip > 0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_by_global_norm(grads, [], self.cfg.trainer.grad_clip, self.device)
+            clip_by_global_norm(grads, [], self.cfg.trainer.grad_clip, self.device, self.group)
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
-        """Only the last stage has the loss: it broadcasts it, so every rank returns the same float."""
+        """Only the last stages have the loss (the others hold 0): the sum over the world, divided by
+        the number of pipelines, so every rank returns the same float."""
         loss = local_mean.detach().clone().to(self.device)
-        dist.broadcast(loss, src=self.env.world_size - 1)
-        return float(loss)
+        dist.all_reduce(loss)
+        return float(loss / self.opts.replicate)
 
     # ----- evaluation: one forward of the whole batch through the stages -----
     @torch.no_grad()
@@ -277,15 +281,15 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         if not self.is_first:
             shape = self._boundary_shape(self.stage - 1, inputs.shape[1:], len(inputs))
             x = torch.empty(shape, device=self.device)
-            dist.recv(x, src=self.env.rank - 1)
+            dist.recv(x, src=self.env.rank - 1, group=self.group)
         out = self.model(x)
         if self.is_last:
             return out
-        dist.send(out.contiguous(), dst=self.env.rank + 1)
+        dist.send(out.contiguous(), dst=self.env.rank + 1, group=self.group)
         return None
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(counts, src=self.env.world_size - 1)  # the last stage's counts are the answer
+        dist.all_reduce(counts)  # only the last stages counted (each its pipeline's shard); the rest hold 0
         return counts
 
     # ----- proof -----
@@ -321,7 +325,7 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         """Per step, every micro-batch's activation goes forward across each boundary after this
         stage and its gradient back across the one before it: isend of the whole step's batch."""
         p, stage = cfg.strategy.stages, rank % cfg.strategy.stages
-        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum
+        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // (cfg.strategy.get("replicate") or 1)
         x = torch.empty(batch, 3, 32, 32, device="meta")
         boundaries = []
         with torch.no_grad():
@@ -329,7 +333,10 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
                 boundaries.append(x.numel())  # this stage's input
                 x = _stage_module(cfg, model, s)(x)
         sent = (boundaries[stage + 1] if stage < p - 1 else 0) + (boundaries[stage] if stage > 0 else 0)
-        return {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
+        comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
+        if (cfg.strategy.get("replicate") or 1) > 1:  # dp x pp: the stage's gradients all-reduced over replicas
+            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in _stage_module(cfg, model, rank).parameters())
+        return comm
 
     def extra_metrics(self) -> dict:
         p, m = self.opts.stages, self.opts.microbatches
@@ -345,6 +352,7 @@ class PipelineParallelStrategy(RankShardCheckpoint, Strategy):
         }
         stages: list = [None] * self.env.world_size
         dist.all_gather_object(stages, mine)
+        stages = stages[:p]  # the first pipeline's stages (ranks 0..p-1); replicas mirror them
         return {
             "pp_stages": p,
             "pp_microbatches": m,

@@ -67,8 +67,10 @@ def _io_shapes(model: torch.nn.Module, names: set[str], batch: int) -> dict[str,
 
 
 def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, float]:
-    if cfg.strategy.tp < 2:
+    if cfg.world_size < 2:
         return {}
+    if cfg.strategy.tp < 2:
+        return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}  # plain data parallel
     batch = cfg.trainer.global_batch // cfg.trainer.grad_accum
     names = {n for pair in plan for n in pair if n}
     shapes = _io_shapes(model, names, batch)
@@ -80,4 +82,7 @@ def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, 
         if column is None:
             elems += shapes[row][0].numel()  # f on the replicated input of a lone row layer
         elems += shapes[row][1].numel()  # g: forward all-reduce of the partial sums
-    return {"all_reduce": 2.0 * 4 * elems * cfg.trainer.grad_accum}
+    comm = {"all_reduce": 2.0 * 4 * elems * cfg.trainer.grad_accum}
+    if (cfg.strategy.get("replicate") or 1) > 1:  # dp x tp: each shard's gradients all-reduced over replicas
+        comm["all_reduce"] += 2.0 * 4 * sum(_sharded_numels(model, plan, cfg.strategy.tp, 0))
+    return comm

@@ -24,8 +24,12 @@ What is split, per model (``TP_PLANS``):
 
 ``strategy.impl=dtensor`` does the same split with torch.distributed.tensor.parallel
 (``ColwiseParallel``/``RowwiseParallel`` on a 1-D DeviceMesh), where DTensor inserts the same two
-collectives. Today tp must equal world_size (dp = world_size / tp = 1); a dp x tp layout would give
-each tp group its own sub-group and a 2-D mesh, which is why the group is passed around explicitly.
+collectives.
+
+dp x tp: ``strategy.replicate=R`` copies of the tp group on a (replicate, tp) mesh
+(``strategies/mesh.py``), R x tp = world_size. Each tp group (consecutive ranks) reads its own
+global_batch / R samples; f and g run on the tp sub-group, and after backward every rank averages
+its (sharded or replicated) gradients with the same part in the other replicas.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from parallel_lab.strategies.memory import (
     local_tensor,
     tensor_bytes,
 )
+from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 
@@ -67,7 +72,8 @@ CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
 class TPOptions(StrategyOptions):
     """``strategy=tp`` options."""
 
-    tp: int = 2  # tensor-parallel degree: must divide every split width and (for now) equal world_size
+    tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
+    replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
     impl: str = "manual"  # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
 
@@ -77,7 +83,7 @@ def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]
 
 
 @register("tp")
-class TensorParallelStrategy(RankShardCheckpoint, Strategy):
+class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
     Options = TPOptions
 
     # ----- validation (parent) -----
@@ -110,12 +116,7 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
                     f"strategy.tp={opts.tp} does not divide the {width} {what} of {name}; "
                     f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
                 )
-        if opts.tp != cfg.world_size:
-            raise ConfigError(
-                f"strategy.tp={opts.tp} must equal world_size={cfg.world_size} "
-                f"(data-parallel {cfg.world_size}/{opts.tp} x tensor-parallel {opts.tp} = world_size, "
-                f"and dp x tp is not implemented yet); set world_size={opts.tp}"
-            )
+        check_degrees(cfg, opts.replicate, "tp", opts.tp, "tensor-parallel degree")
 
     @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
@@ -147,7 +148,7 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
-        self.group = None  # the world; a dp x tp layout would pass this rank's tp sub-group
+        self.group = self.build_replicas(self.opts.tp, "tp")  # this rank's tp sub-group (None: the world)
         self.tp_rank = self.env.rank % self.opts.tp
         plan = split_plan(self.cfg.model.name, self.opts.split_conv)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
@@ -189,7 +190,10 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        self.mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
+        if self.mesh2d is not None:
+            self.mesh = self.mesh2d["tp"]
+        else:
+            self.mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
         layer_plan = {}
         for column, row in plan:
             if column is not None:
@@ -205,6 +209,20 @@ class TensorParallelStrategy(RankShardCheckpoint, Strategy):
         }
 
     # ----- training -----
+    def global_mean_loss(self, local_mean: torch.Tensor) -> float:
+        """A tp group shares one loss: the mean over the replicas' losses."""
+        if self.replicate_group is not None:
+            local_mean = local_mean.detach().clone()
+            dist.all_reduce(local_mean, group=self.replicate_group)
+            local_mean /= self.opts.replicate
+        return float(local_mean)
+
+    def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Each replica scored its own shard; the ranks of a tp group scored the same one."""
+        if self.replicate_group is not None:
+            dist.all_reduce(counts, group=self.replicate_group)
+        return counts
+
     def clip_gradients(self) -> None:
         """Clip by the norm of the FULL gradient: shard norms are summed over the tp ranks,
         replicated parameters (identical on every rank) are counted once."""

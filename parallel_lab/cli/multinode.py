@@ -1,0 +1,197 @@
+"""The launch commands for runs across several hosts (``launcher.hosts`` / ``launcher.hostfile``).
+
+Each real engine in its own multi-node form (docs/multinode.md):
+
+- torchrun: one agent per host (``--nnodes``, ``--node_rank``, static rendezvous on
+  ``launcher.master_addr``), each started by this parent through ``launcher.remote_shell``
+  (ssh), or printed as the exact per-host command when it cannot reach the hosts;
+- deepspeed: ``--hostfile`` (``host slots=N``) through one of DeepSpeed's multi-node runners
+  (``launcher.ds_runner``: pdsh by default, or mpich, openmpi, ...);
+- mpirun: MPICH hydra ``mpiexec -f <hostfile>`` (``host:N``); the workers find rank 0's host
+  address over MPI (parallel_lab/worker/dist_env.py);
+- slurm: ``srun``; ranks from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, the rendezvous host from
+  the allocation.
+
+The run folder must be on a filesystem every host sees (NFS, as on most clusters): every rank
+reads ``config.yaml`` from it and rank 0 writes ``metrics.json`` into it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from subprocess import DEVNULL
+
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import SUPERVISED_ENV
+
+WORKER = ["-m", "parallel_lab.worker"]
+# Variables a remote host needs to see as this one does (an ssh session starts with a fresh
+# environment). PATH too: a different ninja on PATH makes DeepSpeed recompile its op (docs/facts.md).
+FORWARDED_ENV = (
+    "PATH",
+    "PYTHONPATH",
+    "TORCH_EXTENSIONS_DIR",
+    "DS_ACCELERATOR",
+    "GLOO_SOCKET_IFNAME",
+    "UCX_TLS",
+    "ATEN_CPU_CAPABILITY",
+)
+REACH_TIMEOUT_S = 20
+
+
+def is_multi_node(cfg: DictConfig) -> bool:
+    return (cfg.launcher.nodes or 1) > 1
+
+
+def worker_env(cfg: DictConfig) -> dict[str, str]:
+    """What every rank needs besides the launcher's own variables, on whichever host it runs."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.update(OMP_NUM_THREADS=str(cfg.trainer.threads), PYTHONUNBUFFERED="1", **{SUPERVISED_ENV: "1"})
+    return env
+
+
+def remote_shell(cfg: DictConfig) -> list[str]:
+    return shlex.split(cfg.launcher.remote_shell or "")
+
+
+def torchrun_host_command(cfg: DictConfig, config_path: Path, port: int, node_rank: int) -> str:
+    """The shell line that starts host `node_rank`'s torchrun agent (what ssh runs there)."""
+    launcher = cfg.launcher
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={launcher.nodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={launcher.nproc_per_node}",
+        f"--master_addr={launcher.master_addr}",
+        f"--master_port={port}",
+        f"--max_restarts={launcher.max_restarts}",
+        *launcher.extra_args,
+        *WORKER,
+        str(config_path),
+    ]
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in worker_env(cfg).items()]
+    return f"cd {shlex.quote(os.getcwd())} && env {' '.join(assignments)} {shlex.join(argv)}"
+
+
+def per_host_commands(cfg: DictConfig, config_path: Path, port: int) -> list[tuple[str, str]]:
+    return [(host, torchrun_host_command(cfg, config_path, port, i)) for i, host in enumerate(cfg.launcher.hosts)]
+
+
+def check_reachable(cfg: DictConfig) -> None:
+    """`<remote_shell> <host> true` for every host, so an unreachable one is one clear line, not a hang."""
+    shell = remote_shell(cfg)
+    for host in cfg.launcher.hosts:
+        try:
+            probe = [*shell, host, "true"]
+            result = subprocess.run(probe, capture_output=True, text=True, timeout=REACH_TIMEOUT_S, stdin=DEVNULL)
+            reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+            ok = result.returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            ok, reason = False, str(exc)
+        if not ok:
+            raise ConfigError(
+                f"cannot reach host '{host}' with `{shlex.join([*shell, host, 'true'])}` ({reason}); make it reachable "
+                f"or set launcher.remote_shell=null to print the per-host commands instead"
+            )
+
+
+def print_per_host_commands(cfg: DictConfig, config_path: Path, port: int) -> None:
+    print(
+        f"launcher.remote_shell is null: run each line on its host ({cfg.launcher.nodes} hosts x "
+        f"{cfg.launcher.nproc_per_node} ranks; {config_path.parent} must be visible to all of them):",
+        flush=True,
+    )
+    for host, line in per_host_commands(cfg, config_path, port):
+        print(f"[{host}] {line}", flush=True)
+
+
+def torchrun_multi_node(cfg: DictConfig, config_path: Path, port: int, base_env: dict[str, str]) -> list:
+    """One agent per host, each through the remote shell (rank None: the agent owns its ranks)."""
+    check_reachable(cfg)
+    shell = remote_shell(cfg)
+    return [(None, [*shell, host, line], base_env) for host, line in per_host_commands(cfg, config_path, port)]
+
+
+def write_hostfile(cfg: DictConfig, config_path: Path, style: str) -> Path:
+    """<run_dir>/hostfile in DeepSpeed's ('host slots=N') or MPICH's ('host:N') form."""
+    n = cfg.launcher.nproc_per_node
+    path = config_path.parent / "hostfile"
+    lines = [f"{h} slots={n}" if style == "deepspeed" else f"{h}:{n}" for h in cfg.launcher.hosts]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def deepspeed_multi_node(cfg: DictConfig, config_path: Path, port: int, tool: str, env: dict[str, str]) -> list:
+    """deepspeed --hostfile through its runner; the variables each host needs go in a DeepSpeed
+    environment file (DS_ENV_FILE, the '.deepspeed_env' format), which every runner exports."""
+    runner = cfg.launcher.ds_runner
+    if runner == "pdsh" and not shutil.which("pdsh"):
+        raise ConfigError(
+            "launcher.ds_runner=pdsh needs pdsh on this host (Debian: apt-get install pdsh); install it "
+            "or pick another runner (launcher.ds_runner=openmpi, slurm, ...)"
+        )
+    env_file = config_path.parent / "deepspeed_env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in worker_env(cfg).items() if k != "PATH"))
+    env = {**env, "DS_ENV_FILE": str(env_file), "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"}
+    cmd = [
+        tool,
+        "--hostfile",
+        str(write_hostfile(cfg, config_path, "deepspeed")),
+        "--launcher",
+        runner,
+        "--master_addr",
+        cfg.launcher.master_addr,
+        "--master_port",
+        str(port),
+        *cfg.launcher.extra_args,
+        "--module",
+        "parallel_lab.worker",
+        str(config_path),
+    ]
+    return [(None, cmd, env)]
+
+
+def mpiexec_host_flags(cfg: DictConfig, config_path: Path, open_mpi: bool) -> list[str]:
+    """Open MPI: --host a:N,b:N. MPICH hydra: -f <hostfile>, and the remote shell if it is not ssh."""
+    n = cfg.launcher.nproc_per_node
+    if open_mpi:
+        return ["--host", ",".join(f"{h}:{n}" for h in cfg.launcher.hosts)]
+    flags = ["-f", str(write_hostfile(cfg, config_path, "mpich"))]
+    shell = remote_shell(cfg)
+    if shell and Path(shell[0]).name != "ssh":
+        flags += ["-launcher", "ssh", "-launcher-exec", shell[0]]
+    return flags
+
+
+def without_rendezvous(cfg: DictConfig, env: dict[str, str]) -> dict[str, str]:
+    """mpirun/slurm with launcher.master_addr null: the workers find rank 0's host themselves."""
+    if cfg.launcher.master_addr is None:
+        return {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return env
+
+
+def srun_command(cfg: DictConfig, config_path: Path, tool: str) -> list[str]:
+    launcher = cfg.launcher
+    nodelist = [f"--nodelist={','.join(launcher.hosts)}"] if launcher.hosts else []
+    return [
+        tool,
+        f"--nodes={launcher.nodes}",
+        f"--ntasks={cfg.world_size}",
+        f"--ntasks-per-node={launcher.nproc_per_node}",
+        "--kill-on-bad-exit=1",  # one failed rank ends the step
+        "--job-name=parallel_lab",
+        *nodelist,
+        *launcher.extra_args,
+        sys.executable,
+        *WORKER,
+        str(config_path),
+    ]

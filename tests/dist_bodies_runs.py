@@ -1,0 +1,35 @@
+"""Distributed test body: many whole runs (any strategy) trained in turn on ONE set of real gloo
+ranks, through the worker's own steps (the strategy's init_distributed, which adopts the existing
+group as DeepSpeed does, then the generic train loop); rank 0 writes each run's metrics.json and
+final_params.pt as a worker would. Used by the sharded matrix (tests/test_sharded.py) and the
+uninterrupted runs that resumed ones must equal bitwise (tests/test_checkpoint.py): one process
+start-up (and one DeepSpeed import) per rank instead of one per run."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from parallel_lab.config import load_run_config
+from parallel_lab.protocol import METRICS_FILE
+from parallel_lab.strategies import get_strategy_class
+from parallel_lab.worker.dist_env import read_dist_env
+from parallel_lab.worker.train import train
+
+
+def train_and_record(rank: int, world_size: int, config_paths: list[str]) -> None:
+    for path in config_paths:
+        cfg = load_run_config(path)
+        env = read_dist_env(cfg.device)
+        torch.set_num_threads(cfg.trainer.threads)
+        strategy_cls = get_strategy_class(cfg.strategy.name)
+        strategy_cls.init_distributed(env, cfg.dist_timeout_s)
+        strategy = strategy_cls(cfg, env)
+        metrics = train(cfg, env, strategy)
+        if env.is_main:
+            metrics.write(Path(cfg.run_dir) / METRICS_FILE)
+        strategy.teardown()
+        del strategy, metrics
+        gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive between runs
