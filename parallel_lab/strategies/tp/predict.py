@@ -71,7 +71,7 @@ def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, 
         return {}
     if cfg.strategy.tp < 2:
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}  # plain data parallel
-    batch = cfg.trainer.global_batch // cfg.trainer.grad_accum
+    batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // (cfg.strategy.get("replicate") or 1)
     names = {n for pair in plan for n in pair if n}
     shapes = _io_shapes(model, names, batch)
     first = next(n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False)))
