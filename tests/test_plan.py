@@ -27,7 +27,7 @@ from parallel_lab.models import build_meta_model
 from parallel_lab.plan.main import main as plan_main
 from parallel_lab.plan.predict import MODEL_STATE
 from parallel_lab.strategies import get_strategy_class, sweep_names
-from tests.test_failures import run_cli_in_this_process
+from parallel_lab.testing import run_cli
 
 TOLERANCE = 0.01
 
@@ -82,7 +82,7 @@ def test_plan_refuses_what_a_run_refuses_with_the_same_line(tmp_path, overrides)
     code, _, stderr = run_plan(*overrides, f"plan.out={tmp_path / 'plan'}")
     assert code == 2
     (line,) = stderr.strip().splitlines()
-    run = run_cli_in_this_process(tmp_path / "run", *overrides)
+    run = run_cli(tmp_path / "run", *overrides, check=False, in_process=True)
     (run_line,) = [x for x in run.stderr.splitlines() if "parallel_lab: error:" in x]
     assert line.removeprefix("parallel_lab.plan: error: ") == run_line.removeprefix("parallel_lab: error: ")
     assert not (tmp_path / "plan").exists()  # nothing half-written
@@ -224,7 +224,7 @@ WORLD3 = ["ddp", "manual_ddp", "fsdp", "zero0", "zero1", "zero2", "zero3", "pp"]
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "resnet18"])
 def test_plan_within_one_percent_of_every_strategy_at_world_3(tmp_path, model):
-    from tests.conftest import assert_plan_matches, load_metrics, run_cli
+    from tests.conftest import assert_plan_matches, load_metrics
 
     for strategy in WORLD3:
         run_dir = tmp_path / strategy
