@@ -130,6 +130,8 @@ class RunMetrics(_Record):
     comm_bytes_per_step: float  # collective volume this rank issued per step, counted
     comm_volume_psi: float  # the same in units of Ψ
     comm_theory_psi: Optional[float]  # what the ZeRO paper's formula says (None: no formula applies)
-    ranks: list[dict]  # per rank: peak RSS, measured and analytic_* model-state bytes, comm by op
+    # per rank: peak RSS, measured, analytic_* (ZeRO paper) and predicted_* (parallel_lab.plan, exact)
+    # model-state bytes, comm by op
+    ranks: list[dict]
     strategy_options: dict  # the validated strategy.* options
     strategy_extras: dict[str, Any] = field(default_factory=dict)  # Strategy.extra_metrics(), by name

@@ -48,3 +48,13 @@ def cli(tmp_path):
         return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
     return run
+
+
+def assert_plan_matches(metrics: dict, tolerance: float = 0.01) -> None:
+    """Every rank's model-state bytes (params + master + grads + optimizer) are within tolerance
+    of the planner's prediction the worker stored beside them (``predicted_*``, parallel_lab.plan)."""
+    from parallel_lab.plan.verify import rank_errors, stored_predictions
+
+    for row in rank_errors(metrics, stored_predictions(metrics)):
+        assert row["predicted"], f"{metrics['strategy']} rank {row['rank']}: no predicted_* in metrics.json"
+        assert abs(row["error"]) <= tolerance, (metrics["strategy"], row)

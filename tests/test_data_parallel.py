@@ -17,7 +17,7 @@ import pytest
 
 from parallel_lab.testing import run_ranks
 from parallel_lab.worker.metrics import load_final_params
-from tests.conftest import load_metrics, run_cli, write_config
+from tests.conftest import assert_plan_matches, load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 
 STEPS, BATCH = 3, 24  # 24 splits over 2 or 3 ranks x grad_accum 2
@@ -115,6 +115,7 @@ def test_eval_accuracy_is_the_same_summed_over_ranks(cli, cnn_reference):
     metrics = cli("strategy=manual_ddp", "world_size=3", *CNN, "strategy.allreduce=star")
     assert metrics["eval_accuracy"] == pytest.approx(correct / total)
     cnn_reference.assert_run_matches(metrics)
+    assert_plan_matches(metrics)  # world 3
 
 
 @pytest.mark.extra  # resnet18 parity in make test: tests/test_spine.py (single, ddp)

@@ -220,6 +220,7 @@ def uneven_hostfile(tmp: Path, _checkpoint_of=None) -> list[str]:
 CATALOGUE = {
     "unknown-strategy": (["strategy=nope"], "nope"),
     "unknown-model": (["model=vgg"], "vgg"),
+    "model-width-0": (["model.width=0"], ("model.width=0", "model.width=1")),
     "unknown-data": (["data=imagenet"], "imagenet"),
     "unknown-launcher": (["launcher=pbs"], "pbs"),
     "unknown-key": (["trainer.stepz=3"], "stepz"),

@@ -10,6 +10,7 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.strategies.pp import SCHEDULES, plan_stages
 from parallel_lab.testing import run_ranks
+from tests.conftest import assert_plan_matches
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
 
 
@@ -121,6 +122,7 @@ def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size
     assert sum(stage_bytes) == 4 * sum(p.numel() for p in dense.parameters()) and len(stage_bytes) == world_size
     extras = m["strategy_extras"]
     assert len(extras["pp_idle_s"]) == world_size and 0 < extras["pp_bubble_fraction_theory"] < 1
+    assert_plan_matches(m)
 
 
 @pytest.mark.parametrize(

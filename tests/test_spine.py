@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_metrics, run_cli
+from conftest import ROOT, assert_plan_matches, load_metrics, run_cli
 from reference import parity_reference
 
 from parallel_lab.config import CONF_DIR, compose_config, validate
@@ -64,6 +64,7 @@ def test_single_and_ddp_match_independent_reference(cli, model, steps, batch):
     ddp = cli("strategy=ddp", "world_size=2", *common)
     for run in (single, ddp):
         ref.assert_run_matches(run)
+        assert_plan_matches(run)  # parallel_lab.plan's prediction, stored beside the measurement
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo" and len(ddp["ranks"]) == 2
     assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
 

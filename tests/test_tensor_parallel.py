@@ -7,6 +7,7 @@ import pytest
 
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.testing import run_ranks
+from tests.conftest import assert_plan_matches
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
 
 
@@ -65,6 +66,7 @@ def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):
     assert [r["param_bytes"] for r in m["ranks"]] == [expected, expected]
     assert [r["analytic_param_bytes"] for r in m["ranks"]] == [expected, expected]
     assert m["strategy_extras"]["tp_split_layers"] == {"fc1": "column", "fc2": "row"}
+    assert_plan_matches(m)
 
 
 @pytest.mark.parametrize(

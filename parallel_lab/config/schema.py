@@ -63,6 +63,9 @@ class TrainerConfig:
 class ModelConfig:
     name: str = MISSING  # cnn | resnet18
     num_classes: int = 10
+    # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
+    # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
+    width: float = 1.0
 
 
 @dataclass
@@ -113,6 +116,21 @@ class FaultConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``python -m parallel_lab.plan`` only (parallel_lab/plan): what to predict, against what, where."""
+
+    # Memory of one device, e.g. 24GiB, 80GB, 512MiB; null = read from this machine (CUDA device
+    # 0's total memory, else MemAvailable from /proc/meminfo).
+    device_memory: Optional[str] = None
+    # World sizes to table, e.g. [1,2,4,8,16,32,64,128,256,512,1024]; [] = world_size only. With a
+    # list, each rank keeps the micro-batch it has at world_size (the global batch grows).
+    world_sizes: list = field(default_factory=list)
+    out: Optional[str] = None  # output folder; null = runs/plan/<date>_<time>
+    # Run folders (or sweeps) whose metrics.json are drawn as measured points in the scaling plot.
+    measured: list = field(default_factory=list)
+
+
+@dataclass
 class Config:
     strategy: Any = MISSING  # validated against the strategy's own Options dataclass
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -124,6 +142,7 @@ class Config:
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
     fault: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_configs() -> None:

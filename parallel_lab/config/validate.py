@@ -78,6 +78,24 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
+def check_split(cfg: DictConfig, strategy_cls: type) -> int:
+    """What a run and the planner (``parallel_lab.plan``) both check, whatever the machine: the
+    strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
+    the model, and the global batch splitting into the data-parallel ranks. Returns that size."""
+    from parallel_lab.models import validate_model_config
+
+    validate_model_config(cfg.model)
+    cfg.strategy = strategy_cls.validate_options(cfg)
+    t = cfg.trainer
+    dp = strategy_cls.data_parallel_size(cfg)
+    if t.global_batch % (dp * t.grad_accum):
+        raise ConfigError(
+            f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
+            f"trainer.grad_accum={t.grad_accum}; pick a global_batch that is a multiple of {dp * t.grad_accum}"
+        )
+    return dp
+
+
 def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = ()) -> DictConfig:
     """Resolve derived values and check every cross-field rule. Returns a plain resolved config.
     ``explicit``: the command line's overrides, so a DeepSpeed JSON file (strategy.ds_config,
@@ -125,17 +143,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
     if strategy_cls.single_process:
         ws = cfg.world_size = 1
     t.threads = _resolve_threads(t, requested_world, strategy_cls.single_process)
-    cfg.strategy = strategy_cls.validate_options(cfg)
-    dp = strategy_cls.data_parallel_size(cfg)
-    if t.global_batch % (dp * t.grad_accum):
-        raise ConfigError(
-            f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
-            f"trainer.grad_accum={t.grad_accum}; pick a global_batch that is a multiple of {dp * t.grad_accum}"
-        )
+    dp = check_split(cfg, strategy_cls)
     from parallel_lab.data import validate_data_config
-    from parallel_lab.models import validate_model_config
 
-    validate_model_config(cfg.model)
     validate_data_config(cfg.data, cfg.trainer)
     from parallel_lab.checkpoint import validate_checkpoint_config
 

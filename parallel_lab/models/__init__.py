@@ -19,13 +19,20 @@ MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 def validate_model_config(cfg: DictConfig) -> None:
     if cfg.name not in MODELS:
         raise ConfigError(f"unknown model '{cfg.name}'; choose one of: {', '.join(MODELS)} (model=<name>)")
+    width = cfg.get("width", 1.0)
+    if not (isinstance(width, (int, float)) and 0 < width <= 1000):
+        raise ConfigError(f"model.width={width} must be a number in (0, 1000]; use model.width=1 (the default)")
+
+
+def _kwargs(cfg: DictConfig) -> dict:
+    return {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0))}
 
 
 def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
     """The same weights for the same seed, in every process and every strategy."""
     validate_model_config(cfg)
     torch.manual_seed(seed)
-    return MODELS[cfg.name](num_classes=cfg.num_classes)
+    return MODELS[cfg.name](**_kwargs(cfg))
 
 
 def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:
@@ -33,7 +40,7 @@ def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:
     and no random numbers drawn."""
     validate_model_config(cfg)
     with torch.device("meta"):
-        return MODELS[cfg.name](num_classes=cfg.num_classes)
+        return MODELS[cfg.name](**_kwargs(cfg))
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -14,13 +14,14 @@ class SmallCNN(nn.Sequential):
     # (parallel_lab/resources.py); tests/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 386_096
 
-    def __init__(self, num_classes: int = 10, hidden: int = 256) -> None:
+    def __init__(self, num_classes: int = 10, hidden: int = 256, width: float = 1.0) -> None:
         super().__init__()
-        self.add_module("block1", conv_block(3, 32))
-        self.add_module("block2", conv_block(32, 64))
-        self.add_module("block3", conv_block(64, 64))
+        c1, c2, hidden = (max(1, round(c * width)) for c in (32, 64, hidden))  # width 1: 32, 64, 256
+        self.add_module("block1", conv_block(3, c1))
+        self.add_module("block2", conv_block(c1, c2))
+        self.add_module("block3", conv_block(c2, c2))
         self.add_module("flatten", nn.Flatten())
         # fc1 then fc2: the column-parallel / row-parallel pair of the Megatron-style TP split.
-        self.add_module("fc1", nn.Linear(64 * 4 * 4, hidden))
+        self.add_module("fc1", nn.Linear(c2 * 4 * 4, hidden))
         self.add_module("relu", nn.ReLU())
         self.add_module("fc2", nn.Linear(hidden, num_classes))

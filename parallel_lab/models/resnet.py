@@ -34,17 +34,24 @@ def stage(c_in: int, c_out: int, stride: int) -> nn.Sequential:
     return nn.Sequential(BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1))
 
 
+def scaled(channels: int, width: float) -> int:
+    """channels x width, rounded to a multiple of 32 (GroupNorm's 32 groups must divide it);
+    width 1 keeps 64, 128, 256, 512."""
+    return max(32, round(channels * width / 32) * 32)
+
+
 class ResNet18(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
     # (parallel_lab/resources.py); tests/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 4_705_328
 
-    def __init__(self, num_classes: int = 10) -> None:
+    def __init__(self, num_classes: int = 10, width: float = 1.0) -> None:
         super().__init__()
-        self.add_module("stem", nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), norm(64), nn.ReLU()))
-        self.add_module("layer1", stage(64, 64, 1))
-        self.add_module("layer2", stage(64, 128, 2))
-        self.add_module("layer3", stage(128, 256, 2))
-        self.add_module("layer4", stage(256, 512, 2))
+        c64, c128, c256, c512 = (scaled(c, width) for c in (64, 128, 256, 512))
+        self.add_module("stem", nn.Sequential(nn.Conv2d(3, c64, 3, 1, 1, bias=False), norm(c64), nn.ReLU()))
+        self.add_module("layer1", stage(c64, c64, 1))
+        self.add_module("layer2", stage(c64, c128, 2))
+        self.add_module("layer3", stage(c128, c256, 2))
+        self.add_module("layer4", stage(c256, c512, 2))
         self.add_module("pool", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten()))
-        self.add_module("fc", nn.Linear(512, num_classes))
+        self.add_module("fc", nn.Linear(c512, num_classes))

@@ -148,6 +148,43 @@ def _measured_vs_analytic(key: str):
     return read
 
 
+MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+
+
+def _state_total(rank: dict, prefix: str = "") -> int | None:
+    values = [rank.get(prefix + k) for k in MODEL_STATE]
+    return None if all(v is None for v in values) else sum(v or 0 for v in values)
+
+
+def _state_meas_plan_paper(run: Row) -> str | None:
+    """Model-state MiB (params + master + grads + optim) of the rank holding the most: measured /
+    the planner's exact prediction / the ZeRO paper's formula."""
+    ranks = run.metrics.ranks if run.ok else []
+    if not ranks:
+        return None
+    rank = max(ranks, key=lambda r: _state_total(r) or 0)
+    parts = [_state_total(rank, prefix) for prefix in ("", "predicted_", "analytic_")]
+    return " / ".join("?" if v is None else f"{v / MiB:.4f}" for v in parts)
+
+
+def _relative(predicted: int, measured: int) -> float:
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return (predicted - measured) / measured
+
+
+def _plan_error(run: Row) -> str | None:
+    """Per kind of model state (params / master / grads / optim), the planner's largest relative
+    error over the ranks, in percent ("exact" where every rank matches to the byte)."""
+    ranks = [r for r in (run.metrics.ranks if run.ok else []) if "predicted_param_bytes" in r]
+    if not ranks:
+        return None
+    errors = [max((_relative(r[f"predicted_{key}"], r.get(key) or 0) for r in ranks), key=abs) for key in MODEL_STATE]
+    if not any(errors):
+        return "exact"
+    return " / ".join(f"{100 * e:+.2f}" for e in errors)
+
+
 def _comm_psi(m: RunMetrics) -> str:
     theory = m.comm_theory_psi
     return f"{m.comm_volume_psi:.2f} / {'?' if theory is None else f'{theory:g}'}"
@@ -207,6 +244,8 @@ COLUMNS = [  # (header, how to read it from a row)
     ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
     ("grads MiB meas/analytic", _measured_vs_analytic("grad_bytes")),
     ("optim MiB meas/analytic", _measured_vs_analytic("optim_bytes")),
+    ("model state MiB meas/plan/paper", _state_meas_plan_paper),
+    ("plan error % params/master/grads/optim", _plan_error),
     ("comm MiB/step", _ok(lambda m: m.comm_bytes_per_step / MiB)),
     ("comm Ψ meas/theory", _ok(_comm_psi)),
     ("mesh", _ok(_mesh)),

@@ -183,6 +183,21 @@ class Strategy(abc.ABC):
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054), same keys."""
 
+    # ----- prediction (parallel_lab.plan): from the meta-device model, before any process starts -----
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+        """The bytes of model state rank ``rank`` will report (the keys of memory_after_backward and
+        memory_after_step), predicted from the model's shapes (meta device) by following what this
+        strategy's implementation allocates: flat buffers, padding, shards. None: no prediction.
+        ``cfg`` is validated; its world_size may exceed this machine's (the planner's scale mode)."""
+        return None
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        """Bytes per step this rank issues, by collective, counted as ``comm/counter.py`` counts
+        them (an all-reduce of B bytes is 2B). None: no prediction."""
+        return None
+
     def extra_metrics(self) -> dict:
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""
         return {}

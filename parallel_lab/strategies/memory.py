@@ -67,3 +67,28 @@ def analytic_state_bytes(numel: int, trainer: DictConfig) -> dict[str, int]:
         "grad_bytes": 4 * numel,
         "optim_bytes": optimizer_bytes_per_param(trainer) * numel,
     }
+
+
+# ----- prediction (parallel_lab.plan): the same quantities, from shapes alone -----
+def param_numels(model: torch.nn.Module) -> list[int]:
+    """Element count of every parameter in model order (works on the meta device)."""
+    return [p.numel() for p in model.parameters()]
+
+
+def predicted_optimizer_bytes(numels: Iterable[int], trainer: DictConfig, *, step_counters: bool) -> int:
+    """Optimizer state torch creates for tensors of these sizes: Adam's two fp32 moments (and,
+    step_counters=True, its fp32 scalar step tensor per parameter, which the replicated
+    measurement counts); SGD one momentum buffer when momentum > 0."""
+    numels = list(numels)
+    total = optimizer_bytes_per_param(trainer) * sum(numels)
+    if trainer.optimizer == "adam" and step_counters:
+        total += 4 * len(numels)
+    return int(total)
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """torch.chunk's split of ``rows`` into ``world`` parts (the layout FSDP2 and our tp use):
+    (rows rank holds, rows every rank's padded shard has). Chunks are ceil(rows / world) long, so
+    high ranks may get fewer rows or none."""
+    per = -(-rows // world)
+    return max(0, min(rows, (rank + 1) * per) - rank * per), per

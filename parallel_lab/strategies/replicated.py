@@ -6,8 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
-from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
+from parallel_lab.strategies.memory import (
+    analytic_state_bytes,
+    held_optimizer_bytes,
+    held_param_grad_bytes,
+    param_numels,
+    predicted_optimizer_bytes,
+)
 
 REPLICA_FILE = "model_optimizer.pt"
 
@@ -46,3 +53,27 @@ class ReplicatedModel:
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """A full replica: every parameter's weights, gradient and optimizer state."""
         return analytic_state_bytes(num_params, self.cfg.trainer)
+
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
+        """Every parameter and gradient whole, fp32, and torch's optimizer state for each (Adam:
+        two moments plus a 4-byte step tensor per parameter, which this measurement counts)."""
+        numels = param_numels(model)
+        held = 4 * sum(numels)
+        report = {
+            "param_bytes": held,
+            "grad_bytes": held,
+            "optim_bytes": predicted_optimizer_bytes(numels, cfg.trainer, step_counters=True),
+        }
+        # DDP without gradient_as_bucket_view keeps its flat buckets beside the .grad tensors.
+        if cfg.strategy.get("gradient_as_bucket_view") is False:
+            report["comm_buffer_bytes"] = held
+        return report
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
+        """Data-parallel replicas all-reduce every gradient once per step (2 x its bytes, in the
+        counter's units); one process sends nothing."""
+        if cls.single_process or not cls.needs_process_group or cfg.world_size < 2:
+            return {}
+        return {"all_reduce": 2.0 * 4 * sum(param_numels(model))}

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from parallel_lab.checkpoint import Checkpointer, Resumed
 from parallel_lab.comm.counter import CommCounter
 from parallel_lab.data import eval_batches, load_datasets, train_batches
-from parallel_lab.models import build_model, count_params
+from parallel_lab.models import build_meta_model, build_model, count_params
+from parallel_lab.plan.predict import predicted_metrics
 from parallel_lab.protocol import RunMetrics
 from parallel_lab.report.parity import jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
@@ -201,11 +202,14 @@ def _metrics(
     steps_run_here = max(1, t.steps - state.first_step)
     comm_per_step = counter.total_bytes / steps_run_here
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
+    # The planner's exact prediction (parallel_lab.plan), from this run's config alone, beside what was measured.
+    predicted = predicted_metrics(cfg, type(strategy), build_meta_model(cfg.model), env.rank)
     rank_info = {
         "rank": env.rank,
         "peak_rss_bytes": peak_rss_bytes(),
         **memory,
         **analytic,
+        **predicted,
         "comm_bytes_per_step": comm_per_step,
         "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
         "comm_bytes_by_group": {group: n / steps_run_here for group, n in counter.bytes_by_group.items()},

@@ -274,6 +274,20 @@ class FSDPStrategy(Strategy):
         keys = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
         return {key: int(b * num_params) for key, b in zip(keys, per)}
 
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+        """FSDP2's per-parameter dim-0 shards with padding (``predict.py``); FSDP1's flat
+        parameters are not predicted."""
+        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_memory
+
+        return predict_fsdp2_memory(cfg, model, rank) if cfg.strategy.version == 2 else None
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
+
+        return predict_fsdp2_comm(cfg, model, rank) if cfg.strategy.version == 2 else None
+
     def extra_metrics(self) -> dict:
         return {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
 

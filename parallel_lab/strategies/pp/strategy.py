@@ -47,7 +47,12 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.clip import clip_by_global_norm
-from parallel_lab.strategies.memory import analytic_state_bytes, held_optimizer_bytes, held_param_grad_bytes
+from parallel_lab.strategies.memory import (
+    analytic_state_bytes,
+    held_optimizer_bytes,
+    held_param_grad_bytes,
+    predicted_optimizer_bytes,
+)
 from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
 from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
@@ -75,6 +80,12 @@ def _meta_model(cfg: DictConfig) -> nn.Sequential:
     from parallel_lab.models import build_meta_model
 
     return build_meta_model(cfg.model)
+
+
+def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
+    """Stage ``rank % stages`` of the (meta) model, as setup cuts it."""
+    names = plan_stages(model, cfg.strategy.stages, list(cfg.strategy.cuts))[rank % cfg.strategy.stages]
+    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names))
 
 
 @register("pp")
@@ -297,6 +308,35 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
         return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
+
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
+        """The stage's blocks (``plan_stages``, the same cut setup makes), held whole with torch's
+        optimizer state (Adam: two moments and a 4-byte step tensor per parameter)."""
+        numels = [p.numel() for p in _stage_module(cfg, model, rank).parameters()]
+        return {
+            "param_bytes": 4 * sum(numels),
+            "grad_bytes": 4 * sum(numels),
+            "optim_bytes": predicted_optimizer_bytes(numels, cfg.trainer, step_counters=True),
+        }
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
+        """Per step, every micro-batch's activation goes forward across each boundary after this
+        stage and its gradient back across the one before it: isend of the whole step's batch."""
+        p, stage = cfg.strategy.stages, rank % cfg.strategy.stages
+        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // (cfg.strategy.get("replicate") or 1)
+        x = torch.empty(batch, 3, 32, 32, device="meta")
+        boundaries = []
+        with torch.no_grad():
+            for s in range(p):
+                boundaries.append(x.numel())  # this stage's input
+                x = _stage_module(cfg, model, s)(x)
+        sent = (boundaries[stage + 1] if stage < p - 1 else 0) + (boundaries[stage] if stage > 0 else 0)
+        comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
+        if (cfg.strategy.get("replicate") or 1) > 1:  # dp x pp: the stage's gradients all-reduced over replicas
+            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in _stage_module(cfg, model, rank).parameters())
+        return comm
 
     def extra_metrics(self) -> dict:
         p, m = self.opts.stages, self.opts.microbatches

@@ -261,6 +261,19 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
         """Textbook: the split layers' weights divided by tp, everything else whole."""
         return analytic_state_bytes(self.analytic_numel, self.cfg.trainer)
 
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
+        """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
+        from parallel_lab.strategies.tp.predict import predict_tp_memory
+
+        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
+        from parallel_lab.strategies.tp.predict import predict_tp_comm
+
+        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv))
+
     def extra_metrics(self) -> dict:
         return {
             "tp_degree": self.opts.tp,

@@ -323,6 +323,19 @@ class ZeroStrategy(Strategy):
             "optim_bytes": int(k * num_params / (n if stage >= 1 else 1)),
         }
 
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+        """DeepSpeed's flat buffers, padding and partition boundaries per stage (``predict.py``)."""
+        from parallel_lab.strategies.zero.predict import predict_zero_memory
+
+        return predict_zero_memory(cfg, model, rank)
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        from parallel_lab.strategies.zero.predict import predict_zero_comm
+
+        return predict_zero_comm(cfg, model, rank)
+
     def extra_metrics(self) -> dict:
         return {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
 

@@ -1,0 +1,87 @@
+"""From command-line overrides to the validated configs the planner predicts for.
+
+The config is composed exactly as ``python -m parallel_lab`` composes it (``config.compose``) and
+checked with the run's own rules (``config.validate.check_split``), so a tp degree that does not
+divide a width, or more pipeline stages than blocks, is the same one-line error as a run. What the
+planner leaves out is the machine: no world-size ceiling, no memory or core check.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from parallel_lab.config import compose_config
+from parallel_lab.config.validate import check_split
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies import get_strategy_class, sweep_names
+
+# Degrees that, times strategy.replicate, make the world size: set from each planned world size
+# unless given on the command line.
+DEGREE_KEYS = {"tp": "tp", "pp": "stages"}
+
+
+@dataclass
+class Planned:
+    """One (strategy, world size): a validated config, or the one-line reason it cannot run."""
+
+    strategy: str
+    world_size: int
+    cfg: DictConfig | None
+    error: str | None = None
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+~").partition("=")[0] == key for o in overrides)
+
+
+def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -> DictConfig:
+    """The config at this world size, validated (raises ConfigError)."""
+    cfg = copy.deepcopy(base)
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    if world < 1:
+        raise ConfigError(f"world size {world} is out of range; use world sizes >= 1 (plan.world_sizes=[1,2,4])")
+    cfg.world_size = 1 if strategy_cls.single_process else world
+    key = DEGREE_KEYS.get(cfg.strategy.name)
+    if key and not _given(overrides, f"strategy.{key}"):
+        cfg.strategy[key] = max(1, cfg.world_size // (cfg.strategy.get("replicate") or 1))
+    if scale:
+        # Weak scaling: every rank keeps the micro-batch it has at the configured world_size.
+        reference = copy.deepcopy(base)
+        if key and not _given(overrides, f"strategy.{key}"):
+            reference.strategy[key] = max(1, reference.world_size // (reference.strategy.get("replicate") or 1))
+        t = cfg.trainer
+        micro = max(1, t.global_batch // (strategy_cls.data_parallel_size(reference) * t.grad_accum))
+        t.global_batch = micro * strategy_cls.data_parallel_size(cfg) * t.grad_accum
+        if cfg.strategy.name == "pp":
+            t.global_batch = max(t.global_batch, cfg.strategy.microbatches * t.grad_accum)
+    check_split(cfg, strategy_cls)
+    return cfg
+
+
+def planned_configs(overrides: list[str]) -> list[Planned]:
+    """Every (strategy, world size) to predict. With ``strategy=`` given and one world size, a
+    config the run would refuse raises its ConfigError (exit 2); otherwise it becomes a row that
+    says why it cannot run, and the other rows are still planned."""
+    base = compose_config(overrides)
+    from parallel_lab.models import validate_model_config
+
+    validate_model_config(base.model)  # wrong for every strategy: an error, not a row per strategy
+    chosen = _given(overrides, "strategy")
+    names = [base.strategy.name] if chosen else sweep_names()
+    worlds = [int(w) for w in base.plan.world_sizes] or [int(base.world_size)]
+    scale = bool(base.plan.world_sizes)
+    out = []
+    for name in names:
+        cfg_n = base if chosen else compose_config([*overrides, f"strategy={name}"])
+        strategy_cls = get_strategy_class(name)
+        for world in [1] if strategy_cls.single_process and scale else worlds:
+            try:
+                out.append(Planned(name, world, _at_world(cfg_n, overrides, world, scale)))
+            except ConfigError as exc:
+                if chosen and len(worlds) == 1:
+                    raise
+                out.append(Planned(name, world, None, str(exc)))
+    return out

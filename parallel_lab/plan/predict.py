@@ -1,0 +1,157 @@
+"""Per-rank predictions for one validated config: model state (each strategy's own
+``predict_memory``), communication (``predict_comm``), activations and whether it fits.
+
+The exact model-state numbers live beside each strategy (``Strategy.predict_memory``); this
+module adds what every strategy shares: the activations autograd saves at the configured
+micro-batch (a meta-device forward, so any size costs nothing) and the fit verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+PREDICTED_KEYS = tuple(f"predicted_{k}" for k in MODEL_STATE)
+
+
+@dataclass
+class RankPlan:
+    """What one rank of one strategy is predicted to hold and send."""
+
+    strategy: str
+    world_size: int
+    rank: int
+    params: int  # parameters of the full model
+    state: dict[str, int] | None  # predict_memory (None: the strategy brings no prediction)
+    comm: dict[str, float] | None  # bytes per step by collective
+    activation_bytes: int
+    micro_batch: int
+
+    @property
+    def model_state_bytes(self) -> int | None:
+        return None if self.state is None else sum(self.state.get(k, 0) for k in MODEL_STATE)
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Model state + communication buffers + activations."""
+        if self.state is None:
+            return None
+        return self.model_state_bytes + self.state.get("comm_buffer_bytes", 0) + self.activation_bytes
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
+
+
+_SAVED: dict[tuple, int] = {}  # (modules' identity, batch, sample shape, loss) -> bytes: strategies share forwards
+
+
+def saved_activation_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32), loss: bool = True) -> int:
+    """Bytes autograd saves for backward in one forward of ``batch`` samples, and the loss when
+    ``loss`` (distinct storages, parameters left out): a meta-device forward, nothing allocated.
+    tests/test_plan.py checks it against a real forward's saved tensors."""
+    key = (tuple(id(m) for m in module.children()) or id(module), batch, tuple(sample_shape), loss)
+    if key not in _SAVED:
+        _SAVED[key] = _count_saved(module, batch, tuple(sample_shape), loss)
+    return _SAVED[key]
+
+
+def _count_saved(module: nn.Module, batch: int, sample_shape: tuple, loss: bool) -> int:
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    x = torch.empty(batch, *sample_shape, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+        if loss:
+            torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta"))
+    return sum(seen.values())
+
+
+def predicted_metrics(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int) -> dict[str, int]:
+    """The ``predicted_*`` entries a run's ``ranks[k]`` record stores beside its measurement
+    ({} when the strategy has no prediction for these options)."""
+    state = strategy_cls.predict_memory(cfg, model, rank)
+    if state is None:
+        return {}
+    return {f"predicted_{k}": int(state.get(k, 0)) for k in MODEL_STATE}
+
+
+def _micro_batch(cfg: DictConfig, strategy_cls: type) -> int:
+    dp = strategy_cls.data_parallel_size(cfg)
+    return max(1, cfg.trainer.global_batch // (dp * cfg.trainer.grad_accum))
+
+
+def _activations(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int, micro: int) -> tuple[int, int]:
+    """(activation bytes, micro-batch) of this rank. Pipeline stages stash micro-batches (gpipe:
+    all m; 1f1b: at most p - s); tp ranks run the whole batch (split layers counted whole: an upper
+    bound, they are a small part of the activations)."""
+    if cfg.strategy.name != "pp":
+        return saved_activation_bytes(model, micro), micro
+    from parallel_lab.strategies.pp.strategy import _stage_module
+
+    p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages
+    mb = max(1, micro // m)
+    x = torch.empty(mb, 3, 32, 32, device="meta")
+    with torch.no_grad():
+        for s in range(stage):
+            x = _stage_module(cfg, model, s)(x)
+    stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
+    last = stage == p - 1  # only the last stage computes the loss
+    return stash * saved_activation_bytes(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
+
+
+class Values(dict):
+    """A resolved config as plain values, read like a DictConfig (``cfg.strategy.name``): the
+    planner reads the config thousands of times at 1,024 ranks, and OmegaConf's checks per read
+    cost more than the prediction itself."""
+
+    def __getattr__(self, key: str):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @classmethod
+    def of(cls, node):
+        if isinstance(node, dict):
+            return cls({k: cls.of(v) for k, v in node.items()})
+        return [cls.of(v) for v in node] if isinstance(node, list) else node
+
+
+def plan_world(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> list[RankPlan]:
+    """Every rank's plan for one validated config (activations computed once where every rank
+    runs the same module)."""
+    from omegaconf import OmegaConf
+
+    cfg = Values.of(OmegaConf.to_container(cfg, resolve=True))
+    micro = _micro_batch(cfg, strategy_cls)
+    shared = None if cfg.strategy.name == "pp" else _activations(cfg, strategy_cls, model, 0, micro)
+    params = sum(p.numel() for p in model.parameters())
+    # Only pipeline stages differ in what they send; for the rest one rank's volume is every rank's.
+    comm = None if cfg.strategy.name == "pp" else strategy_cls.predict_comm(cfg, model, 0)
+    plans = []
+    for rank in range(cfg.world_size):
+        activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro)
+        plans.append(
+            RankPlan(
+                strategy=cfg.strategy.name,
+                world_size=cfg.world_size,
+                rank=rank,
+                params=params,
+                state=strategy_cls.predict_memory(cfg, model, rank),
+                comm=comm if cfg.strategy.name != "pp" else strategy_cls.predict_comm(cfg, model, rank),
+                activation_bytes=activations,
+                micro_batch=mb,
+            )
+        )
+    return plans
