@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from private_slurm import PrivateSlurm, ensure_packages
 from simulated_hosts import SimulatedHosts, unavailable_reason
-from test_failures import run_cli_in_this_process
 
 from parallel_lab.testing import load_metrics
 from tests.reference import parity_reference
@@ -151,7 +150,7 @@ def test_hosts_out_of_reach_get_the_exact_per_host_commands(tmp_path):
     (the same lines the parent runs through ssh in the tests above)."""
     run_dir = tmp_path / "run"
     overrides = ("launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.nproc_per_node=2", "world_size=4")
-    result = run_cli_in_this_process(run_dir, *overrides, "launcher.remote_shell=null", "launcher.master_port=29555")
+    result = run_cli(run_dir, *overrides, "launcher.remote_shell=null", "launcher.master_port=29555", check=False)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("[node")]
     assert [line.split()[0] for line in lines] == ["[node0]", "[node1]"], result.stdout
