@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,19 @@ def straight(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def ddp_checkpoints(tmp_path_factory):
+    """checkpoints(tmp): a fresh copy, under tmp, of the checkpoints folder (steps 2 and 4) of a
+    4-step ddp run; the run itself happens once per module."""
+    source = tmp_path_factory.mktemp("ddp_checkpoints")
+    run_cli(source, "strategy=ddp", *COMMON, "trainer.steps=4", "trainer.checkpoint_every=2", timeout=TIMEOUT)
+
+    def copy(tmp: Path) -> Path:
+        return Path(shutil.copytree(source / "checkpoints", tmp / "checkpoints"))
+
+    return copy
 
 
 def _assert_same_training(resumed: dict, straight: dict, resume_step: int) -> None:
@@ -118,17 +132,14 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, st
     assert _checkpoints(tmp_path) == [checkpoint_name(4), checkpoint_name(6)]
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, straight):
-    first = tmp_path / "first"
-    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=4", "trainer.checkpoint_every=2", timeout=TIMEOUT)
-    newest = first / "checkpoints" / checkpoint_name(4)
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, straight, ddp_checkpoints):
+    checkpoints = ddp_checkpoints(tmp_path)
+    newest = checkpoints / checkpoint_name(4)
     weights = newest / "model_optimizer.pt"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk
 
     second = tmp_path / "second"
-    result = run_cli(
-        second, "strategy=ddp", *COMMON, f"trainer.checkpoint_dir={first / 'checkpoints'}", timeout=TIMEOUT
-    )
+    result = run_cli(second, "strategy=ddp", *COMMON, f"trainer.checkpoint_dir={checkpoints}", timeout=TIMEOUT)
     assert "skipping checkpoint" in result.stderr and "corrupt" in result.stderr, result.stderr[-2000:]
     _assert_same_training(load_metrics(second), straight("ddp"), resume_step=2)
 
@@ -174,17 +185,16 @@ def test_resume_from_a_named_checkpoint(tmp_path, straight, strategy, options, f
     _assert_same_training(load_metrics(second), straight(strategy, *options), resume_step=3)
 
 
-def test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint(tmp_path, straight):
-    first = tmp_path / "first"
-    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=2", "trainer.checkpoint_every=2", timeout=TIMEOUT)
+def test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint(tmp_path, straight, ddp_checkpoints):
+    checkpoints = ddp_checkpoints(tmp_path)
     second = tmp_path / "second"
-    # Resumes from first's step 2, checkpoints step 4 itself, loses rank 1 before step 5: the
+    # Resumes from the step-2 checkpoint, checkpoints step 4 itself, loses rank 1 before step 5: the
     # restart must continue from its own step 4, not go back to the step-2 checkpoint it was given.
     run_cli(
         second,
         "strategy=ddp",
         *COMMON,
-        f"trainer.resume={first / 'checkpoints' / checkpoint_name(2)}",
+        f"trainer.resume={checkpoints / checkpoint_name(2)}",
         "trainer.checkpoint_every=2",
         "launcher=torchrun",
         "launcher.max_restarts=1",
@@ -216,10 +226,8 @@ def _rehash(folder: Path) -> None:
     (folder / COMPLETE).write_text(json.dumps(manifest))
 
 
-def test_planted_pickle_in_a_checkpoint_does_not_run(tmp_path):
-    first = tmp_path / "first"
-    run_cli(first, "strategy=ddp", *COMMON, "trainer.steps=2", "trainer.checkpoint_every=2", timeout=TIMEOUT)
-    folder = first / "checkpoints" / checkpoint_name(2)
+def test_planted_pickle_in_a_checkpoint_does_not_run(tmp_path, ddp_checkpoints):
+    folder = ddp_checkpoints(tmp_path) / checkpoint_name(2)
     marker = tmp_path / "pwned"
     torch.save({"model": Planted(marker), "optimizer": {}}, folder / "model_optimizer.pt")
     _rehash(folder)

@@ -52,16 +52,17 @@ def assert_parity(metrics: dict, reference) -> None:
 # Every case trains in ONE set of 2 rank processes (tests/dist_bodies_runs.py), through each
 # strategy's own init and the generic train loop, as a worker does; the command line and the real
 # launchers run ZeRO in test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2 below.
-ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none")]
-ZERO_CASES += [("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "cpu")]
-FSDP_CASES = [(2, "full"), (2, "grad_op"), (2, "no_shard"), (1, "full")]  # FSDP1 grad_op/no_shard: make test-all
+ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "cpu")]
+FSDP_CASES = [(2, "full"), (2, "grad_op"), (1, "full")]
 MEMORY_CASES = {
-    "zero1": ("strategy=zero1",),
     "zero2": ("strategy=zero2",),
     "zero3": ("strategy=zero3",),
     "fsdp-full": ("strategy=fsdp", "strategy.sharding=full"),
-    "fsdp-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op"),
 }
+# make test-all: one more batch (FSDP1 grad_op/no_shard were checked by hand).
+EXTRA_ZERO_CASES = [("zero1", "cpu"), ("zero3", "cpu")]
+EXTRA_FSDP_CASES = [(2, "no_shard")]
+EXTRA_MEMORY_CASES = {"zero1": ("strategy=zero1",), "fsdp-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op")}
 RESNET_ONE_STEP = (
     "model=resnet18",
     "world_size=2",
@@ -72,16 +73,14 @@ RESNET_ONE_STEP = (
 )
 
 
-@pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory):
-    """name -> metrics (with run_dir) of every case above, trained in one set of ranks."""
-    root = tmp_path_factory.mktemp("sharded")
-    cases = {f"{s}-offload_{o}": (f"strategy={s}", f"strategy.offload={o}", *COMMON) for s, o in ZERO_CASES}
+def train_in_one_set_of_ranks(root: Path, zero_cases, fsdp_cases, memory_cases) -> dict[str, dict]:
+    """name -> metrics (with run_dir) of every case given, trained in one set of 2 ranks."""
+    cases = {f"{s}-offload_{o}": (f"strategy={s}", f"strategy.offload={o}", *COMMON) for s, o in zero_cases}
     cases |= {
         f"fsdp{v}-{sh}": ("strategy=fsdp", f"strategy.version={v}", f"strategy.sharding={sh}", *COMMON)
-        for v, sh in FSDP_CASES
+        for v, sh in fsdp_cases
     }
-    cases |= {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in MEMORY_CASES.items()}
+    cases |= {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in memory_cases.items()}
     paths = {name: write_config(root / f"{name}.yaml", *overrides) for name, overrides in cases.items()}
     run_ranks(
         "tests.dist_bodies_runs:train_and_record",
@@ -93,7 +92,19 @@ def sharded_runs(tmp_path_factory):
     return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in cases}
 
 
-@pytest.mark.parametrize("strategy,offload", ZERO_CASES)
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, request):
+    """Every make-test case above; with an extra case selected (make test-all), the extra ones too."""
+    runs = train_in_one_set_of_ranks(tmp_path_factory.mktemp("sharded"), ZERO_CASES, FSDP_CASES, MEMORY_CASES)
+    if any(item.get_closest_marker("extra") for item in request.session.items if "sharded_runs" in item.fixturenames):
+        root = tmp_path_factory.mktemp("sharded_extra")
+        runs |= train_in_one_set_of_ranks(root, EXTRA_ZERO_CASES, EXTRA_FSDP_CASES, EXTRA_MEMORY_CASES)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "strategy,offload", [*ZERO_CASES, *(pytest.param(*c, marks=pytest.mark.extra) for c in EXTRA_ZERO_CASES)]
+)
 def test_zero_matches_single_process(sharded_runs, reference, strategy, offload):
     metrics = sharded_runs[f"{strategy}-offload_{offload}"]
     assert_parity(metrics, reference)
@@ -103,7 +114,9 @@ def test_zero_matches_single_process(sharded_runs, reference, strategy, offload)
         assert_plan_matches(metrics)
 
 
-@pytest.mark.parametrize("version,sharding", FSDP_CASES)
+@pytest.mark.parametrize(
+    "version,sharding", [*FSDP_CASES, *(pytest.param(*c, marks=pytest.mark.extra) for c in EXTRA_FSDP_CASES)]
+)
 def test_fsdp_matches_single_process(sharded_runs, reference, version, sharding):
     metrics = sharded_runs[f"fsdp{version}-{sharding}"]
     assert_parity(metrics, reference)
@@ -117,7 +130,9 @@ def test_non_deepspeed_strategies_do_not_import_deepspeed():
     assert out.stdout.strip() == "False", out.stderr
 
 
-@pytest.mark.parametrize("case", list(MEMORY_CASES))
+@pytest.mark.parametrize(
+    "case", [*MEMORY_CASES, *(pytest.param(c, marks=pytest.mark.extra) for c in EXTRA_MEMORY_CASES)]
+)
 def test_resnet18_memory_matches_zero_paper(sharded_runs, case):
     """Per rank, the model-state bytes read from the real (sharded) tensors are within 5% of the
     paper's value; each component is printed beside its analytic value. One step is enough: each

@@ -56,17 +56,45 @@ def test_compose_rejects_unknown_strategy_option():
         validate(cfg)
 
 
-@pytest.mark.parametrize("model,steps,batch", [("cnn", 4, 32), ("resnet18", 2, 8)])
-def test_single_and_ddp_match_independent_reference(cli, model, steps, batch):
-    ref = parity_reference(model, steps=steps, global_batch=batch)
-    common = [f"model={model}", f"trainer.steps={steps}", f"trainer.global_batch={batch}"]
-    single = cli("strategy=single", *common)
-    ddp = cli("strategy=ddp", "world_size=2", *common)
-    for run in (single, ddp):
-        ref.assert_run_matches(run)
-        assert_plan_matches(run)  # parallel_lab.plan's prediction, stored beside the measurement
+CNN_SPINE = ("model=cnn", "trainer.steps=4", "trainer.global_batch=32")
+
+
+@pytest.fixture(scope="module")
+def cnn_spine(tmp_path_factory):
+    """The cnn runs of `single` and of `ddp` (spawn), once per module: the parity test and the
+    launcher test both compare with them."""
+    runs = {}
+    for strategy in ("single", "ddp"):
+        run_dir = tmp_path_factory.mktemp(f"spine_{strategy}")
+        run_cli(run_dir, f"strategy={strategy}", *CNN_SPINE)
+        runs[strategy] = {**load_metrics(run_dir), "run_dir": str(run_dir)}
+    return runs
+
+
+def assert_spine_run(run: dict, ref) -> None:
+    ref.assert_run_matches(run)
+    assert_plan_matches(run)  # parallel_lab.plan's prediction, stored beside the measurement
+
+
+def test_single_and_ddp_match_independent_reference(cnn_spine):
+    ref = parity_reference("cnn", steps=4, global_batch=32)
+    for run in cnn_spine.values():
+        assert_spine_run(run, ref)
+    ddp = cnn_spine["ddp"]
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo" and len(ddp["ranks"]) == 2
     assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
+
+
+def test_resnet18_ddp_matches_independent_reference(cli):
+    """The larger model through the same command (single's parity on it: make test-all)."""
+    ddp = cli("strategy=ddp", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8")
+    assert_spine_run(ddp, parity_reference("resnet18", steps=2, global_batch=8))
+
+
+@pytest.mark.extra
+def test_resnet18_single_matches_independent_reference(cli):
+    single = cli("strategy=single", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8")
+    assert_spine_run(single, parity_reference("resnet18", steps=2, global_batch=8))
 
 
 @pytest.mark.extra  # make test: grad_accum=2 in tests/test_data_parallel.py (manual_ddp matrix, ddp no_sync)
@@ -75,11 +103,11 @@ def test_grad_accum_keeps_the_same_losses(cli):
     ref.assert_run_matches(cli("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "trainer.grad_accum=2"))
 
 
-def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli):
+def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli, cnn_spine):
     if not (Path(sys.executable).parent / "mpiexec").exists() and not shutil.which("mpiexec"):
         pytest.skip("mpiexec not installed (make installs it: pip install mpi4py mpich)")
-    common = ["strategy=ddp", "trainer.steps=3", "trainer.global_batch=32"]
-    runs = {name: cli(*common, f"launcher={name}") for name in ("spawn", "torchrun", "mpirun")}
+    runs = {"spawn": cnn_spine["ddp"]}
+    runs |= {name: cli("strategy=ddp", *CNN_SPINE, f"launcher={name}") for name in ("torchrun", "mpirun")}
     assert {r["launcher"] for r in runs.values()} == {"spawn", "torchrun", "mpirun"}
     assert runs["torchrun"]["losses"] == runs["spawn"]["losses"]
     assert runs["mpirun"]["losses"] == runs["spawn"]["losses"]

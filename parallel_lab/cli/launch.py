@@ -125,22 +125,14 @@ def deepspeed_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Co
     if multinode.is_multi_node(cfg):
         return multinode.deepspeed_multi_node(cfg, config_path, port, tool, base_env(cfg, port))
     # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
-    cmd = [
-        tool,
-        "--num_nodes",
-        "1",
-        "--num_gpus",
-        str(cfg.world_size),
-        "--master_addr",
-        cfg.launcher.master_addr,
-        "--master_port",
-        str(port),
-        *cfg.launcher.extra_args,
-        "--module",
-        "parallel_lab.worker",
-        str(config_path),
-    ]
+    cmd = deepspeed_argv(tool, ["--num_nodes", "1", "--num_gpus", str(cfg.world_size)], cfg, config_path, port)
     return [(None, cmd, base_env(cfg, port))]
+
+
+def deepspeed_argv(tool: str, placement: list[str], cfg: DictConfig, config_path: Path, port: int) -> list[str]:
+    """``deepspeed <placement flags> --master_addr A --master_port P <extra> --module parallel_lab.worker <config>``."""
+    rendezvous = ["--master_addr", cfg.launcher.master_addr, "--master_port", str(port)]
+    return [tool, *placement, *rendezvous, *cfg.launcher.extra_args, "--module", *WORKER[1:], str(config_path)]
 
 
 def mpirun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:

@@ -142,22 +142,10 @@ def deepspeed_multi_node(cfg: DictConfig, config_path: Path, port: int, tool: st
     env_file = config_path.parent / "deepspeed_env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in worker_env(cfg).items() if k != "PATH"))
     env = {**env, "DS_ENV_FILE": str(env_file), "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"}
-    cmd = [
-        tool,
-        "--hostfile",
-        str(write_hostfile(cfg, config_path, "deepspeed")),
-        "--launcher",
-        runner,
-        "--master_addr",
-        cfg.launcher.master_addr,
-        "--master_port",
-        str(port),
-        *cfg.launcher.extra_args,
-        "--module",
-        "parallel_lab.worker",
-        str(config_path),
-    ]
-    return [(None, cmd, env)]
+    from parallel_lab.cli.launch import deepspeed_argv  # launch imports this module
+
+    placement = ["--hostfile", str(write_hostfile(cfg, config_path, "deepspeed")), "--launcher", runner]
+    return [(None, deepspeed_argv(tool, placement, cfg, config_path, port), env)]
 
 
 def mpiexec_host_flags(cfg: DictConfig, config_path: Path, open_mpi: bool) -> list[str]:
