@@ -88,6 +88,10 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference, launcher, 
     assert set(reaches) <= set(reached), reached
     cfg = (tmp_path / "run" / "config.yaml").read_text()
     assert "nodes: 2" in cfg and "nproc_per_node: 1" in cfg
+    # One rank per host: every byte on the world group crosses (busiest rank, comm/placement.py).
+    assert (metrics["nodes"], metrics["nproc_per_node"]) == (2, 1)
+    crossing = max(sum(r["comm_bytes_by_group"].values()) for r in metrics["ranks"])
+    assert metrics["inter_host_bytes_per_step"] == crossing > 0
     reference.assert_run_matches(metrics, f"{launcher} {strategy} on 2 hosts")
 
 
