@@ -252,7 +252,6 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
 
 
 # ---- MPI as the training transport: manual_ddp strategy.allreduce=mpi -------------------------------
-MPI_STEPS, MPI_BATCH = 4, 32  # the cnn reference tests/test_spine.py also uses (computed once per session)
 
 
 @pytest.mark.slow
@@ -261,20 +260,20 @@ def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, 
     same training as the independent reference (judged against its noise floor), its bytes counted
     (2Ψ per step: MPI bypasses torch.distributed, so only manual_ddp's own record can count them),
     and a report row that tells it from the other all-reduce algorithms."""
-    from reference import parity_reference
-
     from parallel_lab.report.table import add_parity, load_runs, markdown
+    from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference  # as test_meshes: one cache
 
     m = cli(
         "strategy=manual_ddp",
         "strategy.allreduce=mpi",
         "launcher=mpirun",
-        f"trainer.steps={MPI_STEPS}",
-        f"trainer.global_batch={MPI_BATCH}",
+        f"trainer.steps={STEPS}",
+        f"trainer.global_batch={BATCH}",
+        f"data.size={DATA_SIZE}",
     )
     assert (m["launcher"], m["world_size"], m["strategy_options"]["allreduce"]) == ("mpirun", 2, "mpi")
     assert "MPICH" in m["strategy_extras"]["mpi_library"] or not IS_MPICH, m["strategy_extras"]
-    parity_reference("cnn", steps=MPI_STEPS, global_batch=MPI_BATCH).assert_run_matches(m, "manual_ddp allreduce=mpi")
+    cnn_reference().assert_run_matches(m, "manual_ddp allreduce=mpi")
     for rank in m["ranks"]:  # one all-reduce of every gradient byte per step, in the ZeRO paper's 2x
         assert rank["comm_bytes_by_op"] == {"all_reduce": 2 * 4 * m["params"]}, rank["comm_bytes_by_op"]
     assert (m["nodes"], m["nproc_per_node"], m["inter_host_bytes_per_step"]) == (1, 2, 0.0)
