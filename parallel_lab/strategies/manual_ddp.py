@@ -232,7 +232,7 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
         if self.opts.allreduce == "mpi":  # which MPI carried the gradients (MPICH, Open MPI...)
             from mpi4py import MPI
 
-            extras["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+            extras["mpi_library"] = " ".join(MPI.Get_library_version().splitlines()[0].split())
         return {
             **extras,
             "buckets": len(self.buckets),
