@@ -295,10 +295,6 @@ CATALOGUE = {
         ["strategy=manual_ddp", "strategy.allreduce=mpi"],
         ("strategy.allreduce=mpi", "launcher=spawn", "add launcher=mpirun"),
     ),
-    "manual-ddp-mpi-torchrun": (
-        ["strategy=manual_ddp", "strategy.allreduce=mpi", "launcher=torchrun"],
-        ("strategy.allreduce=mpi", "launcher=torchrun", "add launcher=mpirun"),
-    ),
     "manual-ddp-mpi-cuda": (
         ["strategy=manual_ddp", "strategy.allreduce=mpi", "launcher=mpirun", "device=cuda"],
         ("strategy.allreduce=mpi", "device=cuda", "device=cpu"),
@@ -345,7 +341,6 @@ CATALOGUE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
     "manual-ddp-mpi-spawn",
-    "manual-ddp-mpi-torchrun",
     "manual-ddp-mpi-cuda",
     "fsdp-hybrid",
     "tp-dp-degree",
