@@ -135,3 +135,7 @@ class RunMetrics(_Record):
     ranks: list[dict]
     strategy_options: dict  # the validated strategy.* options
     strategy_extras: dict[str, Any] = field(default_factory=dict)  # Strategy.extra_metrics(), by name
+    nodes: Optional[int] = None  # hosts the ranks ran on (launcher.nodes as resolved; None: an older run)
+    nproc_per_node: Optional[int] = None  # ranks per host
+    # the busiest rank's bytes per step on process groups spanning hosts (parallel_lab/comm/placement.py)
+    inter_host_bytes_per_step: Optional[float] = None

@@ -290,6 +290,15 @@ CATALOGUE = {
     ),
     "manual-ddp-allreduce": (["strategy=manual_ddp", "strategy.allreduce=tree"], "strategy.allreduce=tree"),
     "manual-ddp-bucket": (["strategy=manual_ddp", "strategy.bucket_mb=-5"], "strategy.bucket_mb=-5"),
+    # MPI's COMM_WORLD exists only when mpiexec started the ranks; mpi4py reduces host memory only.
+    "manual-ddp-mpi-spawn": (
+        ["strategy=manual_ddp", "strategy.allreduce=mpi"],
+        ("strategy.allreduce=mpi", "launcher=spawn", "add launcher=mpirun"),
+    ),
+    "manual-ddp-mpi-cuda": (
+        ["strategy=manual_ddp", "strategy.allreduce=mpi", "launcher=mpirun", "device=cuda"],
+        ("strategy.allreduce=mpi", "device=cuda", "device=cpu"),
+    ),
     "ddp-bucket": (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
     "device": (["device=tpu"], "device='tpu'"),
     "optimizer": (["trainer.optimizer=lbfgs"], "lbfgs"),
@@ -331,6 +340,8 @@ CATALOGUE = {
 
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
+    "manual-ddp-mpi-spawn",
+    "manual-ddp-mpi-cuda",
     "fsdp-hybrid",
     "tp-dp-degree",
     "hosts-world-size",

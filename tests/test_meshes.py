@@ -95,6 +95,7 @@ def test_mesh_layouts_other_impls_clipping_and_broken_twins():
 def test_hybrid_command_end_to_end_with_its_report_row(cli, tmp_path):
     """python -m parallel_lab strategy=fsdp strategy.sharding=hybrid strategy.replicate=2 world_size=4:
     the same training as single, and the report's row shows the mesh and the bytes per dimension."""
+    from parallel_lab.comm.placement import inter_host_bytes_per_step
     from parallel_lab.report.table import add_parity, load_runs, markdown
 
     m = cli(
@@ -109,6 +110,11 @@ def test_hybrid_command_end_to_end_with_its_report_row(cli, tmp_path):
     psi = 4 * m["params"]
     assert mesh == {"dims": {"replicate": 2, "shard": 2}, "comm_bytes_per_step": {"replicate": psi, "shard": 3 * psi}}
     assert m["comm_theory_psi"] == 4.0 and m["comm_volume_psi"] == 4.0  # 3Ψ inside + 2Ψ/2 across
+    # One host: nothing crosses. The same ranks laid out 2 hosts x 2 (comm/placement.py): only the
+    # replicate dimension crosses; 4 hosts x 1: everything does.
+    assert (m["nodes"], m["nproc_per_node"], m["inter_host_bytes_per_step"]) == (1, WORLD, 0.0)
+    assert inter_host_bytes_per_step(m["ranks"], 2, 2, mesh["dims"]) == psi
+    assert inter_host_bytes_per_step(m["ranks"], 4, 1, mesh["dims"]) == 4 * psi
     runs = load_runs([tmp_path])
     add_parity(runs)  # what write_report renders into comparison.md, without its plots
     text = markdown(runs)

@@ -251,6 +251,45 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
     assert "identical losses" in result.stdout
 
 
+# ---- MPI as the training transport: manual_ddp strategy.allreduce=mpi -------------------------------
+
+
+@pytest.mark.slow
+def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, tmp_path):
+    """The gradient buckets averaged by MPI's Allreduce on zero-copy numpy views, under mpiexec: the
+    same training as the independent reference (judged against its noise floor), its bytes counted
+    (2Ψ per step: MPI bypasses torch.distributed, so only manual_ddp's own record can count them),
+    and a report row that tells it from the other all-reduce algorithms."""
+    from parallel_lab.report.table import add_parity, load_runs, markdown
+    from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference  # as test_meshes: one cache
+
+    m = cli(
+        "strategy=manual_ddp",
+        "strategy.allreduce=mpi",
+        "launcher=mpirun",
+        f"trainer.steps={STEPS}",
+        f"trainer.global_batch={BATCH}",
+        f"data.size={DATA_SIZE}",
+    )
+    assert (m["launcher"], m["world_size"], m["strategy_options"]["allreduce"]) == ("mpirun", 2, "mpi")
+    assert "MPICH" in m["strategy_extras"]["mpi_library"] or not IS_MPICH, m["strategy_extras"]
+    cnn_reference().assert_run_matches(m, "manual_ddp allreduce=mpi")
+    for rank in m["ranks"]:  # one all-reduce of every gradient byte per step, in the ZeRO paper's 2x
+        assert rank["comm_bytes_by_op"] == {"all_reduce": 2 * 4 * m["params"]}, rank["comm_bytes_by_op"]
+    assert (m["nodes"], m["nproc_per_node"], m["inter_host_bytes_per_step"]) == (1, 2, 0.0)
+    # The same record as a ring row beside it: the report must tell the two rows apart.
+    twin = tmp_path / "ring_twin"
+    twin.mkdir()
+    record = json.loads((Path(m["run_dir"]) / "metrics.json").read_text())
+    record["strategy_options"]["allreduce"] = "ring"
+    (twin / "metrics.json").write_text(json.dumps(record))
+    runs = load_runs([Path(m["run_dir"]), twin])
+    add_parity(runs)
+    rows = [line for line in markdown(runs).splitlines() if line.startswith("| manual_ddp")]
+    assert sorted(row.split(" | ")[0] for row in rows) == ["| manual_ddp allreduce=mpi", "| manual_ddp allreduce=ring"]
+    assert all("| mpirun | 2 | 1×2 |" in row for row in rows), rows
+
+
 # ---- the bench, as a correctness smoke run (it checks every implementation's result) -----------
 def test_collectives_bench_smoke():
     result = run(

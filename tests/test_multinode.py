@@ -88,7 +88,22 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference, launcher, 
     assert set(reaches) <= set(reached), reached
     cfg = (tmp_path / "run" / "config.yaml").read_text()
     assert "nodes: 2" in cfg and "nproc_per_node: 1" in cfg
+    # One rank per host: every byte on the world group crosses (busiest rank, comm/placement.py).
+    assert (metrics["nodes"], metrics["nproc_per_node"]) == (2, 1)
+    crossing = max(sum(r["comm_bytes_by_group"].values()) for r in metrics["ranks"])
+    assert metrics["inter_host_bytes_per_step"] == crossing > 0
     reference.assert_run_matches(metrics, f"{launcher} {strategy} on 2 hosts")
+
+
+@pytest.mark.extra  # make test: the MPI transport on one host (tests/test_mpi.py), mpirun across hosts (above)
+def test_mpi_transport_across_two_hosts(hosts, tmp_path, reference):
+    """manual_ddp strategy.allreduce=mpi with MPICH's ranks on two hosts: MPI carries every gradient byte
+    between the hosts (the gloo group only the setup broadcast and the losses)."""
+    metrics = run_across(hosts, tmp_path, "launcher=mpirun", "strategy=manual_ddp", "strategy.allreduce=mpi")
+    assert metrics["strategy_options"]["allreduce"] == "mpi" and "MPICH" in metrics["strategy_extras"]["mpi_library"]
+    assert (metrics["nodes"], metrics["nproc_per_node"]) == (2, 1)
+    assert metrics["inter_host_bytes_per_step"] == 2 * 4 * metrics["params"]  # one all-reduce of every gradient
+    reference.assert_run_matches(metrics, "manual_ddp allreduce=mpi on 2 hosts")
 
 
 @pytest.mark.parametrize("mode", ["raise", pytest.param("kill", marks=pytest.mark.extra)])

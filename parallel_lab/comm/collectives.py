@@ -18,6 +18,8 @@ function               pattern                                    bytes sent (bu
                                                                   at rank 0: a hotspot
 ``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
 ``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
+``all_reduce`` mpi     mpi4py ``Allreduce`` on a numpy view       MPI library's choice, about
+                       (``comm/mpi.py``; ranks from ``mpiexec``)  2(N-1)/N * B (Rabenseifner)
 ``reduce_scatter``     the ring's first half                      (N-1)/N * B on every rank
 ``all_gather``         the ring's second half                     (N-1)/N * B on every rank
 =====================  =========================================  ===============================
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ("sum", "mean")
-ALGORITHMS = ("star", "ring", "builtin")
+ALGORITHMS = ("star", "ring", "builtin", "mpi")
 SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
 RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
 
@@ -122,6 +124,8 @@ def all_reduce(
     ``ring``: chunked ring, 2(N-1) rounds, each rank sends 2(N-1)/N * B in total; chunks travel
     in pipelined segments of ``segment_bytes`` (default ``SEGMENT_BYTES``).
     ``builtin``: ``dist.all_reduce`` for comparison.
+    ``mpi``: MPI's ``Allreduce`` on a zero-copy numpy view (``parallel_lab.comm.mpi``); only under
+    ``mpiexec``, where MPI's ranks are the process group's.
     """
     _check_op(op)
     if algorithm not in ALGORITHMS:
@@ -134,7 +138,11 @@ def all_reduce(
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         _finish_mean(tensor, op, world)
         return tensor
-    if algorithm == "star":
+    if algorithm == "mpi":
+        from parallel_lab.comm import mpi
+
+        _in_place(mpi.all_reduce_sum, tensor)
+    elif algorithm == "star":
         _in_place(_star_all_reduce, tensor)
     else:
         _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)

@@ -14,7 +14,7 @@ def plot_comparison(runs: list[Row], out: Path) -> None:
     ok = [r for r in runs if r.ok and not r.is_noise]
     if plt is None or not ok:
         return
-    labels = [f"{r.metrics.strategy}\n×{r.metrics.world_size}" for r in ok]
+    labels = [f"{r.metrics.strategy}\n{r.variant}\n×{r.metrics.world_size}".replace("\n\n", "\n") for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ok)), 4))
     axes[0].bar(labels, [r.metrics.samples_per_s for r in ok], color="tab:blue")
     axes[0].set_title("throughput (samples/s)")
@@ -43,7 +43,7 @@ def plot_parity(runs: list[Row], out: Path) -> None:
         ax.plot(
             [max(v, tiny) for v in run.dloss_per_step],
             marker=".",
-            label=f"{run.metrics.strategy}×{run.metrics.world_size}",
+            label=" ".join(filter(None, (run.metrics.strategy, run.variant))) + f"×{run.metrics.world_size}",
         )
     env, floor = judged[0].noise_envelope_per_step, judged[0].parity_checks["max_dloss"]["floor"]
     steps = range(len(env))

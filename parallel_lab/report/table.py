@@ -37,6 +37,7 @@ class Row:
     metrics: RunMetrics | None = None  # the run finished (metrics.json)
     failure: FailedRun | None = None  # it did not (failed.json)
     parity: str = ""
+    variant: str = ""  # the options that tell this row from other rows of its strategy (mark_variants)
     parity_checks: dict = field(default_factory=dict)
     dloss_per_step: list[float] | None = None
     noise_envelope_per_step: list[float] | None = None
@@ -205,8 +206,24 @@ def _ok(read):
     return lambda run: read(run.metrics) if run.ok else None
 
 
+def mark_variants(runs: list[Row]) -> None:
+    """Label rows of one strategy by the options they differ in (a sweep over
+    strategy.allreduce=ring,builtin,mpi gives three manual_ddp rows: ``manual_ddp allreduce=mpi``)."""
+    by_strategy: dict[str, list[Row]] = {}
+    for run in runs:
+        if run.ok and not run.is_noise:
+            by_strategy.setdefault(run.metrics.strategy, []).append(run)
+    for rows in by_strategy.values():
+        keys = sorted({k for r in rows for k in r.metrics.strategy_options if k != "name"})
+        varying = [k for k in keys if len({repr(r.metrics.strategy_options.get(k)) for r in rows}) > 1]
+        for run in rows:
+            run.variant = " ".join(f"{k}={run.metrics.strategy_options.get(k)}" for k in varying)
+
+
 def _strategy_label(run: Row) -> str:
-    return run.record.strategy + (f" (noise seed {run.metrics.ulp_jitter_seed})" if run.is_noise else "")
+    if run.is_noise:
+        return f"{run.record.strategy} (noise seed {run.metrics.ulp_jitter_seed})"
+    return " ".join(filter(None, (run.record.strategy, run.variant)))
 
 
 def _cuda_mib(run: Row) -> str | None:
@@ -227,10 +244,21 @@ def _mesh_comm(m: RunMetrics) -> str | None:
     return mesh and " / ".join(f"{name} {_fmt(n / MiB) or 0}" for name, n in mesh["comm_bytes_per_step"].items())
 
 
+def _nodes_procs(m: RunMetrics) -> str | None:
+    """'2×1': hosts × ranks per host (blank for a run recorded before metrics.json had them)."""
+    return m.nodes and f"{m.nodes}×{m.nproc_per_node}"
+
+
+def _inter_host_mib(m: RunMetrics) -> float | None:
+    """The busiest rank's MiB per step on groups spanning hosts (comm/placement.py: the approximation)."""
+    return None if m.inter_host_bytes_per_step is None else m.inter_host_bytes_per_step / MiB
+
+
 COLUMNS = [  # (header, how to read it from a row)
     ("strategy", _strategy_label),
     ("launcher", lambda r: r.record.launcher),
     ("world", lambda r: r.record.world_size),
+    ("nodes×procs", _ok(_nodes_procs)),
     ("model", lambda r: r.record.model),
     ("params", _ok(lambda m: m.params)),
     ("samples/s", _ok(lambda m: m.samples_per_s)),
@@ -250,6 +278,7 @@ COLUMNS = [  # (header, how to read it from a row)
     ("comm Ψ meas/theory", _ok(_comm_psi)),
     ("mesh", _ok(_mesh)),
     ("comm MiB/step per mesh dim", _ok(_mesh_comm)),
+    ("inter-host MiB/step", _ok(_inter_host_mib)),
     ("final loss", _ok(lambda m: m.final_loss)),
     ("early Δloss (×env)", _check("early_dloss")),
     ("max Δloss (×env)", _check("max_dloss")),
@@ -273,6 +302,7 @@ def _fmt(value) -> str:
 
 
 def table_rows(runs: list[Row]) -> list[list[str]]:
+    mark_variants(runs)
     return [[_fmt(get(run)) for _, get in COLUMNS] for run in runs]
 
 

@@ -5,7 +5,9 @@ Communication per optimizer step, per rank, for G bytes of gradients on N ranks:
 - setup: every parameter and buffer is broadcast from rank 0 (binomial tree), so all replicas
   start identical whatever their local initialisation was;
 - gradients are averaged with ``strategy.allreduce``: ``ring`` sends 2(N-1)/N * G per rank,
-  ``star`` makes rank 0 move 2(N-1) * G, ``builtin`` is ``dist.all_reduce``;
+  ``star`` makes rank 0 move 2(N-1) * G, ``builtin`` is ``dist.all_reduce``, ``mpi`` is MPI's
+  ``Allreduce`` on zero-copy numpy views of the buckets (``parallel_lab.comm.mpi``; only under
+  ``launcher=mpirun``, CPU tensors);
 - ``strategy.bucketed=false``: one all-reduce of every gradient after backward (simple, no overlap);
   ``strategy.bucketed=true``: gradients are grouped into buckets of ``strategy.bucket_mb`` in
   reverse registration order (about the order backward produces them). A post-accumulate-grad hook
@@ -43,7 +45,9 @@ MB = 1024 * 1024
 class ManualDDPOptions(StrategyOptions):
     """``strategy=manual_ddp`` options."""
 
-    allreduce: str = "ring"  # star | ring | builtin (= dist.all_reduce, for comparison)
+    # star | ring | builtin (= dist.all_reduce, for comparison) | mpi (mpi4py Allreduce on the
+    # buckets' memory; launcher=mpirun and CPU only)
+    allreduce: str = "ring"
     # true: bucketed all-reduce launched from backward hooks, overlapping backward;
     # false: one all-reduce of every gradient after backward (simple, no overlap)
     bucketed: bool = True
@@ -105,13 +109,34 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
                 f"strategy.allreduce={opts.allreduce} is unknown; use strategy.allreduce="
                 f"{'|'.join(collectives.ALGORITHMS)} (e.g. strategy.allreduce=ring)"
             )
+        if opts.allreduce == "mpi":
+            cls._check_mpi_transport(cfg)
         if opts.bucket_mb <= 0:
             raise ConfigError(
                 f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use strategy.bucket_mb=25, "
                 f"or strategy.bucketed=false for one all-reduce after backward"
             )
 
+    @staticmethod
+    def _check_mpi_transport(cfg: DictConfig) -> None:
+        """MPI's COMM_WORLD exists only when mpiexec started the ranks, and mpi4py reduces host memory."""
+        if cfg.launcher.name != "mpirun":
+            raise ConfigError(
+                f"strategy.allreduce=mpi needs the ranks started by mpiexec, but launcher={cfg.launcher.name}; "
+                f"add launcher=mpirun (or use strategy.allreduce=ring|builtin)"
+            )
+        if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+            raise ConfigError(
+                f"strategy.allreduce=mpi reduces CPU tensors through numpy views, but device={cfg.device} puts the "
+                f"gradients on CUDA; set device=cpu with launcher=mpirun, or use strategy.allreduce=builtin (nccl)"
+            )
+
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
+        if self.opts.allreduce == "mpi":
+            # Initialise MPI here, in the main thread, before the communication thread calls it.
+            from parallel_lab.comm import mpi
+
+            mpi.world(threads=self.opts.bucketed)
         self.model = model.to(self.device)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             collectives.broadcast(tensor.data, src=0)
@@ -134,7 +159,8 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
     # ----- communication -----
     def _all_reduce(self, bucket: Bucket) -> None:
         # Counted as one logical all-reduce (2x its bytes, the ZeRO paper's unit, as for every
-        # other strategy), not as the point-to-point messages it is built from.
+        # other strategy), not as the point-to-point messages it is built from; strategy.allreduce=mpi
+        # bypasses torch.distributed, so this record is the only place its bytes are counted.
         with self.comm.as_one("all_reduce", 2 * bucket.nbytes):
             collectives.all_reduce(bucket.buffer, op="mean", algorithm=self.opts.allreduce)
 
@@ -194,14 +220,21 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
     def extra_metrics(self) -> dict:
         grad_bytes = sum(b.nbytes for b in self.buckets)
         n = self.dp_size
-        # Bytes rank 0 sends per step (ring/builtin: every rank the same; star: rank 0 is the hub
-        # that sends the sum back to N-1 ranks, after receiving N-1 full gradients).
+        # Bytes rank 0 sends per step (ring/builtin/mpi: every rank the same, bandwidth-optimal;
+        # star: rank 0 is the hub that sends the sum back to N-1 ranks, after receiving N-1 full gradients).
         sent = {
             "ring": 2 * (n - 1) / n * grad_bytes,
             "builtin": 2 * (n - 1) / n * grad_bytes,
+            "mpi": 2 * (n - 1) / n * grad_bytes,
             "star": (n - 1) * grad_bytes,
         }
+        extras = {}
+        if self.opts.allreduce == "mpi":  # which MPI carried the gradients (MPICH, Open MPI...)
+            from mpi4py import MPI
+
+            extras["mpi_library"] = " ".join(MPI.Get_library_version().splitlines()[0].split())
         return {
+            **extras,
             "buckets": len(self.buckets),
             "bucket_bytes": [b.nbytes for b in self.buckets],
             # Seconds per step the training thread waited for gradient communication after

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.checkpoint import Checkpointer, Resumed
 from parallel_lab.comm.counter import CommCounter
+from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params
 from parallel_lab.plan.predict import predicted_metrics
@@ -219,6 +220,8 @@ def _metrics(
     extras = strategy.extra_metrics()
     if strategy.mesh_dims():
         extras["mesh"] = _mesh_metrics(strategy.mesh_dims(), ranks)
+    nodes = cfg.launcher.get("nodes") or 1
+    nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
     step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     step_time = timed_median(step_times, t.warmup_steps)
     return RunMetrics(
@@ -260,6 +263,9 @@ def _metrics(
         ranks=ranks,
         strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
         strategy_extras=extras,
+        nodes=nodes,
+        nproc_per_node=nproc_per_node,
+        inter_host_bytes_per_step=inter_host_bytes_per_step(ranks, nodes, nproc_per_node, strategy.mesh_dims()),
     )
 
 
