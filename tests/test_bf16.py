@@ -89,6 +89,21 @@ def test_zero3_bf16_holds_the_mixed_precision_model_states(bf16_runs):
     assert metrics["comm_theory_psi"] == 1.5  # stage 3's 3Ψ, in bf16 bytes
 
 
+EXTRA_ROWS = {"zero1": ("strategy=zero1",), "fsdp-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op")}
+
+
+@pytest.mark.extra
+def test_more_bf16_rows_match_the_bf16_reference(tmp_path, bf16_reference):
+    paths = [write_config(tmp_path / f"{n}.yaml", *o, "trainer.precision=bf16", *COMMON) for n, o in EXTRA_ROWS.items()]
+    run_ranks("tests.dist_bodies_runs:train_and_record", world_size=2, timeout=300, env=ENV, config_paths=paths)
+    for name in EXTRA_ROWS:
+        metrics = {**load_metrics(tmp_path / name), "run_dir": str(tmp_path / name)}
+        bf16_reference.assert_run_matches(metrics, name)
+        for rank in metrics["ranks"]:  # fsdp grad_op: its gathered working copy is bf16 (2 bytes/param)
+            for key in MODEL_STATE:
+                assert rank[key] == pytest.approx(rank[f"analytic_{key}"], rel=0.05), (name, key, rank)
+
+
 def _params(metrics: dict) -> dict:
     from parallel_lab.worker.metrics import load_final_params
 
