@@ -108,3 +108,19 @@ def _params(metrics: dict) -> dict:
     from parallel_lab.worker.metrics import load_final_params
 
     return load_final_params(Path(metrics["run_dir"]))
+
+
+def test_a_bf16_row_is_grouped_with_the_bf16_baseline():
+    """The report (and the sweep's noise-floor reruns) key baselines by precision too."""
+    from types import SimpleNamespace
+
+    from parallel_lab.report.table import Row, baseline_key
+
+    def row(strategy: str, options: dict) -> Row:
+        same = dict(model="cnn", global_batch=64, steps=20, data="synthetic", optimizer="adam", lr=1e-3)
+        return Row(strategy, SimpleNamespace(strategy=strategy, strategy_options=options, **same))
+
+    single_fp32, single_bf16 = row("single", {"precision": "fp32"}), row("single", {"precision": "bf16"})
+    fsdp_bf16, zero2_fp32 = row("fsdp", {"mixed_precision": "bf16"}), row("zero2", {"precision": "fp32"})
+    assert baseline_key(fsdp_bf16) == baseline_key(single_bf16) != baseline_key(single_fp32)
+    assert baseline_key(zero2_fp32) == baseline_key(single_fp32)

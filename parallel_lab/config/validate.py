@@ -105,16 +105,21 @@ def apply_precision(cfg: DictConfig, explicit: Sequence[str] = ()) -> None:
     want = cfg.trainer.get("precision", "fp32")
     if want not in ("fp32", "bf16"):
         raise ConfigError(f"trainer.precision={want} is unknown; use trainer.precision=fp32 or bf16")
-    if want == "fp32":
-        return  # the strategy's key alone decides (fp32 unless it says bf16)
     name = cfg.strategy.name
     key = next((k for k in PRECISION_KEYS if k in cfg.strategy), None)
+    given = {a.partition("=")[0].lstrip("+~"): a.partition("=")[2] for a in explicit if "=" in a}
+    if want == "fp32":
+        # The strategy's own key (or a ds_config/recipe's bf16) decides; config.yaml shows the result.
+        if key is not None and cfg.strategy[key] == "bf16":
+            if "trainer.precision" in given:
+                raise ConfigError(f"trainer.precision=fp32 contradicts strategy.{key}=bf16; drop one of them")
+            cfg.trainer.precision = "bf16"
+        return
     if key is None:
         raise ConfigError(
             f"trainer.precision=bf16: strategy={name} has no bf16 mode (it trains in fp32); "
             f"use single, ddp, fsdp or zero0-3, or drop trainer.precision"
         )
-    given = {a.partition("=")[0].lstrip("+~"): a.partition("=")[2] for a in explicit if "=" in a}
     if given.get(f"strategy.{key}", "bf16") != "bf16":
         raise ConfigError(
             f"trainer.precision=bf16 contradicts strategy.{key}={given[f'strategy.{key}']}; drop one of them"
