@@ -20,7 +20,7 @@ from tests.reference import parity_reference
 
 pytestmark = pytest.mark.slow
 
-STEPS, BATCH = 6, 32
+STEPS, BATCH = 6, 16
 COMMON = (f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "world_size=2", "trainer.eval_batches=0")
 ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))}
 ROWS = {  # name -> overrides; every row through trainer.precision=bf16 (each strategy's own bf16 mode)
