@@ -33,3 +33,39 @@ def train_and_record(rank: int, world_size: int, config_paths: list[str]) -> Non
         strategy.teardown()
         del strategy, metrics
         gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive between runs
+
+
+# ----- deliberately broken bf16 data parallelism: the bf16 parity criterion must mark it FAIL -----
+def _no_reduce(state, bucket):
+    """A DDP comm hook that sends nothing: each rank keeps its own half-batch gradients."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def train_not_averaged(rank: int, world_size: int, config_path: str) -> None:
+    """ddp (bf16) with its gradients never averaged over the ranks; rank 0 records its run."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from parallel_lab.strategies.ddp import DDPStrategy
+
+    class NotAveraged(DDPStrategy):
+        def setup(self, model, make_optimizer) -> None:
+            self.model = DistributedDataParallel(model.to(self.device), bucket_cap_mb=self.opts.bucket_cap_mb)
+            self.model.register_comm_hook(None, _no_reduce)
+            self.optimizer = make_optimizer(self.model.parameters())
+
+    cfg = load_run_config(config_path)
+    env = read_dist_env(cfg.device)
+    NotAveraged.init_distributed(env, cfg.dist_timeout_s)
+    strategy = NotAveraged(cfg, env)
+    metrics = train(cfg, env, strategy)
+    if env.is_main:
+        metrics.write(Path(cfg.run_dir) / METRICS_FILE)
+    strategy.teardown()
+
+
+def train_bf16_rows(rank: int, world_size: int, config_paths: list[str], broken_path: str) -> None:
+    """train_and_record(config_paths), then the broken variant, in the same ranks."""
+    train_and_record(rank, world_size, config_paths)
+    train_not_averaged(rank, world_size, broken_path)

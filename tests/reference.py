@@ -9,6 +9,7 @@ its divergence from the reference stays within the stated multiple of that measu
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +46,14 @@ def reference_run(
     threads: int = 2,
     grad_clip: float = 0.0,
     jitter_seed: int | None = None,
+    precision: str = "fp32",
 ):
     """Plain training loop: returns (per-step losses, final parameter checksum, final model).
     grad_clip > 0 clips the whole model's gradient norm; jitter_seed moves every initial weight
-    one ulp (a noise-floor rerun)."""
+    one ulp (a noise-floor rerun). precision="bf16": the textbook mixed-precision loop (arXiv
+    1710.03740, bf16 needing no loss scaling): each step a bf16 copy of the fp32 model runs forward
+    and backward on bf16 inputs, the loss in fp32, and its gradients, cast to fp32, are the fp32
+    master weights' gradients for the optimizer."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     net = MODELS[model]()
@@ -64,14 +69,27 @@ def reference_run(
         idx = next(batches)
         x, y = data.tensors[0][idx], data.tensors[1][idx]
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        loss.backward()
+        if precision == "bf16":
+            loss = _bf16_backward(net, x, y)
+        else:
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         opt.step()
         losses.append(loss.item())
     checksum = float(sum(p.detach().double().sum().item() for p in net.parameters()))
     return losses, checksum, net
+
+
+def _bf16_backward(master: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward/backward on a bf16 copy of master; master's .grad = the copy's gradients in fp32."""
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    loss = torch.nn.functional.cross_entropy(work(x.to(torch.bfloat16)).float(), y)
+    loss.backward()
+    for p, w in zip(master.parameters(), work.parameters()):
+        p.grad = w.grad.float()
+    return loss
 
 
 def _named(net: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ def test_recipe_gives_every_strategy_the_files_training(tmp_path):
     from parallel_lab.errors import ConfigError
 
     # One of each kind (the rest share these code paths).
-    strategies = {"fp32.json": ("single", "pp", "zero3"), "bf16.json": ("ddp", "fsdp")}
+    strategies = {"fp32.json": ("single", "pp", "zero3"), "bf16.json": ("ddp", "fsdp", "tp")}
     bf16 = ISSUE_13_DS_CONFIG
     fp32 = {k: v for k, v in bf16.items() if k != "bf16"}
     keys = ("global_batch", "grad_accum", "grad_clip", "optimizer", "lr", "betas", "eps", "weight_decay")
@@ -174,4 +174,4 @@ def test_recipe_gives_every_strategy_the_files_training(tmp_path):
         assert len(set(seen.values())) == 1, seen  # one training recipe for every row
         expected = (str(content["train_batch_size"]), "1", str(content["gradient_clipping"]), "adamw")
         assert next(iter(seen.values()))[:4] == expected
-        assert set(seen) == set(strategies[name]) - {"ddp"}  # ddp has no bf16 mode (yet)
+        assert set(seen) == set(strategies[name]) - {"tp"}  # tp has no bf16 mode

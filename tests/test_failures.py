@@ -255,6 +255,13 @@ CATALOGUE = {
     "zero4": (["strategy=zero4"], "zero4"),
     "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
+    "precision-unknown": (["trainer.precision=fp8"], "trainer.precision=fp8"),
+    "precision-bf16-on-tp": (["strategy=tp", "trainer.precision=bf16"], ("strategy=tp has no bf16 mode",)),
+    "precision-contradicts-strategy": (
+        ["strategy=zero2", "trainer.precision=bf16", "strategy.precision=fp32"],
+        "strategy.precision=fp32",
+    ),
+    "single-precision-unknown": (["strategy=single", "strategy.precision=fp16"], "strategy.precision=fp16"),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),
     "tp-dp-degree": (

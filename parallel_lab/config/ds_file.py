@@ -19,7 +19,7 @@ optimizer SGD                                  trainer.optimizer=sgd, lr, moment
 scheduler <type> + params                      trainer.lr_scheduler, trainer.lr_scheduler_params:
                                                DeepSpeed's class (or torch's) of that name,
                                                stepped after every optimizer step, as DeepSpeed
-bf16.enabled                                   strategy.precision=bf16 (zero) /
+bf16.enabled                                   strategy.precision=bf16 (zero, single, ddp) /
                                                strategy.mixed_precision=bf16 (fsdp)
 zero_optimization.stage                        must be the strategy's (zero<stage>)
 offload_optimizer/offload_param cpu,           strategy.offload=cpu

@@ -38,6 +38,9 @@ class TrainerConfig:
     # A DeepSpeed JSON config whose optimizer, scheduler, clipping, precision and batch become these
     # trainer settings (and strategy precision) for every strategy (parallel_lab/config/ds_file.py)
     recipe: Optional[str] = None
+    # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, zero*:
+    # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
+    precision: str = "fp32"
     grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
     seed: int = 0
     warmup_steps: int = 2  # steps left out of the timing medians

@@ -96,6 +96,37 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     return dp
 
 
+PRECISION_KEYS = ("precision", "mixed_precision")  # a strategy's own bf16 switch: zero/single/ddp, fsdp
+
+
+def apply_precision(cfg: DictConfig, explicit: Sequence[str] = ()) -> None:
+    """trainer.precision=bf16 -> the strategy's own key (strategy.precision or .mixed_precision);
+    a strategy without one, or an explicit strategy key saying otherwise, is refused in one line."""
+    want = cfg.trainer.get("precision", "fp32")
+    if want not in ("fp32", "bf16"):
+        raise ConfigError(f"trainer.precision={want} is unknown; use trainer.precision=fp32 or bf16")
+    name = cfg.strategy.name
+    key = next((k for k in PRECISION_KEYS if k in cfg.strategy), None)
+    given = {a.partition("=")[0].lstrip("+~"): a.partition("=")[2] for a in explicit if "=" in a}
+    if want == "fp32":
+        # The strategy's own key (or a ds_config/recipe's bf16) decides; config.yaml shows the result.
+        if key is not None and cfg.strategy[key] == "bf16":
+            if "trainer.precision" in given:
+                raise ConfigError(f"trainer.precision=fp32 contradicts strategy.{key}=bf16; drop one of them")
+            cfg.trainer.precision = "bf16"
+        return
+    if key is None:
+        raise ConfigError(
+            f"trainer.precision=bf16: strategy={name} has no bf16 mode (it trains in fp32); "
+            f"use single, ddp, fsdp or zero0-3, or drop trainer.precision"
+        )
+    if given.get(f"strategy.{key}", "bf16") != "bf16":
+        raise ConfigError(
+            f"trainer.precision=bf16 contradicts strategy.{key}={given[f'strategy.{key}']}; drop one of them"
+        )
+    cfg.strategy[key] = "bf16"
+
+
 def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = ()) -> DictConfig:
     """Resolve derived values and check every cross-field rule. Returns a plain resolved config.
     ``explicit``: the command line's overrides, so a DeepSpeed JSON file (strategy.ds_config,
@@ -106,6 +137,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
     from parallel_lab.strategies import get_strategy_class
 
     adopt_ds_files(cfg, explicit)
+    apply_precision(cfg, explicit)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     ws = cfg.world_size
     if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:

@@ -17,7 +17,9 @@ failed_proofs: list[str] = []  # rows of this process's sweeps whose proof faile
 
 def run_noise_floor(runs: list[Row], sweep_dir: Path) -> None:
     """Rerun every baseline of the sweep once per NOISE_SEEDS seed with its initial weights moved
-    one ulp (report/parity.py), through the same launcher as any run."""
+    one ulp (report/parity.py), through the same launcher as any run. One baseline per
+    baseline_key, which includes the precision: a bf16 `single` gets its own reruns (bf16 rows'
+    envelope), beside the fp32 one's."""
     from omegaconf import OmegaConf
 
     from parallel_lab.cli.main import run_one

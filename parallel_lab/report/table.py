@@ -80,10 +80,20 @@ def _natural(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+def precision_of(m: RunMetrics) -> str:
+    """The run's compute precision, from its strategy's own key (strategy.precision, fsdp's
+    strategy.mixed_precision): fp32 or bf16."""
+    opts = m.strategy_options or {}
+    return opts.get("precision") or opts.get("mixed_precision") or "fp32"
+
+
 def baseline_key(run: Row) -> tuple:
-    """Runs that train the same thing (and so compare with one single baseline)."""
+    """Runs that train the same thing (and so compare with one single baseline): a bf16 row is
+    judged against `single` in bf16 and that baseline's own noise reruns."""
     m = run.metrics
-    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr) if m else (run.failure.model,)
+    if not m:
+        return (run.failure.model,)
+    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr, precision_of(m))
 
 
 def is_baseline(run: Row) -> bool:
@@ -313,7 +323,8 @@ def criterion_line(runs: list[Row]) -> str:
         f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
         f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
         f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
-        f"floor {FLOOR_ULPS} float32 ulps). CPU kernels: {', '.join(cpus) or 'unknown'}."
+        f"floor {FLOOR_ULPS} float32 ulps; bf16 rows against `single` in bf16 and its own reruns). "
+        f"CPU kernels: {', '.join(cpus) or 'unknown'}."
         + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else "")
     )
 

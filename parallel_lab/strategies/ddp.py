@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.precision import Bf16Compute, check_precision
 from parallel_lab.strategies.replicated import ReplicatedModel
 
 
@@ -29,15 +30,19 @@ class DDPOptions(StrategyOptions):
 
     bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
     gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
+    # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights, gradients all-reduced in
+    # fp32 (strategies/precision.py)
+    precision: str = "fp32"
 
 
 @register("ddp")
-class DDPStrategy(ReplicatedModel, Strategy):
+class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
     Options = DDPOptions
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        check_precision(opts)
         if opts.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"

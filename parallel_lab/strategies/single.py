@@ -1,14 +1,31 @@
-"""``single``: one process, no communication. The baseline every other row is checked against."""
+"""``single``: one process, no communication. The baseline every other row is checked against
+(in bf16, ``strategy.precision=bf16``, the baseline of the bf16 rows: ``strategies/precision.py``)."""
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
 
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import Strategy
+from parallel_lab.strategies.base import Strategy, StrategyOptions
+from parallel_lab.strategies.precision import Bf16Compute, check_precision
 from parallel_lab.strategies.replicated import ReplicatedModel
 
 
-@register("single")
-class SingleStrategy(ReplicatedModel, Strategy):
-    """No options beyond the name."""
+@dataclass
+class SingleOptions(StrategyOptions):
+    """``strategy=single`` options."""
 
+    # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights (strategies/precision.py)
+    precision: str = "fp32"
+
+
+@register("single")
+class SingleStrategy(Bf16Compute, ReplicatedModel, Strategy):
+    Options = SingleOptions
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        check_precision(opts)

@@ -52,10 +52,16 @@ def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> 
     padded = 4 * sum(p for p, _ in layout)
     report = {"param_bytes": padded, "master_param_bytes": 0, "grad_bytes": padded}
     if cfg.strategy.sharding == "grad_op":
-        # The gathered (padded, full) working copy stays alive from forward until backward.
-        report.update(param_bytes=padded * world, master_param_bytes=padded)
+        # The gathered (padded, full) working copy stays alive from forward until backward; in
+        # bf16 (MixedPrecisionPolicy param_dtype) it is gathered as bf16, half the bytes.
+        working = padded * world // (2 if _bf16(cfg) else 1)
+        report.update(param_bytes=working, master_param_bytes=padded)
     report["optim_bytes"] = predicted_optimizer_bytes((h for _, h in layout), cfg.trainer, step_counters=False)
     return report
+
+
+def _bf16(cfg: DictConfig) -> bool:
+    return cfg.strategy.get("mixed_precision", "fp32") == "bf16"
 
 
 def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
@@ -68,4 +74,6 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
     if sharding == "no_shard":
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
     gathers = 2 if sharding == "full" else 1
-    return {"all_gather_single": float(gathers * full_padded), "reduce_scatter_single": float(full_padded)}
+    # bf16: parameters are all-gathered in bf16; gradients are reduce-scattered in fp32 (reduce_dtype)
+    gathered = full_padded // (2 if _bf16(cfg) else 1)
+    return {"all_gather_single": float(gathers * gathered), "reduce_scatter_single": float(full_padded)}

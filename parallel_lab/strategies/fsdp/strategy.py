@@ -154,9 +154,11 @@ class FSDPStrategy(Strategy):
         # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
         # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
         # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
+        # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
+        gather = 0.5 if self.opts.mixed_precision == "bf16" else 1.0
         if self.opts.sharding == "hybrid":
-            return 3.0 + 2.0 / self.shard_size
-        return 3.0 if self.opts.sharding == "full" else 2.0
+            return 2 * gather + 1.0 + 2.0 / self.shard_size
+        return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(self.opts.sharding, 2.0)
 
     @property
     def shard_size(self) -> int:
@@ -196,6 +198,11 @@ class FSDPStrategy(Strategy):
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         self.model = self._wrap(model.to(self.device))
         self.optimizer = make_optimizer(self.model.parameters())
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # In bf16 the model's output is bf16: the loss is taken in fp32, as every other bf16 row
+        # takes it (a bf16 cross-entropy alone moved the loss by 1.1e-2 at step 0, docs/parity.md).
+        return self.loss_fn(self.model(inputs).float(), targets)
 
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
         loss = self.forward_loss(inputs, targets)
@@ -265,10 +272,13 @@ class FSDPStrategy(Strategy):
         state /N); no_shard = DDP."""
         n = self.shard_size
         k = optimizer_bytes_per_param(self.cfg.trainer)
+        # bf16 (MixedPrecisionPolicy): the working copy is gathered in bf16 (2 bytes/param); the
+        # shards, gradients (reduce_dtype fp32) and Adam state stay fp32.
+        w = 2 if self.opts.mixed_precision == "bf16" else 4
         per = {  # bytes per parameter: (working params, master shard, grads, optimizer state)
             "full": (4 / n, 0, 4 / n, k / n),
             "hybrid": (4 / n, 0, 4 / n, k / n),
-            "grad_op": (4, 4 / n, 4 / n, k / n),
+            "grad_op": (w, 4 / n, 4 / n, k / n),
             "no_shard": (4, 0, 4, k),
         }[self.opts.sharding]
         keys = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")

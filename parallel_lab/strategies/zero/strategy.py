@@ -165,7 +165,9 @@ class ZeroStrategy(Strategy):
     def comm_theory_psi(self) -> float:
         # ZeRO paper section 7: stages 0-2 move 2Ψ per step (reduce-scatter + all-gather of the
         # gradients/parameters); stage 3 adds one more all-gather of the parameters for backward.
-        return 3.0 if self.opts.stage == 3 else 2.0
+        # In bf16 DeepSpeed reduces and gathers bf16 tensors: half the bytes (measured: 1.5 / 1.03
+        # at stages 1-2 / 3 for fp32's 3.0 / 2.05 on the cnn, docs/parity.md).
+        return (3.0 if self.opts.stage == 3 else 2.0) * PRECISION_BYTES[self.opts.precision] / 4
 
     def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
         super().__init__(cfg, env)
@@ -261,12 +263,22 @@ class ZeroStrategy(Strategy):
         if self.opts.stage == 3:
             partitions = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
             return partitions + [p.data for p in params]
-        return [p.data for p in params] + list(getattr(opt, "bit16_groups_flat", []))
+        # bit16_groups_flat: ZeRO 1-2; bf16_groups_flat: the BF16_Optimizer DeepSpeed uses for bf16 at stage 0
+        return (
+            [p.data for p in params]
+            + list(getattr(opt, "bit16_groups_flat", []))
+            + list(getattr(opt, "bf16_groups_flat", []))
+        )
 
     def _master_tensors(self) -> list[torch.Tensor]:
         """DeepSpeed's fp32 partitions the optimizer updates."""
-        name = "fp32_partitioned_groups_flat" if self.opts.stage == 3 else "single_partition_of_fp32_groups"
-        return list(getattr(self.engine.optimizer, name, []))
+        opt = self.engine.optimizer
+        if self.opts.stage == 3:
+            return list(getattr(opt, "fp32_partitioned_groups_flat", []))
+        # stages 1-2; BF16_Optimizer (bf16 at stage 0) partitions its fp32 master over the ranks too
+        return list(getattr(opt, "single_partition_of_fp32_groups", [])) + list(
+            getattr(opt, "fp32_groups_flat_partition", [])
+        )
 
     def memory_after_backward(self) -> dict[str, int]:
         """Parameters and every gradient buffer alive after backward; step() frees the averaged
@@ -280,6 +292,7 @@ class ZeroStrategy(Strategy):
             grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
         else:
             grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in self._master_tensors()]
+            grads += list(getattr(opt, "fp32_groups_gradients_flat", []))  # BF16_Optimizer's fp32 accumulators
         return {
             "param_bytes": storage_bytes(self._param_tensors()),
             # Stage 1 frees the gradients outside its partition right after its one reduction at
