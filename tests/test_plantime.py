@@ -4,6 +4,8 @@ predicts for given calibration numbers, never how fast this machine is (that is
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from parallel_lab.models import build_meta_model
@@ -28,6 +30,12 @@ def _fits(alpha: float, beta: float) -> dict[str, dict[str, AlphaBeta]]:
     return {impl: {op: AlphaBeta(alpha, beta) for op in OPS} for impl in ("gloo", "hand")}
 
 
+@functools.cache
+def _model():
+    return build_meta_model(_cfg("ddp").model)
+
+
+@functools.cache  # composing a config costs ~0.3 s: each one once
 def _cfg(strategy: str, *extra: str):
     """The validated config, as the planner makes it (ZeRO's stage comes from the strategy's name)."""
     (planned,) = planned_configs(
@@ -38,7 +46,7 @@ def _cfg(strategy: str, *extra: str):
 
 def _predict(strategy: str, compute: Compute, fits, *extra: str):
     cfg = _cfg(strategy, *extra)
-    model = build_meta_model(cfg.model)
+    model = _model()
     return predict_step(cfg, get_strategy_class(strategy), model, compute, fits), model
 
 
@@ -57,6 +65,9 @@ def test_compute_fit_is_the_line_through_two_runs():
     assert c.per_sample_s == pytest.approx(0.016 / 32)
     assert c.fwd_bwd(32) == pytest.approx(0.020) and c.fwd_bwd(64) == pytest.approx(0.036)
     assert c.optimizer(500_000) == pytest.approx(0.002)
+    # A loaded machine can make the larger batch no slower: a flat line, never a negative slope.
+    flat = fit_compute((32, 0.030), (64, 0.028), optimizer_s=0.004, params=1_000_000)
+    assert flat.per_sample_s == 0.0 and flat.fwd_bwd(16) == pytest.approx(0.029)
 
 
 def test_ddp_step_is_compute_plus_alpha_plus_bytes_over_beta():
