@@ -93,13 +93,13 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
 class Compute:
     """One rank, one thread: forward+backward of a micro-batch and the optimizer step."""
 
-    fixed_s: float  # forward+backward time that does not grow with the samples (dispatch, loss)
+    fixed_s: float  # the line's intercept: dispatch and loss cost, minus any per-sample growth with batch
     per_sample_s: float
     per_param_s: float  # optimizer step, per parameter it updates
 
     def fwd_bwd(self, samples: float, share: float = 1.0) -> float:
         """``share`` of the model's work (FLOPs) on ``samples`` samples."""
-        return share * (self.fixed_s + self.per_sample_s * samples)
+        return share * max(0.0, self.fixed_s + self.per_sample_s * samples)
 
     def optimizer(self, params: float) -> float:
         return self.per_param_s * params
@@ -114,7 +114,9 @@ def fit_compute(small: tuple[int, float], large: tuple[int, float], optimizer_s:
     per_sample = (t2 - t1) / (b2 - b1)
     if per_sample <= 0:  # noise larger than the work of the extra samples (a loaded machine): flat
         return Compute(fixed_s=(t1 + t2) / 2, per_sample_s=0.0, per_param_s=optimizer_s / params)
-    return Compute(fixed_s=max(t1 - per_sample * b1, 0.0), per_sample_s=per_sample, per_param_s=optimizer_s / params)
+    # The intercept may be negative (per-sample cost growing with the batch: caches): the line still
+    # passes through both measured points, which are the batch sizes data-parallel ranks run.
+    return Compute(fixed_s=t1 - per_sample * b1, per_sample_s=per_sample, per_param_s=optimizer_s / params)
 
 
 @dataclass
