@@ -197,6 +197,8 @@ def main(argv: list[str]) -> int:
         saved = json.loads(args.replay.read_text())
         collectives, measured = saved["collectives"], saved["runs"]
         load_before, load_after = saved["loadavg"]["before"], saved["loadavg"]["after"]
+        for key, value in saved.get("args", {}).items():  # the saved run's model and batch, not the defaults
+            setattr(args, key, value)
         args.strategies = [s for s in args.strategies if s in measured]
     else:
         collectives, measured, load_before, load_after = calibrate_and_run(args)
@@ -231,7 +233,8 @@ def main(argv: list[str]) -> int:
                     "notes": p.notes,
                 }
                 for n, p in preds.items()
-            },  # fmt: skip
+            },
+            "args": {k: getattr(args, k) for k in ("model", "steps", "global_batch", "repeats")},
         }
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
     return 0
