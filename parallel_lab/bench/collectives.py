@@ -5,6 +5,7 @@ as the ceiling.
 
     python -m parallel_lab.bench collectives [--np 2] [--min-bytes 1K] [--max-bytes 64M]
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
+                                             [--json calibration.json]
 
 Run without mpiexec, it starts ``mpiexec -n NP python -m mpi4py`` on itself (one job: MPI and a
 gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -189,6 +191,11 @@ def run_job(args) -> int:
     dist.destroy_process_group()
     if rank == 0:
         print_table(rows, args, p, ceiling)
+        if args.json:  # the calibration python -m parallel_lab.bench plantime reads (alpha-beta fits)
+            import json
+
+            payload = {"world_size": p, "loadavg": os.getloadavg(), "impls": args.impls, "rows": rows}
+            Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
     return 0
 
 
@@ -246,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--json", default=None, help="also write the rows (seconds per call) to this file")
     args = parser.parse_args(argv)
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
