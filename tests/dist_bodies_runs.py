@@ -19,20 +19,25 @@ from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 
 
+def record_run(config_path: str, strategy_cls: type | None = None) -> None:
+    """One whole run as a worker does it (strategy_cls: the config's own strategy unless given)."""
+    cfg = load_run_config(config_path)
+    env = read_dist_env(cfg.device)
+    torch.set_num_threads(cfg.trainer.threads)
+    strategy_cls = strategy_cls or get_strategy_class(cfg.strategy.name)
+    strategy_cls.init_distributed(env, cfg.dist_timeout_s)
+    strategy = strategy_cls(cfg, env)
+    metrics = train(cfg, env, strategy)
+    if env.is_main:
+        metrics.write(Path(cfg.run_dir) / METRICS_FILE)
+    strategy.teardown()
+    del strategy, metrics
+    gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive between runs
+
+
 def train_and_record(rank: int, world_size: int, config_paths: list[str]) -> None:
     for path in config_paths:
-        cfg = load_run_config(path)
-        env = read_dist_env(cfg.device)
-        torch.set_num_threads(cfg.trainer.threads)
-        strategy_cls = get_strategy_class(cfg.strategy.name)
-        strategy_cls.init_distributed(env, cfg.dist_timeout_s)
-        strategy = strategy_cls(cfg, env)
-        metrics = train(cfg, env, strategy)
-        if env.is_main:
-            metrics.write(Path(cfg.run_dir) / METRICS_FILE)
-        strategy.teardown()
-        del strategy, metrics
-        gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive between runs
+        record_run(path)
 
 
 # ----- deliberately broken bf16 data parallelism: the bf16 parity criterion must mark it FAIL -----
@@ -55,14 +60,7 @@ def train_not_averaged(rank: int, world_size: int, config_path: str) -> None:
             self.model.register_comm_hook(None, _no_reduce)
             self.optimizer = make_optimizer(self.model.parameters())
 
-    cfg = load_run_config(config_path)
-    env = read_dist_env(cfg.device)
-    NotAveraged.init_distributed(env, cfg.dist_timeout_s)
-    strategy = NotAveraged(cfg, env)
-    metrics = train(cfg, env, strategy)
-    if env.is_main:
-        metrics.write(Path(cfg.run_dir) / METRICS_FILE)
-    strategy.teardown()
+    record_run(config_path, NotAveraged)
 
 
 def train_bf16_rows(rank: int, world_size: int, config_paths: list[str], broken_path: str) -> None:
