@@ -33,6 +33,7 @@ ERRORS_DIR = "errors"
 PIDS_DIR = "pids"
 CHECKPOINTS_DIR = "checkpoints"
 SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
+RANK_START_ENV = "PARALLEL_LAB_RANK_START"  # "fork": this rank was forked from the zygote (worker/zygote.py)
 
 
 def default_checkpoint_dir(run_dir: str | Path) -> Path:
@@ -139,3 +140,7 @@ class RunMetrics(_Record):
     nproc_per_node: Optional[int] = None  # ranks per host
     # the busiest rank's bytes per step on process groups spanning hosts (parallel_lab/comm/placement.py)
     inter_host_bytes_per_step: Optional[float] = None
+    # how the ranks started: "fork" (launcher=spawn on CPU: forked from an interpreter that had
+    # already imported torch, parallel_lab/worker/zygote.py) or "exec" (a fresh interpreter each)
+    rank_start: Optional[str] = None
+    device_name: Optional[str] = None  # the GPU's name on CUDA (torch.cuda.get_device_name); None on CPU

@@ -154,18 +154,6 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-# What every rank of a test body imports anyway (~5 s of CPU per process on 2 cores): imported once
-# into a fork server, and each rank forks from it. Nothing here starts a thread or touches CUDA,
-# so the forked ranks are as clean as new interpreters (DeepSpeed is left out: it probes devices).
-_ZYGOTE_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",  # torch.optim imports the compiler on the first optimizer step
-    "parallel_lab.strategies",
-    "parallel_lab.worker.train",
-]
-
-
 def _forked_rank(env: dict[str, str], out_path: str, err_path: str, target: str, kwargs_json: str) -> None:
     """One rank, in a process forked from the zygote: this rank's environment and output files,
     then the same main() as ``python -m parallel_lab.testing``."""
@@ -184,14 +172,6 @@ def _forked_rank(env: dict[str, str], out_path: str, err_path: str, target: str,
         sys.stdout.flush()
         sys.stderr.flush()
     sys.exit(code)
-
-
-def _zygote():
-    import multiprocessing
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_ZYGOTE_PRELOAD)
-    return context
 
 
 FAILED_RANK_GRACE_S = 10  # after one rank fails, its peers usually fail within a second (gloo)
@@ -217,7 +197,8 @@ def run_ranks(target: str, world_size: int, timeout: float = 120, env: dict | No
     """Run ``target`` on ``world_size`` gloo ranks; return each rank's stdout; raise with all
     ranks' stderr if any rank fails or the timeout passes (every rank is killed then)."""
     port = free_port()
-    context = _zygote()
+    from parallel_lab.worker import zygote  # imported torch once for the session: each rank forks from it
+
     with tempfile.TemporaryDirectory(prefix="parallel_lab_ranks_") as folder:
         procs, files = [], []
         for rank in range(world_size):
@@ -232,8 +213,7 @@ def run_ranks(target: str, world_size: int, timeout: float = 120, env: dict | No
             )
             files.append((f"{folder}/rank{rank}.out", f"{folder}/rank{rank}.err"))
             args = (rank_env, *files[-1], target, json.dumps(kwargs))
-            procs.append(context.Process(target=_forked_rank, args=args, daemon=True))
-            procs[-1].start()
+            procs.append(zygote.start_process(_forked_rank, args, name=f"{target} rank {rank}"))
         timed_out = _wait_for_ranks(procs, timeout)
         outputs = [
             (Path(out).read_text(), Path(err).read_text(), proc.exitcode) for proc, (out, err) in zip(procs, files)

@@ -23,6 +23,7 @@ from conftest import ROOT, run_cli
 from test_cifar10 import Evil, build_tarball, md5_of
 
 from parallel_lab.checkpoint import COMPLETE, checkpoint_name
+from parallel_lab.config.devices import visible_gpus
 from parallel_lab.config.resources import memory_available_bytes
 from parallel_lab.data.cifar10 import TRAIN_MEMBERS
 from parallel_lab.protocol import PIDS_DIR
@@ -308,6 +309,11 @@ CATALOGUE = {
     ),
     "ddp-bucket": (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
     "device": (["device=tpu"], "device='tpu'"),
+    # NCCL refuses two ranks on one GPU: more ranks than visible GPUs (none here) is refused up front.
+    "device-cuda-too-few-gpus": (
+        lambda tmp_path, _: ["device=cuda", f"world_size={visible_gpus() + 1}"],
+        ("device=cuda", "device=cpu"),
+    ),
     "optimizer": (["trainer.optimizer=lbfgs"], "lbfgs"),
     "checkpoint-every": (["trainer.checkpoint_every=-1"], "checkpoint_every=-1"),
     "keep-checkpoints": (["trainer.keep_checkpoints=0"], "keep_checkpoints=0"),
@@ -347,6 +353,7 @@ CATALOGUE = {
 
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
+    "device-cuda-too-few-gpus",
     "manual-ddp-mpi-spawn",
     "manual-ddp-mpi-cuda",
     "fsdp-hybrid",

@@ -4,6 +4,7 @@ reference, the same run under every launcher, and how bad input and crashes end.
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,34 @@ def test_same_ddp_run_under_spawn_torchrun_and_mpirun(cli, cnn_spine):
     runs = {"spawn": cnn_spine["ddp"]}
     runs |= {name: cli("strategy=ddp", *CNN_SPINE, f"launcher={name}") for name in ("torchrun", "mpirun")}
     assert {r["launcher"] for r in runs.values()} == {"spawn", "torchrun", "mpirun"}
-    assert runs["torchrun"]["losses"] == runs["spawn"]["losses"]
-    assert runs["mpirun"]["losses"] == runs["spawn"]["losses"]
+    # spawn's ranks are forked from the warm zygote; the real tools start fresh interpreters: the
+    # same weights to the last bit say a forked rank is as clean as a new process.
+    started = {name: r["rank_start"] for name, r in runs.items()}
+    assert started == {"spawn": "fork", "torchrun": "exec", "mpirun": "exec"}
+    for name in ("torchrun", "mpirun"):
+        assert runs[name]["losses"] == runs["spawn"]["losses"], name
+        assert runs[name]["final_param_sha256"] == runs["spawn"]["final_param_sha256"], name
+
+
+def test_spawn_forks_ranks_only_where_a_fork_equals_a_fresh_interpreter(monkeypatch):
+    """launcher.fork_ranks=false or another launcher: fresh interpreters. An environment that torch
+    reads at import (ATEN_CPU_CAPABILITY picks the kernels) changed since the zygote started: a new
+    zygote under the new environment."""
+    from parallel_lab.cli.launch import _fork_spawned_ranks, launcher_commands
+    from parallel_lab.worker import zygote
+
+    def forks(*overrides: str) -> bool:
+        cfg = validate(compose_config(["world_size=2", *overrides]))
+        return _fork_spawned_ranks(cfg, launcher_commands(cfg, Path("config.yaml"), 29500))
+
+    assert forks()
+    assert not forks("launcher.fork_ranks=false")
+    assert not forks("launcher=torchrun")
+    old_zygote = zygote._zygote_pid
+    other_kernels = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else "default"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", other_kernels)
+    assert forks() and zygote._zygote_pid != old_zygote
+    assert zygote._zygote_env["ATEN_CPU_CAPABILITY"] == os.environ["ATEN_CPU_CAPABILITY"]
 
 
 @pytest.mark.extra  # make test runs the worker under real torchrun through launcher=torchrun (above)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from parallel_lab.cli import multinode
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
+from parallel_lab.worker import zygote
 from parallel_lab.worker.dist_env import DEFAULT_PORT, free_port
 
 WORKER = ["-m", "parallel_lab.worker"]
@@ -34,7 +35,7 @@ WORKER = ["-m", "parallel_lab.worker"]
 @dataclass
 class Proc:
     rank: int | None  # None: a launcher tool that owns several ranks
-    popen: subprocess.Popen
+    popen: subprocess.Popen | zygote.ForkedRank
 
 
 def find_tool(name: str, install_hint: str) -> str:
@@ -195,11 +196,14 @@ def _stop(procs: list[Proc]) -> None:
             proc.popen.wait()
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def _signal_group(popen: subprocess.Popen | zygote.ForkedRank, sig: int) -> None:
     try:
         os.killpg(popen.pid, sig)  # the tool and every rank it started
     except ProcessLookupError:
-        pass
+        try:
+            os.kill(popen.pid, sig)  # a forked rank stopped before its setsid()
+        except ProcessLookupError:
+            pass
 
 
 def supervise(procs: list[Proc], grace_s: float) -> int:
@@ -224,10 +228,21 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through launch()'s finally, which stops the workers
 
 
-def run_processes(commands: list[Command]) -> list[Proc]:
+def _fork_spawned_ranks(cfg: DictConfig, commands: list[Command]) -> bool:
+    """launcher=spawn on CPU forks its ranks from the preloaded zygote (parallel_lab.worker.zygote)
+    when nothing the ranks read at start-up differs from the zygote's environment."""
+    if cfg.launcher.name != "spawn" or not cfg.launcher.fork_ranks:
+        return False
+    return all(zygote.can_fork(cfg.device, env) for _, _, env in commands)
+
+
+def run_processes(commands: list[Command], fork: bool = False) -> list[Proc]:
     procs = []
     try:
         for rank, cmd, env in commands:
+            if fork:
+                procs.append(Proc(rank, zygote.start_rank(cmd[len(WORKER) + 1 :], env)))
+                continue
             # A new session per child so the stop signal reaches a launcher tool's own children too.
             # In the child before exec: SIGTERM it if this parent dies, so a launcher tool
             # (torchrun, mpiexec) in its own session still stops and takes its ranks along.
@@ -275,7 +290,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> int | None:
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     procs = []
     try:
-        procs = run_processes(launcher_commands(cfg, config_path, port))
+        commands = launcher_commands(cfg, config_path, port)
+        procs = run_processes(commands, fork=_fork_spawned_ranks(cfg, commands))
         return supervise(procs, cfg.launcher.grace_s)
     finally:
         _stop(procs)  # also on KeyboardInterrupt or SIGTERM: no orphan workers

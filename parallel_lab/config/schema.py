@@ -103,6 +103,10 @@ class LauncherConfig:
     max_restarts: int = 0  # torchrun only
     extra_args: list = field(default_factory=list)
     grace_s: float = 10.0  # after one rank fails, how long the others get before being killed
+    # spawn on CPU: fork each rank from a process that has already imported torch (~0.1 s instead
+    # of ~6 s of CPU per rank; parallel_lab/worker/zygote.py). false = a fresh
+    # `python -m parallel_lab.worker` per rank. The other launchers' tools always start fresh ones.
+    fork_ranks: bool = True
 
 
 @dataclass

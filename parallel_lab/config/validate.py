@@ -182,7 +182,10 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
     from parallel_lab.checkpoint import validate_checkpoint_config
 
     validate_checkpoint_config(cfg)
+    from parallel_lab.config.devices import resolve_device
     from parallel_lab.config.resources import check_machine_fits
+
+    resolve_device(cfg)
 
     check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
     return cfg

@@ -317,14 +317,16 @@ def table_rows(runs: list[Row]) -> list[list[str]]:
 
 
 def criterion_line(runs: list[Row]) -> str:
-    """How parity was judged, and on which CPU kernels (the floats depend on them)."""
+    """How parity was judged, and on which CPU kernels and GPUs (the floats depend on them)."""
     cpus = sorted({r.metrics.cpu_capability for r in runs if r.ok and r.metrics.cpu_capability})
+    gpus = sorted({r.metrics.device_name for r in runs if r.ok and r.metrics.device_name})
     return (
         f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
         f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
         f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
         f"floor {FLOOR_ULPS} float32 ulps; bf16 rows against `single` in bf16 and its own reruns). "
         f"CPU kernels: {', '.join(cpus) or 'unknown'}."
+        + (f" GPU: {', '.join(gpus)}." if gpus else "")
         + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else "")
     )
 

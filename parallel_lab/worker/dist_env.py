@@ -176,6 +176,10 @@ def init_process_group(env: DistEnv, timeout_s: int) -> None:
         torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=timeout_s)
     common = dict(backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    if env.device.type == "cuda":
+        # NCCL binds the group to this GPU now, rather than guessing at the first barrier (which
+        # warns "using the device under current context" on every rank).
+        common["device_id"] = env.device
     if env.agent_store:
         # torchrun keeps ONE rendezvous store for all restarts of the group: the keys a killed
         # attempt left there made the restarted ranks wait forever in init (seen 1 run in 2).

@@ -4,6 +4,7 @@ the metrics (``parallel_lab.protocol.RunMetrics``)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params
 from parallel_lab.plan.predict import predicted_metrics
-from parallel_lab.protocol import RunMetrics
+from parallel_lab.protocol import RANK_START_ENV, RunMetrics
 from parallel_lab.report.parity import jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.dist_env import DistEnv
@@ -227,9 +228,11 @@ def _metrics(
     return RunMetrics(
         strategy=cfg.strategy.name,
         launcher=cfg.launcher.name,
+        rank_start=os.environ.get(RANK_START_ENV, "exec"),
         world_size=env.world_size,
         backend=env.backend if strategy.needs_process_group else "none",
         device=str(env.device),
+        device_name=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
         model=cfg.model.name,
         data=cfg.data.name,
         params=num_params,
