@@ -30,7 +30,9 @@ DS=$(dirname "$PY")/deepspeed
 [ -x "$DS" ] || DS=deepspeed
 
 config=$("$PY" -m parallel_lab.prepare "$RUN_DIR" launcher=deepspeed "world_size=$NPROC" "$@")
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+# DeepSpeed's accelerator is the device the parent resolved (it counted the GPUs: device: cpu|cuda).
+device=$(sed -n 's/^device: //p' "$config")
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=${DS_ACCELERATOR:-$device}
 "$DS" --num_nodes 1 --num_gpus "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT" --module parallel_lab.worker "$config"
 "$PY" -c 'import sys; from parallel_lab.report.table import summary_line; print(summary_line(sys.argv[1]))' "$RUN_DIR/metrics.json"
 exit 0

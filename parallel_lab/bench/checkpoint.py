@@ -22,7 +22,9 @@ from parallel_lab.testing import run_cli_metrics
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:
-    return run_cli_metrics(run_dir, "trainer.eval_batches=0", *overrides, timeout=900)
+    # The parent runs in this process: one interpreter for every run, whose ranks all fork from
+    # one zygote (parallel_lab/worker/zygote.py). What is timed (save, load) happens in the ranks.
+    return run_cli_metrics(run_dir, "trainer.eval_batches=0", *overrides, timeout=900, in_process=True)
 
 
 def measure(strategy: str, model: str, workdir: Path) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from parallel_lab.config.schema import CONFIG_GROUPS, register_configs
@@ -85,7 +86,10 @@ def _sweep_variants(argv: list[str]) -> list[list[str]]:
 
 def check_overrides_compose(argv: list[str]) -> None:
     """Compose the config with the user's overrides before Hydra runs, so a wrong type or an
-    unknown key is one line (Hydra's own report is a page) and nothing is launched."""
+    unknown key is one line (Hydra's own report is a page) and nothing is launched. A single run
+    (no sweep) is also validated here, so bad values are refused before Hydra makes a run folder;
+    a sweep goes on past its bad points (each becomes a failed row), so its points are validated
+    one by one in their jobs."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
 
     known, _ = get_args_parser().parse_known_args(argv)
@@ -94,19 +98,35 @@ def check_overrides_compose(argv: list[str]) -> None:
         variants = _sweep_variants(overrides)
     except Exception as exc:  # noqa: BLE001 - a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
-    for variant in variants:
-        compose_config(variant)
+    configs = [compose_config(variant, with_hydra=True) for variant in variants]
+    if len(configs) == 1 and not known.multirun and configs[0].hydra.mode != RunMode.MULTIRUN:
+        _validate_before_hydra(configs[0], overrides)
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config the command line would compose from these overrides, before validation.
-    Bad input is a one-line ConfigError, as on the command line."""
+def _validate_before_hydra(cfg: DictConfig, overrides: list[str]) -> None:
+    """validate() without a run folder (Hydra picks it later; the job validates again with it,
+    and warns then: not twice)."""
+    from omegaconf import open_dict
+
+    from parallel_lab.config.validate import validate
+    from parallel_lab.errors import warnings_silenced
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+    with warnings_silenced():
+        validate(cfg, explicit=overrides)
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool = False) -> DictConfig:
+    """The config the command line would compose from these overrides, before validation (with
+    Hydra's own ``hydra`` node, e.g. its mode, if with_hydra). Bad input is a one-line ConfigError,
+    as on the command line."""
     from hydra import compose, initialize_config_dir
 
     check_group_overrides(list(overrides))
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
     except Exception as exc:  # noqa: BLE001 - every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None

@@ -152,6 +152,9 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
+_registered: tuple | None = None  # what register_configs stored last: the same again is a no-op
+
+
 def register_configs() -> None:
     """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
     configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
@@ -160,13 +163,18 @@ def register_configs() -> None:
     from parallel_lab.plugins import plugin_config_files
     from parallel_lab.strategies import options_schemas, sweep_names
 
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=Config)
-    for name, options in options_schemas().items():
-        store.store(group="strategy_options", name=name, node=options)
-    for group in CONFIG_GROUPS:
-        for name, path in plugin_config_files(group).items():
-            store.store(group=group, name=name, node=OmegaConf.load(path))
+    global _registered
+    schemas = options_schemas()
+    plugin_files = {group: plugin_config_files(group) for group in CONFIG_GROUPS}
+    if _registered != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
+        store = ConfigStore.instance()
+        store.store(name="base_config", node=Config)
+        for name, options in schemas.items():
+            store.store(group="strategy_options", name=name, node=options)
+        for group, files in plugin_files.items():
+            for name, path in files.items():
+                store.store(group=group, name=name, node=OmegaConf.load(path))
+        _registered = (schemas, plugin_files)
     if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
         OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
     if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
