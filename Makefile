@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.parallel_lab-installed
-# DeepSpeed JIT-compiles its C++ ops on first use (~30-60 s each); cache them inside .venv so
-# that happens once per checkout, not once per test.
+# DeepSpeed JIT-compiles a C++ op on first use (~30-60 s each; none of the strategies here needs
+# one: docs/facts.md); a config that asks for one (FusedAdam, CPU Adam) caches it inside .venv.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
@@ -18,8 +18,6 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[all,dev]"
-	# The one C++ op DeepSpeed needs here (its CPU shared-memory comm op, ~30 s): built now, not mid-test.
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 demo: $(STAMP)

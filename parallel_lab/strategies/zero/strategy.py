@@ -38,6 +38,7 @@ master copy inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
@@ -87,6 +88,21 @@ def quiet_deepspeed_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..*is deprecated.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed(\.|$)")
     warnings.filterwarnings("ignore", category=UserWarning, message=r".*TypedStorage is deprecated.*")
+
+
+def import_deepspeed():
+    """deepspeed, imported with quiet_deepspeed_warnings() and without its CPU shared-memory comm
+    op. DeepSpeed builds that C++ op (40-67 s of compiling, once per install, and again whenever
+    another ninja is on PATH) when its comm backend starts, but uses it only in
+    ``inference_all_reduce`` (AutoTP inference): training's all_reduce, all_gather and
+    reduce_scatter are torch.distributed's either way (deepspeed/comm/torch.py, 0.19.8). Call it
+    before deepspeed.init_distributed / deepspeed.initialize."""
+    quiet_deepspeed_warnings()
+    import deepspeed
+
+    # By module name: the attribute deepspeed.comm.torch is torch itself (comm re-exports it).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    return deepspeed
 
 
 def _cpu_only(cfg: DictConfig) -> bool:
@@ -146,9 +162,7 @@ class ZeroStrategy(Strategy):
         init_process_group(env, timeout_s)  # ours first (torchrun restarts need it); DeepSpeed adopts it
         if env.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skips the "no GPU found" probe + notice
-        quiet_deepspeed_warnings()
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)
         deepspeed.init_distributed(
@@ -176,9 +190,7 @@ class ZeroStrategy(Strategy):
         self._grads_before_reduction = 0
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
-        quiet_deepspeed_warnings()
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         model = model.to(self.device)
         optimizer = make_optimizer(model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
