@@ -9,14 +9,14 @@ parent process (so a whole sweep, ``make demo`` or a test session, shares it), a
 with its own environment and the launcher's current stdout/stderr. Nothing in ``PRELOAD`` starts a
 thread or touches a device, so a forked rank is as clean as a new interpreter.
 
-The fork is skipped (a fresh interpreter per rank, as before) where it could differ from one:
-- on CUDA: a process must not fork after the CUDA driver may have been initialised, and torch's
-  import probes the driver on a GPU machine;
-- when the environment changed since the zygote started in a variable read at interpreter start or
-  at torch's import (``IMPORT_TIME_PREFIXES``, e.g. ``ATEN_CPU_CAPABILITY``, which picks the CPU
-  kernels). Every other variable is set in the rank before the worker reads it; the two the
-  launcher sets that are read at start-up are re-applied by hand (``OMP_NUM_THREADS`` through
-  ``torch.set_num_threads`` in the worker, ``PYTHONUNBUFFERED`` by line-buffering stdout).
+On CUDA the fork is skipped (a fresh interpreter per rank, as before): a process must not fork
+after the CUDA driver may have been initialised, and torch's import probes the driver on a GPU
+machine. When a variable read at interpreter start or at torch's import (``IMPORT_TIME_PREFIXES``,
+e.g. ``ATEN_CPU_CAPABILITY``, which picks the CPU kernels) changed since the zygote started, a new
+zygote is started under the new environment. Every other variable is set in the rank before the
+worker reads it; the two the launcher sets that are read at start-up are re-applied by hand
+(``OMP_NUM_THREADS`` through ``torch.set_num_threads`` in the worker, ``PYTHONUNBUFFERED`` by
+line-buffering stdout).
 
 Parent death: the fork server exits when the process that started it dies (its end of a pipe
 closes), and each rank asks the kernel for SIGKILL when the fork server dies, so a killed launcher
@@ -168,5 +168,6 @@ def start_process(target, args: tuple, name: str) -> multiprocessing.process.Bas
 
 def start_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
     """Fork one worker rank (``python -m parallel_lab.worker`` arguments argv) from the zygote."""
+    context()  # first: the zygote's pid the rank checks its parent against
     args = (argv, {**env, RANK_START_ENV: "fork"}, _InheritFd(1), _InheritFd(2), _zygote_pid)
     return ForkedRank(start_process(_rank_main, args, name=f"parallel_lab rank {env.get('RANK')}"))
