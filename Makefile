@@ -29,9 +29,13 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 # make test: lint, then every README claim (each strategy's parity, every launcher, checkpoint/resume,
-# the bad-input catalogue), in under 10 minutes on 2 cores. make test-all adds the extra matrices.
+# the bad-input catalogue), then the parity tests once more under a foreign CPU dispatch (every
+# kernel library on another instruction set: docs/facts.md), so that a verdict never depends on
+# the CPU it ran on; under 10 minutes on 2 cores. make test-all adds the extra matrices.
+FOREIGN_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=AVX2
 test: lint
 	$(PY) -m pytest -q --durations=15 -m "not extra"
+	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q --durations=5 -p no:cacheprovider -m "parity and not extra"
 
 test-all: lint
 	$(PY) -m pytest -q --durations=15

@@ -110,7 +110,7 @@ class RunMetrics(_Record):
     grad_accum: int
     steps: int
     threads: int  # intra-op threads of every process
-    ulp_jitter_seed: Optional[int]  # set: a noise-floor rerun of the baseline (report/parity.py)
+    ulp_jitter_seed: Optional[int]  # the initial weights were moved one ulp with this seed (report/parity.py)
     cpu_capability: str  # torch's CPU kernel path: the last bits of every float depend on it
     losses: list[float]  # the global batch's mean loss at every step
     final_loss: float
@@ -144,3 +144,5 @@ class RunMetrics(_Record):
     # already imported torch, parallel_lab/worker/zygote.py) or "exec" (a fresh interpreter each)
     rank_start: Optional[str] = None
     device_name: Optional[str] = None  # the GPU's name on CUDA (torch.cuda.get_device_name); None on CPU
+    # set: a noise-floor rerun of the baseline, labelled by its perturbation (report/parity.py noise_reruns)
+    noise_rerun: Optional[str] = None

@@ -56,7 +56,8 @@ def _train_one(overrides: list[str], variant: str, steps: int, global_batch: int
     strategy = (BROKEN[variant] if variant else get_strategy_class(cfg.strategy.name))(cfg, env)
     metrics = train(cfg, env, strategy)
     ref = reference_for(steps, global_batch, cfg.trainer.grad_clip)
-    verdict = ref.verdict(metrics.losses, strategy.full_parameters())
+    label = " ".join([*overrides, variant]).strip()
+    verdict = ref.verdict(metrics.losses, strategy.full_parameters(), label, expect_pass=not variant)
     result = {
         "overrides": overrides,
         "variant": variant,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
-from parallel_lab.report.parity import NOISE_SEEDS, Verdict, jitter_one_ulp, judge_runs
+from parallel_lab.report.parity import Verdict, adam_lr_of, jitter_one_ulp, judge_runs, log_verdict, noise_reruns
 from parallel_lab.worker.metrics import load_final_params
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
@@ -45,20 +46,22 @@ def reference_run(
     data_size: int = 4096,
     threads: int = 2,
     grad_clip: float = 0.0,
-    jitter_seed: int | None = None,
+    ulp_jitter_seed: int | None = None,
+    grad_accum: int = 1,
     precision: str = "fp32",
 ):
     """Plain training loop: returns (per-step losses, final parameter checksum, final model).
-    grad_clip > 0 clips the whole model's gradient norm; jitter_seed moves every initial weight
-    one ulp (a noise-floor rerun). precision="bf16": the textbook mixed-precision loop (arXiv
+    grad_clip > 0 clips the whole model's gradient norm; ulp_jitter_seed moves every initial weight
+    one ulp and grad_accum > 1 sums the batch's gradient over that many equal micro-batches (two
+    of the noise-floor reruns). precision="bf16": the textbook mixed-precision loop (arXiv
     1710.03740, bf16 needing no loss scaling): each step a bf16 copy of the fp32 model runs forward
     and backward on bf16 inputs, the loss in fp32, and its gradients, cast to fp32, are the fp32
     master weights' gradients for the optimizer."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     net = MODELS[model]()
-    if jitter_seed is not None:
-        jitter_one_ulp(net, jitter_seed)
+    if ulp_jitter_seed is not None:
+        jitter_one_ulp(net, ulp_jitter_seed)
     data = make_synthetic(data_size, seed)
     if optimizer == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
@@ -69,11 +72,9 @@ def reference_run(
         idx = next(batches)
         x, y = data.tensors[0][idx], data.tensors[1][idx]
         opt.zero_grad()
-        if precision == "bf16":
-            loss = _bf16_backward(net, x, y)
-        else:
-            loss = torch.nn.functional.cross_entropy(net(x), y)
-            loss.backward()
+        loss = sum(
+            _backward(net, xs, ys, precision, grad_accum) for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum))
+        )
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         opt.step()
@@ -82,14 +83,26 @@ def reference_run(
     return losses, checksum, net
 
 
-def _bf16_backward(master: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Forward/backward on a bf16 copy of master; master's .grad = the copy's gradients in fp32."""
+def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, parts: int) -> torch.Tensor:
+    """Adds the gradient of this micro-batch's mean loss / parts (one of parts equal micro-batches
+    of the batch) to net's .grad; returns that share of the batch's loss."""
+    if precision == "bf16":
+        return _bf16_backward(net, x, y, parts)
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    share = loss / parts if parts > 1 else loss
+    share.backward()
+    return share.detach()
+
+
+def _bf16_backward(master: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
+    """Forward/backward on a bf16 copy of master; the copy's gradients, in fp32, are added to master's."""
     work = copy.deepcopy(master).to(torch.bfloat16)
     loss = torch.nn.functional.cross_entropy(work(x.to(torch.bfloat16)).float(), y)
-    loss.backward()
+    share = loss / parts if parts > 1 else loss
+    share.backward()
     for p, w in zip(master.parameters(), work.parameters()):
-        p.grad = w.grad.float()
-    return loss
+        p.grad = w.grad.float() if p.grad is None else p.grad + w.grad.float()
+    return share.detach()
 
 
 def _named(net: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -103,18 +116,23 @@ class ParityReference:
     losses: list[float]
     net: torch.nn.Module
     noise: list[tuple[list[float], dict]] = field(default_factory=list)
+    adam_lr: float | None = None  # judge()'s Adam floors: the reference's lr when it trained with Adam
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return _named(self.net)
 
-    def verdict(self, losses: list[float], params: dict | list) -> Verdict:
+    def verdict(self, losses: list[float], params: dict | list, label: str = "", expect_pass: bool = True) -> Verdict:
+        """The report's verdict on (losses, params); logged for the bench with what the test expects
+        (expect_pass=False: a deliberately broken variant)."""
         if isinstance(params, (list, tuple)):  # a strategy's full_parameters(), in model order
             params = {name: p.detach().cpu() for name, p in zip(self.params, params, strict=True)}
-        return judge_runs((losses, params), (self.losses, self.params), self.noise)
+        verdict = judge_runs((losses, params), (self.losses, self.params), self.noise, adam_lr=self.adam_lr)
+        log_verdict(label, verdict, expect_pass)
+        return verdict
 
     def assert_matches(self, losses: list[float], params: dict | list, label: str = "") -> Verdict:
-        verdict = self.verdict(losses, params)
+        verdict = self.verdict(losses, params, label)
         assert verdict.passed, f"{label}: not the same training as the reference: {verdict.reason()}"
         return verdict
 
@@ -126,11 +144,14 @@ class ParityReference:
 
 
 @functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
-def parity_reference(model: str = "cnn", **kwargs) -> ParityReference:
-    """reference_run(**kwargs) plus one rerun per parallel_lab.report.parity.NOISE_SEEDS seed."""
+def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e-3, **kwargs) -> ParityReference:
+    """reference_run(**kwargs) plus its noise-floor reruns (parallel_lab.report.parity.noise_reruns)."""
+    kwargs.update(optimizer=optimizer, lr=lr)
     losses, _, net = reference_run(model, **kwargs)
+    defaults = {name: p.default for name, p in inspect.signature(reference_run).parameters.items()}
+    batch, threads = (kwargs.get(key, defaults[key]) for key in ("global_batch", "threads"))
     noise = []
-    for seed in NOISE_SEEDS:
-        noise_losses, _, noise_net = reference_run(model, jitter_seed=seed, **kwargs)
+    for changes in noise_reruns(batch, 1, threads).values():
+        noise_losses, _, noise_net = reference_run(model, **{**kwargs, **changes})
         noise.append((noise_losses, _named(noise_net)))
-    return ParityReference(losses, net, noise)
+    return ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))

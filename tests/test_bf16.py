@@ -54,6 +54,7 @@ def bf16_reference():
     return parity_reference("cnn", steps=STEPS, global_batch=BATCH, precision="bf16")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("row", list(ROWS))
 def test_bf16_row_matches_the_bf16_reference(bf16_runs, bf16_reference, row):
     metrics = bf16_runs[row]
@@ -63,17 +64,21 @@ def test_bf16_row_matches_the_bf16_reference(bf16_runs, bf16_reference, row):
     print(row, {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()})
 
 
+@pytest.mark.parity
 def test_bf16_gradients_not_averaged_fail(bf16_runs, bf16_reference):
-    verdict = bf16_reference.verdict(bf16_runs["not_averaged"]["losses"], _params(bf16_runs["not_averaged"]))
+    verdict = bf16_reference.verdict(
+        bf16_runs["not_averaged"]["losses"], _params(bf16_runs["not_averaged"]), "ddp bf16 not averaged", False
+    )
     print("not averaged", {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()})
     assert not verdict.passed
 
 
+@pytest.mark.parity
 @pytest.mark.extra
 def test_bf16_reference_is_not_the_fp32_one(bf16_runs):
     """The bf16 rows need the bf16 baseline: against fp32 `single`'s envelope the real ddp row fails."""
     fp32 = parity_reference("cnn", steps=STEPS, global_batch=BATCH)
-    assert not fp32.verdict(bf16_runs["ddp"]["losses"], _params(bf16_runs["ddp"])).passed
+    assert not fp32.verdict(bf16_runs["ddp"]["losses"], _params(bf16_runs["ddp"]), "bf16 ddp vs fp32", False).passed
 
 
 def test_zero3_bf16_holds_the_mixed_precision_model_states(bf16_runs):
@@ -92,6 +97,7 @@ def test_zero3_bf16_holds_the_mixed_precision_model_states(bf16_runs):
 EXTRA_ROWS = {"zero1": ("strategy=zero1",), "fsdp-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op")}
 
 
+@pytest.mark.parity
 @pytest.mark.extra
 def test_more_bf16_rows_match_the_bf16_reference(tmp_path, bf16_reference):
     paths = [write_config(tmp_path / f"{n}.yaml", *o, "trainer.precision=bf16", *COMMON) for n, o in EXTRA_ROWS.items()]

@@ -20,6 +20,8 @@ from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import assert_plan_matches, load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 
+pytestmark = pytest.mark.parity  # every test here judges parity (make test runs them twice)
+
 STEPS, BATCH = 3, 24  # 24 splits over 2 or 3 ranks x grad_accum 2
 ALGORITHMS = ("star", "ring", "builtin")
 CNN = ("model=cnn", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}")

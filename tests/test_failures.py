@@ -286,6 +286,8 @@ CATALOGUE = {
     ),
     "deepspeed-flag-vs-strategy": (["--deepspeed", "strategy=ddp"], ("--deepspeed", "strategy=ddp")),
     "world-size-0": (["world_size=0"], "world_size=0"),
+    "master-port-beyond-16-bits": (["launcher.master_port=70000"], ("launcher.master_port=70000", "65536")),
+    "eval-batches-negative": (["trainer.eval_batches=-1"], ("trainer.eval_batches=-1", "trainer.eval_batches=2")),
     "world-size-1000": (["world_size=1000"], "world_size=1000"),
     "world-size-beyond-memory": (more_ranks_than_memory, ("world_size=64 needs about 64 x", "GiB available")),
     "batch-not-divisible": (["trainer.global_batch=33"], "global_batch=33"),
@@ -383,13 +385,24 @@ REFUSED_BEFORE_WORKERS = {
     "world-size-beyond-memory",
     "ds-config-refused-by-deepspeed",
     "ds-config-conflicts-at-once",
+    "master-port-beyond-16-bits",
+    "eval-batches-negative",
 }
+# Refused before Hydra makes the run folder: not even failed.json is written.
+NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-nan"}
 
 
 # These go through a fresh `python -m parallel_lab` process (exit status, stderr as a user sees them);
 # the rest call the same main() in this process: each is refused in the parent before anything starts,
 # so a new interpreter per case (~3 s of imports on 2 cores) would prove nothing more.
-AS_A_PROCESS = {"unknown-strategy", "wrong-type-int", "lr-nan", "world-size-beyond-memory", "resume-corrupt-checkpoint"}
+AS_A_PROCESS = {
+    "unknown-strategy",
+    "wrong-type-int",
+    "lr-nan",
+    "world-size-beyond-memory",
+    "resume-corrupt-checkpoint",
+    "master-port-beyond-16-bits",
+}
 
 
 def assert_one_clean_line(result: subprocess.CompletedProcess, run_dir: Path, named: str | tuple[str, ...]) -> str:
@@ -419,6 +432,8 @@ def test_bad_input_catalogue(tmp_path, checkpoint_of, case):
     assert_one_clean_line(result, run_dir, named)
     if case in REFUSED_BEFORE_WORKERS:
         assert result.returncode == 2 and not (run_dir / PIDS_DIR).exists(), "a worker started"
+    if case in NOTHING_WRITTEN:
+        assert not run_dir.exists(), f"{case}: {sorted(p.name for p in run_dir.iterdir())} written"
 
 
 def test_port_already_in_use(tmp_path):

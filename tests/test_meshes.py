@@ -48,6 +48,7 @@ def _assert_real(result: dict, dims: dict) -> None:
         assert groups["replicate"] == 2 * r["param_bytes"], f"{label} rank {rank}: {groups} vs {r}"
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_mesh_layouts_match_single_and_a_missing_replica_average_fails():
     """HSDP 2x2, dp2 x tp2, dp2 x pp2 equal single; HSDP without the replicate all-reduce FAILS."""
@@ -72,6 +73,7 @@ def test_mesh_layouts_match_single_and_a_missing_replica_average_fails():
     assert not broken["passed"] and broken["ratios"]["early_dloss"] > ENVELOPE_MULTIPLE, broken
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.extra  # the layouts' claims are proven by the make-test case above; these add impls and clipping
 def test_mesh_layouts_other_impls_clipping_and_broken_twins():

@@ -16,14 +16,18 @@ from parallel_lab.report.parity import (
     ENVELOPE_MULTIPLE,
     FLOOR_ULPS,
     Gaps,
+    adam_element_bound,
     jitter_one_ulp,
     judge,
+    noise_reruns,
     ulp,
 )
 from parallel_lab.testing import run_ranks
 from parallel_lab.worker.metrics import load_final_params
 from tests.conftest import write_config
 from tests.reference import parity_reference
+
+pytestmark = pytest.mark.parity  # every test here judges parity (make test runs them twice)
 
 BASE_LOSSES = [2.3] * 10
 BASE_PARAMS = {"w": torch.ones(4)}
@@ -77,6 +81,34 @@ def test_a_zero_envelope_still_allows_the_float_floor_and_no_more():
     assert not judge(_gaps([2 * LOSS_FLOOR] * 10), env, BASE_LOSSES, BASE_PARAMS).passed
 
 
+def test_under_adam_one_weight_may_move_by_adams_bound_and_no_more():
+    """Adam's high gain: a gradient within rounding of zero can turn one weight's update from
+    +lr to -lr, so the parameter floors allow one weight moved by 2 lr a step, not two."""
+    env, lr = _gaps([0] * 10), 1e-3
+    one_weight = adam_element_bound(lr, len(BASE_LOSSES))
+    theta_norm = float(BASE_PARAMS["w"].norm())
+    one = _gaps([0] * 10, 0.9 * one_weight / theta_norm, 0.9 * one_weight)
+    assert judge(one, env, BASE_LOSSES, BASE_PARAMS, adam_lr=lr).passed
+    assert not judge(one, env, BASE_LOSSES, BASE_PARAMS).passed  # under SGD (no Adam floor) it fails
+    two = _gaps([0] * 10, math.sqrt(2) * one_weight / theta_norm, one_weight)  # two weights moved by the bound
+    verdict = judge(two, env, BASE_LOSSES, BASE_PARAMS, adam_lr=lr)
+    assert not verdict.passed and "param_rel_l2" in verdict.reason()
+
+
+def test_noise_reruns_change_only_last_bits_and_fit_the_batch():
+    reruns = noise_reruns(global_batch=24, grad_accum=1, threads=2)
+    assert reruns == {
+        "ulp_jitter_seed=1": {"ulp_jitter_seed": 1},
+        "ulp_jitter_seed=2": {"ulp_jitter_seed": 2},
+        "ulp_jitter_seed=3": {"ulp_jitter_seed": 3},
+        "micro_batches=2": {"grad_accum": 2},
+        "micro_batches=4": {"grad_accum": 4},
+        "threads=1": {"threads": 1},
+    }
+    odd = noise_reruns(global_batch=6, grad_accum=3, threads=1)  # 6 = 3 x 2: no further split fits
+    assert "micro_batches=6" in odd and "micro_batches=12" not in odd and odd["threads=2"] == {"threads": 2}
+
+
 STEPS, BATCH = 20, 64  # the make demo run: long enough for Adam's chaos to show
 VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pass?)
     ("adam", "", True),
@@ -112,7 +144,8 @@ def test_broken_data_parallelism_fails_and_the_real_strategy_passes(tmp_path):
     verdicts = {}
     for (opt, variant, should_pass), run_losses, (path, _) in zip(VARIANTS, losses, runs):
         ref = parity_reference("cnn", steps=STEPS, global_batch=BATCH, optimizer=opt)
-        verdict = ref.verdict(run_losses, load_final_params(Path(path).with_suffix("")))
+        label = f"{opt} {variant or 'manual_ddp'}"
+        verdict = ref.verdict(run_losses, load_final_params(Path(path).with_suffix("")), label, should_pass)
         verdicts[(opt, variant or "manual_ddp")] = verdict
         assert verdict.passed == should_pass, f"{opt} {variant or 'manual_ddp'}: {verdict.as_dict()}"
     for key, verdict in verdicts.items():  # -s shows how far each one is from its bound

@@ -66,6 +66,7 @@ def _matrix(world_size: int) -> list[list[str]]:
     return configs
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_pp_two_stages_match_reference_in_one_set_of_ranks():
     configs = _matrix(2) + [
@@ -84,6 +85,7 @@ def test_pp_two_stages_match_reference_in_one_set_of_ranks():
     )
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.extra  # three stages in make test: the CLI run below (torch impl, gpipe)
 def test_pp_three_stages_match_reference_in_one_set_of_ranks():
@@ -97,6 +99,7 @@ def test_pp_three_stages_match_reference_in_one_set_of_ranks():
     )
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, impl, schedule", [(2, "manual", "1f1b"), (3, "torch", "gpipe")])
 def test_pp_cli_matches_reference_and_splits_by_stage(cli, reference, world_size, impl, schedule):

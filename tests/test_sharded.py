@@ -102,6 +102,7 @@ def sharded_runs(tmp_path_factory, request):
     return runs
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "strategy,offload", [*ZERO_CASES, *(pytest.param(*c, marks=pytest.mark.extra) for c in EXTRA_ZERO_CASES)]
 )
@@ -114,6 +115,7 @@ def test_zero_matches_single_process(sharded_runs, reference, strategy, offload)
         assert_plan_matches(metrics)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "version,sharding", [*FSDP_CASES, *(pytest.param(*c, marks=pytest.mark.extra) for c in EXTRA_FSDP_CASES)]
 )

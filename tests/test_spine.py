@@ -78,6 +78,7 @@ def assert_spine_run(run: dict, ref) -> None:
     assert_plan_matches(run)  # parallel_lab.plan's prediction, stored beside the measurement
 
 
+@pytest.mark.parity
 def test_single_and_ddp_match_independent_reference(cnn_spine):
     ref = parity_reference("cnn", steps=4, global_batch=32)
     for run in cnn_spine.values():
@@ -87,18 +88,21 @@ def test_single_and_ddp_match_independent_reference(cnn_spine):
     assert all(r["param_bytes"] == 4 * ddp["params"] for r in ddp["ranks"])
 
 
+@pytest.mark.parity
 def test_resnet18_ddp_matches_independent_reference(cli):
     """The larger model through the same command (single's parity on it: make test-all)."""
     ddp = cli("strategy=ddp", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8")
     assert_spine_run(ddp, parity_reference("resnet18", steps=2, global_batch=8))
 
 
+@pytest.mark.parity
 @pytest.mark.extra
 def test_resnet18_single_matches_independent_reference(cli):
     single = cli("strategy=single", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8")
     assert_spine_run(single, parity_reference("resnet18", steps=2, global_batch=8))
 
 
+@pytest.mark.parity
 @pytest.mark.extra  # make test: grad_accum=2 in tests/test_data_parallel.py (manual_ddp matrix, ddp no_sync)
 def test_grad_accum_keeps_the_same_losses(cli):
     ref = parity_reference(steps=3, global_batch=32)
@@ -173,7 +177,7 @@ def test_report_renders_table_from_runs_and_one_step_shows_all_model_state(tmp_p
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "strategy" not in line]
     # A single and a ddp run, no noise-floor reruns: no verdict, and the report says how to get one.
     assert len(rows) == 2 and all("no noise floor" in row for row in rows), stdout
-    assert "ulp_jitter_seed" in stdout
+    assert "reruns the baseline for the noise floor" in stdout
     for name in ("comparison.md", "comparison.csv", "comparison.json"):
         assert (tmp_path / name).is_file()
     with open(tmp_path / "comparison.csv") as f:

@@ -23,6 +23,7 @@ def test_f_and_g_forward_and_backward_match_dense():
     run_ranks("tests.dist_bodies_tp:autograd_collectives_body", world_size=2, timeout=180)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_tp_configurations_match_reference_in_one_set_of_ranks():
     """Both impls, the conv split, gradient accumulation: losses, every gathered parameter tensor
@@ -46,6 +47,7 @@ def test_tp_configurations_match_reference_in_one_set_of_ranks():
     )
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["manual", pytest.param("dtensor", marks=pytest.mark.extra)])  # dtensor: matrix above
 def test_tp_cli_matches_reference_and_splits_the_head(cli, reference, impl):

@@ -56,6 +56,9 @@ def _check_numbers(cfg: DictConfig) -> None:
         )
     _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
     _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
+    _check_range("trainer.eval_batches", t.eval_batches, 0, default=TrainerConfig.eval_batches, note=" (0 = skip)")
+    # A TCP port is 16 bits; 0 lets the launcher pick a free one.
+    _check_range("launcher.master_port", launcher.master_port, 0, 65536, default=LauncherConfig.master_port)
     _check_positive("dist_timeout_s", cfg.dist_timeout_s)
 
 
@@ -163,11 +166,12 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
         )
     if cfg.fault.at not in ("step", "checkpoint"):
         raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
-    if t.ulp_jitter_seed is not None and cfg.strategy.name != "single":
-        raise ConfigError(
-            f"trainer.ulp_jitter_seed={t.ulp_jitter_seed} is for noise-floor reruns of the baseline; "
-            f"use it with strategy=single, or drop it"
-        )
+    for key in ("ulp_jitter_seed", "noise_rerun"):
+        if t[key] is not None and cfg.strategy.name != "single":
+            raise ConfigError(
+                f"trainer.{key}={t[key]} is for noise-floor reruns of the baseline; "
+                "use it with strategy=single, or drop it"
+            )
     requested_world = ws
     from parallel_lab.config.hosts import resolve_hosts
 

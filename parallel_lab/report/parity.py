@@ -34,7 +34,9 @@ every ratio is at most ``ENVELOPE_MULTIPLE``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -43,7 +45,10 @@ import torch
 ENVELOPE_MULTIPLE = 10.0  # measured worst ratio of a real strategy to one noise run: 5.6 (docs/parity.md)
 EARLY_STEPS = 5  # measured: every strategy and noise run stays within 2 ulps of the loss up to step 6
 FLOOR_ULPS = 8  # the absolute floor, in float32 units in the last place of the compared value
-NOISE_SEEDS = (1, 2)  # one noise-floor rerun of the baseline per seed
+NOISE_SEEDS = (1, 2, 3)  # ulp-jitter seeds: one noise-floor rerun of the baseline per seed
+NOISE_MICRO_BATCHES = (2, 4)  # the baseline's batch also summed in this many micro-batches (where it divides)
+ADAM_OPTIMIZERS = ("adam", "adamw")  # trainer.optimizer values whose updates have Adam's high gain
+VERDICT_LOG_ENV = "PARALLEL_LAB_PARITY_LOG"  # a file: every verdict appended as one JSON line (bench)
 
 
 def jitter_one_ulp(model: torch.nn.Module, seed: int) -> None:
@@ -54,6 +59,21 @@ def jitter_one_ulp(model: torch.nn.Module, seed: int) -> None:
             up = torch.randint(0, 2, p.shape, generator=generator).bool()
             target = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
             p.copy_(torch.nextafter(p, target))
+
+
+def noise_reruns(global_batch: int, grad_accum: int, threads: int) -> dict[str, dict[str, int]]:
+    """The noise floor's reruns of a baseline: {label: the trainer.* values that change}. Each is
+    the same training with other last bits: every initial weight moved one ulp (one per seed of
+    NOISE_SEEDS); the gradient summed over more micro-batches (the reduction order data
+    parallelism and accumulation use); another intra-op thread count (another order inside the
+    kernels). docs/parity.md has the measurements that chose this set."""
+    reruns = {f"ulp_jitter_seed={seed}": {"ulp_jitter_seed": seed} for seed in NOISE_SEEDS}
+    for k in NOISE_MICRO_BATCHES:
+        if global_batch % (grad_accum * k) == 0:
+            reruns[f"micro_batches={grad_accum * k}"] = {"grad_accum": grad_accum * k}
+    other_threads = 1 if threads > 1 else 2
+    reruns[f"threads={other_threads}"] = {"threads": other_threads}
+    return reruns
 
 
 def ulp(value: float) -> float:
@@ -140,22 +160,65 @@ class Verdict:
         return {**out, "passed": self.passed, "reason": self.reason()}
 
 
-def judge(row: Gaps, env: Gaps, base_losses: list[float], base_params: dict[str, torch.Tensor]) -> Verdict:
-    """The parity verdict of one run, given its gaps and the noise envelope (module docstring)."""
+def adam_element_bound(lr: float, steps: int) -> float:
+    """How far one weight can move apart in two Adam runs of ``steps`` steps: each update is about
+    ``lr`` in size whatever the gradient's scale (``m̂ / √v̂``), so at most ``2 · lr`` a step."""
+    return 2.0 * lr * steps
+
+
+def judge(
+    row: Gaps, env: Gaps, base_losses: list[float], base_params: dict[str, torch.Tensor], adam_lr: float | None = None
+) -> Verdict:
+    """The parity verdict of one run, given its gaps and the noise envelope (module docstring).
+    adam_lr: the run's Adam learning rate (None for another optimizer): raises the parameter
+    floors to one weight moved by ``adam_element_bound`` (module docstring: Adam's high gain)."""
     early = min(EARLY_STEPS, len(row.loss))
     loss_floor = FLOOR_ULPS * ulp(max(abs(v) for v in base_losses))
     theta_max = max(float(p.abs().max()) for p in base_params.values())
+    rel_floor = FLOOR_ULPS * float(np.finfo(np.float32).eps)
+    abs_floor = FLOOR_ULPS * ulp(theta_max)
+    if adam_lr is not None:
+        one_weight = adam_element_bound(adam_lr, len(base_losses))
+        theta_norm = math.sqrt(sum(float(p.double().pow(2).sum()) for p in base_params.values()))
+        rel_floor, abs_floor = max(rel_floor, one_weight / theta_norm), max(abs_floor, one_weight)
     return Verdict(
         early_dloss=Check(max(row.loss[:early]), max(env.loss[:early]), loss_floor),
         max_dloss=Check(max(row.loss), max(env.loss), loss_floor),
-        param_rel_l2=Check(row.rel_l2, env.rel_l2, FLOOR_ULPS * float(np.finfo(np.float32).eps)),
-        param_max_abs=Check(row.max_abs, env.max_abs, FLOOR_ULPS * ulp(theta_max)),
+        param_rel_l2=Check(row.rel_l2, env.rel_l2, rel_floor),
+        param_max_abs=Check(row.max_abs, env.max_abs, abs_floor),
     )
 
 
 def judge_runs(
-    run: tuple[list[float], dict], baseline: tuple[list[float], dict], noise_runs: list[tuple[list[float], dict]]
+    run: tuple[list[float], dict],
+    baseline: tuple[list[float], dict],
+    noise_runs: list[tuple[list[float], dict]],
+    adam_lr: float | None = None,
 ) -> Verdict:
     """judge() from (losses, params) pairs: the run, the baseline, and the baseline's noise reruns."""
     env = envelope([gaps(*noise, *baseline) for noise in noise_runs])
-    return judge(gaps(*run, *baseline), env, *baseline)
+    return judge(gaps(*run, *baseline), env, *baseline, adam_lr=adam_lr)
+
+
+def adam_lr_of(optimizer: str, lr: float) -> float | None:
+    """The lr judge() takes for the Adam floors: lr for the Adam family, None otherwise."""
+    return lr if optimizer in ADAM_OPTIMIZERS else None
+
+
+def log_verdict(label: str, verdict: Verdict, expect_pass: bool = True) -> None:
+    """Append the verdict to the file named by $PARALLEL_LAB_PARITY_LOG, if set: how
+    ``python -m parallel_lab.bench parity_robustness`` collects every judgement the tests make
+    (the test's id from pytest's $PYTEST_CURRENT_TEST, the rank, the expected outcome)."""
+    path = os.environ.get(VERDICT_LOG_ENV)
+    if not path:
+        return
+    record = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "label": label,
+        "rank": int(os.environ.get("RANK", "0")),
+        "expect_pass": expect_pass,
+        "passed": verdict.passed,
+        "ratios": {name: check.ratio for name, check in verdict.checks().items()},
+    }
+    with open(path, "a") as f:  # one short write per line: appends from several ranks stay whole
+        f.write(json.dumps(record) + "\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from parallel_lab.protocol import CONFIG_FILE
-from parallel_lab.report.parity import NOISE_SEEDS
+from parallel_lab.report.parity import noise_reruns
 from parallel_lab.report.table import Row, baseline_key, is_baseline, load_runs, write_report
 
 NOISE_DIR = "noise_floor"
@@ -16,24 +16,25 @@ failed_proofs: list[str] = []  # rows of this process's sweeps whose proof faile
 
 
 def run_noise_floor(runs: list[Row], sweep_dir: Path) -> None:
-    """Rerun every baseline of the sweep once per NOISE_SEEDS seed with its initial weights moved
-    one ulp (report/parity.py), through the same launcher as any run. One baseline per
+    """Rerun every baseline of the sweep once per noise_reruns() perturbation (the same training in
+    other last bits, report/parity.py), through the same launcher as any run. One baseline per
     baseline_key, which includes the precision: a bf16 `single` gets its own reruns (bf16 rows'
     envelope), beside the fp32 one's."""
     from omegaconf import OmegaConf
 
     from parallel_lab.cli.main import run_one
 
-    done = {(baseline_key(r), r.metrics.ulp_jitter_seed) for r in runs if r.is_noise}
+    done = {(baseline_key(r), r.metrics.noise_rerun) for r in runs if r.is_noise}
     for base in (r for r in runs if is_baseline(r)):
-        for seed in NOISE_SEEDS:
-            if (baseline_key(base), seed) in done:
+        m = base.metrics
+        for label, changes in noise_reruns(m.global_batch, m.grad_accum, m.threads).items():
+            if (baseline_key(base), label) in done:
                 continue
-            done.add((baseline_key(base), seed))
+            done.add((baseline_key(base), label))
             cfg = OmegaConf.load(Path(base.run_dir) / CONFIG_FILE)
-            cfg.trainer.ulp_jitter_seed = seed
+            cfg.trainer.update(changes, noise_rerun=label)
             cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_dir = 0, None
-            run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base.run_dir).name}_seed{seed}")
+            run_one(cfg, sweep_dir / NOISE_DIR / f"{Path(base.run_dir).name}_{label.replace('=', '')}")
 
 
 class SweepReport(Callback):

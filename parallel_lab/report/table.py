@@ -19,13 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics
-from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULPS, NOISE_SEEDS, envelope, gaps, judge
+from parallel_lab.report.parity import (
+    EARLY_STEPS,
+    ENVELOPE_MULTIPLE,
+    FLOOR_ULPS,
+    NOISE_SEEDS,
+    adam_lr_of,
+    envelope,
+    gaps,
+    judge,
+)
 from parallel_lab.worker.metrics import load_final_params
 
 MiB = 1024 * 1024
 NOISE_HINT = (
     "run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
-    "strategy=single,...): it reruns the baseline with trainer.ulp_jitter_seed=1,2 for the noise floor"
+    "strategy=single,...): it reruns the baseline for the noise floor (report/parity.py noise_reruns)"
 )
 
 
@@ -53,7 +62,7 @@ class Row:
     @property
     def is_noise(self) -> bool:
         """A noise-floor rerun of the baseline (report/parity.py)."""
-        return self.ok and self.metrics.ulp_jitter_seed is not None
+        return self.ok and (self.metrics.noise_rerun or self.metrics.ulp_jitter_seed) is not None
 
     def to_json(self) -> dict:
         """comparison.json: the record's fields, where it lives, and the verdict with its evidence."""
@@ -131,7 +140,7 @@ def _judge_one(run: Row, base_pair, env) -> None:
         run.parity = "no noise floor"
     else:
         gap = gaps(*pair, *base_pair)
-        verdict = judge(gap, env, *base_pair)
+        verdict = judge(gap, env, *base_pair, adam_lr=adam_lr_of(run.metrics.optimizer, run.metrics.lr))
         run.dloss_per_step, run.noise_envelope_per_step = gap.loss, env.loss
         run.parity_checks = verdict.as_dict()
         run.parity = "envelope" if run.is_noise else ("pass" if verdict.passed else "FAIL")
@@ -232,7 +241,8 @@ def mark_variants(runs: list[Row]) -> None:
 
 def _strategy_label(run: Row) -> str:
     if run.is_noise:
-        return f"{run.record.strategy} (noise seed {run.metrics.ulp_jitter_seed})"
+        m = run.metrics
+        return f"{m.strategy} (noise: {m.noise_rerun or f'ulp_jitter_seed={m.ulp_jitter_seed}'})"
     return " ".join(filter(None, (run.record.strategy, run.variant)))
 
 
@@ -321,10 +331,12 @@ def criterion_line(runs: list[Row]) -> str:
     cpus = sorted({r.metrics.cpu_capability for r in runs if r.ok and r.metrics.cpu_capability})
     gpus = sorted({r.metrics.device_name for r in runs if r.ok and r.metrics.device_name})
     return (
-        f"Parity: each row vs `single`, against the noise envelope of `single` rerun with every initial weight "
-        f"moved 1 ulp (seeds {', '.join(map(str, NOISE_SEEDS))}). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
+        f"Parity: each row vs `single`, against the noise envelope of `single` rerun with the same training in "
+        f"other last bits (weights moved 1 ulp, seeds {', '.join(map(str, NOISE_SEEDS))}; more micro-batches; "
+        f"another thread count). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
         f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
-        f"floor {FLOOR_ULPS} float32 ulps; bf16 rows against `single` in bf16 and its own reruns). "
+        f"floor {FLOOR_ULPS} float32 ulps, under Adam one weight moved 2·lr·steps; bf16 rows against `single` "
+        f"in bf16 and its own reruns). "
         f"CPU kernels: {', '.join(cpus) or 'unknown'}."
         + (f" GPU: {', '.join(gpus)}." if gpus else "")
         + (f" No noise floor here: {NOISE_HINT}." if any(r.parity == "no noise floor" for r in runs) else "")

@@ -243,6 +243,7 @@ def _metrics(
         steps=t.steps,
         threads=t.threads,
         ulp_jitter_seed=t.ulp_jitter_seed,
+        noise_rerun=t.noise_rerun,
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         losses=history["losses"],
         final_loss=history["losses"][-1],

@@ -49,8 +49,22 @@ PRELOAD = [
     "parallel_lab.worker.zygote",
 ]
 # Variables read before a rank's own environment is in place: by the interpreter, or while PRELOAD
-# is imported (libgomp/MKL thread pools, torch's kernel choice and logging, the dynamic loader).
-IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ATEN_", "TORCH", "PYTORCH_")
+# is imported (libgomp/MKL thread pools, torch's kernel choice and logging, the dynamic loader),
+# or once per process by a kernel library (oneDNN's instruction set: ONEDNN_/DNNL_MAX_CPU_ISA).
+IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "ATEN_",
+    "ONEDNN_",
+    "DNNL_",
+    "TORCH",
+    "PYTORCH_",
+)
 # Set per run by the launcher and re-applied in the rank (see the module docstring), or set in
 # the parent by libraries it imported later and read only when used (a cache folder; how
 # torch.cuda counts GPUs): neither needs a new zygote.
