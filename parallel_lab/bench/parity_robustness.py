@@ -163,7 +163,11 @@ def summary_line(records: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench parity_robustness", description=__doc__)
     parser.add_argument("--limit", type=int, default=0, help="run only the first N dispatches (0: all)")
-    parser.add_argument("--mark", default="parity", help="pytest -m expression selecting the tests")
+    parser.add_argument(
+        "--mark",
+        default="parity and not extra",
+        help="pytest -m expression (default: the tests make test judges twice)",
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="folder for the logs (default runs/parity_robustness/<time>)"
     )

@@ -3,18 +3,17 @@
 Why no fixed tolerance: two computations of the same training that differ only in the last bits
 (another summation order, another CPU's kernels) drift apart. Adam turns a last-bit change in a
 gradient that is near zero into a full ``±lr`` update of that weight, and from there the runs
-separate further every step. How far depends on the model, the data, the steps and the CPU: on
-one machine a 20-step cnn run moved its losses by 2.7e-4 when only the kernel path changed
-(``ATEN_CPU_CAPABILITY``), on another by 1.4e-5. A constant that passes on one CPU fails on the
-next (docs/parity.md has the measurements).
+separate further every step. How far depends on the model, the data, the steps and the CPU (its
+three kernel libraries: ATen, oneDNN, MKL); a constant that passes on one CPU fails on the next
+(docs/parity.md has the measurements, docs/facts.md the libraries).
 
-The noise floor, measured on every comparison: the baseline (``single``) is run again, once per
-seed in ``NOISE_SEEDS``, with every initial weight moved one unit in the last place (ulp) up or
-down (random signs from the seed). That is a last-bit change of exactly the size a different
-strategy's reduction order makes, applied to every weight, so it always perturbs, on every CPU
-(a kernel-path or thread-count change can happen to leave the bits alone on one machine and not
-on another). Its divergence from the baseline, step by step, is the envelope; two seeds, because
-the divergence lands on a few discrete paths and one sample can be a quiet one.
+The noise floor, measured on every comparison: the baseline (``single``) is run again with
+changes that keep the training mathematically the same and move only last bits
+(``noise_reruns``): every initial weight moved one ulp (one rerun per seed of ``NOISE_SEEDS``),
+the gradient summed over more micro-batches (``NOISE_MICRO_BATCHES``: the reduction order data
+parallelism uses), and another thread count. Their largest divergence from the baseline, step by
+step, is the envelope. Several and of several kinds, because a chaotic divergence lands on a few
+discrete paths and one kind of change can draw a quiet one where a strategy draws a loud one.
 
 A row passes when
 - early: over the first ``EARLY_STEPS`` steps, before chaos has amplified anything, every
@@ -23,13 +22,16 @@ A row passes when
   shows here: the envelope is a few ulps wide then);
 - whole run: the largest ``|Δloss|``, the relative L2 distance of the full final parameters and
   their largest ``|Δθ|`` are each within ``ENVELOPE_MULTIPLE`` x the envelope's (largest over the
-  noise runs) plus the same kind of floor.
+  noise runs) plus a floor. Under Adam the parameter floors are one weight moved by the most Adam
+  can move it (``adam_element_bound``): Adam's gain on a gradient within rounding of zero is
+  ``lr / eps``, so whether a run holds one such weight is a coin toss per run and per CPU.
 Whole-run maxima, not step-by-step ratios, after the early window: when the paths separate is
 itself random (measured: the same divergence arrived 2-4 steps apart), so step-by-step ratios
 swing by 100x while the size of the divergence does not.
 
 The ratio shown is ``divergence / (envelope + floor / ENVELOPE_MULTIPLE)``: a row passes when
-every ratio is at most ``ENVELOPE_MULTIPLE``.
+every ratio is at most ``ENVELOPE_MULTIPLE``. ``python -m parallel_lab.bench parity_robustness``
+measures how often a real run fails that (false alarms) across CPU kernel dispatches.
 """
 
 from __future__ import annotations
