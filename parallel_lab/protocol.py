@@ -146,3 +146,15 @@ class RunMetrics(_Record):
     device_name: Optional[str] = None  # the GPU's name on CUDA (torch.cuda.get_device_name); None on CPU
     # set: a noise-floor rerun of the baseline, labelled by its perturbation (report/parity.py noise_reruns)
     noise_rerun: Optional[str] = None
+    # The kernel libraries' instruction-set settings the run had (KERNEL_DISPATCH_VARS that were set;
+    # empty: each library chose from the CPU). With cpu_capability, what decided the floats (docs/facts.md).
+    kernel_dispatch: dict[str, str] = field(default_factory=dict)
+
+
+# ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches
+KERNEL_DISPATCH_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def kernel_dispatch() -> dict[str, str]:
+    """This process's settings of KERNEL_DISPATCH_VARS (the ones set)."""
+    return {name: os.environ[name] for name in KERNEL_DISPATCH_VARS if name in os.environ}

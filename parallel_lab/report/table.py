@@ -328,7 +328,13 @@ def table_rows(runs: list[Row]) -> list[list[str]]:
 
 def criterion_line(runs: list[Row]) -> str:
     """How parity was judged, and on which CPU kernels and GPUs (the floats depend on them)."""
-    cpus = sorted({r.metrics.cpu_capability for r in runs if r.ok and r.metrics.cpu_capability})
+    cpus = sorted(
+        {
+            " ".join([r.metrics.cpu_capability, *(f"{k}={v}" for k, v in r.metrics.kernel_dispatch.items())])
+            for r in runs
+            if r.ok and r.metrics.cpu_capability
+        }
+    )
     gpus = sorted({r.metrics.device_name for r in runs if r.ok and r.metrics.device_name})
     return (
         f"Parity: each row vs `single`, against the noise envelope of `single` rerun with the same training in "

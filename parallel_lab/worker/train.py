@@ -21,7 +21,7 @@ from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params
 from parallel_lab.plan.predict import predicted_metrics
-from parallel_lab.protocol import RANK_START_ENV, RunMetrics
+from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch
 from parallel_lab.report.parity import jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.dist_env import DistEnv
@@ -245,6 +245,7 @@ def _metrics(
         ulp_jitter_seed=t.ulp_jitter_seed,
         noise_rerun=t.noise_rerun,
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        kernel_dispatch=kernel_dispatch(),
         losses=history["losses"],
         final_loss=history["losses"][-1],
         step_time_s=step_time,
