@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from parallel_lab.cli.ds_args import _parser, overrides_from_deepspeed_args
 from parallel_lab.config import compose_config, validate
 from parallel_lab.strategies.zero.ds_config import build_ds_config
-from parallel_lab.testing import run_ranks
-from tests.conftest import write_config
+from parallel_lab.testing import load_metrics, run_ranks
+from tests.conftest import run_cli, write_config
+from tests.reference import parity_reference
 from tests.test_failures import ISSUE_13_DS_CONFIG
 
 
@@ -175,3 +177,307 @@ def test_recipe_gives_every_strategy_the_files_training(tmp_path):
         expected = (str(content["train_batch_size"]), "1", str(content["gradient_clipping"]), "adamw")
         assert next(iter(seen.values()))[:4] == expected
         assert set(seen) == set(strategies[name]) - {"tp"}  # tp has no bf16 mode
+
+
+# ----- issue 26: "auto" as the Hugging Face integration fills it; DeepSpeed's refusals in one line -----
+HF_ZERO3 = {  # the Hugging Face docs' ZeRO-3 offload config, as users copy it (auto = "the trainer decides")
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_STEPS, HF_BATCH, HF_LR = 4, 16, 1e-3
+# This project has no LR warm-up key (trainer.warmup_steps only leaves steps out of the timings), so
+# the schedule's "auto" warm-up comes from trainer.lr_scheduler_params; warming up from trainer.lr to
+# trainer.lr keeps the rate constant, which the plain reference (constant-LR Adam) can mirror.
+HF_RUN = (
+    "world_size=2",
+    f"trainer.steps={HF_STEPS}",
+    f"trainer.global_batch={HF_BATCH}",
+    f"trainer.lr={HF_LR}",
+    "trainer.eval_batches=0",
+    f"+trainer.lr_scheduler_params.warmup_min_lr={HF_LR}",
+    "+trainer.lr_scheduler_params.warmup_num_steps=1",
+)
+HIDDEN = 256  # cnn's widest layer output (fc1.out_features): HF's hidden_size here
+HF_RESOLVED = {  # key path -> (value, source) that config.yaml's ds_auto must show for HF_RUN
+    "fp16.enabled": (False, "trainer.precision=fp32"),
+    "bf16.enabled": (False, "trainer.precision=fp32"),
+    "optimizer.params.lr": (HF_LR, "trainer.lr"),
+    "optimizer.params.betas": ([0.9, 0.999], "trainer.betas"),
+    "optimizer.params.eps": (1e-8, "trainer.eps"),
+    "optimizer.params.weight_decay": (0.0, "trainer.weight_decay"),
+    "scheduler.params.warmup_min_lr": (HF_LR, "trainer.lr_scheduler_params.warmup_min_lr"),
+    "scheduler.params.warmup_max_lr": (HF_LR, "trainer.lr"),
+    "scheduler.params.warmup_num_steps": (1, "trainer.lr_scheduler_params.warmup_num_steps"),
+    "scheduler.params.total_num_steps": (HF_STEPS, "trainer.steps"),
+    "zero_optimization.reduce_bucket_size": (HIDDEN**2, "hidden_size^2, hidden_size 256 (model=cnn fc1.out_features)"),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        int(0.9 * HIDDEN**2),
+        "0.9 x hidden_size^2, hidden_size 256 (model=cnn fc1.out_features)",
+    ),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        10 * HIDDEN,
+        "10 x hidden_size, hidden_size 256 (model=cnn fc1.out_features)",
+    ),
+    "gradient_accumulation_steps": (1, "trainer.grad_accum"),
+    "gradient_clipping": (0.0, "trainer.grad_clip"),
+    "train_batch_size": (HF_BATCH, "trainer.global_batch"),
+    "train_micro_batch_size_per_gpu": (
+        HF_BATCH // 2,
+        f"trainer.global_batch {HF_BATCH} / (world_size 2 x trainer.grad_accum 1)",
+    ),
+}
+# trainer.recipe=<HF file>, world_size=2: one strategy per family (ZeRO: the --deepspeed_config run itself);
+# manual_ddp and zero2 would add ~7 s and share these rows' code paths.
+RECIPE_ROWS = ("ddp", "fsdp", "tp", "pp")
+
+
+def _assert_resolved(cfg, key: str) -> None:
+    """ds_auto shows every "auto" of the file with its value and source; the run uses those values."""
+    table = {k: (v["value"], v["from"]) for k, v in cfg.ds_auto[key].items()}
+    assert table == HF_RESOLVED
+    t = cfg.trainer
+    assert (t.optimizer, t.lr, list(t.betas), t.eps, t.weight_decay) == ("adamw", HF_LR, [0.9, 0.999], 1e-8, 0.0)
+    assert (t.global_batch, t.grad_accum, t.grad_clip) == (HF_BATCH, 1, 0.0)
+    assert t.lr_scheduler == "WarmupDecayLR"
+    assert dict(t.lr_scheduler_params) == {
+        "warmup_min_lr": HF_LR,
+        "warmup_max_lr": HF_LR,
+        "warmup_num_steps": 1,
+        "total_num_steps": HF_STEPS,
+    }
+
+
+def test_hf_auto_values_come_from_this_runs_config(tmp_path):
+    """strategy.ds_config, --deepspeed_config and trainer.recipe fill the same "auto" values from the
+    run's own settings (config.yaml's ds_auto), and DeepSpeed gets the filled file."""
+    path = _file(tmp_path, HF_ZERO3, "hf_zero3.json")
+    whole = _validated(tmp_path / "a", "strategy=zero3", f"strategy.ds_config={path}", *HF_RUN)
+    _assert_resolved(whole, "strategy.ds_config")
+    assert whole.strategy.offload == "cpu" and whole.strategy.precision == "fp32"
+    run = build_ds_config(whole, whole.strategy)  # what the worker hands DeepSpeed
+    zero = run["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (HIDDEN**2, int(0.9 * HIDDEN**2))
+    assert zero["stage3_param_persistence_threshold"] == 10 * HIDDEN
+    assert (run["fp16"]["enabled"], run["bf16"]["enabled"], run["train_micro_batch_size_per_gpu"]) == (False, False, 8)
+    assert "auto" not in json.dumps(run)
+
+    flags = overrides_from_deepspeed_args(["--deepspeed", "--deepspeed_config", path, *HF_RUN])
+    assert flags[:2] == ["strategy=zero3", f"strategy.ds_config={path}"]
+    by_flag = _validated(tmp_path / "b", *flags)
+    assert OmegaConf.to_container(by_flag.ds_auto) == OmegaConf.to_container(whole.ds_auto)
+
+    for strategy in ("single", "ddp"):  # a recipe: the same training whatever the strategy
+        recipe = _validated(tmp_path / strategy, f"strategy={strategy}", f"trainer.recipe={path}", *HF_RUN)
+        _assert_resolved(recipe, "trainer.recipe")
+
+
+def test_hf_auto_follows_the_model_precision_and_batch(tmp_path):
+    """hidden_size is the model's (resnet18: 512, its last stage); bf16.enabled the run's precision;
+    the micro-batch splits the global batch over world_size x grad_accum; an explicit command-line
+    value against a number in the file's schedule is a conflict."""
+    path = _file(tmp_path, HF_ZERO3, "hf_zero3.json")
+    common = ("strategy=zero3", f"strategy.ds_config={path}", "+trainer.lr_scheduler_params.warmup_num_steps=3")
+    cfg = _validated(
+        tmp_path / "a",
+        *common,
+        "model=resnet18",
+        "trainer.precision=bf16",
+        "trainer.global_batch=24",
+        "trainer.grad_accum=3",
+        "world_size=4",
+    )
+    auto = {k: v["value"] for k, v in cfg.ds_auto["strategy.ds_config"].items()}
+    assert auto["zero_optimization.reduce_bucket_size"] == 512**2
+    assert auto["zero_optimization.stage3_param_persistence_threshold"] == 5120
+    assert (auto["bf16.enabled"], auto["fp16.enabled"], cfg.strategy.precision) == (True, False, "bf16")
+    assert (auto["train_batch_size"], auto["gradient_accumulation_steps"]) == (24, 3)
+    assert auto["train_micro_batch_size_per_gpu"] == 2 and cfg.trainer.global_batch == 24
+    # offload_*.device "auto" follows strategy.offload (Accelerate's rule); the file here says cpu.
+    offload = {
+        **HF_ZERO3["zero_optimization"],
+        "offload_param": {"device": "auto"},
+        "offload_optimizer": {"device": "auto"},
+    }
+    auto_offload = _file(tmp_path, {**HF_ZERO3, "zero_optimization": offload}, "auto_offload.json")
+    cfg = _validated(tmp_path / "b", "strategy=zero3", f"strategy.ds_config={auto_offload}", *common[2:])
+    assert (
+        cfg.strategy.offload == "none" and cfg.ds_auto["strategy.ds_config"]["zero_optimization.offload_param.device"]
+    )
+    fixed = {**HF_ZERO3, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    fixed_path = _file(tmp_path, fixed, "fixed.json")
+    from parallel_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps=10 in the file vs"):
+        _validated(tmp_path / "c", "strategy=zero3", f"strategy.ds_config={fixed_path}", *common[2:])
+
+
+def _run_recipe_rows(root: Path, path: str) -> dict[str, dict]:
+    """Every RECIPE_ROWS strategy trained on the recipe in ONE set of 2 ranks (tests/dist_bodies_runs.py)."""
+    configs = {
+        s: write_config(root / f"{s}.yaml", f"strategy={s}", f"trainer.recipe={path}", *HF_RUN) for s in RECIPE_ROWS
+    }
+    run_ranks("tests.dist_bodies_runs:train_and_record", world_size=2, timeout=300, config_paths=list(configs.values()))
+    return {s: {**load_metrics(root / s), "run_dir": str(root / s), "config": configs[s]} for s in RECIPE_ROWS}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """The HF ZeRO-3 file run for real: through the command line (--deepspeed_config, ZeRO-3 with cpu
+    offload of optimizer and parameters, world_size=2), and as trainer.recipe over RECIPE_ROWS."""
+    root = tmp_path_factory.mktemp("hf_auto")
+    path = _file(root, HF_ZERO3, "hf_zero3.json")
+    run_dir = root / "zero3_cli"
+    run_cli(run_dir, "--deepspeed", f"--deepspeed_config={path}", *HF_RUN, timeout=300)
+    zero3 = {**load_metrics(run_dir), "run_dir": str(run_dir), "config": str(run_dir / "config.yaml")}
+    return {"zero3": zero3, **_run_recipe_rows(root, path)}
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    return parity_reference("cnn", steps=HF_STEPS, global_batch=HF_BATCH, lr=HF_LR)
+
+
+def _print_verdict(label: str, verdict) -> None:
+    ratios = ", ".join(f"{name} {check.ratio:.3g}" for name, check in verdict.checks().items())
+    print(f"{label}: {ratios}")
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_hf_zero3_file_runs_and_matches_the_reference(hf_runs, hf_reference):
+    """(a) the run's config.yaml shows every resolved value with its source; (b) it trains as the
+    independent reference does (constant-LR Adam, no decay, no clipping), by the parity criterion."""
+    metrics = hf_runs["zero3"]
+    cfg = OmegaConf.load(metrics["config"])  # the run's own config.yaml, as its workers read it
+    _assert_resolved(cfg, "strategy.ds_config")
+    assert (cfg.strategy.name, cfg.strategy.offload, metrics["world_size"]) == ("zero3", "cpu", 2)
+    _print_verdict("zero3 --deepspeed_config", hf_reference.assert_run_matches(metrics, "hf-zero3"))
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_hf_file_as_a_recipe_matches_the_reference_on_every_row(hf_runs, hf_reference):
+    for strategy in RECIPE_ROWS:
+        metrics = hf_runs[strategy]
+        cfg = OmegaConf.load(metrics["config"])
+        _assert_resolved(cfg, "trainer.recipe")
+        _print_verdict(f"recipe {strategy}", hf_reference.assert_run_matches(metrics, f"hf-recipe-{strategy}"))
+
+
+FP16_KEYS_IN_BF16 = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+PUBLISHED_BF16 = {  # a published config: fp16's loss-scaling keys copied into its bf16 block
+    "train_batch_size": 16,
+    "bf16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "zero_optimization": {"stage": 2},
+}
+
+
+ZERO2 = ("strategy=zero2", "strategy.ds_config={path}")
+ZERO3 = ("strategy=zero3", "strategy.ds_config={path}")
+REFUSED = {  # id: (file, overrides ({path}: the file), texts the one line must hold)
+    "bf16-block-with-fp16-keys": (PUBLISHED_BF16, ZERO2, (*(f"bf16.{k}" for k in FP16_KEYS_IN_BF16), "fp16")),
+    "bf16-block-with-fp16-keys-as-recipe": (
+        PUBLISHED_BF16,
+        ("strategy=ddp", "trainer.recipe={path}"),
+        (*(f"bf16.{k}" for k in FP16_KEYS_IN_BF16), "fp16"),
+    ),
+    "unknown-zero-key-and-bf16-key": (
+        {
+            "train_batch_size": 16,
+            "bf16": {"enabled": True, "hysteresis": 2},
+            "zero_optimization": {"stage": 2, "overlap_comms": True},
+        },
+        ZERO2,
+        ("bf16.hysteresis", "zero_optimization.overlap_comms", "overlap_comm?"),
+    ),
+    "bad-offload-device": (
+        {"train_batch_size": 16, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+        ZERO2,
+        ("zero_optimization.offload_optimizer.device='gpu'", "'cpu'"),
+    ),
+    "batch-as-a-string": ({"train_batch_size": "16"}, ZERO2, ("train_batch_size='16'", "positive integer")),
+    "auto-warmup-without-a-source": (
+        HF_ZERO3,
+        ZERO3,
+        ("scheduler.params.warmup_num_steps", "+trainer.lr_scheduler_params.warmup_num_steps=<value>"),
+    ),
+    "auto-without-a-source-by-flag": (
+        {**HF_ZERO3, "zero_optimization": {**HF_ZERO3["zero_optimization"], "allgather_bucket_size": "auto"}},
+        ("--deepspeed", "--deepspeed_config={path}", "+trainer.lr_scheduler_params.warmup_num_steps=1"),
+        ("zero_optimization.allgather_bucket_size", "write a value"),
+    ),
+    "auto-micro-batch-not-dividing": (
+        HF_ZERO3,
+        (*ZERO3, "trainer.global_batch=15", "+trainer.lr_scheduler_params.warmup_num_steps=1"),
+        ("train_micro_batch_size_per_gpu", "trainer.global_batch=15"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_file_is_one_line_naming_every_key_path(tmp_path, case):
+    """Each refusal: exit 2, one line under 300 characters naming each offending key path, why and
+    the fix, nothing written, DeepSpeed's own text only with PARALLEL_LAB_VERBOSE=1."""
+    from tests.test_failures import assert_one_clean_line
+
+    content, overrides, named = REFUSED[case]
+    path = _file(tmp_path, content, "ds_config.json")
+    overrides = [o.replace("{path}", path) for o in overrides]
+    run_dir = tmp_path / "run"
+    result = run_cli(run_dir, *overrides, check=False, timeout=120)
+    line = assert_one_clean_line(result, run_dir, named)
+    print(len(line), line)
+    assert result.returncode == 2 and not run_dir.exists(), "a run folder was written"
+    assert len(line) < 300, (len(line), line)
+    assert "validation error" not in result.stderr and "Extra inputs" not in result.stderr
+    if case == "bf16-block-with-fp16-keys":
+        verbose = run_cli(run_dir, *overrides, check=False, timeout=120, env={"PARALLEL_LAB_VERBOSE": "1"})
+        assert "5 validation errors for DeepSpeedBF16Config" in verbose.stderr
+        assert verbose.stderr.rstrip().endswith(line) and not run_dir.exists()

@@ -26,8 +26,15 @@ offload_optimizer/offload_param cpu,           strategy.offload=cpu
 legacy cpu_offload
 =============================================  ==============================================
 
+``"auto"`` (a config written for the Hugging Face Trainer / Accelerate) is first filled from this
+run's own config by the Hugging Face rules (``ds_auto.py``; what was filled, and from what, is
+config.yaml's ``ds_auto``); an "auto" nothing here can fill is refused naming its key path.
+
 A key the user set explicitly on the command line that disagrees with the file is a conflict;
-every conflict is listed in one line with the fix. Keys the user did not set take the file's value.
+every conflict is listed in one line with the fix (``trainer.lr_scheduler_params.<name>`` against
+the file's ``scheduler.params.<name>`` too). Keys the user did not set take the file's value.
+What DeepSpeed refuses is one line under 300 characters naming each offending key path, why and
+the fix (``ds_refusal.py``); ``PARALLEL_LAB_VERBOSE=1`` prints DeepSpeed's own message above it.
 Optimizer: DeepSpeed's config ``Adam`` is its FusedAdam C++ kernel (a ~1 min compile on CPU) in
 AdamW mode; here torch's Adam/AdamW with the same hyper-parameters runs it (DeepSpeed's
 ``torch_adam: true``), on every strategy alike.
@@ -41,8 +48,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from parallel_lab.config.ds_auto import MAX_LINE, fit, resolve_auto
 from parallel_lab.errors import ConfigError
 
 ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad"}
@@ -65,11 +73,13 @@ def read_ds_file(key: str, path: str) -> dict:
     try:
         data = json.loads(file.read_text(), object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{key}={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+        message = f"{key}={path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file"
+        raise ConfigError(fit(message, key, path)) from None
     except ValueError as exc:  # DeepSpeed refuses duplicate keys too
-        raise ConfigError(f"{key}={path} has a {exc}; keep one") from None
+        raise ConfigError(fit(f"{key}={path} has a {exc}; keep one", key, path)) from None
     if not isinstance(data, dict):
-        raise ConfigError(f'{key}={path} is not a JSON object; a DeepSpeed config is {{"key": value, ...}}')
+        message = f'{key}={path} is not a JSON object; a DeepSpeed config is {{"key": value, ...}}'
+        raise ConfigError(fit(message, key, path))
     return data
 
 
@@ -86,14 +96,18 @@ def deepspeed_view(key: str, path: str, data: dict, dp_size: int, defaults: dict
             self.world_size = dp_size
             super()._configure_train_batch_size()
 
+    from parallel_lab.config.ds_refusal import batch_problem, deepspeed_refusal
+
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     if not any(k in data for k in batch_keys):
         data = {**data, **defaults}
+    problem = batch_problem(data, dp_size)  # DeepSpeed's arithmetic, named key by key
+    if problem:
+        raise ConfigError(fit(f"{key}={path} is refused by DeepSpeed: {problem}", key, path))
     try:
         return _quietly(lambda: _AtWorldSize(dict(data)))
     except Exception as exc:  # noqa: BLE001 - whatever DeepSpeed raises is the user's file
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        raise ConfigError(f"{key}={path} is refused by DeepSpeed: {message}; fix the file") from None
+        raise ConfigError(deepspeed_refusal(key, path, data, exc)) from None
 
 
 def _quietly(make):
@@ -166,7 +180,9 @@ def scheduler_settings(key: str, path: str, name: str | None, params: dict | Non
 
 def file_settings(key: str, path: str, cfg: DictConfig, dp_size: int) -> dict:
     """The run settings (dotted key -> value) a DeepSpeed file sets."""
-    data = read_ds_file(key, path)
+    raw = read_ds_file(key, path)
+    resolved = resolve_auto(key, path, raw, cfg, dp_size)  # every "auto", from this run's own config
+    data = resolved.data
     t = cfg.trainer
     micro = t.global_batch // max(1, dp_size * t.grad_accum)
     defaults = {"train_batch_size": t.global_batch, "gradient_accumulation_steps": t.grad_accum}
@@ -191,6 +207,7 @@ def file_settings(key: str, path: str, cfg: DictConfig, dp_size: int) -> dict:
     settings["precision"] = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32"
     settings["zero"] = ds.zero_config
     settings["stage_in_file"] = "stage" in (data.get("zero_optimization") or {})  # else the strategy's
+    settings["ds_auto"] = resolved.entries
     return settings
 
 
@@ -244,8 +261,16 @@ def _device(offload) -> str:
 def adopt(cfg: DictConfig, key: str, path: str, explicit: Sequence[str], whole_file: bool) -> None:
     """Set every value the file decides; refuse, in one line, every one the command line contradicts."""
     dp_size = cfg.world_size  # the sweep's world size: every strategy gets the same global batch
-    file = file_settings(key, path, cfg, dp_size)
-    file.update(_strategy_settings(key, path, cfg, file, whole_file))
+    try:
+        file = file_settings(key, path, cfg, dp_size)
+        file.update(_strategy_settings(key, path, cfg, file, whole_file))
+    except ConfigError as exc:  # one line under 300 characters: the file's name if its path is long
+        raise ConfigError(fit(str(exc), key, path)) from None
+    entries = file.pop("ds_auto")
+    with open_dict(cfg):
+        table = OmegaConf.to_container(cfg.ds_auto) if cfg.get("ds_auto") else {}
+        table.pop(key, None)
+        cfg.ds_auto = {**table, **({key: entries} if entries else {})}
     given = _explicit_keys(explicit)
     for dotted in [k for k in file if k.startswith("default:")]:
         value = file.pop(dotted)
@@ -257,6 +282,7 @@ def adopt(cfg: DictConfig, key: str, path: str, explicit: Sequence[str], whole_f
         current = OmegaConf.select(cfg, dotted)
         if typed in given and not _same(current, value):
             conflicts.append((typed, value, current))
+    conflicts += _scheduler_param_conflicts(cfg, file, given)
     if conflicts:
         listed = "; ".join(f"{_file_word(k, v)} in the file vs {k}={given[k]}" for k, v, _ in conflicts)
         fixes = ", ".join(f"use strategy={v}" if k == "strategy" else f"drop {k}={given[k]}" for k, v, _ in conflicts)
@@ -267,6 +293,24 @@ def adopt(cfg: DictConfig, key: str, path: str, explicit: Sequence[str], whole_f
     for dotted, value in file.items():
         if dotted != "strategy.name":
             OmegaConf.update(cfg, dotted, value, merge=False)
+
+
+def _scheduler_param_conflicts(cfg: DictConfig, file: dict, given: dict[str, str]) -> list[tuple]:
+    """trainer.lr_scheduler_params.<name>=v on the command line against the file's scheduler.params:
+    a different value is a conflict; a name the file leaves out is added (the file is silent)."""
+    params = file.get("trainer.lr_scheduler_params")
+    conflicts = []
+    for dotted in given:
+        name = dotted.removeprefix("trainer.lr_scheduler_params.")
+        if params is None or name == dotted or "." in name:
+            continue
+        value = OmegaConf.select(cfg, dotted)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if name not in params:
+            params[name] = value
+        elif not _same(params[name], value):
+            conflicts.append((dotted, params[name], value))
+    return conflicts
 
 
 FILE_KEYS = {  # run setting -> the DeepSpeed config key that sets it (for messages)
@@ -288,6 +332,8 @@ def _file_word(key: str, value) -> str:
         return "bf16.enabled=false" if value == "fp32" else f"{value}.enabled=true"
     if key == "strategy.offload":
         return f"zero_optimization offload device={value}"
+    if key.startswith("trainer.lr_scheduler_params."):
+        return f"scheduler.params.{key.rsplit('.', 1)[1]}={value}"
     name = FILE_KEYS.get(key) or f"optimizer.params.{key.rsplit('.', 1)[1]}"
     return f"{name}={value}"
 
@@ -323,7 +369,10 @@ def check_scheduler(trainer: DictConfig) -> None:
     try:
         _quietly(lambda: make_scheduler(trainer, optimizer))
     except Exception as exc:  # noqa: BLE001 - the class's own complaint, in one line
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        raise ConfigError(
-            f"trainer.lr_scheduler={name}{where} refuses trainer.lr_scheduler_params: {message}; fix the params"
-        ) from None
+        message, fix = " ".join(str(exc).split()) or type(exc).__name__, "; fix the params"
+        head = f"trainer.lr_scheduler={name}{where} refuses trainer.lr_scheduler_params: "
+        if where and len(head + message + fix) > MAX_LINE:  # one line under 300 characters
+            head = head.replace(where, f" (from {Path(trainer.recipe).name})")
+        room = MAX_LINE - len(head + fix)
+        message = message if len(message) <= room else message[: room - 3] + "..."
+        raise ConfigError(f"{head}{message}{fix}") from None

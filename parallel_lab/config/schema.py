@@ -151,6 +151,9 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
+    # Filled in by the parent: each "auto" of a DeepSpeed file (strategy.ds_config, trainer.recipe)
+    # as resolved from this run's config, {<file key>: {<key path>: {value, from}}} (config/ds_auto.py)
+    ds_auto: dict = field(default_factory=dict)
     fault: FaultConfig = field(default_factory=FaultConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 

@@ -57,7 +57,11 @@ def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
     if opts.precision != "fp32":
         ds[opts.precision] = {"enabled": True}
     if opts.ds_config:
-        ds = with_user_file(load_user_config(opts.ds_config), ds)
+        from parallel_lab.config.ds_auto import apply_ds_auto, recorded
+
+        # the file with each "auto" as the parent resolved it (config.yaml's ds_auto)
+        user = apply_ds_auto(load_user_config(opts.ds_config), recorded(cfg, "strategy.ds_config"))
+        ds = with_user_file(user, ds)
     return ds
 
 
