@@ -263,3 +263,87 @@ def get_model(cfg):
     from parallel_lab.models import build_model
 
     return build_model(cfg, seed=0)
+
+
+# ----- bf16 / fp16 / offload: planned like fp32 (tests/test_sharded.py checks them against real runs to the byte) -----
+def test_plan_honours_trainer_precision_bf16_as_a_run_does():
+    """trainer.precision=bf16 becomes each strategy's own precision key, as a run's validation
+    does: ZeRO rows hold 2-byte parameters and gradients beside the fp32 master, fsdp/ddp fp32
+    state; strategies without bf16 are "cannot run" rows with the run's own error."""
+    from parallel_lab.plan.configs import planned_configs
+    from parallel_lab.plan.main import build_plans
+
+    row_list, ranks = build_plans(planned_configs(["model=cnn", "world_size=2", "trainer.precision=bf16"]), 2**40)
+    rows = {r["strategy"]: r for r in row_list}
+    psi = rows["zero0"]["params"]
+    for name in ("tp", "pp", "dp", "manual_ddp"):
+        assert rows[name]["fits"].startswith(f"cannot run: trainer.precision=bf16: strategy={name} has no bf16 mode")
+    # zero0: 16-bit module + FP16_UnfusedOptimizer's fp32 copy of every parameter = the paper's 16Ψ
+    assert (rows["zero0"]["param_bytes"], rows["zero0"]["master_param_bytes"]) == (2 * psi, 4 * psi)
+    assert rows["zero3"]["param_bytes"] == rows["zero3"]["grad_bytes"] == rows["zero3"]["master_param_bytes"] // 2
+    assert rows["ddp"]["param_bytes"] == 4 * psi  # fp32 weights; the bf16 copy lives like activations
+    comm = {r["strategy"]: r["comm"] for r in ranks if r["rank"] == 0}
+    assert comm["zero0"] == {"all_reduce": 2.0 * 2 * psi}  # bf16 gradients all-reduced: half of fp32's
+
+
+def test_zero_fp16_and_offload_are_planned():
+    """fp16 (a GPU's; refused on CPU) has the bf16 layout at every stage; offload is planned too
+    (stages 1-3), DeepSpeed's fp32 gradient partition and its staging buffers included."""
+    base = ["model=cnn", "world_size=4", "trainer.global_batch=8", "strategy=zero1", "device=cuda"]
+    configs = {
+        name: plan_cfg(*base, *extra)
+        for name, extra in [
+            ("bf16", ["strategy.precision=bf16"]),
+            ("fp16", ["strategy.precision=fp16"]),
+            ("offload", ["strategy.precision=bf16", "strategy.offload=cpu"]),
+        ]
+    }
+    model = build_meta_model(configs["bf16"].model)
+    cls = get_strategy_class("zero1")  # one class for zero0-3: the stage is the config's
+    for stage in range(4):
+        plans = {}
+        for name, cfg in configs.items():
+            cfg.strategy.stage, cfg.strategy.name = stage, f"zero{stage}"
+            plans[name] = [cls.predict_memory(cfg, model, r) for r in range(4)]
+        assert plans["fp16"] == plans["bf16"] and all(plans["bf16"]), stage
+        if stage:
+            bf16, offload = plans["bf16"][0], plans["offload"][0]
+            master = bf16["master_param_bytes"]
+            expected = {1: bf16["grad_bytes"] + master, 2: master, 3: bf16["grad_bytes"] + master}[stage]
+            assert offload["grad_bytes"] == expected and offload["comm_buffer_bytes"] > 0, (stage, offload)
+
+
+@pytest.mark.parametrize("name", ["cnn", pytest.param("resnet18", marks=pytest.mark.extra)])
+def test_bf16_activation_prediction_equals_a_real_bf16_forward(name):
+    """In bf16 the meta-device count equals what autograd saves in a real bf16 forward + fp32 loss:
+    the module itself in bf16 (ZeRO's, FSDP's gathered parameters), and single/ddp's forward on a
+    bf16 copy of every weight (strategies/precision.py), whose saved copies count too."""
+    import copy
+
+    from parallel_lab.plan.predict import saved_activation_bytes
+    from parallel_lab.strategies.precision import bf16_forward
+
+    cfg = OmegaConf.create({"name": name, "num_classes": 10})
+    real, meta, batch = get_model(cfg), build_meta_model(cfg), 3
+    module_bf16 = copy.deepcopy(real).to(torch.bfloat16)
+    x = torch.zeros(batch, 3, 32, 32)
+    whole = _saved_bytes(module_bf16, lambda: module_bf16(x.to(torch.bfloat16)).float(), batch)
+    copies = _saved_bytes(real, lambda: bf16_forward(real, x), batch)
+    assert saved_activation_bytes(meta, batch, dtype=torch.bfloat16) == whole
+    assert saved_activation_bytes(meta, batch, dtype=torch.bfloat16, weight_copies=True) == copies
+    assert whole < saved_activation_bytes(meta, batch) < copies + whole  # about half of fp32's
+
+
+def _saved_bytes(module: torch.nn.Module, forward, batch: int) -> int:
+    """Distinct non-parameter storages autograd saves in forward() and a cross-entropy of it."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch.nn.functional.cross_entropy(forward(), torch.zeros(batch, dtype=torch.long))
+    return sum(saved.values())

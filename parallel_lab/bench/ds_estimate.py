@@ -10,7 +10,9 @@ plus the largest layer gathered, 4 bytes/param of it), and per GPU 18/N bytes/pa
 2 (16-bit grads) + 4 (fp32 grads) + 4 (fp32 master) + 8 (Adam) -- without offload. Their "CPU" column
 is host memory needed to load/offload, times a 1.5 buffer factor. The toolkit's analytic numbers are
 the ZeRO paper's for the run's precision (fp32 here: 4 + 4 + 8 bytes/param, the fp32 master
-partition counted apart), the measured ones read from DeepSpeed's real buffers.
+partition counted apart), the measured ones read from DeepSpeed's real buffers. The planner's
+columns are DeepSpeed's real layout (``strategies/zero/predict.py``, exact against runs), the rank
+holding the most; ``bench zero_paper`` sets the three side by side at Ψ = 7.5 B.
 """
 
 from __future__ import annotations
@@ -55,22 +57,28 @@ def main(argv: list[str]) -> int:
     from deepspeed.runtime.zero.stage3 import model_to_params as params_and_largest
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from parallel_lab.models import build_model
+    from parallel_lab.bench.zero_paper import plan_bytes
+    from parallel_lab.models import build_meta_model, build_model
 
     model = build_model(OmegaConf.create({"name": args.model, "num_classes": 10}), 0)
     params, largest = params_and_largest(model)
+    meta = build_meta_model(OmegaConf.create({"name": args.model, "num_classes": 10}))
     measured = _measured(args.metrics)
     n = args.world
     print(f"{args.model}: {params} parameters (largest layer {largest}), {n} ranks; MiB per rank")
-    print("| stage | DeepSpeed est. GPU (no offload) | DeepSpeed est. CPU | ours fp32 | ours bf16 | measured fp32 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| stage | DeepSpeed est. GPU (no offload) | DeepSpeed est. CPU | ours fp32 | ours bf16 "
+        "| plan fp32 | plan bf16 | measured fp32 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for stage in (2, 3):
         if stage == 2:
             cpu, gpu = estimate_zero2_model_states_mem_needs(params, n, 1, cpu_offload=False)
         else:
             cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, n, 1, cpu_offload=False)
         fp32, bf16 = _ours(stage, n, params, "fp32"), _ours(stage, n, params, "bf16")
+        plan = [plan_bytes(meta, args.model, 1.0, stage, n, precision)[0] for precision in ("fp32", "bf16")]
         meas = measured.get((stage, n))
-        cells = [gpu, cpu, fp32, bf16] + ([meas] if meas else [])
+        cells = [gpu, cpu, fp32, bf16, *plan] + ([meas] if meas else [])
         print(f"| {stage} | " + " | ".join(f"{c / 2**20:.2f}" for c in cells) + (" |" if meas else " | - |"))
     return 0

@@ -1,9 +1,11 @@
 """From command-line overrides to the validated configs the planner predicts for.
 
-The config is composed exactly as ``python -m parallel_lab`` composes it (``config.compose``) and
-checked with the run's own rules (``config.validate.check_split``), so a tp degree that does not
-divide a width, or more pipeline stages than blocks, is the same one-line error as a run. What the
-planner leaves out is the machine: no world-size ceiling, no memory or core check.
+The config is composed exactly as ``python -m parallel_lab`` composes it (``config.compose``),
+given what a run's validation derives (a DeepSpeed file's settings, ``trainer.precision`` as the
+strategy's own precision key) and checked with the run's own rules (``config.validate.check_split``),
+so a tp degree that does not divide a width, or more pipeline stages than blocks, is the same
+one-line error as a run. What the planner leaves out is the machine: no world-size ceiling, no
+memory or core check.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from parallel_lab.config import compose_config
-from parallel_lab.config.validate import check_split
+from parallel_lab.config.ds_file import adopt_ds_files
+from parallel_lab.config.validate import apply_precision, check_split
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import get_strategy_class, sweep_names
 
@@ -41,6 +44,11 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     """The config at this world size, validated (raises ConfigError)."""
     cfg = copy.deepcopy(base)
     strategy_cls = get_strategy_class(cfg.strategy.name)
+    # What a run's validate() applies before its checks: a DeepSpeed file's settings
+    # (strategy.ds_config, trainer.recipe) and trainer.precision=bf16 turned into the strategy's own
+    # key (a strategy without bf16 refuses, here as a row).
+    adopt_ds_files(cfg, overrides)
+    apply_precision(cfg, overrides)
     if world < 1:
         raise ConfigError(f"world size {world} is out of range; use world sizes >= 1 (plan.world_sizes=[1,2,4])")
     cfg.world_size = 1 if strategy_cls.single_process else world

@@ -8,6 +8,7 @@ micro-batch (a meta-device forward, so any size costs nothing) and the fit verdi
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,20 +47,45 @@ class RankPlan:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
 
 
-_SAVED: dict[tuple, int] = {}  # (modules' identity, batch, sample shape, loss) -> bytes: strategies share forwards
+_SAVED: dict[
+    tuple, int
+] = {}  # (modules' identity, batch, sample shape, loss, mode) -> bytes: strategies share forwards
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def saved_activation_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32), loss: bool = True) -> int:
+def saved_activation_bytes(
+    module: nn.Module,
+    batch: int,
+    sample_shape: tuple = (3, 32, 32),
+    loss: bool = True,
+    dtype: torch.dtype = torch.float32,
+    weight_copies: bool = False,
+) -> int:
     """Bytes autograd saves for backward in one forward of ``batch`` samples, and the loss when
     ``loss`` (distinct storages, parameters left out): a meta-device forward, nothing allocated.
-    tests/test_plan.py checks it against a real forward's saved tensors."""
-    key = (tuple(id(m) for m in module.children()) or id(module), batch, tuple(sample_shape), loss)
+    ``dtype``: the forward computes in it (bf16/fp16: the module itself cast, as ZeRO and FSDP's
+    gathered parameters are; the logits cast back to fp32 for the loss, as every strategy takes it);
+    ``weight_copies``: on a 16-bit copy of every weight made per forward instead (single/ddp's
+    ``strategies/precision.py``), whose saved copies count here: they live until backward like
+    activations. tests/test_plan.py checks each against a real forward's saved tensors."""
+    key = (
+        tuple(id(m) for m in module.children()) or id(module),
+        batch,
+        tuple(sample_shape),
+        loss,
+        dtype,
+        weight_copies,
+    )
     if key not in _SAVED:
-        _SAVED[key] = _count_saved(module, batch, tuple(sample_shape), loss)
+        _SAVED[key] = _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies)
     return _SAVED[key]
 
 
-def _count_saved(module: nn.Module, batch: int, sample_shape: tuple, loss: bool) -> int:
+def _count_saved(
+    module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype: torch.dtype, weight_copies: bool
+) -> int:
+    if dtype != torch.float32 and not weight_copies:
+        module = copy.deepcopy(module).to(dtype)  # meta: no memory
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: dict[int, int] = {}
 
@@ -69,21 +95,38 @@ def _count_saved(module: nn.Module, batch: int, sample_shape: tuple, loss: bool)
             seen[storage._cdata] = storage.nbytes()
         return t
 
-    x = torch.empty(batch, *sample_shape, device="meta")
+    x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x)
+        if weight_copies and dtype != torch.float32:
+            copies = {name: p.to(dtype) for name, p in module.named_parameters()}
+            out = torch.func.functional_call(module, copies, (x,))
+        else:
+            out = module(x)
         if loss:
-            torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta"))
+            target = torch.zeros(batch, dtype=torch.long, device="meta")
+            torch.nn.functional.cross_entropy(out.float() if dtype != torch.float32 else out, target)
     return sum(seen.values())
+
+
+def compute_mode(cfg: DictConfig, strategy_cls: type) -> tuple[torch.dtype, bool]:
+    """(the dtype a rank's forward computes in, whether on per-forward copies of the weights):
+    the strategy's own precision key (zero/single/ddp ``precision``, fsdp ``mixed_precision``)."""
+    from parallel_lab.strategies.precision import Bf16Compute
+
+    precision = cfg.strategy.get("precision") or cfg.strategy.get("mixed_precision") or "fp32"
+    dtype = HALF.get(precision, torch.float32)
+    return dtype, dtype != torch.float32 and issubclass(strategy_cls, Bf16Compute)
 
 
 def predicted_metrics(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int) -> dict[str, int]:
     """The ``predicted_*`` entries a run's ``ranks[k]`` record stores beside its measurement
-    ({} when the strategy has no prediction for these options)."""
+    ({} when the strategy has no prediction for these options): the model state, and the
+    communication buffers (``predicted_comm_buffer_bytes``, beside the measured ``comm_buffer_bytes``;
+    not part of the model-state check)."""
     state = strategy_cls.predict_memory(cfg, model, rank)
     if state is None:
         return {}
-    return {f"predicted_{k}": int(state.get(k, 0)) for k in MODEL_STATE}
+    return {f"predicted_{k}": int(state.get(k, 0)) for k in (*MODEL_STATE, "comm_buffer_bytes")}
 
 
 def _micro_batch(cfg: DictConfig, strategy_cls: type) -> int:
@@ -96,7 +139,7 @@ def _activations(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: in
     all m; 1f1b: at most p - s); tp ranks run the whole batch (split layers counted whole: an upper
     bound, they are a small part of the activations)."""
     if cfg.strategy.name != "pp":
-        return saved_activation_bytes(model, micro), micro
+        return saved_activation_bytes(model, micro, (3, 32, 32), True, *compute_mode(cfg, strategy_cls)), micro
     from parallel_lab.strategies.pp.strategy import _stage_module
 
     p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages

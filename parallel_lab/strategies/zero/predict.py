@@ -1,23 +1,41 @@
-"""What DeepSpeed ZeRO (0.19.8, fp32, no offload) will hold and send, from the model's shapes
-alone (``parallel_lab.plan``). Read from ``deepspeed/runtime/zero/stage_1_and_2.py`` and
-``stage3.py`` and checked against the measured bytes of real runs (docs/plan.md).
+"""What DeepSpeed ZeRO (0.19.8) will hold and send, from the model's shapes alone
+(``parallel_lab.plan``), in every precision (fp32, bf16; fp16 on a GPU, the same 16-bit layout) and
+with or without ``strategy.offload=cpu``. Read from ``deepspeed/runtime/zero/stage_1_and_2.py``,
+``stage3.py``, ``fp16/unfused_optimizer.py`` and ``engine.py``, and checked to the byte against
+the measured buffers of real runs (docs/plan.md, docs/zero.md).
+
+w is the bytes of a model weight (4 in fp32, 2 in bf16/fp16), k the optimizer's fp32 state per
+element (Adam 8, SGD with momentum 4), N the world size.
 
 Stages 1 and 2 (``DeepSpeedZeroOptimizer``): all parameters of the (one) group are flattened into
-one buffer padded to a multiple of 2N elements (``nccl_start_alignment_factor`` 2 x world size;
-per-parameter alignment is off by default), and the buffer is cut into N equal partitions with no
-regard for parameter boundaries, so a partition boundary can cut through a parameter. Per rank:
+one w-byte buffer padded to a multiple of 2N elements (``nccl_start_alignment_factor`` 2 x world
+size; per-parameter alignment is off by default), cut into N equal partitions with no regard for
+parameter boundaries, so a partition boundary can cut through a parameter. Per rank:
 
 - parameters: the whole flat buffer (the module's parameters are views into it);
 - master: an fp32 *clone* of its partition (a separate copy even in fp32);
 - optimizer: torch's state for that flat partition (Adam: two moments, step not counted);
-- gradients, stage 1: every parameter's whole gradient until the one reduction at the boundary;
-  stage 2: the whole gradient of every parameter that overlaps its partition (a parameter cut by
-  the boundary is kept whole on both sides) plus the padding that falls in its partition.
+- gradients, stage 1: every parameter's whole gradient (w bytes) until the one reduction at the
+  boundary; stage 2: the whole gradient of every parameter that overlaps its partition (a
+  parameter cut by the boundary is kept whole on both sides) plus the padding in its partition;
+- offload: DeepSpeed allocates the fp32 master's gradient (4 bytes x partition) at init and keeps
+  it: stage 1 holds it beside the whole 16/32-bit gradients; stage 2 copies each reduced gradient
+  straight into it and keeps nothing else after backward;
+- comm buffers: the reduction bucket, ``reduce_bucket_size`` elements of w bytes (two with
+  overlap_comm), allocated for backward when gradients are contiguous (stage 2's default, and
+  always with offload; our stage 1 turns it off); offload adds two staging gradients of the
+  largest parameter and a w-byte copy of the partition.
 
-Stage 3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter is padded to a multiple of N and
-split into N equal pieces; parameters, gradients (``grad_partitions_flat_buffer``) and the fp32
-master each hold sum(ceil(numel/N)) elements per rank, the optimizer two moments of it.
-Stage 0: plain data parallel with the torch optimizer (its state: two moments per parameter).
+Stage 3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter is padded to a multiple of N and split
+into N equal pieces: parameters (w), gradients (``grad_partitions_flat_buffer``, w) and the fp32
+master each hold sum(ceil(numel/N)) elements per rank, the optimizer k bytes of each; offload adds
+the fp32 master's gradient (4 bytes each, kept from init); the reduction bucket (one, w bytes x
+``reduce_bucket_size``) lives for the whole run.
+
+Stage 0: in fp32 plain data parallel with the torch optimizer. In bf16/fp16 the module is 16-bit and
+DeepSpeed's ``FP16_UnfusedOptimizer`` keeps an fp32 copy of every parameter (4Ψ, not partitioned)
+that torch's optimizer updates: 2Ψ parameters + 4Ψ master + 2Ψ gradients + 8Ψ Adam, the paper's
+16Ψ mixed-precision baseline.
 """
 
 from __future__ import annotations
@@ -26,8 +44,10 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.strategies.memory import optimizer_bytes_per_param
+from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES
 
 ALIGNMENT_PER_RANK = 2  # deepspeed stage_1_and_2: nccl_start_alignment_factor
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2}
 
 
 def flat_partition(numels: list[int], world: int) -> tuple[int, int]:
@@ -51,38 +71,89 @@ def stage2_grad_numel(numels: list[int], world: int, rank: int) -> int:
     return held + max(0, min(hi, padded) - max(lo, sum(numels)))
 
 
-def predict_zero_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+def stage3_partition_numel(numels: list[int], world: int) -> int:
+    """Elements of every stage-3 partition a rank holds (each parameter padded to a multiple of N)."""
+    return sum(-(-n // world) for n in numels)
+
+
+def zero_settings(cfg: DictConfig) -> dict | None:
+    """The ZeRO settings that shape the buffers, as DeepSpeed will see them (the generated
+    ds_config, a user's strategy.ds_config included, DeepSpeed's defaults for what neither sets);
+    None where the layout is not the one this module follows: a file asking for fp32 gradient
+    accumulation (BF16_Optimizer) or for stage-3 parameters kept whole below a size."""
+    from parallel_lab.strategies.zero.ds_config import build_ds_config
+
     opts = cfg.strategy
-    if opts.precision != "fp32" or opts.offload != "none":
-        return None  # only fp32 without offload is traced and checked
+    ds = build_ds_config(cfg, opts)
+    if opts.get("ds_config") and not isinstance(cfg, DictConfig):
+        # the planner's plain-values config: its "auto"s as the parent resolved them (config.yaml's ds_auto)
+        from parallel_lab.config.ds_auto import apply_ds_auto
+
+        ds = apply_ds_auto(ds, (cfg.get("ds_auto") or {}).get("strategy.ds_config"))
+    zero = ds.get("zero_optimization") or {}
+    w = PRECISION_BYTES[opts.precision]
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if accum is not None and DTYPE_BYTES.get(str(accum)) != w:
+        return None
+    if opts.stage == 3 and zero.get("stage3_param_persistence_threshold", 0):
+        return None
+    comm = ds.get("communication_data_type")
+    overlap = zero.get("overlap_comm", opts.stage == 3)
+    contiguous = zero.get("contiguous_gradients", True)
+    bucket = zero.get("reduce_bucket_size", 500_000_000)  # DeepSpeed's default
+    if not (isinstance(bucket, (int, float)) and isinstance(overlap, bool) and isinstance(contiguous, bool)):
+        return None  # an "auto" the planner's plain config has not resolved (a run's has: config.yaml's ds_auto)
+    return {
+        "w": w,
+        "comm_bytes": DTYPE_BYTES.get(str(comm), w) if comm else w,
+        "reduce_bucket_size": int(bucket),
+        "contiguous_gradients": contiguous,
+        "overlap_comm": overlap,
+        "offload": opts.offload != "none",
+    }
+
+
+def predict_zero_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+    s = zero_settings(cfg)
+    if s is None:
+        return None
     numels = [p.numel() for p in model.parameters()]
-    world, stage, k = cfg.world_size, opts.stage, optimizer_bytes_per_param(cfg.trainer)
+    world, stage, k = cfg.world_size, cfg.strategy.stage, optimizer_bytes_per_param(cfg.trainer)
+    w, offload = s["w"], s["offload"]
     total = sum(numels)
     if stage == 0:
+        # 16-bit: FP16_UnfusedOptimizer's fp32 copy of every parameter is the master
         return {
-            "param_bytes": 4 * total,
-            "master_param_bytes": 0,
-            "grad_bytes": 4 * total,
+            "param_bytes": w * total,
+            "master_param_bytes": 0 if w == 4 else 4 * total,
+            "grad_bytes": w * total,
             "optim_bytes": k * total,
             "comm_buffer_bytes": 0,
         }
     if stage == 3:
-        part = sum(-(-n // world) for n in numels)
+        part = stage3_partition_numel(numels, world)
         return {
-            "param_bytes": 4 * part,
+            "param_bytes": w * part,
             "master_param_bytes": 4 * part,
-            "grad_bytes": 4 * part,
+            "grad_bytes": w * part + (4 * part if offload else 0),
             "optim_bytes": k * part,
-            "comm_buffer_bytes": 0,
+            "comm_buffer_bytes": s["reduce_bucket_size"] * s["comm_bytes"] if s["contiguous_gradients"] else 0,
         }
     padded, part = flat_partition(numels, world)
-    grads = total if stage == 1 else stage2_grad_numel(numels, world, rank)
+    if stage == 1:
+        grads = w * total + (4 * part if offload else 0)
+    else:
+        grads = 4 * part if offload else w * stage2_grad_numel(numels, world, rank)
+    buckets = 0
+    if s["contiguous_gradients"] or offload:  # stage_1_and_2: contiguous_gradients or cpu_offload
+        buckets = s["reduce_bucket_size"] * w * (2 if s["overlap_comm"] else 1)
+    staging = (2 * max(numels, default=0) + part) * w if offload else 0
     return {
-        "param_bytes": 4 * padded,
+        "param_bytes": w * padded,
         "master_param_bytes": 4 * part,
-        "grad_bytes": 4 * grads,
+        "grad_bytes": grads,
         "optim_bytes": k * part,
-        "comm_buffer_bytes": 0,
+        "comm_buffer_bytes": buckets + staging,
     }
 
 
@@ -90,17 +161,19 @@ def predict_zero_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dic
     """Counted on gloo: stages 0-2 all-reduce every gradient (stages 1-2 then all-gather the
     updated flat partitions); stage 3 all-gathers each parameter for forward and again for
     backward (first step; later steps reuse gathered parameters of small models) and
-    reduce-scatters the gradients. A few scalar collectives (8-16 bytes) are left out."""
-    if cfg.strategy.precision != "fp32":
+    reduce-scatters the gradients. 16-bit runs reduce and gather 16-bit tensors (half the bytes);
+    offload moves the same. A few scalar collectives (8-16 bytes) are left out."""
+    s = zero_settings(cfg)
+    if s is None:
         return None
     if cfg.world_size < 2:
         return {}
     numels = [p.numel() for p in model.parameters()]
-    world, stage = cfg.world_size, cfg.strategy.stage
+    world, stage, w, c = cfg.world_size, cfg.strategy.stage, s["w"], s["comm_bytes"]
     if stage == 3:
-        full = 4.0 * sum(-(-n // world) for n in numels) * world
-        return {"all_gather_single": 2 * full, "reduce_scatter_single": full}
-    comm = {"all_reduce": 2.0 * 4 * sum(numels)}
+        full = stage3_partition_numel(numels, world) * world
+        return {"all_gather_single": 2.0 * w * full, "reduce_scatter_single": float(c * full)}
+    comm = {"all_reduce": 2.0 * c * sum(numels)}
     if stage >= 1:
-        comm["all_gather_single"] = 4.0 * flat_partition(numels, world)[0]
+        comm["all_gather_single"] = float(w * flat_partition(numels, world)[0])
     return comm

@@ -26,14 +26,22 @@ kernels; ``zero_force_ds_cpu_optimizer: false`` lets the torch optimizer drive o
 Memory accounting reads DeepSpeed's real buffers (distinct storages, padding included):
 ``param_bytes`` the model's parameter storage (the flat buffers of stages 0-2, the ``ds_tensor``
 partitions of stage 3), ``master_param_bytes`` the fp32 partition the optimizer updates when it is
-a separate copy, ``grad_bytes`` the gradient buffers alive after backward, ``optim_bytes`` the
-optimizer's state tensors after the optimizer step, ``comm_buffer_bytes`` the bucket buffers. The
+a separate copy (stage 0 in bf16: the fp32 copy of every parameter), ``grad_bytes`` the gradient
+buffers alive after backward (stage 1: just before its one reduction; offload: with the fp32
+gradient partition DeepSpeed keeps from init), ``optim_bytes`` the optimizer's state tensors after
+the optimizer step, ``comm_buffer_bytes`` the gradient reduction buckets (``ipg_buckets[dtype].buffer``
+in 0.19.8: stage 2 holds one for the length of backward, stage 3 for the whole run; read while they
+exist) and, with offload, DeepSpeed's staging copies between device and host. The
 analytic value is the paper's: fp32 weights 4 + gradients 4 + Adam 8 bytes per parameter, stage 1
 dividing the optimizer state by N, stage 2 also the gradients, stage 3 also the parameters. One
 difference is real and reported as its own column: at stages 1-3 DeepSpeed keeps its fp32 master
 partition as a *clone* of the parameters even in fp32 (the paper's mixed-precision K=12 counts that
 master copy inside the optimizer state: 4Ψ/N more per rank); stage 3 keeps one too (measured on
-0.19.8).
+0.19.8). ``predict.py`` predicts every one of these buffers from the shapes alone (docs/plan.md).
+
+bf16 at stage 0 is DeepSpeed's ``FP16_UnfusedOptimizer`` around the torch optimizer; its
+constructor steps the optimizer once on zero gradients, which this strategy undoes so that zero0
+trains exactly as zero1/zero2 do (``_undo_stage0_init_step``, docs/zero.md).
 """
 
 from __future__ import annotations
@@ -107,6 +115,16 @@ def import_deepspeed():
 
 def _cpu_only(cfg: DictConfig) -> bool:
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+def _bucket_tensors(opt) -> list[torch.Tensor]:
+    """The gradient reduction buckets DeepSpeed holds now: ``ipg_buckets[dtype].buffer`` is a list
+    of tensors at stages 1-2 (empty outside backward) and one tensor at stage 3."""
+    tensors = []
+    for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+        buffer = getattr(bucket, "buffer", None)
+        tensors += list(buffer) if isinstance(buffer, (list, tuple)) else [buffer]
+    return [t for t in tensors if t is not None]
 
 
 DS_TAG = "deepspeed"  # the subfolder DeepSpeed writes inside one of our step_* checkpoints
@@ -188,6 +206,8 @@ class ZeroStrategy(Strategy):
         self.engine = None
         self.ds_config = build_ds_config(cfg, self.opts)
         self._grads_before_reduction = 0
+        self._bucket_peak = 0
+        self._init_step = None  # stage 0 in 16 bits: what became of DeepSpeed's optimizer step at init
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         deepspeed = import_deepspeed()
@@ -197,20 +217,60 @@ class ZeroStrategy(Strategy):
             model=model, optimizer=optimizer, config=self.ds_config
         )
         self.model = self.engine
-        if self.opts.stage == 1 and hasattr(self.engine.optimizer, "reduce_gradients"):
-            self._measure_before_reduction(self.engine.optimizer)
+        self._undo_stage0_init_step()
+        opt = self.engine.optimizer
+        if self.opts.stage == 1 and hasattr(opt, "reduce_gradients"):
+            self._measure_before_reduction(opt)
+        if hasattr(opt, "_release_ipg_buffers"):
+            self._measure_ipg_buckets(opt)
+
+    def _undo_stage0_init_step(self) -> None:
+        """bf16/fp16 at stage 0: with ZeRO off and 16-bit gradients DeepSpeed wraps the client
+        optimizer in ``FP16_UnfusedOptimizer`` (``engine._do_optimizer_sanity_check`` returns
+        DDP_BFLOAT16 / FP16; not BF16_Optimizer, which needs fp32 gradient accumulation or a
+        pipeline), whose constructor calls ``initialize_optimizer_states()``: one ``step()`` of the
+        client optimizer on zero gradients. For torch Adam that is step 1 with zero moments: no
+        move, but every later bias correction is one step ahead (the first real update is 0.74x as
+        large), and with weight decay the fp32 master decays once. ZeRO 1-3 never step at init.
+        Undone here: the optimizer forgets that state and the fp32 master is copied back from the
+        16-bit weights it was cloned from (the dummy step never touches those). Stage 0 then trains
+        bit for bit as ZeRO-1/2 do in bf16 (measured, docs/zero.md). A user's ``strategy.ds_config``
+        is run as DeepSpeed runs the file (tests/test_ds_config.py compares them bit for bit), so
+        there the step is kept; ``strategy_extras.zero0_init_step`` says which."""
+        opt = self.engine.optimizer
+        if self.opts.stage != 0 or not (hasattr(opt, "fp16_groups") and hasattr(opt, "refresh_fp32_params")):
+            return
+        if self.opts.ds_config:
+            self._init_step = "kept: strategy.ds_config runs as DeepSpeed runs the file (one Adam step ahead)"
+            return
+        opt.optimizer.state.clear()
+        opt.refresh_fp32_params()
+        self._init_step = "undone: trains as zero1/zero2 do"
 
     def _measure_before_reduction(self, opt) -> None:
         """Wrap this optimizer instance's boundary reduction to read the gradient bytes held just
-        before it (afterwards DeepSpeed keeps only this rank's partition)."""
+        before it (afterwards DeepSpeed keeps only this rank's partition): every parameter's whole
+        gradient, plus (offload) the fp32 gradient partition that lives from init on."""
         reduce = opt.reduce_gradients
-        params = list(self.engine.module.parameters())
 
         def measured_reduce(*args, **kwargs):
-            self._grads_before_reduction = storage_bytes(p.grad for p in params)
+            self._grads_before_reduction = storage_bytes(self._grad_tensors())
             return reduce(*args, **kwargs)
 
         opt.reduce_gradients = measured_reduce
+
+    def _measure_ipg_buckets(self, opt) -> None:
+        """Stages 1-2 allocate their reduction bucket(s) (``ipg_buckets[dtype].buffer``, a list:
+        one buffer of reduce_bucket_size elements, two with overlap_comm) when backward starts and
+        free them at its end (``_release_ipg_buffers``); read them just before they go. Stage 3
+        keeps its one bucket for the whole run (read after backward)."""
+        release = opt._release_ipg_buffers
+
+        def measured_release(*args, **kwargs):
+            self._bucket_peak = max(self._bucket_peak, storage_bytes(_bucket_tensors(opt)))
+            return release(*args, **kwargs)
+
+        opt._release_ipg_buffers = measured_release
 
     def _input_dtype(self) -> torch.dtype:
         # bf16 engines hold bf16 weights and expect bf16 inputs; the loss is computed in fp32.
@@ -275,7 +335,7 @@ class ZeroStrategy(Strategy):
         if self.opts.stage == 3:
             partitions = [p.ds_tensor for p in params] + list(getattr(opt, "fp16_partitioned_groups_flat", []))
             return partitions + [p.data for p in params]
-        # bit16_groups_flat: ZeRO 1-2; bf16_groups_flat: the BF16_Optimizer DeepSpeed uses for bf16 at stage 0
+        # bit16_groups_flat: ZeRO 1-2; bf16_groups_flat: BF16_Optimizer (a ds_config with fp32 gradient accumulation)
         return (
             [p.data for p in params]
             + list(getattr(opt, "bit16_groups_flat", []))
@@ -287,30 +347,41 @@ class ZeroStrategy(Strategy):
         opt = self.engine.optimizer
         if self.opts.stage == 3:
             return list(getattr(opt, "fp32_partitioned_groups_flat", []))
-        # stages 1-2; BF16_Optimizer (bf16 at stage 0) partitions its fp32 master over the ranks too
-        return list(getattr(opt, "single_partition_of_fp32_groups", [])) + list(
-            getattr(opt, "fp32_groups_flat_partition", [])
-        )
+        # stages 1-2: the fp32 partition; BF16_Optimizer (a user's ds_config with fp32 gradient
+        # accumulation) its fp32 partition too; stage 0 in bf16/fp16: FP16_UnfusedOptimizer's fp32
+        # copy of every parameter (fp32_groups, a list per group), FP16_Optimizer's flat one
+        tensors = list(getattr(opt, "single_partition_of_fp32_groups", []))
+        tensors += list(getattr(opt, "fp32_groups_flat_partition", [])) + list(getattr(opt, "fp32_groups_flat", []))
+        for group in getattr(opt, "fp32_groups", None) or []:
+            tensors += list(group) if isinstance(group, (list, tuple)) else [group]
+        return tensors
 
-    def memory_after_backward(self) -> dict[str, int]:
-        """Parameters and every gradient buffer alive after backward; step() frees the averaged
-        gradients and the partitions' .grad."""
+    def _grad_tensors(self) -> list[torch.Tensor | None]:
+        """Every gradient buffer alive now: the module's .grad, the averaged partition gradients
+        (stages 1-2) or the flat gradient partition (stage 3), and the fp32 master's .grad, which
+        with offload DeepSpeed allocates at init and keeps (stages 1-3: 4 bytes per partition
+        element; without offload the step creates and frees it)."""
         opt = self.engine.optimizer
         averaged = getattr(opt, "averaged_gradients", None) or {}
-        grads = [p.grad for p in self.engine.module.parameters()]
+        grads = [p.grad for p in self.engine.module.parameters()] + [m.grad for m in self._master_tensors()]
         for value in averaged.values() if isinstance(averaged, dict) else averaged:
             grads += value if isinstance(value, (list, tuple)) else [value]
         if self.opts.stage == 3:
             grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
         else:
-            grads += [getattr(opt, "grads_in_partition", None)] + [m.grad for m in self._master_tensors()]
+            grads.append(getattr(opt, "grads_in_partition", None))
             grads += list(getattr(opt, "fp32_groups_gradients_flat", []))  # BF16_Optimizer's fp32 accumulators
+        return grads
+
+    def memory_after_backward(self) -> dict[str, int]:
+        """Parameters and every gradient buffer alive after backward; step() frees the averaged
+        gradients and (without offload) the partitions' .grad."""
         return {
             "param_bytes": storage_bytes(self._param_tensors()),
             # Stage 1 frees the gradients outside its partition right after its one reduction at
             # the end of backward; before it, every rank holds them all (the ZeRO-1 state).
-            "grad_bytes": max(storage_bytes(grads), self._grads_before_reduction),
-            "comm_buffer_bytes": self._bucket_bytes(opt),
+            "grad_bytes": max(storage_bytes(self._grad_tensors()), self._grads_before_reduction),
+            "comm_buffer_bytes": self._comm_buffer_bytes(),
         }
 
     def memory_after_step(self) -> dict[str, int]:
@@ -324,10 +395,18 @@ class ZeroStrategy(Strategy):
         master_bytes = storage_bytes(params + self._master_tensors()) - storage_bytes(params)
         return {"master_param_bytes": master_bytes, "optim_bytes": storage_bytes(states)}
 
-    @staticmethod
-    def _bucket_bytes(opt) -> int:
-        buffers = list(getattr(opt, "ipg_buffer", None) or [])
-        return storage_bytes(buffers)
+    def _comm_buffer_bytes(self) -> int:
+        """Buffers beside the model state that hold data in transit: the gradient reduction
+        bucket(s) (DeepSpeed 0.19.8 keeps them in ``ipg_buckets[dtype].buffer``; older releases had
+        one ``ipg_buffer`` list) and, with offload at stages 1-2, the staging copies between device and
+        host: two gradient buffers of the largest parameter (``temp_grad_buffer_for_{gpu,cpu}_offload``)
+        and the 16-bit copy of the updated partition (``param_buffer_of_bit16_for_cpu_offload_groups``)."""
+        opt = self.engine.optimizer
+        staging = [getattr(opt, "temp_grad_buffer_for_gpu_offload", None)]
+        staging += [getattr(opt, "temp_grad_buffer_for_cpu_offload", None)]
+        staging += list(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None) or [])
+        buckets = max(self._bucket_peak, storage_bytes(_bucket_tensors(opt)))
+        return buckets + storage_bytes(staging)
 
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """ZeRO paper (arXiv 1910.02054) per rank, generalised to this precision: weights w and
@@ -362,7 +441,10 @@ class ZeroStrategy(Strategy):
         return predict_zero_comm(cfg, model, rank)
 
     def extra_metrics(self) -> dict:
-        return {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
+        extras = {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
+        if self._init_step:
+            extras["zero0_init_step"] = self._init_step
+        return extras
 
     def teardown(self) -> None:
         if self.engine is not None and hasattr(self.engine, "destroy"):
