@@ -347,7 +347,7 @@ def test_hf_auto_follows_the_model_precision_and_batch(tmp_path):
     fixed_path = _file(tmp_path, fixed, "fixed.json")
     from parallel_lab.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps=10 in the file vs"):
+    with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps=10 vs"):
         _validated(tmp_path / "c", "strategy=zero3", f"strategy.ds_config={fixed_path}", *common[2:])
 
 

@@ -284,11 +284,11 @@ def adopt(cfg: DictConfig, key: str, path: str, explicit: Sequence[str], whole_f
             conflicts.append((typed, value, current))
     conflicts += _scheduler_param_conflicts(cfg, file, given)
     if conflicts:
-        listed = "; ".join(f"{_file_word(k, v)} in the file vs {k}={given[k]}" for k, v, _ in conflicts)
-        fixes = ", ".join(f"use strategy={v}" if k == "strategy" else f"drop {k}={given[k]}" for k, v, _ in conflicts)
+        # Short enough for one line with several conflicts (< 300 characters for the 4 of the catalogue).
+        listed = "; ".join(f"{_file_word(k, v)} vs {k}={given[k]}" for k, v, _ in conflicts)
+        stage = next((f" (use strategy={v})" for k, v, _ in conflicts if k == "strategy"), "")
         raise ConfigError(
-            f"{key}={path} disagrees with the command line: {listed}; fix: {fixes} "
-            f"(the file's values then apply), or change the file"
+            f"{Path(path).name} vs command line: {listed}; fix: drop the overrides{stage} or edit the file"
         )
     for dotted, value in file.items():
         if dotted != "strategy.name":
