@@ -20,7 +20,15 @@ import torch
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
-from parallel_lab.report.parity import Verdict, adam_lr_of, jitter_one_ulp, judge_runs, log_verdict, noise_reruns
+from parallel_lab.report.parity import (
+    Verdict,
+    adam_lr_of,
+    jitter_gradients,
+    jitter_one_ulp,
+    judge_runs,
+    log_verdict,
+    noise_reruns,
+)
 from parallel_lab.worker.metrics import load_final_params
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
@@ -47,13 +55,15 @@ def reference_run(
     threads: int = 2,
     grad_clip: float = 0.0,
     ulp_jitter_seed: int | None = None,
+    grad_ulp_seed: int | None = None,
     grad_accum: int = 1,
     precision: str = "fp32",
 ):
     """Plain training loop: returns (per-step losses, final parameter checksum, final model).
     grad_clip > 0 clips the whole model's gradient norm; ulp_jitter_seed moves every initial weight
-    one ulp and grad_accum > 1 sums the batch's gradient over that many equal micro-batches (two
-    of the noise-floor reruns). precision="bf16": the textbook mixed-precision loop (arXiv
+    one ulp, grad_ulp_seed moves every gradient by its rounding noise (jitter_gradients) and
+    grad_accum > 1 sums the batch's gradient over that many equal micro-batches (noise-floor
+    reruns). precision="bf16": the textbook mixed-precision loop (arXiv
     1710.03740, bf16 needing no loss scaling): each step a bf16 copy of the fp32 model runs forward
     and backward on bf16 inputs, the loss in fp32, and its gradients, cast to fp32, are the fp32
     master weights' gradients for the optimizer."""
@@ -68,6 +78,7 @@ def reference_run(
     else:
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     losses, batches = [], global_batches(data_size, global_batch, seed)
+    grad_noise = None if grad_ulp_seed is None else torch.Generator().manual_seed(grad_ulp_seed)
     for _ in range(steps):
         idx = next(batches)
         x, y = data.tensors[0][idx], data.tensors[1][idx]
@@ -75,6 +86,8 @@ def reference_run(
         loss = sum(
             _backward(net, xs, ys, precision, grad_accum) for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum))
         )
+        if grad_noise is not None:
+            jitter_gradients(net.parameters(), grad_noise)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
         opt.step()

@@ -17,6 +17,7 @@ from parallel_lab.report.parity import (
     FLOOR_ULPS,
     Gaps,
     adam_element_bound,
+    jitter_gradients,
     jitter_one_ulp,
     judge,
     noise_reruns,
@@ -95,12 +96,26 @@ def test_under_adam_one_weight_may_move_by_adams_bound_and_no_more():
     assert not verdict.passed and "param_rel_l2" in verdict.reason()
 
 
+def test_gradient_jitter_moves_each_gradient_by_one_ulp_of_its_largest():
+    """Near zero (where Adam's gain is), every element moves by eps x the tensor's largest |gradient|."""
+    w = torch.nn.Parameter(torch.zeros(400))
+    w.grad = torch.empty(400).uniform_(-1e-3, 1e-3)
+    w.grad[0] = 2.0
+    before = w.grad.clone()
+    jitter_gradients([w], torch.Generator().manual_seed(1))
+    moved = (w.grad - before)[1:]
+    eps = float(torch.finfo(torch.float32).eps)
+    assert torch.allclose(moved.abs(), torch.full_like(moved, 2.0 * eps), rtol=0.01)
+    assert (moved > 0).any() and (moved < 0).any()
+
+
 def test_noise_reruns_change_only_last_bits_and_fit_the_batch():
     reruns = noise_reruns(global_batch=24, grad_accum=1, threads=2)
     assert reruns == {
         "ulp_jitter_seed=1": {"ulp_jitter_seed": 1},
         "ulp_jitter_seed=2": {"ulp_jitter_seed": 2},
         "ulp_jitter_seed=3": {"ulp_jitter_seed": 3},
+        "grad_ulp_seed=1": {"grad_ulp_seed": 1},
         "micro_batches=2": {"grad_accum": 2},
         "micro_batches=4": {"grad_accum": 4},
         "threads=1": {"threads": 1},

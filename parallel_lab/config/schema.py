@@ -60,6 +60,9 @@ class TrainerConfig:
     # Noise-floor reruns of the `single` baseline only (parallel_lab/parity.py; a sweep starts them):
     # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
     ulp_jitter_seed: Optional[int] = None
+    # Noise-floor reruns of `single` only: before every optimizer step, move every gradient element
+    # by one float ulp of its tensor's largest gradient, signs drawn from this seed. null = off.
+    grad_ulp_seed: Optional[int] = None
     # Set by a sweep on its noise-floor reruns of `single` (the perturbation's label, e.g.
     # "micro_batches=2"; parallel_lab/report/parity.py noise_reruns): marks the run as one. null = a run.
     noise_rerun: Optional[str] = None

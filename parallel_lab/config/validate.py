@@ -166,7 +166,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
         )
     if cfg.fault.at not in ("step", "checkpoint"):
         raise ConfigError(f"fault.at='{cfg.fault.at}' is unknown; use fault.at=step or checkpoint")
-    for key in ("ulp_jitter_seed", "noise_rerun"):
+    for key in ("ulp_jitter_seed", "grad_ulp_seed", "noise_rerun"):
         if t[key] is not None and cfg.strategy.name != "single":
             raise ConfigError(
                 f"trainer.{key}={t[key]} is for noise-floor reruns of the baseline; "

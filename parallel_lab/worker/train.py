@@ -22,7 +22,7 @@ from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params
 from parallel_lab.plan.predict import predicted_metrics
 from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch
-from parallel_lab.report.parity import jitter_one_ulp
+from parallel_lab.report.parity import jitter_gradients, jitter_one_ulp
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.dist_env import DistEnv
 from parallel_lab.worker.faults import maybe_inject_fault
@@ -88,9 +88,16 @@ class LoopState:
 
 
 def train_step(
-    strategy: Strategy, counter: CommCounter, batch, env: DistEnv, grad_accum: int, measure_memory: bool
+    strategy: Strategy,
+    counter: CommCounter,
+    batch,
+    env: DistEnv,
+    grad_accum: int,
+    measure_memory: bool,
+    grad_noise: torch.Generator | None = None,
 ) -> tuple[float, float, float, dict]:
-    """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {})."""
+    """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {}).
+    grad_noise: a noise-floor rerun's generator for jitter_gradients (report/parity.py)."""
     inputs, targets = batch
     memory, after_backward = {}, {}
     _sync(env.device)
@@ -102,6 +109,8 @@ def train_step(
         ]
         _sync(env.device)
         backward_done = time.perf_counter()
+        if grad_noise is not None:
+            jitter_gradients(strategy.model.parameters(), grad_noise)
         if measure_memory:  # gradients: the optimizer step frees or zeroes them
             with counter.paused():
                 after_backward = strategy.memory_after_backward()
@@ -129,12 +138,13 @@ def run_steps(
 ) -> dict:
     """Train from state.first_step to trainer.steps; return the memory report of the last step."""
     t, memory = cfg.trainer, {}
+    grad_noise = None if t.grad_ulp_seed is None else torch.Generator().manual_seed(t.grad_ulp_seed)
     for step in _progress(t.steps, t.progress and env.is_main, state.first_step):
         maybe_inject_fault(cfg.fault, env, step, "step")
         batch = next(batches)
         state.consumed += 1
         loss, fwd_bwd_s, optimizer_s, step_memory = train_step(
-            strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1
+            strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1, grad_noise=grad_noise
         )
         memory = step_memory or memory
         if scheduler is not None:  # after the optimizer step, as DeepSpeed's engine steps its own
