@@ -338,9 +338,10 @@ def criterion_line(runs: list[Row]) -> str:
     gpus = sorted({r.metrics.device_name for r in runs if r.ok and r.metrics.device_name})
     return (
         f"Parity: each row vs `single`, against the noise envelope of `single` rerun with the same training in "
-        f"other last bits (weights moved 1 ulp, seeds {', '.join(map(str, NOISE_SEEDS))}; more micro-batches; "
-        f"another thread count). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
-        f"(Δloss over the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and max |Δθ|; "
+        f"other last bits (weights moved 1 ulp, seeds {', '.join(map(str, NOISE_SEEDS))}; gradients moved by their "
+        f"rounding; more micro-batches; another thread count). Pass = every ratio ≤ {ENVELOPE_MULTIPLE:g}× "
+        f"(Δloss at each of the first {EARLY_STEPS} steps and over the run, final parameters' relative L2 and "
+        f"max |Δθ|; "
         f"floor {FLOOR_ULPS} float32 ulps, under Adam one weight moved 2·lr·steps; bf16 rows against `single` "
         f"in bf16 and its own reruns). "
         f"CPU kernels: {', '.join(cpus) or 'unknown'}."
