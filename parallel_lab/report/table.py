@@ -351,9 +351,10 @@ def criterion_line(runs: list[Row]) -> str:
 
 
 def markdown(runs: list[Row]) -> str:
-    headers = [h for h, _ in COLUMNS]
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731  ("max |Δθ|" must not split its column)
+    headers = [cell(h) for h, _ in COLUMNS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in table_rows(runs)]
     return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
 
 
