@@ -148,6 +148,33 @@ def table(results: list[tuple[Dispatch, dict, int, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+def by_test(results: list[tuple[Dispatch, dict, int, list[dict]]]) -> str:
+    """Per test function (real and broken kept apart): the worst fraction of the bound per dispatch
+    for real runs, the lowest for broken ones ('caught x' / MISSED); how many configurations each judged."""
+    groups: dict[tuple[str, bool], dict[int, list[dict]]] = {}
+    for i, (*_, records) in enumerate(results):
+        for record in records:
+            test = re.sub(r"\[.*\]", "", record["test"].rsplit("::", 1)[-1])
+            groups.setdefault((test, record["expect_pass"]), {}).setdefault(i, []).append(record)
+    header = ["test (configurations)", *(f"D{i + 1}" for i in range(len(results)))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (test, real), cells in sorted(groups.items()):
+        count = max(map(len, cells.values()))
+        row = [f"{test} ({count})" if real else f"broken: {test} ({count})"]
+        for i in range(len(results)):
+            records = cells.get(i, [])
+            if not records:
+                row.append("–")
+            elif real:
+                worst = max(map(bound_fraction, records))
+                row.append(f"{worst:.2f}" + ("" if all(r["passed"] for r in records) else " FALSE ALARM"))
+            else:
+                lowest = min(map(bound_fraction, records))
+                row.append("MISSED" if any(r["passed"] for r in records) else f"caught {lowest:.1f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def summary_line(records: list[dict]) -> str:
     real = [r for r in records if r["expect_pass"]]
     broken = [r for r in records if not r["expect_pass"]]
@@ -194,7 +221,7 @@ def main(argv: list[str]) -> int:
             f"{time.monotonic() - start:.0f} s; {summary_line(records)}",
             flush=True,
         )
-    report = table(results)
+    report = table(results) + "\n\n" + by_test(results)
     all_records = [r for *_, records in results for r in records]
     (out_dir / "parity_robustness.md").write_text(report + "\n\n" + summary_line(all_records) + "\n")
     print(report)
