@@ -12,7 +12,7 @@
 #  2. the raw form: that same mpiexec command, typed by hand on the config.yaml the CLI wrote.
 #     No MASTER_ADDR/PORT is set: the worker reads rank/size from MPICH's PMI_RANK/PMI_SIZE (or
 #     Open MPI's OMPI_COMM_WORLD_*), and rank 0 broadcasts a free port over MPI
-#     (parallel_lab/worker/dist_env.py). It rewrites metrics.json in the same run dir; the first
+#     (parallel_lab/comm/dist_env.py). It rewrites metrics.json in the same run dir; the first
 #     run's metrics are kept as metrics.launcher.json.
 #  3. a check that both forms logged the same losses.
 # Env: PYTHON (default: the venv's python, else python3), RUN_ROOT (default runs/mpi/<time>).

@@ -10,7 +10,7 @@ order gives the same bits. Rank 0 prints a table collective | mpi4py | torch | e
 
 torch has no MPI backend here (``dist.is_mpi_available()`` is False), so the torch side is a gloo
 group whose rank, world size and rendezvous come from the MPI environment through
-``parallel_lab.worker.dist_env``: the same code the training worker uses, so this is also the proof that
+``parallel_lab.comm.dist_env``: the same code the training worker uses, so this is also the proof that
 the worker's environment reading works under mpirun.
 """
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from common import abort_on_exception
 from mpi4py import MPI
 
-from parallel_lab.worker.dist_env import DistEnv, init_process_group, read_dist_env
+from parallel_lab.comm.dist_env import DistEnv, init_process_group, read_dist_env
 
 ROOT = 0
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a FutureWarning);

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
+from typing import Callable
 
 
 class ConfigError(ValueError):
@@ -15,21 +15,9 @@ def one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
-_quiet = False
+Warn = Callable[[str], None]  # where a check sends a warning (validate(..., warn=...))
 
 
 def print_warning(message: str) -> None:
     """Something the user should know while the run goes on: one line on stderr."""
-    if not _quiet:
-        print(f"parallel_lab: warning: {one_line(message)}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def warnings_silenced():
-    """For a check that runs again later (and warns then): say nothing now, so nothing is said twice."""
-    global _quiet
-    saved, _quiet = _quiet, True
-    try:
-        yield
-    finally:
-        _quiet = saved
+    print(f"parallel_lab: warning: {one_line(message)}", file=sys.stderr, flush=True)

@@ -158,3 +158,24 @@ KERNEL_DISPATCH_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE
 def kernel_dispatch() -> dict[str, str]:
     """This process's settings of KERNEL_DISPATCH_VARS (the ones set)."""
     return {name: os.environ[name] for name in KERNEL_DISPATCH_VARS if name in os.environ}
+
+
+def save_final_params(run_dir: Path, names: list[str], params: list) -> None:
+    """<run_dir>/final_params.pt: every full parameter by its single-model name, fp32 on CPU, so
+    the report can measure the distance between two runs' weights (not only their sums)."""
+    import torch
+
+    if len(names) != len(params):
+        raise RuntimeError(f"full_parameters() returned {len(params)} tensors for {len(names)} parameters")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (PARAMS_FILE + ".tmp")
+    torch.save({n: p.detach().float().cpu().contiguous() for n, p in zip(names, params)}, tmp)
+    os.replace(tmp, run_dir / PARAMS_FILE)
+
+
+def load_final_params(run_dir: Path) -> dict | None:
+    """Another run's final_params.pt (tensors only: ``weights_only``), None if it wrote none."""
+    import torch
+
+    path = Path(run_dir) / PARAMS_FILE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None

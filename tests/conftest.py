@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.testing import load_metrics
-from parallel_lab.testing import run_cli as _run_cli
+from parallel_lab.cli.run import load_metrics
+from parallel_lab.cli.run import run_cli as _run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(run_dir: Path, *overrides: str, in_process: bool = True, **kwargs):
-    """parallel_lab.testing.run_cli from the checkout's root. The parent runs in this pytest
+    """parallel_lab.cli.run.run_cli from the checkout's root. The parent runs in this pytest
     process by default (the real main(), real worker processes; ~3 s of interpreter start-up saved
     per run); tests of how the command itself behaves as a process pass in_process=False."""
     return _run_cli(run_dir, *overrides, cwd=ROOT, in_process=in_process, **kwargs)

@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.comm import collectives
+from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.config import load_run_config
 from parallel_lab.models import build_model
+from parallel_lab.optim import optimizer_factory
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.manual_ddp import ManualDDPStrategy
-from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.metrics import param_checksum
-from parallel_lab.worker.train import optimizer_factory, train
+from parallel_lab.worker.train import train
 
 
 def _all_equal_across_ranks(value: float) -> bool:

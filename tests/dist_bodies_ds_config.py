@@ -18,13 +18,12 @@ import os
 
 import torch
 
+from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.config import load_run_config
 from parallel_lab.models import build_model
+from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.zero.strategy import import_deepspeed
-from parallel_lab.worker.dist_env import read_dist_env
-from parallel_lab.worker.schedule import make_scheduler
-from parallel_lab.worker.train import optimizer_factory
 
 
 def _their_config(path: str) -> dict:

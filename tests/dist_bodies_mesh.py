@@ -1,5 +1,5 @@
 """Distributed test bodies for the 2-D mesh layouts (HSDP, dp x tp, dp x pp), run with
-parallel_lab.testing.run_ranks on 4 ranks: every layout, and deliberately broken twins that skip
+parallel_lab.cli.run.run_ranks on 4 ranks: every layout, and deliberately broken twins that skip
 the gradient average over the replicate dimension, in ONE set of processes."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import json
 
 import torch.distributed as dist
 
+from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.fsdp.strategy import fsdp_units
 from parallel_lab.strategies.fsdp.v2 import FSDP2
 from parallel_lab.strategies.mesh import build_mesh
 from parallel_lab.strategies.pp import PipelineParallelStrategy
 from parallel_lab.strategies.tp import TensorParallelStrategy
-from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 from tests.model_parallel_helpers import compose_config, reference_accuracy, reference_for
 

@@ -1,4 +1,4 @@
-"""Distributed test bodies for pipeline parallelism (run with parallel_lab.testing.run_ranks)."""
+"""Distributed test bodies for pipeline parallelism (run with parallel_lab.cli.run.run_ranks)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.config import load_run_config
 from parallel_lab.protocol import METRICS_FILE
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 
 

@@ -1,5 +1,5 @@
 """Shared by the tp/pp distributed test bodies: build a strategy from the real config files and
-train it with the real loop inside ranks started by ``parallel_lab.testing.run_ranks``, then
+train it with the real loop inside ranks started by ``parallel_lab.cli.run.run_ranks``, then
 compare with the independent single-process reference (tests/reference.py)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 from tests.reference import ParityReference, parity_reference
 

@@ -20,16 +20,15 @@ import torch
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
+from parallel_lab.protocol import load_final_params
 from parallel_lab.report.parity import (
     Verdict,
     adam_lr_of,
-    jitter_gradients,
-    jitter_one_ulp,
     judge_runs,
     log_verdict,
     noise_reruns,
 )
-from parallel_lab.worker.metrics import load_final_params
+from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.testing import run_ranks
+from parallel_lab.cli.run import run_ranks
 from tests.conftest import load_metrics, write_config
 from tests.reference import parity_reference
 
@@ -111,7 +111,7 @@ def test_more_bf16_rows_match_the_bf16_reference(tmp_path, bf16_reference):
 
 
 def _params(metrics: dict) -> dict:
-    from parallel_lab.worker.metrics import load_final_params
+    from parallel_lab.protocol import load_final_params
 
     return load_final_params(Path(metrics["run_dir"]))
 

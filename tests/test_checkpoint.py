@@ -20,7 +20,7 @@ import torch
 from conftest import load_metrics, run_cli, write_config
 
 from parallel_lab.checkpoint import COMPLETE, CheckpointError, checkpoint_name, read_manifest, sha256_file
-from parallel_lab.testing import run_ranks
+from parallel_lab.cli.run import run_ranks
 
 COMMON = ("trainer.steps=6", "trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
 TIMEOUT = 300

@@ -5,7 +5,7 @@ smaller than it), float32 and int64."""
 
 import pytest
 
-from parallel_lab.testing import run_ranks
+from parallel_lab.cli.run import run_ranks
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

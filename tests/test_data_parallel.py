@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.testing import run_ranks
-from parallel_lab.worker.metrics import load_final_params
+from parallel_lab.cli.run import run_ranks
+from parallel_lab.protocol import load_final_params
 from tests.conftest import assert_plan_matches, load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 

@@ -14,9 +14,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from parallel_lab.cli.ds_args import _parser, overrides_from_deepspeed_args
+from parallel_lab.cli.run import load_metrics, run_ranks
 from parallel_lab.config import compose_config, validate
 from parallel_lab.strategies.zero.ds_config import build_ds_config
-from parallel_lab.testing import load_metrics, run_ranks
 from tests.conftest import run_cli, write_config
 from tests.reference import parity_reference
 from tests.test_failures import ISSUE_13_DS_CONFIG

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from parallel_lab.cli.run import run_ranks
 from parallel_lab.report.parity import ENVELOPE_MULTIPLE
-from parallel_lab.testing import run_ranks
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, assert_one_line_config_error, cnn_reference
 
 WORLD = 4

@@ -204,7 +204,7 @@ def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
     assert "every MPI result equals its torch.distributed twin" in out
     report = json.loads((tmp_path / "m.json").read_text())
     assert report["world_size"] == size
-    # torch's rank/world came from the MPI launcher's variables, read by parallel_lab.worker.dist_env.
+    # torch's rank/world came from the MPI launcher's variables, read by parallel_lab.comm.dist_env.
     assert report["source"] == ("none" if ranks == 0 else "PMI_RANK" if IS_MPICH else report["source"])
     expected = mirror_expected(size, k)
     rows = {r["name"]: r for r in report["rows"]}

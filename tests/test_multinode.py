@@ -26,7 +26,7 @@ from conftest import ROOT, run_cli
 from private_slurm import PrivateSlurm, ensure_packages
 from simulated_hosts import SimulatedHosts, unavailable_reason
 
-from parallel_lab.testing import load_metrics
+from parallel_lab.cli.run import load_metrics
 from tests.reference import parity_reference
 
 STEPS, BATCH = 3, 32  # as tests/test_sharded.py: one cached reference for both

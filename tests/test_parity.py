@@ -11,20 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel_lab.cli.run import run_ranks
+from parallel_lab.protocol import load_final_params
 from parallel_lab.report.parity import (
     EARLY_STEPS,
     ENVELOPE_MULTIPLE,
     FLOOR_ULPS,
     Gaps,
     adam_element_bound,
-    jitter_gradients,
-    jitter_one_ulp,
     judge,
     noise_reruns,
     ulp,
 )
-from parallel_lab.testing import run_ranks
-from parallel_lab.worker.metrics import load_final_params
+from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 from tests.conftest import write_config
 from tests.reference import parity_reference
 

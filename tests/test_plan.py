@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from parallel_lab.cli.run import run_cli
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.main import main as plan_main
 from parallel_lab.plan.predict import MODEL_STATE
 from parallel_lab.strategies import get_strategy_class, sweep_names
-from parallel_lab.testing import run_cli
 
 TOLERANCE = 0.01
 

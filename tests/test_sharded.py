@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from parallel_lab.testing import run_ranks
-from parallel_lab.worker.dist_env import free_port
+from parallel_lab.cli.run import run_ranks
+from parallel_lab.comm.dist_env import free_port
 from tests.conftest import ROOT, assert_losses_close, assert_plan_matches, load_metrics, run_cli, write_config
 from tests.reference import parity_reference
 

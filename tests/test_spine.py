@@ -14,10 +14,10 @@ import pytest
 from conftest import ROOT, assert_plan_matches, load_metrics, run_cli
 from reference import parity_reference
 
+from parallel_lab.comm.dist_env import free_port
 from parallel_lab.config import CONF_DIR, compose_config, validate
-from parallel_lab.report.table import main as report_main
+from parallel_lab.report.__main__ import main as report_main
 from parallel_lab.strategies import registered_names
-from parallel_lab.worker.dist_env import free_port
 
 
 def test_registry_matches_strategy_yaml_files():

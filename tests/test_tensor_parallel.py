@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from parallel_lab.cli.run import run_ranks
 from parallel_lab.models.cnn import SmallCNN
-from parallel_lab.testing import run_ranks
 from tests.conftest import assert_plan_matches
 from tests.model_parallel_helpers import BATCH, DATA_SIZE, STEPS, cnn_reference
 

@@ -41,7 +41,7 @@ def measure(
     budget_bytes: int,
     segment_bytes: int | None = None,
 ) -> None:
-    """Run on every rank (by parallel_lab.testing.run_ranks); rank 0 prints a JSON list."""
+    """Run on every rank (by parallel_lab.cli.run.run_ranks); rank 0 prints a JSON list."""
     import torch
     import torch.distributed as dist
 
@@ -98,7 +98,7 @@ def collective_table(rows: list[dict], world_size: int) -> str:
 
 def step_time(strategy_args: list[str], common: list[str], timeout: float) -> dict:
     """One real CLI run; returns its metrics.json."""
-    from parallel_lab.testing import run_cli_metrics
+    from parallel_lab.cli.run import run_cli_metrics
 
     with tempfile.TemporaryDirectory(prefix="bench_allreduce_") as run_dir:
         return run_cli_metrics(Path(run_dir), *common, *strategy_args, timeout=timeout)
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a hung run is killed")
     args = parser.parse_args(argv)
     if not args.skip_collectives:
-        from parallel_lab.testing import run_ranks
+        from parallel_lab.cli.run import run_ranks
 
         out = run_ranks(
             "parallel_lab.bench.allreduce:measure",

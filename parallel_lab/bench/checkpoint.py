@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 from parallel_lab.checkpoint import checkpoint_name, read_manifest
+from parallel_lab.cli.run import run_cli_metrics
 from parallel_lab.protocol import default_checkpoint_dir
 from parallel_lab.strategies import sweep_names
-from parallel_lab.testing import run_cli_metrics
 
 
 def _run(run_dir: Path, *overrides: str) -> dict:

@@ -8,7 +8,7 @@ as the ceiling.
                                              [--json calibration.json]
 
 Run without mpiexec, it starts ``mpiexec -n NP python -m mpi4py`` on itself (one job: MPI and a
-gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.worker.dist_env).
+gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.comm.dist_env).
 Under your own mpiexec, run it as ``python -m mpi4py -m parallel_lab.bench.collectives``: mpi4py's
 runner aborts the job when a rank raises.
 
@@ -145,7 +145,7 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from parallel_lab.worker.dist_env import init_process_group, read_dist_env
+    from parallel_lab.comm.dist_env import init_process_group, read_dist_env
 
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -229,7 +229,7 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
 
 
 def under_mpi() -> bool:
-    from parallel_lab.worker.dist_env import MPI_MARKERS
+    from parallel_lab.comm.dist_env import MPI_MARKERS
 
     return any(k in os.environ for k in MPI_MARKERS)
 

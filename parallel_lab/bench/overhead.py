@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from parallel_lab.testing import run_cli_metrics
-from parallel_lab.worker.dist_env import free_port
+from parallel_lab.cli.run import run_cli_metrics
+from parallel_lab.comm.dist_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = {"ddp": "benchmarks/bare_ddp.py", "zero2": "benchmarks/bare_zero2.py"}

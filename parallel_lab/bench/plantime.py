@@ -54,7 +54,7 @@ def alpha_beta_fits(collectives: dict) -> dict[str, dict[str, AlphaBeta]]:
 
 
 def run_once(common: list[str], extra: list[str], workdir: Path, timeout: float) -> dict:
-    from parallel_lab.testing import run_cli_metrics
+    from parallel_lab.cli.run import run_cli_metrics
 
     load = os.getloadavg()[0]
     run_dir = Path(tempfile.mkdtemp(dir=workdir))

@@ -24,12 +24,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from parallel_lab.cli import multinode
+from parallel_lab.cli.multinode import WORKER, deepspeed_argv
+from parallel_lab.comm.dist_env import DEFAULT_PORT, free_port
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import CONFIG_FILE, ERRORS_DIR, SUPERVISED_ENV, set_parent_death_signal
 from parallel_lab.worker import zygote
-from parallel_lab.worker.dist_env import DEFAULT_PORT, free_port
-
-WORKER = ["-m", "parallel_lab.worker"]
 
 
 @dataclass
@@ -128,12 +127,6 @@ def deepspeed_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Co
     # --num_gpus is the local process count; on CPU it starts that many ranks (docs/facts.md).
     cmd = deepspeed_argv(tool, ["--num_nodes", "1", "--num_gpus", str(cfg.world_size)], cfg, config_path, port)
     return [(None, cmd, base_env(cfg, port))]
-
-
-def deepspeed_argv(tool: str, placement: list[str], cfg: DictConfig, config_path: Path, port: int) -> list[str]:
-    """``deepspeed <placement flags> --master_addr A --master_port P <extra> --module parallel_lab.worker <config>``."""
-    rendezvous = ["--master_addr", cfg.launcher.master_addr, "--master_port", str(port)]
-    return [tool, *placement, *rendezvous, *cfg.launcher.extra_args, "--module", *WORKER[1:], str(config_path)]
 
 
 def mpirun_commands(cfg: DictConfig, config_path: Path, port: int) -> list[Command]:

@@ -2,17 +2,20 @@
 
 Hydra runs here, in the parent only: compose and validate the config, write the resolved
 ``<run_dir>/config.yaml``, start the workers through the chosen launcher, wait, summarise.
-With ``--multirun`` each sweep point is one such run, and the report is written at the end.
+With ``--multirun`` each sweep point is one such run; then ``cli/sweep.py`` adds the noise floor and
+writes the report, and hands back the rows whose proof failed (they set the exit code).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.config import (
@@ -27,7 +30,6 @@ from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, FailedRun
 
 log = logging.getLogger("parallel_lab")
-_exit_codes: list[int] = []  # one per run of this invocation (a sweep goes on past failures)
 
 
 def _fail(run_dir: Path, cfg: DictConfig, message: str, traceback_text: str = "") -> None:
@@ -51,7 +53,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # The command line's overrides (a ds_config file yields to none of them silently); a noise-floor
-        # rerun (report/sweep.py) starts from a resolved config.yaml, outside any Hydra job.
+        # rerun (cli/sweep.py) starts from a resolved config.yaml, outside any Hydra job.
         explicit = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         cfg = validate(cfg, run_dir, explicit=explicit)
         write_run_config(cfg)
@@ -77,12 +79,36 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
     return code or 1
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
-    _exit_codes.append(run_one(cfg, Path(HydraConfig.get().runtime.output_dir)))
+@dataclass
+class Outcome:
+    """What one invocation did: each run's exit code (a sweep goes on past failures), the sweep's
+    folder when it was a --multirun, and the rows of its report whose proof failed."""
+
+    codes: list[int] = field(default_factory=list)
+    sweep_dir: Path | None = None
+    failed_proofs: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return next((code for code in self.codes if code), 1 if self.failed_proofs else 0)
 
 
-def main() -> None:
+def run_hydra(outcome: Outcome) -> None:
+    """Hydra composes the config from sys.argv and calls the job once per run (once per sweep point
+    with --multirun); every job's result goes into ``outcome``."""
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def job(cfg: DictConfig) -> None:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            outcome.sweep_dir = Path(hydra_cfg.sweep.dir)
+        outcome.codes.append(run_one(cfg, Path(hydra_cfg.runtime.output_dir)))
+
+    job()
+
+
+def main() -> int:
+    """The command line; returns its exit code (2: bad input, before any process started)."""
     try:
         if any(a.startswith(("--deep", "--local")) for a in sys.argv[1:]):  # DeepSpeed's own flags
             from parallel_lab.cli.ds_args import overrides_from_deepspeed_args
@@ -92,15 +118,18 @@ def main() -> None:
         check_overrides_compose(sys.argv[1:])
     except ConfigError as exc:
         print(f"parallel_lab: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     register_configs()
-    hydra_main()
-    from parallel_lab.report.sweep import failed_proofs
+    outcome = Outcome()
+    run_hydra(outcome)
+    if outcome.sweep_dir is not None:
+        from parallel_lab.cli.sweep import finish_sweep
 
-    for line in failed_proofs:
+        outcome.failed_proofs = finish_sweep(outcome.sweep_dir, run_one)
+    for line in outcome.failed_proofs:
         print(f"parallel_lab: error: parity not proven for {line}", file=sys.stderr)
-    sys.exit(next((code for code in _exit_codes if code), 1 if failed_proofs else 0))
+    return outcome.exit_code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

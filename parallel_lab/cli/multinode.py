@@ -8,7 +8,7 @@ Each real engine in its own multi-node form (docs/multinode.md):
 - deepspeed: ``--hostfile`` (``host slots=N``) through one of DeepSpeed's multi-node runners
   (``launcher.ds_runner``: pdsh by default, or mpich, openmpi, ...);
 - mpirun: MPICH hydra ``mpiexec -f <hostfile>`` (``host:N``); the workers find rank 0's host
-  address over MPI (parallel_lab/worker/dist_env.py);
+  address over MPI (parallel_lab/comm/dist_env.py);
 - slurm: ``srun``; ranks from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, the rendezvous host from
   the allocation.
 
@@ -142,10 +142,14 @@ def deepspeed_multi_node(cfg: DictConfig, config_path: Path, port: int, tool: st
     env_file = config_path.parent / "deepspeed_env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in worker_env(cfg).items() if k != "PATH"))
     env = {**env, "DS_ENV_FILE": str(env_file), "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"}
-    from parallel_lab.cli.launch import deepspeed_argv  # launch imports this module
-
     placement = ["--hostfile", str(write_hostfile(cfg, config_path, "deepspeed")), "--launcher", runner]
     return [(None, deepspeed_argv(tool, placement, cfg, config_path, port), env)]
+
+
+def deepspeed_argv(tool: str, placement: list[str], cfg: DictConfig, config_path: Path, port: int) -> list[str]:
+    """``deepspeed <placement flags> --master_addr A --master_port P <extra> --module parallel_lab.worker <config>``."""
+    rendezvous = ["--master_addr", cfg.launcher.master_addr, "--master_port", str(port)]
+    return [tool, *placement, *rendezvous, *cfg.launcher.extra_args, "--module", *WORKER[1:], str(config_path)]
 
 
 def mpiexec_host_flags(cfg: DictConfig, config_path: Path, open_mpi: bool) -> list[str]:

@@ -10,7 +10,7 @@ reduce-scatter + all-gather for large ones, Thakur et al., IJHPCA 2005), which m
 
 The torch process group (gloo) still does everything else (the initial broadcast, loss averaging,
 checkpoints); MPI's COMM_WORLD must therefore be the same ranks in the same order, which holds
-under ``mpiexec`` because ``parallel_lab.worker.dist_env`` takes the torch ranks from the MPI
+under ``mpiexec`` because ``parallel_lab.comm.dist_env`` takes the torch ranks from the MPI
 launcher's variables. ``world()`` checks it.
 """
 

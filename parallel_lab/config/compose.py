@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from parallel_lab.config.schema import CONFIG_GROUPS, register_configs
+from parallel_lab.config.schema import CONFIG_GROUPS, Config
 from parallel_lab.errors import ConfigError
 
 
@@ -109,12 +110,10 @@ def _validate_before_hydra(cfg: DictConfig, overrides: list[str]) -> None:
     from omegaconf import open_dict
 
     from parallel_lab.config.validate import validate
-    from parallel_lab.errors import warnings_silenced
 
     with open_dict(cfg):
         del cfg["hydra"]
-    with warnings_silenced():
-        validate(cfg, explicit=overrides)
+    validate(cfg, explicit=overrides, warn=lambda message: None)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool = False) -> DictConfig:
@@ -130,3 +129,37 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool
             return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
     except Exception as exc:  # noqa: BLE001 - every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None
+
+
+_registered: tuple | None = None  # what register_configs stored last: the same again is a no-op
+
+
+def register_configs() -> None:
+    """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
+    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.plugins import plugin_config_files
+    from parallel_lab.strategies import options_schemas, sweep_names
+
+    global _registered
+    schemas = options_schemas()
+    plugin_files = {group: plugin_config_files(group) for group in CONFIG_GROUPS}
+    if _registered != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
+        store = ConfigStore.instance()
+        store.store(name="base_config", node=Config)
+        for name, options in schemas.items():
+            store.store(group="strategy_options", name=name, node=options)
+        for group, files in plugin_files.items():
+            for name, path in files.items():
+                store.store(group=group, name=name, node=OmegaConf.load(path))
+        _registered = (schemas, plugin_files)
+    if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
+        OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
+    if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
+        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
+
+
+def _choices_text() -> str:
+    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
+    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))

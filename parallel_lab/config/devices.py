@@ -5,14 +5,14 @@ world_size=2), and then only after every worker has imported torch and joined th
 node the parent counts the GPUs it can see: ``device=cuda`` with more ranks than GPUs is refused,
 and ``device=auto`` becomes ``cuda`` only when every rank gets a GPU of its own, else ``cpu`` (with a
 one-line warning when GPUs were there but too few). Several nodes: every host decides for itself
-in the worker (parallel_lab.worker.dist_env.pick_device); the parent may run on a login node.
+in the worker (parallel_lab.comm.dist_env.pick_device); the parent may run on a login node.
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from parallel_lab.errors import ConfigError, print_warning
+from parallel_lab.errors import ConfigError, Warn, print_warning
 
 
 def visible_gpus() -> int:
@@ -21,7 +21,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_device(cfg: DictConfig) -> None:
+def resolve_device(cfg: DictConfig, warn: Warn = print_warning) -> None:
     """Check or settle ``cfg.device`` for a one-node run (cfg.launcher.nproc_per_node is known)."""
     if cfg.device == "cpu" or cfg.launcher.nodes > 1:
         return
@@ -36,7 +36,7 @@ def resolve_device(cfg: DictConfig) -> None:
     if cfg.device == "auto":
         cfg.device = "cuda" if 0 < ranks <= gpus else "cpu"
         if 0 < gpus < ranks:
-            print_warning(
+            warn(
                 f"device=auto: {ranks} ranks on this node but {gpus} CUDA GPU(s) (NCCL needs one per rank), "
                 f"so this run uses cpu and gloo; set world_size={gpus} to run on the GPU"
             )

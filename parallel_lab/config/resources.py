@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from parallel_lab.errors import ConfigError, print_warning
+from parallel_lab.errors import ConfigError, Warn, print_warning
 
 MIB, GIB = 2**20, 2**30
 MEMINFO = Path("/proc/meminfo")
@@ -130,18 +130,18 @@ def cpu_cores() -> int:
     return os.cpu_count() or 1
 
 
-def warn_if_oversubscribed(cfg: DictConfig) -> None:
+def warn_if_oversubscribed(cfg: DictConfig, warn: Warn = print_warning) -> None:
     """A run with far more threads than cores works, but its timings mean little: say so once."""
     cores, threads = cpu_cores(), cfg.world_size * cfg.trainer.threads
     if threads > OVERSUBSCRIBED * cores:
-        print_warning(
+        warn(
             f"world_size={cfg.world_size} x trainer.threads={cfg.trainer.threads} = {threads} threads on "
             f"{cores} CPU cores: each step will take about {threads / cores:.3g}x as long as with a core per "
             f"thread; for meaningful timings keep world_size x trainer.threads <= {cores}"
         )
 
 
-def check_machine_fits(cfg: DictConfig, micro_batch: int) -> None:
+def check_machine_fits(cfg: DictConfig, micro_batch: int, warn: Warn = print_warning) -> None:
     """Refuse a run the memory cannot hold; warn about one the cores can only time-slice."""
     check_memory(cfg, micro_batch)
-    warn_if_oversubscribed(cfg)
+    warn_if_oversubscribed(cfg, warn)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 CONFIG_GROUPS = ("strategy", "model", "data", "launcher")  # chosen on the command line: group=name
@@ -36,7 +35,7 @@ class TrainerConfig:
     lr_scheduler: Optional[str] = None
     lr_scheduler_params: dict = field(default_factory=dict)  # its keyword arguments, as in a ds_config
     # A DeepSpeed JSON config whose optimizer, scheduler, clipping, precision and batch become these
-    # trainer settings (and strategy precision) for every strategy (parallel_lab/config/ds_file.py)
+    # trainer settings (and strategy precision) for every strategy (parallel_lab/strategies/zero/ds_file.py)
     recipe: Optional[str] = None
     # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, zero*:
     # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
@@ -155,43 +154,7 @@ class Config:
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
     # Filled in by the parent: each "auto" of a DeepSpeed file (strategy.ds_config, trainer.recipe)
-    # as resolved from this run's config, {<file key>: {<key path>: {value, from}}} (config/ds_auto.py)
+    # as resolved from this run's config, {<file key>: {<key path>: {value, from}}} (strategies/zero/ds_auto.py)
     ds_auto: dict = field(default_factory=dict)
     fault: FaultConfig = field(default_factory=FaultConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-
-
-_registered: tuple | None = None  # what register_configs stored last: the same again is a no-op
-
-
-def register_configs() -> None:
-    """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
-    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
-    from omegaconf import OmegaConf
-
-    from parallel_lab.plugins import plugin_config_files
-    from parallel_lab.strategies import options_schemas, sweep_names
-
-    global _registered
-    schemas = options_schemas()
-    plugin_files = {group: plugin_config_files(group) for group in CONFIG_GROUPS}
-    if _registered != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
-        store = ConfigStore.instance()
-        store.store(name="base_config", node=Config)
-        for name, options in schemas.items():
-            store.store(group="strategy_options", name=name, node=options)
-        for group, files in plugin_files.items():
-            for name, path in files.items():
-                store.store(group=group, name=name, node=OmegaConf.load(path))
-        _registered = (schemas, plugin_files)
-    if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
-        OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
-    if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
-        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
-
-
-def _choices_text() -> str:
-    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
-    from parallel_lab.config.compose import available_options
-
-    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))

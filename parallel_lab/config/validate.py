@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.config.schema import LauncherConfig, TrainerConfig
-from parallel_lab.errors import ConfigError
+from parallel_lab.errors import ConfigError, Warn, print_warning
 from parallel_lab.protocol import CONFIG_FILE, default_checkpoint_dir
 
 MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
@@ -130,14 +130,17 @@ def apply_precision(cfg: DictConfig, explicit: Sequence[str] = ()) -> None:
     cfg.strategy[key] = "bf16"
 
 
-def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = ()) -> DictConfig:
+def validate(
+    cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = (), warn: Warn = print_warning
+) -> DictConfig:
     """Resolve derived values and check every cross-field rule. Returns a plain resolved config.
     ``explicit``: the command line's overrides, so a DeepSpeed JSON file (strategy.ds_config,
-    trainer.recipe) can tell the user's explicit choices (a conflict) from defaults (the file wins)."""
+    trainer.recipe) can tell the user's explicit choices (a conflict) from defaults (the file wins).
+    ``warn``: where warnings go (a check that runs again later passes one that drops them)."""
     if run_dir is not None:
         use_run_dir(cfg, run_dir)
-    from parallel_lab.config.ds_file import adopt_ds_files
     from parallel_lab.strategies import get_strategy_class
+    from parallel_lab.strategies.zero.ds_file import adopt_ds_files
 
     adopt_ds_files(cfg, explicit)
     apply_precision(cfg, explicit)
@@ -151,7 +154,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
     if t.optimizer not in ("adam", "adamw", "sgd"):
         raise ConfigError(f"trainer.optimizer='{t.optimizer}' is unknown; use trainer.optimizer=adam, adamw or sgd")
     if t.lr_scheduler:
-        from parallel_lab.config.ds_file import check_scheduler
+        from parallel_lab.strategies.zero.ds_file import check_scheduler
 
         check_scheduler(t)
     _check_numbers(cfg)
@@ -189,9 +192,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[st
     from parallel_lab.config.devices import resolve_device
     from parallel_lab.config.resources import check_machine_fits
 
-    resolve_device(cfg)
-
-    check_machine_fits(cfg, micro_batch=t.global_batch // (dp * t.grad_accum))  # last: every value is known good
+    resolve_device(cfg, warn)
+    check_machine_fits(cfg, t.global_batch // (dp * t.grad_accum), warn)  # last: every value is known good
     return cfg
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from parallel_lab.config import compose_config
-from parallel_lab.config.ds_file import adopt_ds_files
 from parallel_lab.config.validate import apply_precision, check_split
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import get_strategy_class, sweep_names
+from parallel_lab.strategies.zero.ds_file import adopt_ds_files
 
 # Degrees that, times strategy.replicate, make the world size: set from each planned world size
 # unless given on the command line.

@@ -50,32 +50,9 @@ EARLY_STEPS = 5  # where bugs show at 100-100,000x the envelope (docs/parity.md)
 FLOOR_ULPS = 8  # the absolute floor, in float32 units in the last place of the compared value
 NOISE_SEEDS = (1, 2, 3)  # ulp-jitter seeds: one noise-floor rerun of the baseline per seed
 NOISE_MICRO_BATCHES = (2, 4)  # the baseline's batch also summed in this many micro-batches (where it divides)
-NOISE_GRAD_SEEDS = (1,)  # gradient-rounding reruns: every gradient moved by rounding noise (jitter_gradients)
+NOISE_GRAD_SEEDS = (1,)  # gradient-rounding reruns: every gradient moved by rounding noise (worker/noise.py)
 ADAM_OPTIMIZERS = ("adam", "adamw")  # trainer.optimizer values whose updates have Adam's high gain
 VERDICT_LOG_ENV = "PARALLEL_LAB_PARITY_LOG"  # a file: every verdict appended as one JSON line (bench)
-
-
-def jitter_one_ulp(model: torch.nn.Module, seed: int) -> None:
-    """Move every parameter element one float ulp up or down, the signs drawn from seed."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            up = torch.randint(0, 2, p.shape, generator=generator).bool()
-            target = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
-            p.copy_(torch.nextafter(p, target))
-
-
-def jitter_gradients(params, generator: torch.Generator) -> None:
-    """Add to every gradient element one float ulp of its tensor's largest gradient, up or down at
-    random: the rounding another summation order leaves in a gradient that comes from cancelling
-    terms (near zero, where Adam's gain lr / eps is largest)."""
-    with torch.no_grad():
-        for p in params:
-            if p.grad is None:
-                continue
-            step = float(torch.finfo(p.grad.dtype).eps) * p.grad.abs().max()
-            signs = torch.randint(0, 2, p.grad.shape, generator=generator).to(p.grad.dtype) * 2 - 1
-            p.grad.add_(signs * step)
 
 
 def noise_reruns(global_batch: int, grad_accum: int, threads: int) -> dict[str, dict[str, int]]:

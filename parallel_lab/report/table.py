@@ -1,6 +1,5 @@
-"""Turn metrics.json files into the comparison: comparison.md/.csv/.json (+ .png plots, ``plots.py``).
-
-    python -m parallel_lab.report <dir> [<dir> ...] [--out DIR]
+"""Turn metrics.json files into the comparison: comparison.md/.csv/.json (the plots: ``plots.py``;
+both: ``write.py``).
 
 Every row carries its proof: the loss difference against the ``single`` baseline found among the
 same runs (same model, global batch and steps), and a pass/fail parity mark. Failed runs
@@ -10,15 +9,13 @@ read as the records the workers and the parent wrote (``protocol.RunMetrics`` / 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics
+from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics, load_final_params
 from parallel_lab.report.parity import (
     EARLY_STEPS,
     ENVELOPE_MULTIPLE,
@@ -29,7 +26,6 @@ from parallel_lab.report.parity import (
     gaps,
     judge,
 )
-from parallel_lab.worker.metrics import load_final_params
 
 MiB = 1024 * 1024
 NOISE_HINT = (
@@ -358,7 +354,8 @@ def markdown(runs: list[Row]) -> str:
     return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
 
 
-def write_report(runs: list[Row], out: Path) -> str:
+def write_tables(runs: list[Row], out: Path) -> str:
+    """comparison.md, .csv and .json in out (the parity of every row judged first); returns the md."""
     add_parity(runs)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(runs)
@@ -368,10 +365,6 @@ def write_report(runs: list[Row], out: Path) -> str:
         writer.writerow([h for h, _ in COLUMNS])
         writer.writerows(table_rows(runs))
     (out / "comparison.json").write_text(json.dumps([run.to_json() for run in runs], indent=2) + "\n")
-    from parallel_lab.report.plots import plot_comparison, plot_parity
-
-    plot_comparison(runs, out)
-    plot_parity(runs, out)
     return text
 
 
@@ -382,26 +375,3 @@ def summary_line(metrics_path: Path) -> str:
         f"final loss {m.final_loss:.4f}, {m.samples_per_s:.0f} samples/s, "
         f"checksum {m.final_param_checksum:.6f} -> {Path(metrics_path).parent}"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel_lab.report", description=__doc__.split("\n")[0])
-    parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders holding metrics.json files")
-    parser.add_argument("--out", type=Path, default=None, help="where to write comparison.* (default: first dir)")
-    args = parser.parse_args(argv)
-    missing = [str(d) for d in args.dirs if not d.is_dir()]
-    if missing:
-        print(
-            f"parallel_lab.report: error: not a folder: {', '.join(missing)}; pass run or sweep folders",
-            file=sys.stderr,
-        )
-        return 2
-    runs = load_runs(args.dirs)
-    if not runs:
-        print(
-            f"parallel_lab.report: error: no {METRICS_FILE} under {', '.join(map(str, args.dirs))}; run a sweep first",
-            file=sys.stderr,
-        )
-        return 2
-    print(write_report(runs, args.out or args.dirs[0]), end="")
-    return 0

@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel_lab.comm.counter import CommCounter
+from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
-from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 # The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for

@@ -7,7 +7,7 @@ import signal
 
 from omegaconf import DictConfig
 
-from parallel_lab.worker.dist_env import DistEnv
+from parallel_lab.comm.dist_env import DistEnv
 
 
 class InjectedFault(RuntimeError):

@@ -4,7 +4,7 @@
 
 Started by our spawn launcher, ``torchrun -m parallel_lab.worker``, the ``deepspeed`` launcher
 (which adds ``--local_rank``) or ``mpirun``. It reads only the resolved config file and the
-environment (``parallel_lab.worker.dist_env``), never Hydra.
+environment (``parallel_lab.comm.dist_env``), never Hydra.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from parallel_lab.comm.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.config import load_run_config
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.protocol import (
@@ -31,7 +32,6 @@ from parallel_lab.protocol import (
     set_parent_death_signal,
 )
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.worker.dist_env import DistEnv, read_dist_env, read_rank
 
 
 def die_with_parent() -> None:

@@ -5,16 +5,12 @@ What metrics.json holds is ``parallel_lab.protocol.RunMetrics``."""
 from __future__ import annotations
 
 import hashlib
-import os
 import resource
 import statistics
-from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
-
-from parallel_lab.protocol import PARAMS_FILE
 
 
 def peak_rss_bytes() -> int:
@@ -56,19 +52,3 @@ def gather_from_ranks(item: dict) -> list[dict]:
     items: list = [None] * dist.get_world_size()
     dist.all_gather_object(items, item)
     return items
-
-
-def save_final_params(run_dir: Path, names: list[str], params: list[torch.Tensor]) -> None:
-    """<run_dir>/final_params.pt: every full parameter by its single-model name, fp32 on CPU, so
-    the report can measure the distance between two runs' weights (not only their sums)."""
-    if len(names) != len(params):
-        raise RuntimeError(f"full_parameters() returned {len(params)} tensors for {len(names)} parameters")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (PARAMS_FILE + ".tmp")
-    torch.save({n: p.detach().float().cpu().contiguous() for n, p in zip(names, params)}, tmp)
-    os.replace(tmp, run_dir / PARAMS_FILE)
-
-
-def load_final_params(run_dir: Path) -> dict[str, torch.Tensor] | None:
-    path = Path(run_dir) / PARAMS_FILE
-    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None

@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.checkpoint import Checkpointer, Resumed
 from parallel_lab.comm.counter import CommCounter
+from parallel_lab.comm.dist_env import DistEnv
 from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params
+from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.plan.predict import predicted_metrics
-from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch
-from parallel_lab.report.parity import jitter_gradients, jitter_one_ulp
+from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch, save_final_params
 from parallel_lab.strategies.base import Strategy
-from parallel_lab.worker.dist_env import DistEnv
 from parallel_lab.worker.faults import maybe_inject_fault
 from parallel_lab.worker.metrics import (
     device_memory,
@@ -32,25 +32,9 @@ from parallel_lab.worker.metrics import (
     param_checksum,
     param_sha256,
     peak_rss_bytes,
-    save_final_params,
     timed_median,
 )
-from parallel_lab.worker.schedule import make_scheduler
-
-
-def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
-    def make(params):
-        if trainer.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)
-        # foreach=False: the same per-tensor kernels whatever the wrapping, so sharded and
-        # replicated runs do bit-comparable updates. adamw: decoupled weight decay (DeepSpeed's
-        # config "Adam" by default, adam_w_mode=true).
-        adam = torch.optim.AdamW if trainer.optimizer == "adamw" else torch.optim.Adam
-        betas = tuple(trainer.get("betas", (0.9, 0.999)))
-        eps = trainer.get("eps", 1e-8)
-        return adam(params, lr=trainer.lr, betas=betas, eps=eps, weight_decay=trainer.weight_decay, foreach=False)
-
-    return make
+from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 
 
 def _progress(steps: int, enabled: bool, first: int = 0):

@@ -80,7 +80,7 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 def context() -> multiprocessing.context.ForkServerContext:
     """multiprocessing's fork-server context with PRELOAD, its server running (started now if it
-    is not): the one zygote of this process, shared with parallel_lab.testing.run_ranks."""
+    is not): the one zygote of this process, shared with parallel_lab.cli.run.run_ranks."""
     global _zygote_env, _zygote_pid
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

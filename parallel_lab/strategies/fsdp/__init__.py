@@ -3,5 +3,7 @@ checkpoints through DCP, memory accounting); ``v2`` (``fully_shard``, the defaul
 (the ``FullyShardedDataParallel`` wrapper, ``strategy.version=1``) are one small class each."""
 
 from parallel_lab.strategies.fsdp.strategy import FSDPStrategy
+from parallel_lab.strategies.fsdp.v1 import FSDP1
+from parallel_lab.strategies.fsdp.v2 import FSDP2
 
-__all__ = ["FSDPStrategy"]
+__all__ = ["FSDP1", "FSDP2", "FSDPStrategy"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -90,13 +90,16 @@ class FSDPStrategy(Strategy):
     """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
 
     Options = FSDPOptions
+    api_version: ClassVar[int | None] = None  # strategy.version a subclass implements
+    _by_version: ClassVar[dict[int, type]] = {}  # filled as v1.py and v2.py define their class
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        FSDPStrategy._by_version[cls.api_version] = cls
 
     def __new__(cls, cfg: DictConfig, env) -> FSDPStrategy:
         if cls is FSDPStrategy:  # the registry knows one name; the version picks the class
-            from parallel_lab.strategies.fsdp.v1 import FSDP1
-            from parallel_lab.strategies.fsdp.v2 import FSDP2
-
-            cls = FSDP2 if cfg.strategy.version == 2 else FSDP1
+            cls = FSDPStrategy._by_version[cfg.strategy.version]
         return super().__new__(cls)
 
     @classmethod

@@ -10,6 +10,8 @@ SHARDING_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard
 
 
 class FSDP1(FSDPStrategy):
+    api_version = 1
+
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision, ShardingStrategy

@@ -9,6 +9,8 @@ from parallel_lab.strategies.mesh import build_mesh
 
 
 class FSDP2(FSDPStrategy):
+    api_version = 2
+
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -5,7 +5,7 @@ Every batch setting comes from ``trainer.*``: ``train_batch_size = trainer.globa
 global_batch / world_size / grad_accum``, and ``gradient_clipping = trainer.grad_clip`` (DeepSpeed's
 own default is 1.0; 0 here means off, as for every strategy). A user's ``strategy.ds_config=<file>``
 is taken whole: the parent first turns what it sets into those trainer/strategy settings
-(``parallel_lab/config/ds_file.py``, refusing explicit command-line values that contradict it), and
+(``parallel_lab/strategies/zero/ds_file.py``, refusing explicit command-line values that contradict it), and
 here the file is the base of the config DeepSpeed gets, its optimizer and scheduler sections
 replaced by the equivalent torch optimizer and schedule that every strategy runs.
 """
@@ -57,7 +57,7 @@ def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
     if opts.precision != "fp32":
         ds[opts.precision] = {"enabled": True}
     if opts.ds_config:
-        from parallel_lab.config.ds_auto import apply_ds_auto, recorded
+        from parallel_lab.strategies.zero.ds_auto import apply_ds_auto, recorded
 
         # the file with each "auto" as the parent resolved it (config.yaml's ds_auto)
         user = apply_ds_auto(load_user_config(opts.ds_config), recorded(cfg, "strategy.ds_config"))
@@ -73,13 +73,13 @@ LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offl
 
 
 def load_user_config(path: str) -> dict:
-    from parallel_lab.config.ds_file import read_ds_file
+    from parallel_lab.strategies.zero.ds_file import read_ds_file
 
     return read_ds_file("strategy.ds_config", path)
 
 
 def with_user_file(user: dict, ours: dict) -> dict:
-    """The user's file as DeepSpeed will run it. The parent (parallel_lab/config/ds_file.py) has
+    """The user's file as DeepSpeed will run it. The parent (parallel_lab/strategies/zero/ds_file.py) has
     already made the trainer and strategy settings equal to what the file sets, so the generated
     batch, clipping and precision keys agree with it; the file's own ZeRO keys (buckets,
     overlap_comm, ...) win over the generated defaults."""

@@ -87,7 +87,7 @@ def zero_settings(cfg: DictConfig) -> dict | None:
     ds = build_ds_config(cfg, opts)
     if opts.get("ds_config") and not isinstance(cfg, DictConfig):
         # the planner's plain-values config: its "auto"s as the parent resolved them (config.yaml's ds_auto)
-        from parallel_lab.config.ds_auto import apply_ds_auto
+        from parallel_lab.strategies.zero.ds_auto import apply_ds_auto
 
         ds = apply_ds_auto(ds, (cfg.get("ds_auto") or {}).get("strategy.ds_config"))
     zero = ds.get("zero_optimization") or {}

@@ -58,12 +58,12 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
 from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES, build_ds_config
-from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu")
@@ -170,7 +170,7 @@ class ZeroStrategy(Strategy):
             )
         if opts.bucket_mb <= 0:
             raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use e.g. strategy.bucket_mb=25")
-        build_ds_config(cfg, opts)  # the file was read and adopted by validate() (config/ds_file.py)
+        build_ds_config(cfg, opts)  # the file was read and adopted by validate() (strategies/zero/ds_file.py)
 
     @classmethod
     def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:

@@ -8,7 +8,7 @@
 - :func:`run_ranks`: a distributed test body, a plain importable function ``fn(rank, world_size,
   **kwargs)``, on N processes with a gloo group on 127.0.0.1 (Accelerate-style), each forked from a
   fork server that imported torch once for the session (it ends with this process); the same
-  function runs under any real launcher via ``python -m parallel_lab.testing module:function
+  function runs under any real launcher via ``python -m parallel_lab.cli.run module:function
   '{"kw": 1}'``. On failure every rank's stderr is shown, and every process is gone when it returns.
 """
 
@@ -27,8 +27,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from parallel_lab.comm.dist_env import free_port, read_dist_env
 from parallel_lab.protocol import METRICS_FILE, RunMetrics
-from parallel_lab.worker.dist_env import free_port, read_dist_env
 
 CLI_TIMEOUT = 420  # seconds; generous for 2 shared cores, still ends a hung run
 
@@ -107,10 +107,7 @@ def _run_cli_in_this_process(argv: list[str], timeout: float, env: dict) -> subp
     from hydra.core.global_hydra import GlobalHydra
 
     from parallel_lab.cli import main as cli
-    from parallel_lab.report import sweep
 
-    cli._exit_codes.clear()
-    sweep.failed_proofs.clear()
     saved_argv, sys.argv = sys.argv, ["parallel_lab", *argv]
     saved_env = dict(os.environ)
     os.environ.update(env)
@@ -120,7 +117,7 @@ def _run_cli_in_this_process(argv: list[str], timeout: float, env: dict) -> subp
     try:
         with _captured_fds() as read:
             try:
-                cli.main()
+                code = cli.main()
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
             except CLITimedOut:
@@ -156,7 +153,7 @@ def _resolve(target: str):
 
 def _forked_rank(env: dict[str, str], out_path: str, err_path: str, target: str, kwargs_json: str) -> None:
     """One rank, in a process forked from the zygote: this rank's environment and output files,
-    then the same main() as ``python -m parallel_lab.testing``."""
+    then the same main() as ``python -m parallel_lab.cli.run``."""
     for fd, path in ((1, out_path), (2, err_path)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(handle, fd)

@@ -1,5 +1,6 @@
-"""The learning-rate schedule of ``trainer.lr_scheduler`` (usually from a DeepSpeed file's
-``scheduler`` section): the class DeepSpeed itself would build for that name, on every strategy.
+"""The optimizer of ``trainer.optimizer`` (``optimizer_factory``: strategies get a factory and build it
+on their own parameters) and the learning-rate schedule of ``trainer.lr_scheduler`` (usually from a
+DeepSpeed file's ``scheduler`` section): the class DeepSpeed itself would build for that name, on every strategy.
 
 DeepSpeed's engine looks the name up in ``deepspeed.runtime.lr_schedules`` (WarmupLR, WarmupDecayLR,
 WarmupCosineLR, OneCycle, LRRangeTest), then in ``torch.optim.lr_scheduler``, builds it on the
@@ -11,7 +12,7 @@ with a schedule pay for it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,3 +44,18 @@ def make_scheduler(trainer: DictConfig, optimizer: Any, first_step: int = 0) -> 
     for _ in range(first_step):  # the same calls a run from step 0 made, whatever the schedule
         scheduler.step()
     return scheduler
+
+
+def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    def make(params):
+        if trainer.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)
+        # foreach=False: the same per-tensor kernels whatever the wrapping, so sharded and
+        # replicated runs do bit-comparable updates. adamw: decoupled weight decay (DeepSpeed's
+        # config "Adam" by default, adam_w_mode=true).
+        adam = torch.optim.AdamW if trainer.optimizer == "adamw" else torch.optim.Adam
+        betas = tuple(trainer.get("betas", (0.9, 0.999)))
+        eps = trainer.get("eps", 1e-8)
+        return adam(params, lr=trainer.lr, betas=betas, eps=eps, weight_decay=trainer.weight_decay, foreach=False)
+
+    return make

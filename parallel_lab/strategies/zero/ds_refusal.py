@@ -21,7 +21,7 @@ import os
 import sys
 import typing
 
-from parallel_lab.config.ds_auto import BATCH_KEYS, MAX_LINE, dotted, first_fitting, fit
+from parallel_lab.strategies.zero.ds_auto import BATCH_KEYS, MAX_LINE, dotted, first_fitting, fit
 
 VERBOSE_ENV = "PARALLEL_LAB_VERBOSE"
 

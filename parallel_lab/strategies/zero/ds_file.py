@@ -50,8 +50,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallel_lab.config.ds_auto import MAX_LINE, fit, resolve_auto
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.zero.ds_auto import MAX_LINE, fit, resolve_auto
 
 ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad"}
 SGD_KEYS = {"lr", "momentum", "weight_decay", "dampening", "nesterov"}
@@ -96,7 +96,7 @@ def deepspeed_view(key: str, path: str, data: dict, dp_size: int, defaults: dict
             self.world_size = dp_size
             super()._configure_train_batch_size()
 
-    from parallel_lab.config.ds_refusal import batch_problem, deepspeed_refusal
+    from parallel_lab.strategies.zero.ds_refusal import batch_problem, deepspeed_refusal
 
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     if not any(k in data for k in batch_keys):
@@ -168,7 +168,7 @@ def optimizer_settings(key: str, path: str, name: str | None, params: dict | Non
 def scheduler_settings(key: str, path: str, name: str | None, params: dict | None) -> dict:
     if name is None:
         return {}
-    from parallel_lab.worker.schedule import scheduler_class
+    from parallel_lab.optim import scheduler_class
 
     if scheduler_class(name) is None:
         raise ConfigError(
@@ -355,8 +355,7 @@ def check_scheduler(trainer: DictConfig) -> None:
     DeepSpeed's (or torch's) class refuses fail here, in the parent."""
     import torch
 
-    from parallel_lab.worker.schedule import make_scheduler, scheduler_class
-    from parallel_lab.worker.train import optimizer_factory
+    from parallel_lab.optim import make_scheduler, optimizer_factory, scheduler_class
 
     name = trainer.lr_scheduler
     where = f" (from {trainer.recipe})" if trainer.get("recipe") else ""
