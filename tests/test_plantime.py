@@ -9,6 +9,7 @@ import functools
 import pytest
 
 from parallel_lab.models import build_meta_model
+from parallel_lab.models.flops import layer_flops
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.plan.steptime import (
     BACKWARD_SHARE,
@@ -16,12 +17,11 @@ from parallel_lab.plan.steptime import (
     Compute,
     fit_alpha_beta,
     fit_compute,
-    layer_flops,
     predict_step,
-    stage_shares,
-    tp_share,
 )
 from parallel_lab.strategies import get_strategy_class
+from parallel_lab.strategies.pp.plan import stage_shares
+from parallel_lab.strategies.tp.predict import tp_share
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

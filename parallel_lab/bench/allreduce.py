@@ -104,6 +104,18 @@ def step_time(strategy_args: list[str], common: list[str], timeout: float) -> di
         return run_cli_metrics(Path(run_dir), *common, *strategy_args, timeout=timeout)
 
 
+def allreduce_runs() -> dict[str, list[str]]:
+    """label -> overrides: every way a registered strategy all-reduces its gradients
+    (``Strategy.allreduce_variants``), library reducers first."""
+    from parallel_lab.strategies import get_strategy_class, sweep_names
+
+    runs = {}
+    for name in sweep_names():
+        for label, overrides in get_strategy_class(name).allreduce_variants.items():
+            runs[label] = [f"strategy={name}", *overrides]
+    return runs
+
+
 def step_table(args) -> str:
     common = [
         f"model={args.model}",
@@ -112,11 +124,7 @@ def step_table(args) -> str:
         f"trainer.global_batch={args.global_batch}",
         "trainer.eval_batches=0",
     ]
-    runs = {
-        "ddp": ["strategy=ddp"],
-        "manual_ddp ring bucketed": ["strategy=manual_ddp", "strategy.allreduce=ring", "strategy.bucketed=true"],
-        "manual_ddp ring after backward": ["strategy=manual_ddp", "strategy.allreduce=ring", "strategy.bucketed=false"],
-    }
+    runs = allreduce_runs()
     times: dict[str, list[float]] = {name: [] for name in runs}
     exposed: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so drifting machine load hits every row alike
@@ -125,11 +133,12 @@ def step_table(args) -> str:
             times[name].append(metrics["step_time_s"])
             if "exposed_comm_s" in metrics["strategy_extras"]:
                 exposed[name].append(metrics["strategy_extras"]["exposed_comm_s"])
-    base = statistics.median(times["ddp"])
+    first = next(iter(runs))
+    base = statistics.median(times[first])
     lines = [
         f"training step, {args.model}, world_size={args.world_size}, global_batch={args.global_batch}, "
         f"{args.steps} steps (median after warm-up), {args.repeats} run(s) each",
-        "| strategy | step time | vs ddp | exposed comm (wait after backward) |",
+        f"| strategy | step time | vs {first} | exposed comm (wait after backward) |",
         "|---|---|---|---|",
     ]
     for name in runs:

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
+from parallel_lab.strategies.zero import zero_stage
+
 
 def _ours(stage: int, world: int, params: int, precision: str) -> int:
     from parallel_lab.strategies.zero.strategy import ZeroStrategy
@@ -42,8 +44,9 @@ def _measured(paths: list[str]) -> dict[tuple[int, int], int]:
     found = {}
     for path in paths:
         m = json.loads(Path(path).read_text())
-        if m.get("strategy") in ("zero2", "zero3"):
-            found[(int(m["strategy"][-1]), m["world_size"])] = sum(m["ranks"][0].get(k, 0) for k in keys)
+        stage = zero_stage(m.get("strategy") or "")
+        if stage in (2, 3):
+            found[(stage, m["world_size"])] = sum(m["ranks"][0].get(k, 0) for k in keys)
     return found
 
 

@@ -24,7 +24,11 @@ from parallel_lab.cli.run import run_cli_metrics
 from parallel_lab.comm.dist_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = {"ddp": "benchmarks/bare_ddp.py", "zero2": "benchmarks/bare_zero2.py"}
+# strategy -> the plain script doing the same training without the toolkit: benchmarks/bare_<strategy>.py
+PAIRS = {
+    path.stem.removeprefix("bare_"): f"benchmarks/{path.name}"
+    for path in sorted((ROOT / "benchmarks").glob("bare_*.py"))
+}
 
 
 def run_toolkit(strategy: str, steps: int, batch: int, workdir: Path) -> float:

@@ -32,7 +32,12 @@ from pathlib import Path
 
 from parallel_lab.plan.steptime import AlphaBeta, Compute, StepPrediction, fit_alpha_beta, fit_compute, predict_step
 
-STRATEGIES = ("ddp", "manual_ddp", "fsdp", "zero0", "zero1", "zero2", "zero3", "tp", "pp")
+
+def multi_process_strategies() -> list[str]:
+    """Every registered strategy that runs one process per rank (the step-time model's subjects)."""
+    from parallel_lab.strategies import get_strategy_class, sweep_names
+
+    return [name for name in sweep_names() if not get_strategy_class(name).single_process]
 
 
 def collectives_calibration(path: Path) -> dict:
@@ -185,7 +190,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    strategies = multi_process_strategies()
+    parser.add_argument("--strategies", nargs="+", default=strategies, choices=strategies)
     parser.add_argument("--calibration", type=Path, help="a json with the collectives rows (skips that benchmark)")
     parser.add_argument("--out", type=Path, help="write calibration, runs and predictions here (json)")
     parser.add_argument("--replay", type=Path, help="a saved --out: predict again from its calibration and runs")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 from decimal import ROUND_HALF_UP, Decimal
 
+from parallel_lab.strategies.zero import zero_name
+
 PSI = 7.5e9
 GB = 1e9  # the paper's GB; DeepSpeed's estimate_*_all_live prints bytes / 2**30 and calls it GB
 ND = (1, 4, 16, 64, 256, 1024)
@@ -66,7 +68,7 @@ def plan_cfg(name: str, width: float, stage: int, nd: int, precision: str = "fp1
     from parallel_lab.plan.predict import Values
 
     cfg = Values.of(OmegaConf.to_container(_base_cfg(name, width), resolve=True))
-    cfg.strategy.update(name=f"zero{stage}", stage=stage, precision=precision)  # bf16: fp16's layout
+    cfg.strategy.update(name=zero_name(stage), stage=stage, precision=precision)  # bf16: fp16's layout
     cfg.world_size = nd
     cfg.trainer.global_batch = nd  # one sample per device: the batch plays no part in model states
     return cfg

@@ -17,8 +17,7 @@ import json
 from pathlib import Path
 
 from parallel_lab.errors import ConfigError
-
-ZERO_STRATEGIES = ("zero0", "zero1", "zero2", "zero3")
+from parallel_lab.strategies.zero import zero_name, zero_stage
 
 
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,14 +60,14 @@ def overrides_from_deepspeed_args(argv: list[str]) -> list[str]:
         return rest
     keys = {a.partition("=")[0].lstrip("+~"): a.partition("=")[2] for a in rest if "=" in a}
     strategy = keys.get("strategy")
-    if strategy is not None and strategy not in ZERO_STRATEGIES:
+    if strategy is not None and zero_stage(strategy) is None:
         raise ConfigError(
             f"--deepspeed contradicts strategy={strategy}; drop strategy= (the stage then comes from "
             f"zero_optimization.stage of --deepspeed_config) or use strategy=zero0..zero3"
         )
     added = []
     if strategy is None:
-        added.append(f"strategy=zero{_file_stage(config) if config else 0}")
+        added.append(f"strategy={zero_name(_file_stage(config) if config else 0)}")
     if config is not None:
         given = keys.get("strategy.ds_config")
         if given is not None and Path(given).expanduser().resolve() != Path(config).expanduser().resolve():

@@ -21,10 +21,6 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import get_strategy_class, sweep_names
 from parallel_lab.strategies.zero.ds_file import adopt_ds_files
 
-# Degrees that, times strategy.replicate, make the world size: set from each planned world size
-# unless given on the command line.
-DEGREE_KEYS = {"tp": "tp", "pp": "stages"}
-
 
 @dataclass
 class Planned:
@@ -52,7 +48,9 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     if world < 1:
         raise ConfigError(f"world size {world} is out of range; use world sizes >= 1 (plan.world_sizes=[1,2,4])")
     cfg.world_size = 1 if strategy_cls.single_process else world
-    key = DEGREE_KEYS.get(cfg.strategy.name)
+    # The degree that, times strategy.replicate, makes the world size (tp, pp): set from each planned
+    # world size unless given on the command line.
+    key = strategy_cls.degree_key
     if key and not _given(overrides, f"strategy.{key}"):
         cfg.strategy[key] = max(1, cfg.world_size // (cfg.strategy.get("replicate") or 1))
     if scale:
@@ -63,8 +61,7 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
         t = cfg.trainer
         micro = max(1, t.global_batch // (strategy_cls.data_parallel_size(reference) * t.grad_accum))
         t.global_batch = micro * strategy_cls.data_parallel_size(cfg) * t.grad_accum
-        if cfg.strategy.name == "pp":
-            t.global_batch = max(t.global_batch, cfg.strategy.microbatches * t.grad_accum)
+        t.global_batch = max(t.global_batch, strategy_cls.min_global_batch(cfg))
     check_split(cfg, strategy_cls)
     return cfg
 

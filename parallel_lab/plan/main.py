@@ -23,7 +23,7 @@ from parallel_lab.plan.output import (
     write_json,
     write_markdown,
 )
-from parallel_lab.plan.predict import MODEL_STATE, plan_world
+from parallel_lab.plan.predict import MODEL_STATE, SavedBytesCache, plan_world
 
 
 def device_memory_bytes(setting: str | None) -> tuple[int, str]:
@@ -65,6 +65,7 @@ def build_plans(planned: list[Planned], device_bytes: int) -> tuple[list[dict], 
     from parallel_lab.models import build_meta_model
 
     models: dict = {}
+    cache = SavedBytesCache()  # forwards the plans share
     rows, ranks = [], []
     for item in planned:
         if item.cfg is None:
@@ -73,7 +74,7 @@ def build_plans(planned: list[Planned], device_bytes: int) -> tuple[list[dict], 
         key = OmegaConf.to_yaml(item.cfg.model)
         if key not in models:
             models[key] = build_meta_model(item.cfg.model)
-        plans = plan_world(item.cfg, type_of(item.cfg), models[key])
+        plans = plan_world(item.cfg, type_of(item.cfg), models[key], cache)
         rows.append(summary_row(plans, device_bytes))
         keep = plans if len(plans) <= 16 else [p for p in plans if p.rank == rows[-1]["rank"]]
         ranks += [p.to_json() for p in keep]
@@ -116,7 +117,14 @@ def bar_rows(rows: list[dict]) -> list[dict]:
     """plan.png draws one world size: the largest planned (one-process strategies at 1 beside it)."""
     worlds = [r["world"] for r in rows if r.get("total_bytes") is not None]
     largest = max(worlds, default=0)
-    return [r for r in rows if r["world"] == largest or (r["world"] == 1 and r["strategy"] in ("single", "dp"))]
+    return [r for r in rows if r["world"] == largest or (r["world"] == 1 and _one_process(r["strategy"]))]
+
+
+def _one_process(name: str) -> bool:
+    """A strategy whose run is always one process (single, and dp's threads): planned at world 1."""
+    from parallel_lab.strategies import get_strategy_class
+
+    return name == "single" or get_strategy_class(name).single_process
 
 
 def rows_params(rows: list[dict]) -> str:

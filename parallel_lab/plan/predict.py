@@ -47,9 +47,6 @@ class RankPlan:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
 
 
-_SAVED: dict[
-    tuple, int
-] = {}  # (modules' identity, batch, sample shape, loss, mode) -> bytes: strategies share forwards
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,17 +65,7 @@ def saved_activation_bytes(
     ``weight_copies``: on a 16-bit copy of every weight made per forward instead (single/ddp's
     ``strategies/precision.py``), whose saved copies count here: they live until backward like
     activations. tests/test_plan.py checks each against a real forward's saved tensors."""
-    key = (
-        tuple(id(m) for m in module.children()) or id(module),
-        batch,
-        tuple(sample_shape),
-        loss,
-        dtype,
-        weight_copies,
-    )
-    if key not in _SAVED:
-        _SAVED[key] = _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies)
-    return _SAVED[key]
+    return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies)
 
 
 def _count_saved(
@@ -134,23 +121,34 @@ def _micro_batch(cfg: DictConfig, strategy_cls: type) -> int:
     return max(1, cfg.trainer.global_batch // (dp * cfg.trainer.grad_accum))
 
 
-def _activations(cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int, micro: int) -> tuple[int, int]:
-    """(activation bytes, micro-batch) of this rank. Pipeline stages stash micro-batches (gpipe:
-    all m; 1f1b: at most p - s); tp ranks run the whole batch (split layers counted whole: an upper
-    bound, they are a small part of the activations)."""
-    if cfg.strategy.name != "pp":
-        return saved_activation_bytes(model, micro, (3, 32, 32), True, *compute_mode(cfg, strategy_cls)), micro
-    from parallel_lab.strategies.pp.strategy import _stage_module
+class SavedBytesCache:
+    """saved_activation_bytes, each distinct forward counted once per planning (the strategies and
+    world sizes of one plan share forwards). The key holds the modules themselves, not their id():
+    Python reuses an id once its object is gone."""
 
-    p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages
-    mb = max(1, micro // m)
-    x = torch.empty(mb, 3, 32, 32, device="meta")
-    with torch.no_grad():
-        for s in range(stage):
-            x = _stage_module(cfg, model, s)(x)
-    stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
-    last = stage == p - 1  # only the last stage computes the loss
-    return stash * saved_activation_bytes(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
+    def __init__(self) -> None:
+        self._bytes: dict[tuple, int] = {}
+
+    def saved(self, module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype, weight_copies: bool) -> int:
+        # A pipeline stage is a new Sequential around the same blocks each time: key on the blocks.
+        key = (tuple(module.children()) or module, batch, tuple(sample_shape), loss, dtype, weight_copies)
+        if key not in self._bytes:
+            self._bytes[key] = saved_activation_bytes(module, batch, sample_shape, loss, dtype, weight_copies)
+        return self._bytes[key]
+
+
+def _activations(
+    cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int, micro: int, cache: SavedBytesCache
+) -> tuple[int, int]:
+    """(activation bytes, micro-batch) of this rank, as the strategy lays its forwards out."""
+    dtype, copies = compute_mode(cfg, strategy_cls)
+    return strategy_cls.activation_bytes(
+        cfg,
+        model,
+        rank,
+        micro,
+        lambda module, batch, shape, loss: cache.saved(module, batch, shape, loss, dtype, copies),
+    )
 
 
 class Values(dict):
@@ -171,20 +169,23 @@ class Values(dict):
         return [cls.of(v) for v in node] if isinstance(node, list) else node
 
 
-def plan_world(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> list[RankPlan]:
-    """Every rank's plan for one validated config (activations computed once where every rank
-    runs the same module)."""
+def plan_world(
+    cfg: DictConfig, strategy_cls: type, model: nn.Module, cache: SavedBytesCache | None = None
+) -> list[RankPlan]:
+    """Every rank's plan for one validated config (one rank's plan for all where the strategy's
+    ranks do the same: ``Strategy.ranks_differ``). ``cache``: shared by the plans of one planning."""
     from omegaconf import OmegaConf
 
     cfg = Values.of(OmegaConf.to_container(cfg, resolve=True))
     micro = _micro_batch(cfg, strategy_cls)
-    shared = None if cfg.strategy.name == "pp" else _activations(cfg, strategy_cls, model, 0, micro)
+    cache = cache or SavedBytesCache()
+    differ = strategy_cls.ranks_differ
+    shared = None if differ else _activations(cfg, strategy_cls, model, 0, micro, cache)
     params = sum(p.numel() for p in model.parameters())
-    # Only pipeline stages differ in what they send; for the rest one rank's volume is every rank's.
-    comm = None if cfg.strategy.name == "pp" else strategy_cls.predict_comm(cfg, model, 0)
+    comm = None if differ else strategy_cls.predict_comm(cfg, model, 0)
     plans = []
     for rank in range(cfg.world_size):
-        activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro)
+        activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro, cache)
         plans.append(
             RankPlan(
                 strategy=cfg.strategy.name,
@@ -192,7 +193,7 @@ def plan_world(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> list[Ra
                 rank=rank,
                 params=params,
                 state=strategy_cls.predict_memory(cfg, model, rank),
-                comm=comm if cfg.strategy.name != "pp" else strategy_cls.predict_comm(cfg, model, rank),
+                comm=strategy_cls.predict_comm(cfg, model, rank) if differ else comm,
                 activation_bytes=activations,
                 micro_batch=mb,
             )

@@ -16,7 +16,8 @@ samples; tp: the split layers' FLOPs divided by the tp degree; pp: the slowest s
 GPipe schedule's m + p - 1 slots) plus its bytes per collective (``Strategy.predict_comm``, the
 same numbers the planner tables) through the fitted alpha-beta. Overlap is stated, not assumed:
 the upper bound hides no communication; the lower bound hides, behind backward, the collectives
-the strategy issues while backward runs (``OVERLAPPED``). Nothing here is a GPU time.
+the strategy issues while backward runs (``Strategy.overlapped_collectives``). Nothing here is a GPU
+time. How each strategy splits the compute is its own ``Strategy.compute_shape``.
 """
 
 from __future__ import annotations
@@ -44,20 +45,6 @@ COUNTED_AS: dict[str, tuple[str, float]] = {
     "send": ("broadcast", 1.0),
 }
 
-# Collectives a strategy issues while backward still computes (the lower bound hides them behind
-# the backward part of the compute). Why each:
-#   ddp: the reducer all-reduces each bucket from an autograd hook as soon as it is full;
-#   manual_ddp (bucketed): the same, with our own hooks; unbucketed, it all-reduces after backward;
-#   fsdp (FSDP2): prefetches the next unit's all-gather, reduce-scatters each unit from its hook;
-#   zero3: DeepSpeed's stage 3 sets overlap_comm and prefetches parameters.
-# zero0-2 here run with overlap_comm off (ds_config.py), tp's all-reduce sits between two layers
-# of the same forward, pp's sends are the schedule itself: nothing hidden.
-OVERLAPPED: dict[str, frozenset[str]] = {
-    "ddp": frozenset({"all_reduce"}),
-    "manual_ddp": frozenset({"all_reduce"}),
-    "fsdp": frozenset({"all_gather", "reduce_scatter"}),
-    "zero3": frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
-}
 BACKWARD_SHARE = 2 / 3  # backward is ~2x forward's FLOPs (a conv/linear's two gradients)
 
 
@@ -163,52 +150,6 @@ def comm_seconds(
     return out
 
 
-# ---- how much of the model's work one rank does -------------------------------------------------
-def layer_flops(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> dict[str, float]:
-    """Forward multiply-add FLOPs of every Conv2d/Linear, by qualified name, from a meta-device
-    forward (nothing allocated). Other layers (ReLU, pooling, norms) are left out: they are a small
-    part of a convnet's time, and the model's error table shows what that costs."""
-    flops: dict[str, float] = {}
-    hooks = []
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-
-            def hook(mod, inputs, output, name=name):
-                if isinstance(mod, nn.Linear):
-                    flops[name] = 2.0 * output.numel() * mod.in_features
-                else:
-                    k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
-                    flops[name] = 2.0 * output.numel() * k
-
-            hooks.append(m.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            module(torch.empty(batch, *sample_shape, device="meta"))
-    finally:
-        for h in hooks:
-            h.remove()
-    return flops
-
-
-def tp_share(model: nn.Module, split_layers: list[str], degree: int) -> float:
-    """A tp rank's share of the model's FLOPs: the split layers divided by the degree."""
-    flops = layer_flops(model, 1)
-    split = sum(f for name, f in flops.items() if name in split_layers)
-    return (sum(flops.values()) - split + split / degree) / sum(flops.values())
-
-
-def stage_shares(stages: list[nn.Module]) -> list[float]:
-    """Each pipeline stage's share of the model's FLOPs (stages run in order on meta tensors)."""
-    x = torch.empty(1, 3, 32, 32, device="meta")
-    per_stage = []
-    for stage in stages:
-        per_stage.append(sum(layer_flops(stage, 1, tuple(x.shape[1:])).values()))
-        with torch.no_grad():
-            x = stage(x)
-    total = sum(per_stage)
-    return [f / total for f in per_stage]
-
-
 # ---- one strategy ----------------------------------------------------------------------------------
 def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> float:
     """Parameters rank ``rank``'s optimizer updates: the planner's optimizer-state bytes over a
@@ -227,38 +168,15 @@ def predict_step(
     """Rank 0's step (metrics.json times rank 0) for a validated config: compute split as the
     strategy splits the work, communication from ``predict_comm`` through the alpha-beta fits
     (``fits[impl][op]``: impl ``gloo`` for torch.distributed, ``hand`` for manual_ddp's own ring)."""
-    name, t, world = cfg.strategy.name, cfg.trainer, cfg.world_size
+    name, world = cfg.strategy.name, cfg.world_size
     comm_bytes = strategy_cls.predict_comm(cfg, model, 0) or {}
-    calls: dict[str, int] = {}
-    notes: list[str] = []
-    if name == "pp":
-        p, m = cfg.strategy.stages, cfg.strategy.microbatches
-        from parallel_lab.strategies.pp.strategy import _stage_module
-
-        shares = stage_shares([_stage_module(cfg, model, s) for s in range(p)])
-        micro = t.global_batch // t.grad_accum // m
-        # GPipe: m forward and m backward slots per stage, p - 1 of them idle at the ends; the
-        # slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
-        fwd_bwd = t.grad_accum * (m + p - 1) * compute.fwd_bwd(micro, max(shares))
-        calls = {op: m * t.grad_accum for op in comm_bytes}
-        notes.append(f"stage FLOP shares {', '.join(f'{s:.2f}' for s in shares)}")
-    else:
-        micro = t.global_batch // (strategy_cls.data_parallel_size(cfg) * t.grad_accum)
-        share = 1.0
-        if name == "tp":
-            from parallel_lab.strategies.tp.strategy import split_plan
-
-            split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
-            share = tp_share(model, split, cfg.strategy.tp)
-            notes.append(f"tp rank does {share:.2f} of the FLOPs on the whole batch")
-        fwd_bwd = t.grad_accum * compute.fwd_bwd(micro, share)
+    shape = strategy_cls.compute_shape(cfg, model)
+    fwd_bwd = shape.slots * compute.fwd_bwd(shape.micro_batch, shape.flop_share)
+    calls = {op: shape.calls_per_collective for op in comm_bytes} if shape.calls_per_collective else {}
+    notes = [shape.note] if shape.note else []
     optimizer = compute.optimizer(_optimizer_params(cfg, strategy_cls, model, 0))
-    # manual_ddp's own all-reduce (comm/collectives.py; star is timed as the ring: not benchmarked)
-    impl = "hand" if name == "manual_ddp" and cfg.strategy.allreduce != "builtin" else "gloo"
-    comm = comm_seconds(comm_bytes, fits[impl], calls)
-    overlapped = OVERLAPPED.get(name, frozenset())
-    if name == "manual_ddp" and not cfg.strategy.bucketed:
-        overlapped = frozenset()
+    comm = comm_seconds(comm_bytes, fits[strategy_cls.comm_impl(cfg)], calls)
+    overlapped = strategy_cls.overlapped_collectives(cfg)
     hidden = sum(s for op, s in comm.items() if op in overlapped)
     if world < 2:
         notes.append("one process: no communication")

@@ -23,6 +23,11 @@ from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+# The planner's counter of the bytes autograd saves for backward in one forward of a module (batch,
+# sample shape, whether the loss is computed there), in the run's compute precision: handed to
+# activation_bytes (strategies sit below plan/ and cannot import it).
+SavedBytes = Callable[[torch.nn.Module, int, tuple, bool], int]
+SAMPLE_SHAPE = (3, 32, 32)  # one CIFAR image
 # The hooks that say where this rank's model state lives: how it is saved and loaded, gathered for
 # the parity check, and accounted for in memory. No default: a sharded strategy that inherited a
 # replicated one would save only rank 0's shard and report full-model memory without a word.
@@ -34,6 +39,19 @@ STATE_HOOKS = (
     "memory_after_step",
     "analytic_memory",
 )
+
+
+@dataclass(frozen=True)
+class ComputeShape:
+    """How one rank's share of a step's compute is laid out (``Strategy.compute_shape``); the planner
+    times it as ``slots`` forward+backward passes of ``micro_batch`` samples, each ``flop_share`` of
+    the whole model's FLOPs."""
+
+    micro_batch: int  # samples per forward+backward pass on this rank
+    slots: int  # passes one after another per step (pipeline: its schedule's slots, bubble included)
+    flop_share: float = 1.0  # the part of the model's FLOPs this rank computes per pass
+    calls_per_collective: int | None = None  # calls of each collective per step, when not one per step
+    note: str | None = None  # what the planner shows beside the prediction
 
 
 @dataclass
@@ -197,6 +215,45 @@ class Strategy(abc.ABC):
         """Bytes per step this rank issues, by collective, counted as ``comm/counter.py`` counts
         them (an all-reduce of B bytes is 2B). None: no prediction."""
         return None
+
+    # ----- the planner's rules (parallel_lab.plan): facts of the strategy, nothing runs -----
+    degree_key: ClassVar[str | None] = None  # strategy.<key> that, times strategy.replicate, makes the world
+    ranks_differ: ClassVar[bool] = False  # True: ranks hold and send different things, each is planned
+    # Ways this strategy all-reduces gradients that ``bench allreduce`` times side by side:
+    # label -> strategy.* overrides ({} for strategies that do not all-reduce gradients).
+    allreduce_variants: ClassVar[dict[str, list[str]]] = {}
+
+    @classmethod
+    def min_global_batch(cls, cfg: DictConfig) -> int:
+        """The smallest global batch this layout can split (the planner's weak scaling keeps to it)."""
+        return 1
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: torch.nn.Module) -> ComputeShape:
+        """Each data-parallel rank runs the whole model on its share of the batch, once per micro-batch."""
+        t = cfg.trainer
+        return ComputeShape(
+            micro_batch=t.global_batch // (cls.data_parallel_size(cfg) * t.grad_accum), slots=t.grad_accum
+        )
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """(bytes autograd saves for backward on this rank, the micro-batch they are for)."""
+        return saved(model, micro, SAMPLE_SHAPE, True), micro
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """Collectives (the counter's names, comm/counter.py) this strategy issues while backward still
+        computes: the planner's lower bound hides them behind backward. None by default."""
+        return frozenset()
+
+    @classmethod
+    def comm_impl(cls, cfg: DictConfig) -> str:
+        """Whose collectives carry the traffic, for the planner's alpha-beta fits: ``gloo``
+        (torch.distributed) or ``hand`` (comm/collectives.py)."""
+        return "gloo"
 
     def extra_metrics(self) -> dict:
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""

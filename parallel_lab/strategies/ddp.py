@@ -39,6 +39,12 @@ class DDPOptions(StrategyOptions):
 class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
     Options = DDPOptions
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
+    allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """The reducer all-reduces each bucket from an autograd hook as soon as the bucket is full."""
+        return frozenset({"all_reduce"})
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:

@@ -101,6 +101,20 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 class ManualDDPStrategy(ReplicatedModel, Strategy):
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
     Options = ManualDDPOptions
+    allreduce_variants = {
+        "manual_ddp ring bucketed": ["strategy.allreduce=ring", "strategy.bucketed=true"],
+        "manual_ddp ring after backward": ["strategy.allreduce=ring", "strategy.bucketed=false"],
+    }
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """Bucketed: all-reduced from our own backward hooks, as DDP does; unbucketed: after backward."""
+        return frozenset({"all_reduce"}) if cfg.strategy.bucketed else frozenset()
+
+    @classmethod
+    def comm_impl(cls, cfg: DictConfig) -> str:
+        """Our own all-reduce (comm/collectives.py; star is timed as the ring: not benchmarked)."""
+        return "gloo" if cfg.strategy.allreduce == "builtin" else "hand"
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:

@@ -90,6 +90,12 @@ class FSDPStrategy(Strategy):
     """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
 
     Options = FSDPOptions
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """FSDP2 prefetches the next unit's all-gather and reduce-scatters each unit from its hook."""
+        return frozenset({"all_gather", "reduce_scatter"})
+
     api_version: ClassVar[int | None] = None  # strategy.version a subclass implements
     _by_version: ClassVar[dict[int, type]] = {}  # filled as v1.py and v2.py define their class
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch import nn
 
 from parallel_lab.errors import ConfigError
+from parallel_lab.models.flops import layer_flops
 
 
 def cuttable_blocks(model: nn.Sequential) -> list[list[str]]:
@@ -65,3 +67,15 @@ def plan_stages(model: nn.Sequential, stages: int, cuts: list[str]) -> list[list
         index = balanced_cuts(sizes, stages)
     bounds = (0, *index, len(blocks))
     return [[name for b in blocks[a:e] for name in b] for a, e in zip(bounds, bounds[1:])]
+
+
+def stage_shares(stages: list[nn.Module]) -> list[float]:
+    """Each pipeline stage's share of the model's FLOPs (stages run in order on meta tensors)."""
+    x = torch.empty(1, 3, 32, 32, device="meta")
+    per_stage = []
+    for stage in stages:
+        per_stage.append(sum(layer_flops(stage, 1, tuple(x.shape[1:])).values()))
+        with torch.no_grad():
+            x = stage(x)
+    total = sum(per_stage)
+    return [f / total for f in per_stage]

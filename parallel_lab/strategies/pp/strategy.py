@@ -45,7 +45,14 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.base import (
+    SAMPLE_SHAPE,
+    ComputeShape,
+    OptimizerFactory,
+    SavedBytes,
+    Strategy,
+    StrategyOptions,
+)
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import (
     analytic_state_bytes,
@@ -54,7 +61,7 @@ from parallel_lab.strategies.memory import (
     predicted_optimizer_bytes,
 )
 from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
-from parallel_lab.strategies.pp.plan import plan_stages
+from parallel_lab.strategies.pp.plan import plan_stages, stage_shares
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 
@@ -91,6 +98,42 @@ def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequen
 @register("pp")
 class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
     Options = PPOptions
+    degree_key = "stages"
+    ranks_differ = True  # each stage holds, stashes and sends its own part
+
+    @classmethod
+    def min_global_batch(cls, cfg: DictConfig) -> int:
+        return cfg.strategy.microbatches * cfg.trainer.grad_accum
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
+        """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
+        ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight)."""
+        p, m, t = cfg.strategy.stages, cfg.strategy.microbatches, cfg.trainer
+        shares = stage_shares([_stage_module(cfg, model, s) for s in range(p)])
+        return ComputeShape(
+            micro_batch=t.global_batch // t.grad_accum // m,
+            slots=t.grad_accum * (m + p - 1),
+            flop_share=max(shares),
+            calls_per_collective=m * t.grad_accum,
+            note=f"stage FLOP shares {', '.join(f'{s:.2f}' for s in shares)}",
+        )
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """Stages stash micro-batches (gpipe: all m; 1f1b: at most p - s); only the last stage
+        computes the loss."""
+        p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages
+        mb = max(1, micro // m)
+        x = torch.empty(mb, *SAMPLE_SHAPE, device="meta")
+        with torch.no_grad():
+            for s in range(stage):
+                x = _stage_module(cfg, model, s)(x)
+        stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
+        last = stage == p - 1
+        return stash * saved(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
 
     # ----- validation (parent) -----
     @classmethod

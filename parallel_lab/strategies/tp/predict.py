@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
+from parallel_lab.models.flops import layer_flops
 from parallel_lab.strategies.memory import chunk_rows, predicted_optimizer_bytes
 
 
@@ -86,3 +88,10 @@ def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, 
     if (cfg.strategy.get("replicate") or 1) > 1:  # dp x tp: each shard's gradients all-reduced over replicas
         comm["all_reduce"] += 2.0 * 4 * sum(_sharded_numels(model, plan, cfg.strategy.tp, 0))
     return comm
+
+
+def tp_share(model: nn.Module, split_layers: list[str], degree: int) -> float:
+    """A tp rank's share of the model's FLOPs: the split layers divided by the degree."""
+    flops = layer_flops(model, 1)
+    split = sum(f for name, f in flops.items() if name in split_layers)
+    return (sum(flops.values()) - split + split / degree) / sum(flops.values())

@@ -43,7 +43,7 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.base import ComputeShape, OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import (
     analytic_state_bytes,
@@ -85,6 +85,19 @@ def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]
 @register("tp")
 class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
     Options = TPOptions
+    degree_key = "tp"
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
+        """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
+        from parallel_lab.strategies.tp.predict import tp_share
+
+        split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
+        share = tp_share(model, split, cfg.strategy.tp)
+        shape = super().compute_shape(cfg, model)
+        return ComputeShape(
+            shape.micro_batch, shape.slots, share, note=f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        )
 
     # ----- validation (parent) -----
     @classmethod

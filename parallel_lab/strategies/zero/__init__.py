@@ -2,6 +2,6 @@
 config, ``strategy`` trains with the engine; its checkpoints are read by
 ``parallel_lab.checkpoint.ds_reader``."""
 
-from parallel_lab.strategies.zero.strategy import ZeroStrategy
+from parallel_lab.strategies.zero.strategy import STAGES, ZeroStrategy, zero_name, zero_stage
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["STAGES", "ZeroStrategy", "zero_name", "zero_stage"]

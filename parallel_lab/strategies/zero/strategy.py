@@ -66,6 +66,7 @@ from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_by
 from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES, build_ds_config
 
 STAGES = (0, 1, 2, 3)
+ZERO = "zero"  # the names are zero<stage>
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -87,7 +88,17 @@ class ZeroOptions(StrategyOptions):
 
 
 def _stage_from_name(name: str) -> int:
-    return int(name[len("zero") :])
+    return int(name[len(ZERO) :])
+
+
+def zero_stage(name: str) -> int | None:
+    """The ZeRO stage a strategy name stands for (``zero2`` -> 2), None for any other strategy."""
+    return _stage_from_name(name) if name.startswith(ZERO) and name[len(ZERO) :].isdigit() else None
+
+
+def zero_name(stage: int) -> str:
+    """The strategy name of a ZeRO stage (2 -> ``zero2``)."""
+    return f"{ZERO}{stage}"
 
 
 def quiet_deepspeed_warnings() -> None:
@@ -133,6 +144,14 @@ DS_TAG = "deepspeed"  # the subfolder DeepSpeed writes inside one of our step_* 
 @register("zero0", "zero1", "zero2", "zero3")
 class ZeroStrategy(Strategy):
     Options = ZeroOptions
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """Stage 3 sets overlap_comm and prefetches parameters; stages 0-2 here run with overlap_comm
+        off (ds_config.py): nothing hidden."""
+        if zero_stage(cfg.strategy.name) == 3:
+            return frozenset({"all_gather", "reduce_scatter", "all_reduce"})
+        return frozenset()
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
