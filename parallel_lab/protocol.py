@@ -3,7 +3,8 @@ hold (``RunMetrics``, ``FailedRun``: written and read by the same code), and the
 
 The parent (``parallel_lab.cli``) writes ``config.yaml`` and reads what the workers leave; the
 workers (``parallel_lab.worker``) read ``config.yaml`` and write the rest; the report reads the
-records. Every side imports these names from here, so none imports another.
+records. Every side takes these names from here, the one module all of them share: the parent and
+its workers meet only in these files (the layers: docs/architecture.md).
 
     <run_dir>/config.yaml          the resolved config (parent)
     <run_dir>/metrics.json         rank 0, on success only

@@ -51,12 +51,12 @@ class TrainerConfig:
     threads: Optional[int] = None
     progress: bool = True
     eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
-    # Checkpoints (parallel_lab/checkpoint.py): every N optimizer steps and at the last step.
+    # Checkpoints (parallel_lab/checkpoint/): every N optimizer steps and at the last step.
     checkpoint_every: int = 0  # 0 = never
     checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
     keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
     resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
-    # Noise-floor reruns of the `single` baseline only (parallel_lab/parity.py; a sweep starts them):
+    # Noise-floor reruns of the `single` baseline only (parallel_lab/report/parity.py; a sweep starts them):
     # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
     ulp_jitter_seed: Optional[int] = None
     # Noise-floor reruns of `single` only: before every optimizer step, move every gradient element

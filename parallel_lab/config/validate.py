@@ -209,7 +209,8 @@ def write_run_config(cfg: DictConfig) -> Path:
 
 
 def load_run_config(path: str | Path) -> DictConfig:
-    """What a worker reads: the resolved config the parent wrote, typed by the schema."""
+    """What a worker reads: the config the parent validated and wrote, resolved to plain values (no
+    schema types: the parent's checks already ran, and a worker must not compose again)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass <run_dir>/config.yaml written by the parent")
