@@ -44,17 +44,19 @@ def sync_matches_full_batch(rank: int, world_size: int, channels: int = 3, batch
         torch.testing.assert_close(buf, running_stats(full)[name], rtol=1e-5, atol=1e-6)
 
 
-def train_runs(rank: int, world_size: int, config_paths: list[str], broken: str = "") -> None:
-    """Train every config in turn (broken: a deliberately broken variant from BROKEN); rank 0 prints
-    each run's losses and batchnorm record as one JSON list."""
+def train_runs(rank: int, world_size: int, runs: list[list[str]]) -> None:
+    """Train every (config, broken) in turn (broken: "" or a deliberately broken variant from
+    BROKEN); rank 0 prints each run's losses, batchnorm record and memory as one JSON list."""
     results = []
-    for path in config_paths:
+    for path, broken in runs:
         cfg = load_run_config(path)
         env = read_dist_env(cfg.device)
         cls = get_strategy_class(cfg.strategy.name)
         strategy = BROKEN[broken](cls)(cfg, env) if broken else cls(cfg, env)
         metrics = train(cfg, env, strategy)
-        results.append({"losses": metrics.losses, "batchnorm": metrics.batchnorm, "run_dir": cfg.run_dir})
+        results.append(
+            {"losses": metrics.losses, "batchnorm": metrics.batchnorm, "run_dir": cfg.run_dir, "ranks": metrics.ranks}
+        )
         strategy.teardown()
         del strategy
         gc.collect()
