@@ -200,11 +200,11 @@ def batchnorm_record(cfg: DictConfig, strategy: Strategy, probe: batchnorm.Stati
     """What BatchNorm did in this run (RunMetrics.batchnorm; {} for a model without it): over how
     many samples its statistics were taken, whether the replicas' running statistics ended
     identical (collective), and the bytes per step it added, measured on its own group vs theory."""
+    if norm_of(cfg.model) == "group":  # decided by the config, the same on every rank: a pipeline
+        return {}  # stage without BatchNorm layers must still join the collective below
     layers = batchnorm.batchnorm_layers(strategy.model)
-    if not layers:
-        return {}
     differ = batchnorm.replicas_differ(gather_from_ranks(batchnorm.running_stats_digests(strategy.model)))
-    synced = any(batchnorm.is_synced(m) for m in layers)
+    synced = any(batchnorm.is_synced(m) for m in layers)  # (a stage without layers: False)
     world = strategy.dp_size if synced else 1
     theory = batchnorm.sync_comm_bytes(strategy.model, world, cfg.trainer.grad_accum) if synced else {}
     target = strategy.running_stats_group()
