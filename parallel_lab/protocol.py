@@ -150,6 +150,11 @@ class RunMetrics(_Record):
     # The kernel libraries' instruction-set settings the run had (KERNEL_DISPATCH_VARS that were set;
     # empty: each library chose from the CPU). With cpu_capability, what decided the floats (docs/facts.md).
     kernel_dispatch: dict[str, str] = field(default_factory=dict)
+    norm: str = "group"  # model.norm: group | batch | syncbatch (docs/batchnorm.md)
+    # BatchNorm models only ({} otherwise; parallel_lab/worker/train.py batchnorm_record): layers,
+    # synced, samples (how many samples each training forward normalised over), the running
+    # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.
+    batchnorm: dict[str, Any] = field(default_factory=dict)
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

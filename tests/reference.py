@@ -57,6 +57,7 @@ def reference_run(
     grad_ulp_seed: int | None = None,
     grad_accum: int = 1,
     precision: str = "fp32",
+    norm: str = "group",
 ):
     """Plain training loop: returns (per-step losses, final parameter checksum, final model).
     grad_clip > 0 clips the whole model's gradient norm; ulp_jitter_seed moves every initial weight
@@ -65,10 +66,11 @@ def reference_run(
     reruns). precision="bf16": the textbook mixed-precision loop (arXiv
     1710.03740, bf16 needing no loss scaling): each step a bf16 copy of the fp32 model runs forward
     and backward on bf16 inputs, the loss in fp32, and its gradients, cast to fp32, are the fp32
-    master weights' gradients for the optimizer."""
+    master weights' gradients for the optimizer. norm: model.norm (batch: BatchNorm over the
+    whole batch, the one-process training every syncbatch row must match)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    net = MODELS[model]()
+    net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
     if ulp_jitter_seed is not None:
         jitter_one_ulp(net, ulp_jitter_seed)
     data = make_synthetic(data_size, seed)
@@ -161,9 +163,9 @@ def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e
     kwargs.update(optimizer=optimizer, lr=lr)
     losses, _, net = reference_run(model, **kwargs)
     defaults = {name: p.default for name, p in inspect.signature(reference_run).parameters.items()}
-    batch, threads = (kwargs.get(key, defaults[key]) for key in ("global_batch", "threads"))
+    batch, threads, norm = (kwargs.get(key, defaults[key]) for key in ("global_batch", "threads", "norm"))
     noise = []
-    for changes in noise_reruns(batch, 1, threads).values():
+    for changes in noise_reruns(batch, 1, threads, batch_statistics=norm != "group").values():
         noise_losses, _, noise_net = reference_run(model, **{**kwargs, **changes})
         noise.append((noise_losses, _named(noise_net)))
     return ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))

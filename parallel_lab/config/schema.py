@@ -10,6 +10,7 @@ like every other key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -67,6 +68,15 @@ class TrainerConfig:
     noise_rerun: Optional[str] = None
 
 
+class Norm(str, Enum):
+    """``model.norm``: the normalisation layer of the models that have one (docs/batchnorm.md)."""
+
+    group = "group"  # GroupNorm (resnet18; the cnn has no norm layer): per sample, the same under every split
+    batch = "batch"  # plain nn.BatchNorm2d, as users write it: statistics over whatever batch a rank sees
+    # BatchNorm2d, converted to SyncBatchNorm by a data-parallel strategy: statistics over the global batch
+    syncbatch = "syncbatch"
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING  # cnn | resnet18
@@ -74,6 +84,8 @@ class ModelConfig:
     # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
     # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
     width: float = 1.0
+    # group (default, today's models bit for bit) | batch | syncbatch: parallel_lab/strategies/batchnorm.py
+    norm: Norm = Norm.group
 
 
 @dataclass

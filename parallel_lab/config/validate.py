@@ -89,6 +89,9 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
 
     validate_model_config(cfg.model)
     cfg.strategy = strategy_cls.validate_options(cfg)
+    refusal = strategy_cls.norm_refusal(cfg)  # BatchNorm: what this strategy can do with model.norm
+    if refusal:
+        raise ConfigError(refusal)
     t = cfg.trainer
     dp = strategy_cls.data_parallel_size(cfg)
     if t.global_batch % (dp * t.grad_accum):

@@ -14,6 +14,13 @@ from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
 
 MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+NORMS = ("group", "batch", "syncbatch")  # model.norm (config/schema.py Norm)
+
+
+def norm_of(cfg: DictConfig) -> str:
+    """model.norm as a plain string (a str-Enum in a typed config, a string in a loaded config.yaml)."""
+    value = cfg.get("norm", "group")
+    return getattr(value, "value", value)
 
 
 def validate_model_config(cfg: DictConfig) -> None:
@@ -22,10 +29,12 @@ def validate_model_config(cfg: DictConfig) -> None:
     width = cfg.get("width", 1.0)
     if not (isinstance(width, (int, float)) and 0 < width <= 1000):
         raise ConfigError(f"model.width={width} must be a number in (0, 1000]; use model.width=1 (the default)")
+    if norm_of(cfg) not in NORMS:
+        raise ConfigError(f"model.norm={norm_of(cfg)} is unknown; use model.norm={'|'.join(NORMS)} (default group)")
 
 
 def _kwargs(cfg: DictConfig) -> dict:
-    return {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0))}
+    return {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0)), "norm": norm_of(cfg)}
 
 
 def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:

@@ -1,10 +1,17 @@
-"""A small CIFAR-10 CNN (~0.3M parameters): three conv blocks and a two-layer classifier head."""
+"""A small CIFAR-10 CNN (~0.3M parameters): three conv blocks and a two-layer classifier head.
+
+It has no normalisation layer (``norm="group"``, the default, keeps it so). ``norm="batch"`` or
+``"syncbatch"`` puts a BatchNorm2d (Ioffe & Szegedy, arXiv 1502.03167) after each convolution, the
+way a user adds one: the smallest model that shows what each strategy does to batch statistics.
+"""
 
 import torch.nn as nn
 
 
-def conv_block(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+def conv_block(c_in: int, c_out: int, norm: str = "group") -> nn.Sequential:
+    if norm == "group":  # the cnn as it always was: no normalisation layer
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2))
 
 
 class SmallCNN(nn.Sequential):
@@ -14,12 +21,12 @@ class SmallCNN(nn.Sequential):
     # (parallel_lab/config/resources.py); tests/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 386_096
 
-    def __init__(self, num_classes: int = 10, hidden: int = 256, width: float = 1.0) -> None:
+    def __init__(self, num_classes: int = 10, hidden: int = 256, width: float = 1.0, norm: str = "group") -> None:
         super().__init__()
         c1, c2, hidden = (max(1, round(c * width)) for c in (32, 64, hidden))  # width 1: 32, 64, 256
-        self.add_module("block1", conv_block(3, c1))
-        self.add_module("block2", conv_block(c1, c2))
-        self.add_module("block3", conv_block(c2, c2))
+        self.add_module("block1", conv_block(3, c1, norm))
+        self.add_module("block2", conv_block(c1, c2, norm))
+        self.add_module("block3", conv_block(c2, c2, norm))
         self.add_module("flatten", nn.Flatten())
         # fc1 then fc2: the column-parallel / row-parallel pair of the Megatron-style TP split.
         self.add_module("fc1", nn.Linear(c2 * 4 * 4, hidden))

@@ -38,10 +38,11 @@ class RankPlan:
 
     @property
     def total_bytes(self) -> int | None:
-        """Model state + communication buffers + activations."""
+        """Model state + buffers (BatchNorm's running statistics) + communication buffers + activations."""
         if self.state is None:
             return None
-        return self.model_state_bytes + self.state.get("comm_buffer_bytes", 0) + self.activation_bytes
+        extra = self.state.get("comm_buffer_bytes", 0) + self.state.get("buffer_bytes", 0)
+        return self.model_state_bytes + extra + self.activation_bytes
 
     def to_json(self) -> dict:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
@@ -113,7 +114,30 @@ def predicted_metrics(cfg: DictConfig, strategy_cls: type, model: nn.Module, ran
     state = strategy_cls.predict_memory(cfg, model, rank)
     if state is None:
         return {}
-    return {f"predicted_{k}": int(state.get(k, 0)) for k in (*MODEL_STATE, "comm_buffer_bytes")}
+    predicted = {f"predicted_{k}": int(state.get(k, 0)) for k in (*MODEL_STATE, "comm_buffer_bytes")}
+    return {**predicted, "predicted_buffer_bytes": strategy_cls.predict_buffer_bytes(cfg, model, rank)}
+
+
+def batchnorm_comm(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> dict[str, float]:
+    """Bytes per step BatchNorm adds to a rank's communication (docs/batchnorm.md): SyncBatchNorm's
+    all-gather and all-reduce for every training forward, or the broadcast of the plain layers'
+    running statistics after each step, over the data-parallel ranks."""
+    from parallel_lab.models import norm_of
+    from parallel_lab.strategies.batchnorm import running_stats_bytes, sync_comm_bytes
+
+    dp = strategy_cls.data_parallel_size(cfg)
+    if strategy_cls.single_process or dp < 2 or norm_of(cfg.model) == "group":
+        return {}
+    if norm_of(cfg.model) == "syncbatch":
+        return sync_comm_bytes(model, dp, cfg.trainer.grad_accum)
+    nbytes = running_stats_bytes(model)
+    return {"broadcast": float(nbytes)} if nbytes else {}
+
+
+def _with_batchnorm(comm: dict[str, float] | None, extra: dict[str, float]) -> dict[str, float] | None:
+    if comm is None or not extra:
+        return comm
+    return {op: comm.get(op, 0.0) + extra.get(op, 0.0) for op in {*comm, *extra}}
 
 
 def _micro_batch(cfg: DictConfig, strategy_cls: type) -> int:
@@ -183,17 +207,21 @@ def plan_world(
     shared = None if differ else _activations(cfg, strategy_cls, model, 0, micro, cache)
     params = sum(p.numel() for p in model.parameters())
     comm = None if differ else strategy_cls.predict_comm(cfg, model, 0)
+    bn_comm = batchnorm_comm(cfg, strategy_cls, model)
     plans = []
     for rank in range(cfg.world_size):
         activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro, cache)
+        state = strategy_cls.predict_memory(cfg, model, rank)
+        if state is not None:
+            state = {**state, "buffer_bytes": strategy_cls.predict_buffer_bytes(cfg, model, rank)}
         plans.append(
             RankPlan(
                 strategy=cfg.strategy.name,
                 world_size=cfg.world_size,
                 rank=rank,
                 params=params,
-                state=strategy_cls.predict_memory(cfg, model, rank),
-                comm=strategy_cls.predict_comm(cfg, model, rank) if differ else comm,
+                state=state,
+                comm=_with_batchnorm(strategy_cls.predict_comm(cfg, model, rank) if differ else comm, bn_comm),
                 activation_bytes=activations,
                 micro_batch=mb,
             )

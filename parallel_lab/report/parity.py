@@ -55,16 +55,20 @@ ADAM_OPTIMIZERS = ("adam", "adamw")  # trainer.optimizer values whose updates ha
 VERDICT_LOG_ENV = "PARALLEL_LAB_PARITY_LOG"  # a file: every verdict appended as one JSON line (bench)
 
 
-def noise_reruns(global_batch: int, grad_accum: int, threads: int) -> dict[str, dict[str, int]]:
+def noise_reruns(
+    global_batch: int, grad_accum: int, threads: int, batch_statistics: bool = False
+) -> dict[str, dict[str, int]]:
     """The noise floor's reruns of a baseline: {label: the trainer.* values that change}. Each is
     the same training with other last bits: every initial weight moved one ulp (one per seed of
     NOISE_SEEDS); every step's gradient moved by its rounding noise (NOISE_GRAD_SEEDS); the
     gradient summed over more micro-batches (the reduction order data parallelism and
     accumulation use); another intra-op thread count (another order inside the kernels).
-    docs/parity.md has the measurements that chose this set."""
+    docs/parity.md has the measurements that chose this set. batch_statistics (a BatchNorm model):
+    no micro-batch reruns, since BatchNorm normalising over smaller micro-batches is another
+    training, not another rounding (docs/batchnorm.md)."""
     reruns = {f"ulp_jitter_seed={seed}": {"ulp_jitter_seed": seed} for seed in NOISE_SEEDS}
     reruns |= {f"grad_ulp_seed={seed}": {"grad_ulp_seed": seed} for seed in NOISE_GRAD_SEEDS}
-    for k in NOISE_MICRO_BATCHES:
+    for k in () if batch_statistics else NOISE_MICRO_BATCHES:
         if global_batch % (grad_accum * k) == 0:
             reruns[f"micro_batches={grad_accum * k}"] = {"grad_accum": grad_accum * k}
     other_threads = 1 if threads > 1 else 2

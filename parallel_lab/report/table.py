@@ -98,7 +98,8 @@ def baseline_key(run: Row) -> tuple:
     m = run.metrics
     if not m:
         return (run.failure.model,)
-    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr, precision_of(m))
+    # norm: a BatchNorm row is judged against single with the same layers (and its own reruns).
+    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr, precision_of(m), m.norm)
 
 
 def is_baseline(run: Row) -> bool:
@@ -120,11 +121,12 @@ def add_parity(runs: list[Row]) -> None:
         base_pair = _losses_params(base) if base else None
         noise_pairs = [p for p in map(_losses_params, noise) if p is not None]
         env = envelope([gaps(*n, *base_pair) for n in noise_pairs]) if base_pair and noise_pairs else None
+        base_samples = base.metrics.batchnorm.get("samples") if base and base.metrics.batchnorm else None
         for run in group:
-            _judge_one(run, base_pair, env)
+            _judge_one(run, base_pair, env, base_samples)
 
 
-def _judge_one(run: Row, base_pair, env) -> None:
+def _judge_one(run: Row, base_pair, env, base_samples: list[int] | None = None) -> None:
     pair = _losses_params(run) if run.ok else None
     if not run.ok:
         run.parity = "failed"
@@ -139,7 +141,19 @@ def _judge_one(run: Row, base_pair, env) -> None:
         verdict = judge(gap, env, *base_pair, adam_lr=adam_lr_of(run.metrics.optimizer, run.metrics.lr))
         run.dloss_per_step, run.noise_envelope_per_step = gap.loss, env.loss
         run.parity_checks = verdict.as_dict()
-        run.parity = "envelope" if run.is_noise else ("pass" if verdict.passed else "FAIL")
+        run.parity = "envelope" if run.is_noise else ("pass" if verdict.passed else _not_passed(run, base_samples))
+
+
+DIFFERS = "differs by design"  # a parity verdict: another training than single's, on purpose, measured
+
+
+def _not_passed(run: Row, base_samples: list[int] | None) -> str:
+    """FAIL, or "differs by design" when BatchNorm normalised over other samples than the
+    baseline's (plain BatchNorm under data or pipeline parallelism: docs/batchnorm.md)."""
+    samples = run.metrics.batchnorm.get("samples") if run.metrics.batchnorm else None
+    if samples and base_samples and samples != base_samples:
+        return f"{DIFFERS}: BatchNorm statistics over {'/'.join(map(str, samples))} local samples"
+    return "FAIL"
 
 
 def _max_rank(run: Row, key: str) -> int | None:
@@ -247,6 +261,24 @@ def _cuda_mib(run: Row) -> str | None:
     return None if allocated is None else f"{allocated:.1f} / {_mib(run, 'cuda_max_reserved_bytes'):.1f}"
 
 
+def _norm(m: RunMetrics) -> str:
+    """'batch (32)': model.norm and the samples each BatchNorm forward normalised over; a '≠' marks
+    running statistics that ended different across replicas."""
+    bn = m.batchnorm or {}
+    samples = "/".join(map(str, bn.get("samples", [])))
+    mark = "" if bn.get("running_stats_identical", True) else " ≠replicas"
+    return f"{m.norm} ({samples}){mark}" if samples else m.norm
+
+
+def _bn_comm(m: RunMetrics) -> str | None:
+    """Bytes per step BatchNorm added (SyncBatchNorm's collectives, or the running statistics'
+    broadcast): measured on its own group / theory (strategies/batchnorm.py)."""
+    bn = m.batchnorm or {}
+    if not bn.get("comm_theory_bytes_per_step") and not bn.get("comm_bytes_per_step"):
+        return None
+    return f"{bn['comm_bytes_per_step']:,.0f} / {bn['comm_theory_bytes_per_step']:,.0f}"
+
+
 def _mesh(m: RunMetrics) -> str | None:
     """'replicate 2 × shard 2': the 2-D device mesh of the run (strategies/mesh.py), blank for a flat world."""
     mesh = m.strategy_extras.get("mesh")
@@ -295,6 +327,8 @@ COLUMNS = [  # (header, how to read it from a row)
     ("mesh", _ok(_mesh)),
     ("comm MiB/step per mesh dim", _ok(_mesh_comm)),
     ("inter-host MiB/step", _ok(_inter_host_mib)),
+    ("norm (samples)", _ok(lambda m: _norm(m))),
+    ("BN comm B/step meas/theory", _ok(lambda m: _bn_comm(m))),
     ("final loss", _ok(lambda m: m.final_loss)),
     ("early Δloss (×env)", _check("early_dloss")),
     ("max Δloss (×env)", _check("max_dloss")),

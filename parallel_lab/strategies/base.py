@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from parallel_lab.comm.counter import CommCounter
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
+from parallel_lab.strategies import batchnorm
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 # The planner's counter of the bytes autograd saves for backward in one forward of a module (batch,
@@ -82,6 +83,8 @@ class Strategy(abc.ABC):
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.comm = CommCounter()  # the loop turns counting on around each step
+        self._bn_group = None  # the group BatchNorm's synchronisation uses (running_stats_group)
+        self._bn_plain: bool | None = None  # the model has BatchNorm layers that are not synchronised
 
     # ----- validation (runs in the parent, before any process starts) -----
     @classmethod
@@ -101,6 +104,24 @@ class Strategy(abc.ABC):
         """Strategy-specific rules; raise ConfigError with a one-line fix."""
 
     @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """Why this strategy cannot train ``model.norm`` as asked (one line: why, and the fix), or
+        None. SyncBatchNorm synchronises a data-parallel group: one process needs none (plain
+        BatchNorm already sees the whole batch), a strategy with several must say how it applies
+        (``syncs_batchnorm``) or it is refused here, before any process starts."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch" or cls.single_process or cls.syncs_batchnorm:
+            return None
+        return (
+            f"model.norm=syncbatch: strategy={cfg.strategy.name} has no data-parallel group to synchronise "
+            f"BatchNorm over; use model.norm=batch (docs/batchnorm.md)"
+        )
+
+    # True: data-parallel ranks whose BatchNorm layers model.norm=syncbatch converts (convert_batchnorm).
+    syncs_batchnorm: ClassVar[bool] = False
+
+    @classmethod
     def data_parallel_size(cls, cfg: DictConfig) -> int:
         """How many ways the global batch is split (tensor/pipeline parallel override this)."""
         return cfg.world_size
@@ -118,6 +139,52 @@ class Strategy(abc.ABC):
     @property
     def dp_size(self) -> int:
         return self.env.world_size
+
+    # ----- BatchNorm (strategies/batchnorm.py, docs/batchnorm.md) -----
+    def running_stats_group(self) -> tuple[object, int] | None:
+        """(group, source rank): the ranks that hold replicas of the same BatchNorm layers but
+        feed them different samples, and whose running statistics the others copy. None: no
+        such ranks (one process, or every rank sees the same samples). Default: the whole world,
+        through a group of its own, so the counter can tell BatchNorm's bytes from the rest."""
+        if self.single_process or not self.needs_process_group or self.dp_size < 2:
+            return None
+        if self._bn_group is None:  # collective: every rank reaches this at the same point
+            self._bn_group = dist.new_group(list(range(dist.get_world_size())))
+            self.comm.label_group(self._bn_group, batchnorm.SYNC_LABEL)
+        return self._bn_group, 0
+
+    def convert_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Before setup: model.norm=syncbatch makes every BatchNorm layer synchronised over
+        running_stats_group (where there is one; single and dp keep plain BatchNorm, which
+        already normalises over the whole batch). Models without BatchNorm are returned as they are."""
+        from parallel_lab.models import norm_of
+
+        if not batchnorm.batchnorm_layers(model):
+            return model
+        target = self.running_stats_group()  # created now, before setup, on every rank alike
+        if norm_of(self.cfg.model) != "syncbatch" or target is None:
+            return model
+        return batchnorm.convert_sync_batchnorm(model, target[0], self.device)
+
+    def sync_running_stats(self) -> None:
+        """After each optimizer step: plain BatchNorm layers updated their running statistics from
+        each rank's own samples, so the first replica's are copied to the others (as DDP's
+        broadcast_buffers does, but after the step: the replicas evaluate and checkpoint the same)."""
+        if self._bn_plain is None:
+            self._bn_plain = any(not batchnorm.is_synced(m) for m in batchnorm.batchnorm_layers(self.model))
+        target = self.running_stats_group() if self._bn_plain else None
+        if target is not None:
+            batchnorm.broadcast_running_stats(self.model, *target)
+
+    def memory_buffers(self) -> dict[str, int]:
+        """Bytes of the model's buffers (BatchNorm's running statistics) this rank holds."""
+        return {"buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers())}
+
+    @classmethod
+    def predict_buffer_bytes(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> int:
+        """The buffer bytes rank ``rank`` will hold, from the meta model: every rank holds every
+        buffer whole (no strategy here shards them); pipeline stages override."""
+        return sum(b.numel() * b.element_size() for b in model.buffers())
 
     # ----- lifecycle -----
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
@@ -159,10 +226,17 @@ class Strategy(abc.ABC):
     def evaluate(self, batches) -> float | None:
         """Accuracy on held-out batches: this rank's (correct, total) counts, then combined."""
         counts = torch.zeros(2, dtype=torch.float64)
-        for inputs, targets in batches:
-            logits = self.predict(inputs.to(self.device))
-            if logits is not None:
-                counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
+        # Eval mode: BatchNorm normalises with its running statistics, as single's does (and does
+        # not update them from held-out data); GroupNorm and the cnn compute the same either way.
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for inputs, targets in batches:
+                logits = self.predict(inputs.to(self.device))
+                if logits is not None:
+                    counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
+        finally:
+            self.model.train(was_training)
         counts = self.combine_eval_counts(counts.to(self.device))
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
 

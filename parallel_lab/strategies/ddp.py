@@ -39,6 +39,7 @@ class DDPOptions(StrategyOptions):
 class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
     Options = DDPOptions
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
+    syncs_batchnorm = True
     allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
 
     @classmethod
@@ -62,6 +63,10 @@ class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
             device_ids=device_ids,
             bucket_cap_mb=self.opts.bucket_cap_mb,
             gradient_as_bucket_view=self.opts.gradient_as_bucket_view,
+            # BatchNorm's running statistics: DDP would broadcast rank 0's before every forward, from
+            # C++ (uncounted), leaving each rank its own after the last step; the loop's
+            # sync_running_stats copies them after every step instead (base.py, docs/batchnorm.md).
+            forward_sync_buffers=False,
         )
         # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
         # (parallel_lab.comm.counter). The stock average-then-all-reduce hook does the same work

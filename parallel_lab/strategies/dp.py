@@ -11,6 +11,7 @@ On a CPU-only machine DataParallel just runs the wrapped module: one replica, re
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
@@ -22,6 +23,19 @@ class DataParallelStrategy(ReplicatedModel, Strategy):
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0  # one process: replicas (GPUs) exchange through device copies, no collectives
+
+    @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """DataParallel's replicas are threads of one process: no process group to synchronise
+        over (torch's SyncBatchNorm works with DDP only)."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch":
+            return None
+        return (
+            "model.norm=syncbatch: strategy=dp runs its replicas in one process, where SyncBatchNorm has no "
+            "process group (torch supports it with DDP only); use strategy=ddp, or model.norm=batch"
+        )
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)  # DataParallel wants the module on device_ids[0] (cuda:0)

@@ -100,6 +100,7 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 @register("manual_ddp")
 class ManualDDPStrategy(ReplicatedModel, Strategy):
     comm_theory_psi = 2.0  # one all-reduce of every gradient per step
+    syncs_batchnorm = True
     Options = ManualDDPOptions
     allreduce_variants = {
         "manual_ddp ring bucketed": ["strategy.allreduce=ring", "strategy.bucketed=true"],

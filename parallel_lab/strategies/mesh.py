@@ -89,6 +89,13 @@ class DataParallelReplicas:
         self.replicate_group = self.mesh2d.get_group(REPLICATE)
         return self.mesh2d.get_group(inner_name)
 
+    def running_stats_group(self) -> tuple[object, int] | None:
+        """BatchNorm layers outside the split are the same in every replica, fed other samples:
+        the first replica's running statistics are the ones kept (base.py sync_running_stats)."""
+        if self.replicate_group is None:
+            return None
+        return self.replicate_group, dist.get_process_group_ranks(self.replicate_group)[0]
+
     def average_over_replicas(self) -> None:
         """Data parallelism: every replica saw its own global_batch / replicate samples."""
         average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)

@@ -20,10 +20,11 @@ from parallel_lab.comm.counter import CommCounter
 from parallel_lab.comm.dist_env import DistEnv
 from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
-from parallel_lab.models import build_meta_model, build_model, count_params
+from parallel_lab.models import build_meta_model, build_model, count_params, norm_of
 from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.plan.predict import predicted_metrics
 from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch, save_final_params
+from parallel_lab.strategies import batchnorm
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.faults import maybe_inject_fault
 from parallel_lab.worker.metrics import (
@@ -100,10 +101,11 @@ def train_step(
                 after_backward = strategy.memory_after_backward()
         optimizer_start = time.perf_counter()
         strategy.optimizer_step()
+        strategy.sync_running_stats()  # BatchNorm's running statistics: identical replicas (base.py)
     _sync(env.device)
     end = time.perf_counter()
     if measure_memory:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
-        memory = {**after_backward, **strategy.memory_after_step()}
+        memory = {**after_backward, **strategy.memory_after_step(), **strategy.memory_buffers()}
     # Split as far as the loop can see: forward+backward (including any communication that
     # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
     loss = strategy.global_mean_loss(torch.stack(micro_losses).mean())
@@ -157,7 +159,9 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     # its all-gather function once, at initialisation) must keep the counted one.
     counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     num_params = count_params(model)
+    model = strategy.convert_batchnorm(model)  # model.norm=syncbatch (strategies/batchnorm.py)
     strategy.setup(model, optimizer_factory(t))
+    probe = batchnorm.StatisticsProbe(strategy.model)
     checkpointer = Checkpointer(cfg, env, strategy)
     with counter.paused():
         state = LoopState.start(checkpointer.restore())  # RNG, sampler position, model and optimizer
@@ -170,7 +174,37 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     )
     checksum, digest = _final_parameters(cfg, env, strategy, param_names)
     counter.uninstall()
-    return _metrics(cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest)
+    probe.remove()
+    metrics = _metrics(cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest)
+    metrics.batchnorm = batchnorm_record(cfg, strategy, probe, metrics.ranks)
+    return metrics
+
+
+def batchnorm_record(cfg: DictConfig, strategy: Strategy, probe: batchnorm.StatisticsProbe, ranks: list[dict]) -> dict:
+    """What BatchNorm did in this run (RunMetrics.batchnorm; {} for a model without it): over how
+    many samples its statistics were taken, whether the replicas' running statistics ended
+    identical (collective), and the bytes per step it added, measured on its own group vs theory."""
+    if norm_of(cfg.model) == "group":  # decided by the config, the same on every rank: a pipeline
+        return {}  # stage without BatchNorm layers must still join the collective below
+    layers = batchnorm.batchnorm_layers(strategy.model)
+    differ = batchnorm.replicas_differ(gather_from_ranks(batchnorm.running_stats_digests(strategy.model)))
+    synced = any(batchnorm.is_synced(m) for m in layers)  # (a stage without layers: False)
+    world = strategy.dp_size if synced else 1
+    theory = batchnorm.sync_comm_bytes(strategy.model, world, cfg.trainer.grad_accum) if synced else {}
+    target = strategy.running_stats_group()
+    if not synced and target is not None:
+        theory = {"broadcast": float(batchnorm.running_stats_bytes(strategy.model))}
+    measured = max(r["comm_bytes_by_group"].get(batchnorm.SYNC_LABEL, 0.0) for r in ranks)
+    return {
+        "layers": len(layers),
+        "synced": synced,
+        "samples": sorted(probe.samples),
+        "running_stats_identical": not differ,
+        "running_stats_differ": differ[:4],
+        "comm_bytes_per_step": measured,
+        "comm_theory_bytes_per_step": sum(theory.values()),
+        "comm_theory_by_op": theory,
+    }
 
 
 def _final_parameters(cfg: DictConfig, env: DistEnv, strategy: Strategy, names: list[str]) -> tuple[float, str]:
@@ -240,6 +274,7 @@ def _metrics(
         noise_rerun=t.noise_rerun,
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         kernel_dispatch=kernel_dispatch(),
+        norm=norm_of(cfg.model),
         losses=history["losses"],
         final_loss=history["losses"][-1],
         step_time_s=step_time,

@@ -90,6 +90,7 @@ class FSDPStrategy(Strategy):
     """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
 
     Options = FSDPOptions
+    syncs_batchnorm = True  # every rank reads its own samples, shard and replicate dimensions alike
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:

@@ -163,6 +163,18 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
                 f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
             )
 
+    @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """A stage runs its micro-batches one after another: no collective can normalise them together."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch":
+            return None
+        return (
+            "model.norm=syncbatch: strategy=pp runs a stage's micro-batches one after another, so no collective can "
+            "normalise over them together; use model.norm=batch (statistics per micro-batch, docs/batchnorm.md)"
+        )
+
     # ----- data placement: every stage sees the whole batch (only the ends use it) -----
     @classmethod
     def data_parallel_size(cls, cfg: DictConfig) -> int:
@@ -351,6 +363,11 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     def analytic_memory(self, num_params: int) -> dict[str, int]:
         """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
         return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
+
+    @classmethod
+    def predict_buffer_bytes(cls, cfg: DictConfig, model: nn.Module, rank: int) -> int:
+        """The stage's BatchNorm buffers only."""
+        return sum(b.numel() * b.element_size() for b in _stage_module(cfg, model, rank).buffers())
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:

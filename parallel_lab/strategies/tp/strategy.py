@@ -132,6 +132,26 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
         check_degrees(cfg, opts.replicate, "tp", opts.tp, "tensor-parallel degree")
 
     @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """Every tp rank runs the whole batch through the replicated BatchNorm layers, so plain
+        BatchNorm already matches single; syncing over strategy.replicate copies is not built here.
+        A BatchNorm after block1's split conv would see a slice of its channels."""
+        from parallel_lab.models import norm_of
+
+        norm = norm_of(cfg.model)
+        if norm == "syncbatch":
+            return (
+                "model.norm=syncbatch: strategy=tp ranks all normalise the same whole batch (model.norm=batch "
+                "already matches single); SyncBatchNorm over strategy.replicate is not built, use model.norm=batch"
+            )
+        if norm == "batch" and cfg.strategy.get("split_conv"):
+            return (
+                "model.norm=batch with strategy.split_conv=true: block1's BatchNorm would see a slice of its "
+                "channels; set strategy.split_conv=false"
+            )
+        return None
+
+    @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
         """(layer, width, which width) for every dimension the plan splits; built on the meta
         device, so no memory is used and no weights are initialised."""

@@ -144,6 +144,7 @@ DS_TAG = "deepspeed"  # the subfolder DeepSpeed writes inside one of our step_* 
 @register("zero0", "zero1", "zero2", "zero3")
 class ZeroStrategy(Strategy):
     Options = ZeroOptions
+    syncs_batchnorm = True
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
