@@ -59,6 +59,24 @@ def test_compose_rejects_unknown_strategy_option():
         validate(cfg)
 
 
+def test_typed_choices_reach_config_yaml_as_the_strings_users_type(tmp_path):
+    """A Choice-typed key (config/choices.py) is written to config.yaml by member name and read back
+    by the workers as a plain string: every member's name must be its value."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.choices import Choice
+    from parallel_lab.strategies import options_schemas
+
+    options_schemas()  # imports every strategy, and with it the choices of its Options
+    members = [(m.name, m.value) for choice in Choice.__subclasses__() for m in choice]
+    assert len(members) > 20 and all(name == value for name, value in members), members
+    cfg = compose_cfg("strategy=pp", "strategy.schedule=1f1b", "fault.mode=kill", "trainer.optimizer=sgd")
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    read = OmegaConf.load(tmp_path / "config.yaml")
+    typed = (read.strategy.schedule, read.fault.mode, read.trainer.optimizer, read.device)
+    assert typed == ("1f1b", "kill", "sgd", "auto") and all(type(v) is str for v in typed), typed
+
+
 CNN_SPINE = ("model=cnn", "trainer.steps=4", "trainer.global_batch=32")
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel_lab.comm.counter import CommCounter
+from parallel_lab.config.choices import choice_error
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.worker.dist_env import DistEnv, init_process_group
 
@@ -74,7 +75,8 @@ class Strategy(abc.ABC):
             # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
             merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
+            message = choice_error(exc, prefix="strategy.")
+            raise ConfigError(message or f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
         cls.check_options(merged, cfg)
         return merged
 
