@@ -179,6 +179,12 @@ def ds_config_fp16_on_cpu(tmp: Path, _checkpoint_of=None) -> list[str]:
     return ["strategy=zero2", "device=cpu", f"strategy.ds_config={_ds_file(tmp, {'fp16': {'enabled': True}})}"]
 
 
+def recipe_fp16_on_single(tmp: Path, _checkpoint_of=None) -> list[str]:
+    """A recipe's fp16 handed to strategy.precision, whose choices have none (device=cuda: on CPU
+    the file's fp16 is refused before it is handed on)."""
+    return ["strategy=single", "device=cuda", f"trainer.recipe={_ds_file(tmp, {'fp16': {'enabled': True}})}"]
+
+
 ISSUE_13_DS_CONFIG = {  # DeepSpeed's CIFAR example as the issue quotes it
     "train_batch_size": 16,
     "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
@@ -256,13 +262,48 @@ CATALOGUE = {
     "zero4": (["strategy=zero4"], "zero4"),
     "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
-    "precision-unknown": (["trainer.precision=fp8"], "trainer.precision=fp8"),
+    "precision-unknown": (["trainer.precision=fp8"], ("trainer.precision=fp8", "use trainer.precision=fp32 or bf16")),
     "precision-bf16-on-tp": (["strategy=tp", "trainer.precision=bf16"], ("strategy=tp has no bf16 mode",)),
     "precision-contradicts-strategy": (
         ["strategy=zero2", "trainer.precision=bf16", "strategy.precision=fp32"],
         "strategy.precision=fp32",
     ),
-    "single-precision-unknown": (["strategy=single", "strategy.precision=fp16"], "strategy.precision=fp16"),
+    "single-precision-unknown": (
+        ["strategy=single", "strategy.precision=fp16"],
+        ("strategy.precision=fp16", "use strategy.precision=fp32 or bf16"),
+    ),
+    "ddp-precision-unknown": (
+        ["strategy=ddp", "strategy.precision=fp8"],
+        ("strategy.precision=fp8", "use strategy.precision=fp32 or bf16"),
+    ),
+    "zero-precision-unknown": (
+        ["strategy=zero2", "strategy.precision=fp8"],
+        ("strategy.precision=fp8", "use strategy.precision=fp32, bf16 or fp16"),
+    ),
+    "zero-offload-unknown": (
+        ["strategy=zero2", "strategy.offload=nvme"],
+        ("strategy.offload=nvme", "use strategy.offload=none or cpu"),
+    ),
+    "fsdp-sharding-unknown": (
+        ["strategy=fsdp", "strategy.sharding=half"],
+        ("strategy.sharding=half", "use strategy.sharding=full, grad_op, no_shard or hybrid"),
+    ),
+    "fsdp-mixed-precision-unknown": (
+        ["strategy=fsdp", "strategy.mixed_precision=fp16"],
+        ("strategy.mixed_precision=fp16", "use strategy.mixed_precision=fp32 or bf16"),
+    ),
+    "pp-schedule-unknown": (
+        ["strategy=pp", "strategy.schedule=zb"],
+        ("strategy.schedule=zb", "use strategy.schedule=gpipe or 1f1b"),
+    ),
+    "pp-impl-unknown": (
+        ["strategy=pp", "strategy.impl=dtensor"],
+        ("strategy.impl=dtensor", "use strategy.impl=manual or torch"),
+    ),
+    "tp-impl-unknown": (
+        ["strategy=tp", "strategy.impl=torch"],
+        ("strategy.impl=torch", "use strategy.impl=manual or dtensor"),
+    ),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),
     "tp-dp-degree": (
@@ -275,6 +316,10 @@ CATALOGUE = {
     "ds-config-scheduler-params": (ds_config_scheduler_params, ("WarmupDecayLR", "total_num_steps")),
     "ds-config-stage-contradicts": (ds_config_stage_contradicts, ("zero_optimization.stage=3", "use strategy=zero3")),
     "ds-config-fp16-on-cpu": (ds_config_fp16_on_cpu, ("fp16.enabled", "bf16")),
+    "ds-config-recipe-fp16-on-single": (
+        recipe_fp16_on_single,
+        ("strategy.precision=fp16", "use strategy.precision=fp32 or bf16", "set by trainer.recipe="),
+    ),
     "ds-config-conflicts-at-once": (
         ds_config_many_conflicts,
         (
@@ -299,7 +344,10 @@ CATALOGUE = {
         ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
         ("strategy.microbatches=3", "32"),
     ),
-    "manual-ddp-allreduce": (["strategy=manual_ddp", "strategy.allreduce=tree"], "strategy.allreduce=tree"),
+    "manual-ddp-allreduce": (
+        ["strategy=manual_ddp", "strategy.allreduce=tree"],
+        ("strategy.allreduce=tree", "use strategy.allreduce=star, ring, builtin or mpi"),
+    ),
     "manual-ddp-bucket": (["strategy=manual_ddp", "strategy.bucket_mb=-5"], "strategy.bucket_mb=-5"),
     # MPI's COMM_WORLD exists only when mpiexec started the ranks; mpi4py reduces host memory only.
     "manual-ddp-mpi-spawn": (
@@ -311,16 +359,17 @@ CATALOGUE = {
         ("strategy.allreduce=mpi", "device=cuda", "device=cpu"),
     ),
     "ddp-bucket": (["strategy.bucket_cap_mb=0"], "bucket_cap_mb=0"),
-    "device": (["device=tpu"], "device='tpu'"),
+    "device": (["device=tpu"], ("device=tpu", "use device=auto, cpu or cuda")),
     # NCCL refuses two ranks on one GPU: more ranks than visible GPUs (none here) is refused up front.
     "device-cuda-too-few-gpus": (
         lambda tmp_path, _: ["device=cuda", f"world_size={visible_gpus() + 1}"],
         ("device=cuda", "device=cpu"),
     ),
-    "optimizer": (["trainer.optimizer=lbfgs"], "lbfgs"),
+    "optimizer": (["trainer.optimizer=lbfgs"], ("trainer.optimizer=lbfgs", "use trainer.optimizer=adam, adamw or sgd")),
     "checkpoint-every": (["trainer.checkpoint_every=-1"], "checkpoint_every=-1"),
     "keep-checkpoints": (["trainer.keep_checkpoints=0"], "keep_checkpoints=0"),
-    "fault-mode": (["fault.mode=explode"], "explode"),
+    "fault-mode": (["fault.mode=explode"], ("fault.mode=explode", "use fault.mode=raise or kill")),
+    "fault-at": (["fault.at=never"], ("fault.at=never", "use fault.at=step or checkpoint")),
     "fault-at-no-checkpoint": (
         ["fault.rank=0", "fault.at=checkpoint", "fault.step=3", "trainer.checkpoint_every=2"],
         "fault.step=3",
@@ -354,8 +403,28 @@ CATALOGUE = {
     "resume-beside-other-checkpoints": (resume_beside_other_checkpoints, "already holds step_00000001"),
 }
 
+# A value outside a typed key's choices (choices.py): refused in one line before anything starts.
+BAD_CHOICE = {
+    "precision-unknown",
+    "single-precision-unknown",
+    "ddp-precision-unknown",
+    "zero-precision-unknown",
+    "zero-offload-unknown",
+    "fsdp-sharding-unknown",
+    "fsdp-mixed-precision-unknown",
+    "pp-schedule-unknown",
+    "pp-impl-unknown",
+    "tp-impl-unknown",
+    "manual-ddp-allreduce",
+    "device",
+    "optimizer",
+    "fault-mode",
+    "fault-at",
+    "ds-config-recipe-fp16-on-single",
+}
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
+    *BAD_CHOICE,
     "device-cuda-too-few-gpus",
     "manual-ddp-mpi-spawn",
     "manual-ddp-mpi-cuda",
@@ -390,7 +459,7 @@ REFUSED_BEFORE_WORKERS = {
     "eval-batches-negative",
 }
 # Refused before Hydra makes the run folder: not even failed.json is written.
-NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-nan"}
+NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-nan", *BAD_CHOICE}
 
 
 # These go through a fresh `python -m parallel_lab` process (exit status, stderr as a user sees them);
@@ -398,6 +467,7 @@ NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-na
 # so a new interpreter per case (~3 s of imports on 2 cores) would prove nothing more.
 AS_A_PROCESS = {
     "unknown-strategy",
+    "optimizer",
     "wrong-type-int",
     "lr-nan",
     "world-size-beyond-memory",

@@ -4,6 +4,7 @@ reference, the same run under every launcher, and how bad input and crashes end.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -56,6 +57,24 @@ def test_compose_rejects_unknown_strategy_option():
     cfg = compose_cfg("strategy=ddp", "+strategy.bucket_cap=3")
     with pytest.raises(ConfigError, match="bucket_cap"):
         validate(cfg)
+
+
+def test_typed_choices_reach_config_yaml_as_the_strings_users_type(tmp_path):
+    """A Choice-typed key (choices.py) is written to config.yaml by member name and read back
+    by the workers as a plain string: every member's name must be its value."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.choices import Choice
+    from parallel_lab.strategies import options_schemas
+
+    options_schemas()  # imports every strategy, and with it the choices of its Options
+    members = [(m.name, m.value) for choice in Choice.__subclasses__() for m in choice]
+    assert len(members) > 20 and all(name == value for name, value in members), members
+    cfg = compose_cfg("strategy=pp", "strategy.schedule=1f1b", "fault.mode=kill", "trainer.optimizer=sgd")
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    read = OmegaConf.load(tmp_path / "config.yaml")
+    typed = (read.strategy.schedule, read.fault.mode, read.trainer.optimizer, read.device)
+    assert typed == ("1f1b", "kill", "sgd", "auto") and all(type(v) is str for v in typed), typed
 
 
 CNN_SPINE = ("model=cnn", "trainer.steps=4", "trainer.global_batch=32")
@@ -181,7 +200,55 @@ def test_report_renders_table_from_runs_and_one_step_shows_all_model_state(tmp_p
     for name in ("comparison.md", "comparison.csv", "comparison.json"):
         assert (tmp_path / name).is_file()
     with open(tmp_path / "comparison.csv") as f:
-        for row in csv.DictReader(f):
-            for column in ("params MiB meas/analytic", "grads MiB meas/analytic", "optim MiB meas/analytic"):
-                measured, analytic = (float(v) for v in row[column].split(" / "))
-                assert analytic > 0 and abs(measured - analytic) <= 1e-4 * analytic, (row["strategy"], column)
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for kind in ("params", "grads", "optim"):
+            measured, analytic = float(row[f"{kind} MiB measured"]), float(row[f"{kind} MiB analytic"])
+            assert analytic > 0 and abs(measured - analytic) <= 1e-4 * analytic, (row["strategy"], kind)
+    assert_md_shows_what_a_reader_compares(tmp_path, rows)
+
+
+def significant_digits(number: str) -> int:
+    """How many significant digits a number in the md table shows ('0.002321' and '2.384e-07': 4)."""
+    mantissa = number.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
+    return len(mantissa)
+
+
+def assert_md_shows_what_a_reader_compares(run_dirs: Path, csv_rows: list[dict]) -> None:
+    """comparison.md: at most 14 columns, CUDA memory only when a GPU ran, every measured number to
+    4 significant digits (1000 and above: whole, grouped); comparison.csv: every column, unrounded."""
+    from parallel_lab.protocol import FailedRun
+    from parallel_lab.report.table import add_parity, load_runs, markdown
+
+    lines = (run_dirs / "comparison.md").read_text().splitlines()
+    header, rows = lines[0].strip("| ").split(" | "), [line for line in lines[2:] if line.startswith("| ")]
+    assert len(header) <= 14 and not any("CUDA" in h for h in header), header
+    assert len(csv_rows[0]) > len(header) and "CUDA alloc MiB" in csv_rows[0] and "final loss" in csv_rows[0]
+    for line, raw in zip(rows, csv_rows):
+        cells = dict(zip(header, line.strip("| ").split(" | ")))
+        for column in ("samples/s", "step ms", "peak RSS MiB", "model state MiB meas/plan/paper"):
+            for number in cells[column].split(" / "):
+                assert significant_digits(number) == 4 or "," in number, (column, cells[column])
+        samples = float(raw["samples/s"])  # the csv keeps the measured value whole
+        assert samples != round(samples, 2) and abs(float(cells["samples/s"].replace(",", "")) - samples) < 1
+    # The same ddp run as a GPU on two hosts with a mesh records it, and a failed run: the columns
+    # those call for appear, and the widest table is still 14.
+    twin = run_dirs / "gpu_twin"
+    twin.mkdir()
+    record = json.loads((run_dirs / "b" / "metrics.json").read_text())
+    for rank in record["ranks"]:
+        rank.update(cuda_max_allocated_bytes=3 * 2**20, cuda_max_reserved_bytes=4 * 2**20)
+    mesh = {"dims": {"replicate": 2, "shard": 1}, "comm_bytes_per_step": {"replicate": 2**20, "shard": 0}}
+    record.update(nodes=2, nproc_per_node=1, inter_host_bytes_per_step=2**20, strategy_extras={"mesh": mesh})
+    (twin / "metrics.json").write_text(json.dumps(record))
+    (run_dirs / "failed").mkdir()
+    failed = FailedRun(strategy="ddp", launcher="spawn", world_size=3, model="cnn", error="bad batch")
+    failed.write(run_dirs / "failed" / "failed.json")
+    runs = load_runs([run_dirs / "a", twin, run_dirs / "failed"])
+    add_parity(runs)
+    text = markdown(runs)
+    header = text.splitlines()[0]
+    assert len(header.strip("| ").split(" | ")) == 14, header
+    for shown in ("| CUDA alloc/reserved MiB |", "| 3.000 / 4.000 |", "| 2×1 | replicate 2 (1.000) × shard 1 (0) |"):
+        assert shown in text, (shown, text)
+    assert "| failed | bad batch |" in text, text

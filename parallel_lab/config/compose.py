@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from parallel_lab.choices import choice_error
 from parallel_lab.config.schema import CONFIG_GROUPS, Config
 from parallel_lab.errors import ConfigError
 
@@ -54,6 +55,9 @@ def describe_compose_error(exc: BaseException) -> str:
     while exc is not None:
         chain.append(exc)
         exc = exc.__cause__
+    choice = next(filter(None, map(choice_error, chain)), None)
+    if choice:  # a value outside a typed key's choices: the line names them
+        return choice
     keyed = [e for e in chain if getattr(e, "full_key", None)]
     cause = keyed[0] if keyed else chain[0]
     message = str(getattr(cause, "msg", None) or cause)

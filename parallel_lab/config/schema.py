@@ -10,12 +10,39 @@ like every other key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from parallel_lab.choices import Choice, Precision, make_choice
+
 CONFIG_GROUPS = ("strategy", "model", "data", "launcher")  # chosen on the command line: group=name
+
+
+class Optimizer(Choice):
+    """trainer.optimizer: the torch optimizer every strategy builds."""
+
+    adam = "adam"
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Device(Choice):
+    """device: where the ranks compute."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+FaultMode = make_choice("FaultMode", ("raise", "kill"), "fault.mode: how the chosen rank fails.", __name__)
+
+
+class FaultAt(Choice):
+    """fault.at: when in the step the chosen rank fails."""
+
+    step = "step"
+    checkpoint = "checkpoint"
 
 
 @dataclass
@@ -26,7 +53,7 @@ class TrainerConfig:
     global_batch: int = 64
     grad_accum: int = 1
     lr: float = 1e-3
-    optimizer: str = "adam"  # adam | adamw (decoupled weight decay, DeepSpeed's "Adam") | sgd
+    optimizer: Optimizer = Optimizer.adam  # adam | adamw (decoupled weight decay, DeepSpeed's "Adam") | sgd
     momentum: float = 0.9
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # adam/adamw (torch's default)
@@ -40,7 +67,7 @@ class TrainerConfig:
     recipe: Optional[str] = None
     # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, zero*:
     # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
     grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
     seed: int = 0
     warmup_steps: int = 2  # steps left out of the timing medians
@@ -68,7 +95,7 @@ class TrainerConfig:
     noise_rerun: Optional[str] = None
 
 
-class Norm(str, Enum):
+class Norm(Choice):
     """``model.norm``: the normalisation layer of the models that have one (docs/batchnorm.md)."""
 
     group = "group"  # GroupNorm (resnet18; the cnn has no norm layer): per sample, the same under every split
@@ -132,11 +159,11 @@ class FaultConfig:
 
     rank: int = -1  # -1 = never
     step: int = 0
-    mode: str = "raise"  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
+    mode: FaultMode = FaultMode["raise"]  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
     # step: before step `step` runs; checkpoint: halfway through writing the checkpoint taken after
     # `step` steps (its files written, not yet committed). Only in the first attempt: a torchrun
     # restart (TORCHELASTIC_RESTART_COUNT > 0) runs clean, as after a real lost node.
-    at: str = "step"
+    at: FaultAt = FaultAt.step
 
 
 @dataclass
@@ -162,7 +189,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     world_size: int = 2
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto  # auto | cpu | cuda
     dist_timeout_s: int = 120  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
     # Filled in by the parent: each "auto" of a DeepSpeed file (strategy.ds_config, trainer.recipe)

@@ -2,7 +2,9 @@
 both: ``write.py``).
 
 Every row carries its proof: the loss difference against the ``single`` baseline found among the
-same runs (same model, global batch and steps), and a pass/fail parity mark. Failed runs
+same runs (same model, global batch and steps), and a pass/fail parity mark. comparison.md shows
+what a reader compares (``MD_COLUMNS``, every number to ``DIGITS`` significant digits);
+comparison.csv has every column (``COLUMNS``) unrounded, comparison.json every record. Failed runs
 (failed.json) appear as rows with their error, and the rest of the report still renders. Runs are
 read as the records the workers and the parent wrote (``protocol.RunMetrics`` / ``FailedRun``).
 """
@@ -166,19 +168,13 @@ def _mib(run: Row, key: str) -> float | None:
     return None if value is None else value / MiB
 
 
-def _measured_vs_analytic(key: str):
-    """'measured / analytic' MiB of one kind of model state, on the rank holding the most."""
-
-    def read(run: Row) -> str | None:
-        measured, analytic = _mib(run, key), _mib(run, f"analytic_{key}")
-        if measured is None:
-            return None
-        return f"{_fmt(measured)} / {_fmt(analytic)}" if analytic is not None else _fmt(measured)
-
-    return read
+def _rank_mib(key: str):
+    """MiB of one measured quantity (``ranks[*][key]``) on the rank holding the most."""
+    return lambda run: _mib(run, key)
 
 
 MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+STATE_KIND = dict(zip(MODEL_STATE, ("params", "master", "grads", "optim")))  # its name in the table
 
 
 def _state_total(rank: dict, prefix: str = "") -> int | None:
@@ -186,15 +182,18 @@ def _state_total(rank: dict, prefix: str = "") -> int | None:
     return None if all(v is None for v in values) else sum(v or 0 for v in values)
 
 
-def _state_meas_plan_paper(run: Row) -> str | None:
-    """Model-state MiB (params + master + grads + optim) of the rank holding the most: measured /
-    the planner's exact prediction / the ZeRO paper's formula."""
-    ranks = run.metrics.ranks if run.ok else []
-    if not ranks:
-        return None
-    rank = max(ranks, key=lambda r: _state_total(r) or 0)
-    parts = [_state_total(rank, prefix) for prefix in ("", "predicted_", "analytic_")]
-    return " / ".join("?" if v is None else f"{v / MiB:.4f}" for v in parts)
+def _state_mib(prefix: str):
+    """Model-state MiB (params + master + grads + optim) of the rank holding the most, as measured
+    (prefix ""), as the planner predicted it exactly ("predicted_") or by the ZeRO paper ("analytic_")."""
+
+    def read(run: Row) -> float | None:
+        ranks = run.metrics.ranks if run.ok else []
+        if not ranks:
+            return None
+        total = _state_total(max(ranks, key=lambda r: _state_total(r) or 0), prefix)
+        return None if total is None else total / MiB
+
+    return read
 
 
 def _relative(predicted: int, measured: int) -> float:
@@ -203,31 +202,30 @@ def _relative(predicted: int, measured: int) -> float:
     return (predicted - measured) / measured
 
 
-def _plan_error(run: Row) -> str | None:
-    """Per kind of model state (params / master / grads / optim), the planner's largest relative
-    error over the ranks, in percent ("exact" where every rank matches to the byte)."""
-    ranks = [r for r in (run.metrics.ranks if run.ok else []) if "predicted_param_bytes" in r]
-    if not ranks:
-        return None
-    errors = [max((_relative(r[f"predicted_{key}"], r.get(key) or 0) for r in ranks), key=abs) for key in MODEL_STATE]
-    if not any(errors):
-        return "exact"
-    return " / ".join(f"{100 * e:+.2f}" for e in errors)
+def _plan_error(key: str):
+    """The planner's largest relative error over the ranks for one kind of model state, in percent
+    (0 where every rank matches to the byte)."""
 
-
-def _comm_psi(m: RunMetrics) -> str:
-    theory = m.comm_theory_psi
-    return f"{m.comm_volume_psi:.2f} / {'?' if theory is None else f'{theory:g}'}"
-
-
-def _check(name: str):
-    """'divergence (ratio to the noise envelope)' of one parity check; a ratio above the multiple fails."""
-
-    def read(run: Row) -> str | None:
-        check = run.parity_checks.get(name)
-        return check and f"{_fmt(check['value']) or 0} ({check['ratio']:.2g}×)"
+    def read(run: Row) -> float | None:
+        ranks = [r for r in (run.metrics.ranks if run.ok else []) if "predicted_param_bytes" in r]
+        if not ranks:
+            return None
+        return 100 * max((_relative(r[f"predicted_{key}"], r.get(key) or 0) for r in ranks), key=abs)
 
     return read
+
+
+CHECKS = {  # parity check (report/parity.py) -> its name in the table
+    "early_dloss": "early Δloss",
+    "max_dloss": "max Δloss",
+    "param_rel_l2": "θ rel L2",
+    "param_max_abs": "max |Δθ|",
+}
+
+
+def _check(name: str, part: str):
+    """One parity check's divergence ('value') or its ratio to the noise envelope ('ratio')."""
+    return lambda run: (run.parity_checks.get(name) or {}).get(part)
 
 
 def _ok(read):
@@ -256,11 +254,6 @@ def _strategy_label(run: Row) -> str:
     return " ".join(filter(None, (run.record.strategy, run.variant)))
 
 
-def _cuda_mib(run: Row) -> str | None:
-    allocated = _mib(run, "cuda_max_allocated_bytes")
-    return None if allocated is None else f"{allocated:.1f} / {_mib(run, 'cuda_max_reserved_bytes'):.1f}"
-
-
 def _norm(m: RunMetrics) -> str:
     """'batch (32)': model.norm and the samples each BatchNorm forward normalised over; a '≠' marks
     running statistics that ended different across replicas."""
@@ -270,13 +263,22 @@ def _norm(m: RunMetrics) -> str:
     return f"{m.norm} ({samples}){mark}" if samples else m.norm
 
 
-def _bn_comm(m: RunMetrics) -> str | None:
+def _bn_comm(key: str):
     """Bytes per step BatchNorm added (SyncBatchNorm's collectives, or the running statistics'
-    broadcast): measured on its own group / theory (strategies/batchnorm.py)."""
-    bn = m.batchnorm or {}
-    if not bn.get("comm_theory_bytes_per_step") and not bn.get("comm_bytes_per_step"):
-        return None
-    return f"{bn['comm_bytes_per_step']:,.0f} / {bn['comm_theory_bytes_per_step']:,.0f}"
+    broadcast), measured on its own group or in theory (strategies/batchnorm.py); None without."""
+
+    def read(m: RunMetrics) -> float | None:
+        return (m.batchnorm or {}).get(key)
+
+    return read
+
+
+def _md_strategy(run: Row) -> str:
+    """The strategy cell of comparison.md: the label, and the norm where it is not GroupNorm
+    ('ddp [batch (16)]'), so a BatchNorm row reads as what it is without a column of its own."""
+    label = _strategy_label(run)
+    m = run.metrics
+    return f"{label} [{_norm(m)}]" if run.ok and m.norm not in (None, "group") else label
 
 
 def _mesh(m: RunMetrics) -> str | None:
@@ -289,12 +291,7 @@ def _mesh_comm(m: RunMetrics) -> str | None:
     """MiB per step on each mesh dimension's group (busiest rank): on several hosts, replicate is
     the traffic between them, the other dimension stays inside one."""
     mesh = m.strategy_extras.get("mesh")
-    return mesh and " / ".join(f"{name} {_fmt(n / MiB) or 0}" for name, n in mesh["comm_bytes_per_step"].items())
-
-
-def _nodes_procs(m: RunMetrics) -> str | None:
-    """'2×1': hosts × ranks per host (blank for a run recorded before metrics.json had them)."""
-    return m.nodes and f"{m.nodes}×{m.nproc_per_node}"
+    return mesh and " / ".join(f"{name} {n / MiB}" for name, n in mesh["comm_bytes_per_step"].items())
 
 
 def _inter_host_mib(m: RunMetrics) -> float | None:
@@ -302,58 +299,136 @@ def _inter_host_mib(m: RunMetrics) -> float | None:
     return None if m.inter_host_bytes_per_step is None else m.inter_host_bytes_per_step / MiB
 
 
+def _theory_psi(m: RunMetrics) -> float | None:
+    """The ZeRO paper's Ψ per step (a float even where json stored 2: one number format in md)."""
+    return None if m.comm_theory_psi is None else float(m.comm_theory_psi)
+
+
+_CUDA_ALLOC, _CUDA_RESERVED = _rank_mib("cuda_max_allocated_bytes"), _rank_mib("cuda_max_reserved_bytes")
+_STATE = {"measured": _state_mib(""), "plan": _state_mib("predicted_"), "paper": _state_mib("analytic_")}
+
+# comparison.csv: every column, one value per cell, as measured (no rounding).
 COLUMNS = [  # (header, how to read it from a row)
     ("strategy", _strategy_label),
     ("launcher", lambda r: r.record.launcher),
     ("world", lambda r: r.record.world_size),
-    ("nodes×procs", _ok(_nodes_procs)),
+    ("nodes", _ok(lambda m: m.nodes)),
+    ("procs per node", _ok(lambda m: m.nproc_per_node)),
     ("model", lambda r: r.record.model),
     ("params", _ok(lambda m: m.params)),
     ("samples/s", _ok(lambda m: m.samples_per_s)),
     ("step ms", _ok(lambda m: 1000 * m.step_time_s)),
-    (
-        "fwd+bwd / opt ms",
-        _ok(lambda m: f"{1000 * m.step_split_s['fwd_bwd']:.1f} / {1000 * m.step_split_s['optimizer']:.1f}"),
+    ("fwd+bwd ms", _ok(lambda m: 1000 * m.step_split_s["fwd_bwd"])),
+    ("opt ms", _ok(lambda m: 1000 * m.step_split_s["optimizer"])),
+    ("peak RSS MiB", _rank_mib("peak_rss_bytes")),
+    ("CUDA alloc MiB", _CUDA_ALLOC),
+    ("CUDA reserved MiB", _CUDA_RESERVED),
+    *(
+        (f"{kind} MiB {source}", _rank_mib(prefix + key))
+        for key, kind in STATE_KIND.items()
+        for source, prefix in (("measured", ""), ("analytic", "analytic_"))
     ),
-    ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
-    ("CUDA alloc/reserved MiB", _cuda_mib),
-    ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
-    ("grads MiB meas/analytic", _measured_vs_analytic("grad_bytes")),
-    ("optim MiB meas/analytic", _measured_vs_analytic("optim_bytes")),
-    ("model state MiB meas/plan/paper", _state_meas_plan_paper),
-    ("plan error % params/master/grads/optim", _plan_error),
+    *((f"model state MiB {source}", read) for source, read in _STATE.items()),
+    *((f"plan error % {kind}", _plan_error(key)) for key, kind in STATE_KIND.items()),
     ("comm MiB/step", _ok(lambda m: m.comm_bytes_per_step / MiB)),
-    ("comm Ψ meas/theory", _ok(_comm_psi)),
+    ("comm Ψ measured", _ok(lambda m: m.comm_volume_psi)),
+    ("comm Ψ theory", _ok(_theory_psi)),
     ("mesh", _ok(_mesh)),
     ("comm MiB/step per mesh dim", _ok(_mesh_comm)),
     ("inter-host MiB/step", _ok(_inter_host_mib)),
-    ("norm (samples)", _ok(lambda m: _norm(m))),
-    ("BN comm B/step meas/theory", _ok(lambda m: _bn_comm(m))),
+    ("norm (samples)", _ok(_norm)),
+    ("BN comm B/step measured", _ok(_bn_comm("comm_bytes_per_step"))),
+    ("BN comm B/step theory", _ok(_bn_comm("comm_theory_bytes_per_step"))),
     ("final loss", _ok(lambda m: m.final_loss)),
-    ("early Δloss (×env)", _check("early_dloss")),
-    ("max Δloss (×env)", _check("max_dloss")),
-    ("θ rel L2 (×env)", _check("param_rel_l2")),
-    ("max |Δθ| (×env)", _check("param_max_abs")),
+    *(
+        (f"{label}{suffix}", _check(name, part))
+        for name, label in CHECKS.items()
+        for suffix, part in (("", "value"), (" ×env", "ratio"))
+    ),
     ("parity", lambda r: r.parity),
-    ("error", lambda r: r.failure.error if r.failure else ""),
+    ("error", lambda r: r.failure.error if r.failure else None),
 ]
 
 
-def _fmt(value) -> str:
-    if value is None or value is False:
-        return ""
-    if isinstance(value, float) and value == 0:
+READ = {header: read for header, read in COLUMNS}
+DIGITS = 4  # significant digits of every number in comparison.md
+
+
+def _num(value: float) -> str:
+    """comparison.md's one rule for a number: DIGITS significant digits with trailing zeros kept (each
+    number shows its precision), thousands grouped and whole digits never rounded away; 0 is 0."""
+    if value == 0:
         return "0"
-    if isinstance(value, float):
-        if abs(value) < 1e-2:
-            return f"{value:.2g}"
-        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
-    return str(value)
+    text = f"{value:#.{DIGITS}g}"
+    if isinstance(value, int) or "e+" in text or text.endswith("."):  # a count, or 1000 and above
+        return f"{value:,.0f}"
+    return text
 
 
-def table_rows(runs: list[Row]) -> list[list[str]]:
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    return _num(value) if isinstance(value, (int, float)) else str(value)
+
+
+def _joined(*reads):
+    """'a / b / c': numbers to compare in one cell; '?' for a missing one, blank when the first is."""
+
+    def read(run: Row) -> str | None:
+        values = [r(run) for r in reads]
+        return None if values[0] is None else " / ".join("?" if v is None else _num(v) for v in values)
+
+    return read
+
+
+def _mesh_cell(m: RunMetrics) -> str | None:
+    """'replicate 2 (1.226) × shard 2 (3.677)': the mesh and each dimension's MiB per step."""
+    mesh = m.strategy_extras.get("mesh")
+    per_dim = mesh and mesh["comm_bytes_per_step"]
+    return mesh and " × ".join(f"{name} {size} ({_num(per_dim[name] / MiB)})" for name, size in mesh["dims"].items())
+
+
+def _evidence(run: Row) -> str | None:
+    """What the parity cell rests on: the check nearest its bound as 'name divergence (ratio to the
+    noise envelope ×)', or a failed run's error."""
+    if run.failure:
+        return run.failure.error
+    checks = [(label, run.parity_checks[name]) for name, label in CHECKS.items() if name in run.parity_checks]
+    if not checks:
+        return None
+    label, check = max(checks, key=lambda c: c[1]["ratio"])
+    return f"{label} {_num(check['value'])} ({_num(check['ratio'])}×)"
+
+
+# comparison.md: what a reader compares, at most 14 columns; a column with a `shown` test appears
+# only when some row passes it (CUDA memory: a GPU ran; the mesh; the hosts: more than one).
+MD_COLUMNS = [  # (header, how to read it from a row, shown)
+    ("strategy", _md_strategy, None),
+    ("launcher", READ["launcher"], None),
+    ("world", READ["world"], None),
+    ("nodes×procs", _ok(lambda m: m.nodes and f"{m.nodes}×{m.nproc_per_node}"), None),
+    ("mesh (comm MiB/step per dim)", _ok(_mesh_cell), READ["mesh"]),
+    ("samples/s", READ["samples/s"], None),
+    ("step ms", READ["step ms"], None),
+    ("peak RSS MiB", READ["peak RSS MiB"], None),
+    ("CUDA alloc/reserved MiB", _joined(_CUDA_ALLOC, _CUDA_RESERVED), lambda r: _CUDA_ALLOC(r) is not None),
+    ("model state MiB meas/plan/paper", _joined(*_STATE.values()), None),
+    ("comm Ψ meas/theory", _joined(READ["comm Ψ measured"], READ["comm Ψ theory"]), None),
+    ("inter-host MiB/step", READ["inter-host MiB/step"], lambda r: r.ok and (r.metrics.nodes or 1) > 1),
+    ("parity", READ["parity"], None),
+    ("evidence", _evidence, None),
+]
+
+
+def md_columns(runs: list[Row]) -> list[tuple]:
+    """MD_COLUMNS without the conditional ones no row calls for."""
+    return [c for c in MD_COLUMNS if c[2] is None or any(c[2](run) for run in runs)]
+
+
+def csv_rows(runs: list[Row]) -> list[list]:
+    """Every column of every row, the values as read (comparison.csv)."""
     mark_variants(runs)
-    return [[_fmt(get(run)) for _, get in COLUMNS] for run in runs]
+    return [[get(run) for _, get in COLUMNS] for run in runs]
 
 
 def criterion_line(runs: list[Row]) -> str:
@@ -381,10 +456,11 @@ def criterion_line(runs: list[Row]) -> str:
 
 
 def markdown(runs: list[Row]) -> str:
-    cell = lambda text: text.replace("|", "\\|")  # noqa: E731  ("max |Δθ|" must not split its column)
-    headers = [cell(h) for h, _ in COLUMNS]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in table_rows(runs)]
+    escape = lambda text: text.replace("|", "\\|")  # noqa: E731  ("max |Δθ|" must not split its column)
+    mark_variants(runs)
+    columns = md_columns(runs)
+    lines = ["| " + " | ".join(escape(h) for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(escape(_cell(read(run))) for _, read, _ in columns) + " |" for run in runs]
     return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
 
 
@@ -397,7 +473,7 @@ def write_tables(runs: list[Row], out: Path) -> str:
     with open(out / "comparison.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([h for h, _ in COLUMNS])
-        writer.writerows(table_rows(runs))
+        writer.writerows(csv_rows(runs))
     (out / "comparison.json").write_text(json.dumps([run.to_json() for run in runs], indent=2) + "\n")
     return text
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from parallel_lab.choices import choice_error
 from parallel_lab.comm.counter import CommCounter
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError, one_line
@@ -95,7 +96,8 @@ class Strategy(abc.ABC):
             # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
             merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
+            message = choice_error(exc, prefix="strategy.")
+            raise ConfigError(message or f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
         cls.check_options(merged, cfg)
         return merged
 

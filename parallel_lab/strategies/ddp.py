@@ -17,10 +17,11 @@ from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.precision import Bf16Compute, check_precision
+from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.replicated import ReplicatedModel
 
 
@@ -32,7 +33,7 @@ class DDPOptions(StrategyOptions):
     gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
     # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights, gradients all-reduced in
     # fp32 (strategies/precision.py)
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
 
 
 @register("ddp")
@@ -49,7 +50,6 @@ class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        check_precision(opts)
         if opts.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"

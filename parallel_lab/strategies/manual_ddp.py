@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.choices import make_choice
 from parallel_lab.comm import collectives
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
@@ -41,13 +42,18 @@ from parallel_lab.strategies.replicated import ReplicatedModel
 MB = 1024 * 1024
 
 
+Allreduce = make_choice(
+    "Allreduce", collectives.ALGORITHMS, "strategy.allreduce: manual_ddp's all-reduce (comm/collectives.py).", __name__
+)
+
+
 @dataclass
 class ManualDDPOptions(StrategyOptions):
     """``strategy=manual_ddp`` options."""
 
     # star | ring | builtin (= dist.all_reduce, for comparison) | mpi (mpi4py Allreduce on the
     # buckets' memory; launcher=mpirun and CPU only)
-    allreduce: str = "ring"
+    allreduce: Allreduce = Allreduce.ring
     # true: bucketed all-reduce launched from backward hooks, overlapping backward;
     # false: one all-reduce of every gradient after backward (simple, no overlap)
     bucketed: bool = True
@@ -119,11 +125,6 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.allreduce not in collectives.ALGORITHMS:
-            raise ConfigError(
-                f"strategy.allreduce={opts.allreduce} is unknown; use strategy.allreduce="
-                f"{'|'.join(collectives.ALGORITHMS)} (e.g. strategy.allreduce=ring)"
-            )
         if opts.allreduce == "mpi":
             cls._check_mpi_transport(cfg)
         if opts.bucket_mb <= 0:

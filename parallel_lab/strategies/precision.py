@@ -18,17 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig
-
-from parallel_lab.errors import ConfigError
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def check_precision(opts: DictConfig) -> None:
-    """strategy.precision of a replicated strategy: fp32 or bf16 (fp16 needs loss scaling, not here)."""
-    if opts.precision not in PRECISIONS:
-        raise ConfigError(f"strategy.precision={opts.precision} is unknown; use strategy.precision=fp32 or bf16")
 
 
 def bf16_forward(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:

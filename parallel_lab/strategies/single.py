@@ -3,11 +3,10 @@
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
+from parallel_lab.choices import Precision
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import Strategy, StrategyOptions
-from parallel_lab.strategies.precision import Bf16Compute, check_precision
+from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.replicated import ReplicatedModel
 
 
@@ -16,7 +15,7 @@ class SingleOptions(StrategyOptions):
     """``strategy=single`` options."""
 
     # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights (strategies/precision.py)
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
 
 
 @register("single")
@@ -25,7 +24,3 @@ class SingleStrategy(Bf16Compute, ReplicatedModel, Strategy):
     single_process = True
     needs_process_group = False
     comm_theory_psi = 0.0
-
-    @classmethod
-    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        check_precision(opts)

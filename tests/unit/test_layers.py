@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "parallel_lab"
 # in one layer are independent of each other. docs/architecture.md explains each layer.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("hashing", "protocol", "plugins"),  # record formats and plugin discovery: stdlib only
+    ("hashing", "protocol", "plugins", "choices"),  # records, plugin discovery, the typed choices
     ("models", "data", "optim"),  # single-device: know nothing of processes or parallelism
     ("comm", "checkpoint"),  # process groups and collectives; atomic files and manifests
     ("strategies",),  # one class (+ helpers) per parallelism; the registry

@@ -55,14 +55,22 @@ from typing import ClassVar, Optional
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
 
-SHARDINGS = ("full", "grad_op", "no_shard", "hybrid")
-PRECISIONS = ("fp32", "bf16")
 DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
+
+
+class Sharding(Choice):
+    """strategy.sharding: what FSDP shards across the ranks (FSDPOptions.sharding)."""
+
+    full = "full"
+    grad_op = "grad_op"
+    no_shard = "no_shard"
+    hybrid = "hybrid"
 
 
 @dataclass
@@ -73,11 +81,12 @@ class FSDPOptions(StrategyOptions):
     # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
     # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh)
     # | hybrid = HSDP, FSDP2 on a replicate x shard mesh: full shard within a group, replicas across.
-    sharding: str = "full"
+    sharding: Sharding = Sharding.full
     # hybrid only: data-parallel replicas R (the mesh's replicate dimension, e.g. one per host);
     # R x shard group size = world_size. null = not given: hybrid is refused without it.
     replicate: Optional[int] = None
-    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
+    # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
+    mixed_precision: Precision = Precision.fp32
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -114,15 +123,6 @@ class FSDPStrategy(Strategy):
         if opts.version not in (1, 2):
             raise ConfigError(
                 f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
-            )
-        if opts.sharding not in SHARDINGS:
-            raise ConfigError(
-                f"strategy.sharding={opts.sharding} is unknown; "
-                f"use one of {', '.join(SHARDINGS)} (strategy.sharding=full)"
-            )
-        if opts.mixed_precision not in PRECISIONS:
-            raise ConfigError(
-                f"strategy.mixed_precision={opts.mixed_precision} is unknown; use strategy.mixed_precision=fp32 or bf16"
             )
         cls._check_hybrid(opts, cfg)
 

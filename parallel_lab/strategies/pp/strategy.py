@@ -43,6 +43,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from parallel_lab.choices import Choice, make_choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import (
@@ -65,7 +66,16 @@ from parallel_lab.strategies.pp.plan import plan_stages, stage_shares
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 
-IMPLS = ("manual", "torch")
+
+class PipelineImpl(Choice):
+    """strategy.impl of pp: whose pipeline runs the stages."""
+
+    manual = "manual"
+    torch = "torch"
+
+
+Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
+
 BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its backward BACKWARD_TAG + i
 
 
@@ -76,8 +86,8 @@ class PPOptions(StrategyOptions):
     stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
-    schedule: str = "gpipe"  # gpipe | 1f1b
-    impl: str = "manual"  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
+    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b
+    impl: PipelineImpl = PipelineImpl.manual  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
     # names of the blocks that start stages 2..p, e.g. [fc1]; [] = balance the stages by parameter count
     cuts: list[str] = field(default_factory=list)
 
@@ -138,12 +148,6 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     # ----- validation (parent) -----
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"strategy.schedule={opts.schedule} is unknown; use strategy.schedule=gpipe or strategy.schedule=1f1b"
-            )
-        if opts.impl not in IMPLS:
-            raise ConfigError(f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=torch")
         for key in ("stages", "microbatches"):
             if opts[key] < 1:
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")

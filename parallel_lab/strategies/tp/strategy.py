@@ -41,6 +41,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from parallel_lab.choices import Choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import ComputeShape, OptimizerFactory, Strategy, StrategyOptions
@@ -56,7 +57,13 @@ from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
 from parallel_lab.strategies.rank_shards import RankShardCheckpoint
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 
-IMPLS = ("manual", "dtensor")
+
+class TensorImpl(Choice):
+    """strategy.impl of tp: whose layers split the weights."""
+
+    manual = "manual"
+    dtensor = "dtensor"
+
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
 TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
@@ -74,7 +81,8 @@ class TPOptions(StrategyOptions):
 
     tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
     replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
-    impl: str = "manual"  # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    impl: TensorImpl = TensorImpl.manual
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
 
 
@@ -102,10 +110,6 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
     # ----- validation (parent) -----
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.impl not in IMPLS:
-            raise ConfigError(
-                f"strategy.impl={opts.impl} is unknown; use strategy.impl=manual or strategy.impl=dtensor"
-            )
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
         model_name = cfg.model.name

@@ -58,6 +58,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.choices import Choice
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
@@ -71,6 +72,21 @@ OFFLOADS = ("none", "cpu")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+class Offload(Choice):
+    """strategy.offload: where ZeRO keeps the optimizer state (stage 3: the parameters too)."""
+
+    none = "none"
+    cpu = "cpu"
+
+
+class ZeroPrecision(Choice):
+    """strategy.precision of zero0-3: DeepSpeed's modes (fp16 needs CUDA)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 @dataclass
 class ZeroOptions(StrategyOptions):
     """``strategy=zero0``..``zero3`` options. The stage is the name's digit."""
@@ -78,8 +94,8 @@ class ZeroOptions(StrategyOptions):
     # Filled in from the name (zero2 -> 2) when the config is validated; setting it is only a check.
     stage: Optional[int] = None
     # none | cpu: optimizer state + fp32 master partition on CPU (stage 3: parameters too); stages 1-3
-    offload: str = "none"
-    precision: str = "fp32"  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
+    offload: Offload = Offload.none
+    precision: ZeroPrecision = ZeroPrecision.fp32  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
     # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
     bucket_mb: float = 25.0
     # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
@@ -174,15 +190,11 @@ class ZeroStrategy(Strategy):
                 f"strategy.stage={opts.stage} contradicts strategy={opts.name} (stage {named}); "
                 f"use strategy=zero{opts.stage} instead of overriding strategy.stage"
             )
-        if opts.offload not in OFFLOADS:
-            raise ConfigError(f"strategy.offload={opts.offload} is unknown; use strategy.offload=none or cpu")
         if opts.offload != "none" and opts.stage == 0:
             raise ConfigError(
                 "strategy.offload=cpu needs a partitioned optimizer (ZeRO stage 1-3); "
                 "use strategy=zero1, zero2 or zero3 with offload, or strategy.offload=none"
             )
-        if opts.precision not in PRECISIONS:
-            raise ConfigError(f"strategy.precision={opts.precision} is unknown; use strategy.precision=fp32 or bf16")
         if opts.precision == "fp16" and _cpu_only(cfg):
             raise ConfigError(
                 "strategy.precision=fp16 is not supported by DeepSpeed on CPU; use strategy.precision=bf16 or fp32 "
