@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from parallel_lab.checkpoint import COMPLETE
 from parallel_lab.testing import run_cli as _run_cli
 
@@ -20,7 +22,7 @@ def run_cli(run_dir: Path, *overrides: str, in_process: bool = True, **kwargs) -
     return _run_cli(run_dir, *overrides, cwd=ROOT, in_process=in_process, **kwargs)
 
 
-def compose_cfg(*overrides: str):
+def compose_cfg(*overrides: str) -> DictConfig:
     """conf/config.yaml + overrides, composed as the parent does (not yet validated)."""
     from parallel_lab.config import compose_config
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 ISSUE_13_DS_CONFIG = {  # DeepSpeed's CIFAR example as the issue quotes it
     "train_batch_size": 16,
     "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
@@ -30,7 +32,7 @@ def ds_file(folder: Path, content: dict, name: str = "ds_config.json") -> str:
     return str(path)
 
 
-def validated(folder: Path, *overrides: str):
+def validated(folder: Path, *overrides: str) -> DictConfig:
     """The config a run in folder/run would get, validated as the parent does (the overrides given
     explicitly on the command line)."""
     from parallel_lab.config import compose_config, validate

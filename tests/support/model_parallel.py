@@ -9,7 +9,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.data.synthetic import make_synthetic
+from parallel_lab.protocol import RunMetrics
 from parallel_lab.strategies import get_strategy_class
+from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.dist_env import read_dist_env
 from parallel_lab.worker.train import train
 from tests.support.reference import ParityReference, parity_reference
@@ -61,7 +63,7 @@ def reference_accuracy(
     return float((pred == data.tensors[1][:count]).double().mean())
 
 
-def train_configuration(steps: int, global_batch: int, *overrides: str):
+def train_configuration(steps: int, global_batch: int, *overrides: str) -> tuple[DictConfig, Strategy, RunMetrics]:
     """Train one configuration on these ranks through the real loop; (cfg, strategy, metrics)."""
     cfg = compose_config(f"trainer.steps={steps}", f"trainer.global_batch={global_batch}", *overrides)
     env = read_dist_env("cpu")
@@ -69,7 +71,7 @@ def train_configuration(steps: int, global_batch: int, *overrides: str):
     return cfg, strategy, train(cfg, env, strategy)
 
 
-def assert_matches_reference(cfg: DictConfig, strategy, metrics, label: str) -> ParityReference:
+def assert_matches_reference(cfg: DictConfig, strategy: Strategy, metrics: RunMetrics, label: str) -> ParityReference:
     """Assert losses and full parameters match the reference under the parity criterion, and eval
     accuracy exactly; return the reference. Runs on every rank; every collective comes before the
     first assertion that could fail on one rank only, so a failure leaves the ranks in step."""
