@@ -8,7 +8,8 @@
   the report judges parity; a rank failing on node1 ends every rank on both hosts.
 - A private Slurm (tests/support/private_slurm.py): launcher=slurm (srun) on two slurmd nodes, and the
   sbatch template, give the same result.
-Skipped only where the machine lacks the rights (not root, no ip netns).
+Skipped only where the machine lacks the rights (not root, no ip netns). The commands printed for
+hosts out of reach (in-process): tests/unit/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.testing import load_metrics
-from tests.support.cli import ROOT, run_cli
+from tests.support.cli import ROOT
 from tests.support.private_slurm import PrivateSlurm, ensure_packages
 from tests.support.reference import parity_reference
 from tests.support.simulated_hosts import SimulatedHosts, unavailable_reason
@@ -158,23 +159,6 @@ def test_run_torchrun_sh_on_each_host(hosts, tmp_path, reference):
             p.wait()
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     reference.assert_run_matches({**load_metrics(run_dir), "run_dir": str(run_dir)}, "run_torchrun.sh on 2 hosts")
-
-
-def test_hosts_out_of_reach_get_the_exact_per_host_commands(tmp_path):
-    """launcher.remote_shell=null: nothing starts; each host's torchrun line is printed instead
-    (the same lines the parent runs through ssh in the tests above)."""
-    run_dir = tmp_path / "run"
-    overrides = ("launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.nproc_per_node=2", "world_size=4")
-    result = run_cli(run_dir, *overrides, "launcher.remote_shell=null", "launcher.master_port=29555", check=False)
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("[node")]
-    assert [line.split()[0] for line in lines] == ["[node0]", "[node1]"], result.stdout
-    for rank, line in enumerate(lines):
-        argv = shlex.split(line.split(" ", 1)[1])
-        assert argv[:2] == ["cd", str(Path.cwd())] and "OMP_NUM_THREADS=1" in argv
-        assert {"--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=2", "--master_addr=node0"} <= set(argv)
-        assert "--master_port=29555" in argv and argv[-1] == str(run_dir / "config.yaml")
-    assert not (run_dir / "pids").exists() and not (run_dir / "metrics.json").exists()
 
 
 @pytest.fixture(scope="module")

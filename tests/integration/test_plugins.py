@@ -1,6 +1,7 @@
 """One class and one yaml is all a new strategy needs: a throwaway strategy registered from a temp
 folder (PARALLEL_LAB_PLUGINS) shows up in compare_all's sweep, the report and the checkpoint bench.
-And a strategy that does not say where its model state lives is refused when it registers."""
+A strategy that does not say where its model state lives is refused when it registers:
+tests/unit/test_plugins.py."""
 
 from __future__ import annotations
 
@@ -71,18 +72,3 @@ def test_plugin_strategy_is_in_the_sweep_the_report_and_the_checkpoint_bench(plu
 
     bench = run(plugin_env, "-m", "parallel_lab.bench", "checkpoint", "--model", "cnn", "--only", "toy")
     assert any(line.startswith("| toy |") for line in bench.stdout.splitlines()), bench.stdout
-
-
-def test_a_strategy_that_does_not_say_where_its_state_lives_is_refused():
-    from parallel_lab.strategies import register, registered_names
-    from parallel_lab.strategies.base import Strategy
-
-    with pytest.raises(
-        TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"
-    ):
-
-        @register("forgetful")
-        class Forgetful(Strategy):  # shards nothing explicitly, inherits no state hooks
-            pass
-
-    assert "forgetful" not in registered_names()
