@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
         from parallel_lab.cli.run import run_ranks
 
         out = run_ranks(
-            "parallel_lab.bench.allreduce:measure",
+            measure,
             world_size=args.world_size,
             timeout=args.timeout,
             sizes=args.sizes,

@@ -113,8 +113,10 @@ def read_verdicts(log: Path) -> list[dict]:
 
 
 def configuration(record: dict) -> str:
-    test = record["test"].removeprefix("tests/").replace(".py::", "::")
-    return f"{test} {record['label']}".strip()
+    """``test_file::test_name[id] label``: the test's file without its folder (tests/integration/...)."""
+    path, _, test = record["test"].partition("::")
+    name = f"{Path(path).stem}::{test}" if test else path
+    return f"{name} {record['label']}".strip()
 
 
 def bound_fraction(record: dict) -> float:

@@ -5,16 +5,18 @@
   interpreter, or with ``in_process=True`` in this one (the same ``main()``, the workers still real
   processes): a parent interpreter costs ~3 s of CPU start-up (torch, Hydra, every strategy's
   schema), which is most of a short test run.
-- :func:`run_ranks`: a distributed test body, a plain importable function ``fn(rank, world_size,
-  **kwargs)``, on N processes with a gloo group on 127.0.0.1 (Accelerate-style), each forked from a
-  fork server that imported torch once for the session (it ends with this process); the same
-  function runs under any real launcher via ``python -m parallel_lab.cli.run module:function
-  '{"kw": 1}'``. On failure every rank's stderr is shown, and every process is gone when it returns.
+- :func:`run_ranks`: a distributed test body, a plain function ``fn(rank, world_size, **kwargs)``
+  defined at the top level of an importable module, on N processes with a gloo group on 127.0.0.1
+  (Accelerate-style), each forked from a fork server that imported torch once for the session (it
+  ends with this process) and imports fn's module by name; the same function runs under any real
+  launcher via ``python -m parallel_lab.cli.run module:function '{"kw": 1}'``. On failure every
+  rank's stderr is shown, and every process is gone when it returns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import itertools
 import json
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -148,7 +151,19 @@ def run_cli_metrics(run_dir: Path, *overrides: str, **kwargs) -> dict:
 
 def _resolve(target: str):
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return functools.reduce(getattr, name.split("."), importlib.import_module(module))
+
+
+def target_of(fn: Callable) -> str:
+    """``module:qualname``, the name a forked rank (or ``python -m parallel_lab.cli.run``) imports fn
+    by; refused here for a function no other process could import by name."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or not name or "<" in name:
+        raise ValueError(
+            f"run_ranks needs a function defined at the top level of an importable module, got {fn!r}: "
+            "its ranks import it by name"
+        )
+    return f"{module}:{name}"
 
 
 def _forked_rank(env: dict[str, str], out_path: str, err_path: str, target: str, kwargs_json: str) -> None:
@@ -190,9 +205,13 @@ def _wait_for_ranks(procs: list, timeout: float) -> bool:
     return bool(killed)
 
 
-def run_ranks(target: str, world_size: int, timeout: float = 120, env: dict | None = None, **kwargs) -> list[str]:
-    """Run ``target`` on ``world_size`` gloo ranks; return each rank's stdout; raise with all
-    ranks' stderr if any rank fails or the timeout passes (every rank is killed then)."""
+def run_ranks(
+    fn: Callable[..., None], world_size: int, timeout: float = 120, env: dict | None = None, **kwargs
+) -> list[str]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks (kwargs travel as JSON);
+    return each rank's stdout; raise with all ranks' stderr if any rank fails or the timeout passes
+    (every rank is killed then)."""
+    target = target_of(fn)
     port = free_port()
     from parallel_lab.worker import zygote  # imported torch once for the session: each rank forks from it
 

@@ -18,7 +18,7 @@ class SmallCNN(nn.Sequential):
     """32x32x3 -> 16x16x32 -> 8x8x64 -> 4x4x64 -> 256 hidden -> classes."""
 
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
-    # (parallel_lab/config/resources.py); tests/test_resources.py recounts them from a real forward.
+    # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 386_096
 
     def __init__(self, num_classes: int = 10, hidden: int = 256, width: float = 1.0, norm: str = "group") -> None:

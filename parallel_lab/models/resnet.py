@@ -47,7 +47,7 @@ def scaled(channels: int, width: float) -> int:
 
 class ResNet18(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
-    # (parallel_lab/config/resources.py); tests/test_resources.py recounts them from a real forward.
+    # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 4_705_328
 
     def __init__(self, num_classes: int = 10, width: float = 1.0, norm: str = "group") -> None:

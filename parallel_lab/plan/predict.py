@@ -65,7 +65,7 @@ def saved_activation_bytes(
     gathered parameters are; the logits cast back to fp32 for the loss, as every strategy takes it);
     ``weight_copies``: on a 16-bit copy of every weight made per forward instead (single/ddp's
     ``strategies/precision.py``), whose saved copies count here: they live until backward like
-    activations. tests/test_plan.py checks each against a real forward's saved tensors."""
+    activations. tests/unit/test_plan.py checks each against a real forward's saved tensors."""
     return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies)
 
 

@@ -20,7 +20,7 @@ line-buffering stdout).
 
 Parent death: the fork server exits when the process that started it dies (its end of a pipe
 closes), and each rank asks the kernel for SIGKILL when the fork server dies, so a killed launcher
-still leaves no rank behind (tests/test_failures.py kills one).
+still leaves no rank behind (tests/integration/test_failures.py kills one).
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ class ZeroStrategy(Strategy):
         Undone here: the optimizer forgets that state and the fp32 master is copied back from the
         16-bit weights it was cloned from (the dummy step never touches those). Stage 0 then trains
         bit for bit as ZeRO-1/2 do in bf16 (measured, docs/zero.md). A user's ``strategy.ds_config``
-        is run as DeepSpeed runs the file (tests/test_ds_config.py compares them bit for bit), so
+        is run as DeepSpeed runs the file (tests/integration/test_ds_config.py compares them bit for bit), so
         there the step is kept; ``strategy_extras.zero0_init_step`` says which."""
         opt = self.engine.optimizer
         if self.opts.stage != 0 or not (hasattr(opt, "fp16_groups") and hasattr(opt, "refresh_fp32_params")):

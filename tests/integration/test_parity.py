@@ -1,0 +1,68 @@
+"""The parity criterion (parallel_lab/report/parity.py) on real ranks: it marks deliberately broken
+data parallelism FAIL while the real strategy passes, judged against the independent reference and
+its measured noise floor (tests/support/reference.py). The criterion itself, in-process:
+tests/unit/test_parity.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parallel_lab.cli.run import run_ranks
+from parallel_lab.protocol import load_final_params
+from tests.support.bodies.data_parallel import train_variants
+from tests.support.cli import write_config
+from tests.support.reference import parity_reference
+
+pytestmark = pytest.mark.parity  # every test here judges parity (make test runs them twice)
+
+STEPS, BATCH = 20, 64  # the make demo run: long enough for Adam's chaos to show
+VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pass?)
+    ("adam", "", True),
+    ("adam", "SkipsOneBucket", False),
+    ("adam", "SameShardOnEveryRank", False),
+    ("sgd", "", True),
+    # Under Adam a gradient N times too large changes almost nothing (Adam divides by the
+    # gradient's own scale), so this bug is shown with SGD, where it doubles every step.
+    ("sgd", "SumsInsteadOfAveraging", False),
+]
+
+
+@pytest.fixture(scope="module")
+def variant_runs(tmp_path_factory) -> list[tuple[list[float], str]]:
+    """Every VARIANTS run trained in one set of 2 ranks: (losses, config path) each, in order."""
+    root = tmp_path_factory.mktemp("variants")
+    runs = [
+        [
+            write_config(
+                root / f"v{i}.yaml",
+                "strategy=manual_ddp",
+                "world_size=2",
+                "strategy.bucket_mb=0.1",
+                f"trainer.steps={STEPS}",
+                f"trainer.global_batch={BATCH}",
+                f"trainer.optimizer={opt}",
+                "trainer.eval_batches=0",
+            ),
+            variant,
+        ]
+        for i, (opt, variant, _) in enumerate(VARIANTS)
+    ]
+    out = run_ranks(train_variants, world_size=2, timeout=300, runs=runs)
+    return [(losses, path) for losses, (path, _) in zip(json.loads(out[0]), runs)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "index", range(len(VARIANTS)), ids=[f"{opt}-{variant or 'manual_ddp'}" for opt, variant, _ in VARIANTS]
+)
+def test_broken_data_parallelism_fails_and_the_real_strategy_passes(variant_runs, index):
+    (opt, variant, should_pass), (run_losses, path) = VARIANTS[index], variant_runs[index]
+    ref = parity_reference("cnn", steps=STEPS, global_batch=BATCH, optimizer=opt)
+    label = f"{opt} {variant or 'manual_ddp'}"
+    verdict = ref.verdict(run_losses, load_final_params(Path(path).with_suffix("")), label, should_pass)
+    checks = {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()}
+    print((opt, variant or "manual_ddp"), checks)  # -s shows how far it is from its bound
+    assert verdict.passed == should_pass, f"{opt} {variant or 'manual_ddp'}: {verdict.as_dict()}"

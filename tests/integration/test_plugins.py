@@ -1,0 +1,74 @@
+"""One class and one yaml is all a new strategy needs: a throwaway strategy registered from a temp
+folder (PARALLEL_LAB_PLUGINS) shows up in compare_all's sweep, the report and the checkpoint bench.
+A strategy that does not say where its model state lives is refused when it registers:
+tests/unit/test_plugins.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from parallel_lab.plugins import PLUGINS_ENV
+from tests.support.cli import ROOT
+
+PLUGIN = '''
+"""A throwaway strategy for the plugin test: one process, like single."""
+from parallel_lab.strategies import register
+from parallel_lab.strategies.base import Strategy
+from parallel_lab.strategies.replicated import ReplicatedModel
+
+
+@register("toy")
+class ToyStrategy(ReplicatedModel, Strategy):
+    single_process = True
+    needs_process_group = False
+    comm_theory_psi = 0.0
+'''
+YAML = """
+defaults:
+  - /strategy_options/toy@_here_
+name: toy
+"""
+
+
+@pytest.fixture
+def plugin_env(tmp_path) -> dict:
+    (tmp_path / "toy_plugin.py").write_text(textwrap.dedent(PLUGIN))
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "conf" / "strategy" / "toy.yaml").write_text(textwrap.dedent(YAML))
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, PLUGINS_ENV: "toy_plugin", "PYTHONPATH": path}
+
+
+def run(env: dict, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{args} exited {result.returncode}:\n{result.stderr}"
+    return result
+
+
+@pytest.mark.slow
+def test_plugin_strategy_is_in_the_sweep_the_report_and_the_checkpoint_bench(plugin_env, tmp_path):
+    shown = run(plugin_env, "-m", "parallel_lab", "+experiment=compare_all", "--cfg", "all", "--resolve")
+    sweep = next(line for line in shown.stdout.splitlines() if line.strip().startswith("strategy: single,"))
+    assert "toy" in sweep.split(":", 1)[1].strip().split(",") and "zero0" in sweep
+
+    run_dir = tmp_path / "run"
+    run(
+        plugin_env,
+        "-m",
+        "parallel_lab",
+        "strategy=toy",
+        "trainer.steps=2",
+        "trainer.global_batch=16",
+        "trainer.progress=false",
+        f"hydra.run.dir={run_dir}",
+    )
+    report = run(plugin_env, "-m", "parallel_lab.report", str(run_dir))
+    assert any(line.startswith("| toy |") for line in report.stdout.splitlines()), report.stdout
+
+    bench = run(plugin_env, "-m", "parallel_lab.bench", "checkpoint", "--model", "cnn", "--only", "toy")
+    assert any(line.startswith("| toy |") for line in bench.stdout.splitlines()), bench.stdout

@@ -1,0 +1,171 @@
+"""An independent single-process reference, written with plain torch and nothing of the
+toolkit's training code: the model class and the synthetic data generator are shared (they are
+single-device code by design), the batch order and training loop are re-implemented here.
+
+Parity is judged the way the report judges it (parallel_lab/report/parity.py): the reference is also
+rerun with every initial weight moved one ulp (one rerun per noise seed), and a run passes when
+its divergence from the reference stays within the stated multiple of that measured envelope.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parallel_lab.data.synthetic import make_synthetic
+from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.models.resnet import ResNet18
+from parallel_lab.protocol import load_final_params
+from parallel_lab.report.parity import (
+    Verdict,
+    adam_lr_of,
+    judge_runs,
+    log_verdict,
+    noise_reruns,
+)
+from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
+
+MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+
+
+def global_batches(size: int, global_batch: int, seed: int):
+    """What every strategy must see: epoch e's permutation is randperm(seed + e), cut in order."""
+    epoch = 0
+    while True:
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, size - global_batch + 1, global_batch):
+            yield order[start : start + global_batch]
+        epoch += 1
+
+
+def reference_run(
+    model: str = "cnn",
+    steps: int = 4,
+    global_batch: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    optimizer: str = "adam",
+    data_size: int = 4096,
+    threads: int = 2,
+    grad_clip: float = 0.0,
+    ulp_jitter_seed: int | None = None,
+    grad_ulp_seed: int | None = None,
+    grad_accum: int = 1,
+    precision: str = "fp32",
+    norm: str = "group",
+):
+    """Plain training loop: returns (per-step losses, final parameter checksum, final model).
+    grad_clip > 0 clips the whole model's gradient norm; ulp_jitter_seed moves every initial weight
+    one ulp, grad_ulp_seed moves every gradient by its rounding noise (jitter_gradients) and
+    grad_accum > 1 sums the batch's gradient over that many equal micro-batches (noise-floor
+    reruns). precision="bf16": the textbook mixed-precision loop (arXiv
+    1710.03740, bf16 needing no loss scaling): each step a bf16 copy of the fp32 model runs forward
+    and backward on bf16 inputs, the loss in fp32, and its gradients, cast to fp32, are the fp32
+    master weights' gradients for the optimizer. norm: model.norm (batch: BatchNorm over the
+    whole batch, the one-process training every syncbatch row must match)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
+    if ulp_jitter_seed is not None:
+        jitter_one_ulp(net, ulp_jitter_seed)
+    data = make_synthetic(data_size, seed)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    losses, batches = [], global_batches(data_size, global_batch, seed)
+    grad_noise = None if grad_ulp_seed is None else torch.Generator().manual_seed(grad_ulp_seed)
+    for _ in range(steps):
+        idx = next(batches)
+        x, y = data.tensors[0][idx], data.tensors[1][idx]
+        opt.zero_grad()
+        loss = sum(
+            _backward(net, xs, ys, precision, grad_accum) for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum))
+        )
+        if grad_noise is not None:
+            jitter_gradients(net.parameters(), grad_noise)
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    checksum = float(sum(p.detach().double().sum().item() for p in net.parameters()))
+    return losses, checksum, net
+
+
+def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, parts: int) -> torch.Tensor:
+    """Adds the gradient of this micro-batch's mean loss / parts (one of parts equal micro-batches
+    of the batch) to net's .grad; returns that share of the batch's loss."""
+    if precision == "bf16":
+        return _bf16_backward(net, x, y, parts)
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    share = loss / parts if parts > 1 else loss
+    share.backward()
+    return share.detach()
+
+
+def _bf16_backward(master: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
+    """Forward/backward on a bf16 copy of master; the copy's gradients, in fp32, are added to master's."""
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    loss = torch.nn.functional.cross_entropy(work(x.to(torch.bfloat16)).float(), y)
+    share = loss / parts if parts > 1 else loss
+    share.backward()
+    for p, w in zip(master.parameters(), work.parameters()):
+        p.grad = w.grad.float() if p.grad is None else p.grad + w.grad.float()
+    return share.detach()
+
+
+def _named(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+@dataclass
+class ParityReference:
+    """The reference run and its noise-floor reruns; judges a run the way the report does."""
+
+    losses: list[float]
+    net: torch.nn.Module
+    noise: list[tuple[list[float], dict]] = field(default_factory=list)
+    adam_lr: float | None = None  # judge()'s Adam floors: the reference's lr when it trained with Adam
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return _named(self.net)
+
+    def verdict(self, losses: list[float], params: dict | list, label: str = "", expect_pass: bool = True) -> Verdict:
+        """The report's verdict on (losses, params); logged for the bench with what the test expects
+        (expect_pass=False: a deliberately broken variant)."""
+        if isinstance(params, (list, tuple)):  # a strategy's full_parameters(), in model order
+            params = {name: p.detach().cpu() for name, p in zip(self.params, params, strict=True)}
+        verdict = judge_runs((losses, params), (self.losses, self.params), self.noise, adam_lr=self.adam_lr)
+        log_verdict(label, verdict, expect_pass)
+        return verdict
+
+    def assert_matches(self, losses: list[float], params: dict | list, label: str = "") -> Verdict:
+        verdict = self.verdict(losses, params, label)
+        assert verdict.passed, f"{label}: not the same training as the reference: {verdict.reason()}"
+        return verdict
+
+    def assert_run_matches(self, metrics: dict, label: str = "") -> Verdict:
+        """A CLI run (metrics with its run_dir, as the cli fixture of tests/conftest.py returns them)."""
+        params = load_final_params(Path(metrics["run_dir"]))
+        assert params is not None, f"{label}: the run wrote no final_params.pt"
+        return self.assert_matches(metrics["losses"], params, label or metrics["strategy"])
+
+
+@functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
+def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e-3, **kwargs) -> ParityReference:
+    """reference_run(**kwargs) plus its noise-floor reruns (parallel_lab.report.parity.noise_reruns)."""
+    kwargs.update(optimizer=optimizer, lr=lr)
+    losses, _, net = reference_run(model, **kwargs)
+    defaults = {name: p.default for name, p in inspect.signature(reference_run).parameters.items()}
+    batch, threads, norm = (kwargs.get(key, defaults[key]) for key in ("global_batch", "threads", "norm"))
+    noise = []
+    for changes in noise_reruns(batch, 1, threads, batch_statistics=norm != "group").values():
+        noise_losses, _, noise_net = reference_run(model, **{**kwargs, **changes})
+        noise.append((noise_losses, _named(noise_net)))
+    return ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))

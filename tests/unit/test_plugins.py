@@ -1,0 +1,22 @@
+"""A strategy that does not say where its model state lives is refused when it registers
+(in-process). A whole plugin strategy through the sweep, the report and the bench:
+tests/integration/test_plugins.py."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_a_strategy_that_does_not_say_where_its_state_lives_is_refused():
+    from parallel_lab.strategies import register, registered_names
+    from parallel_lab.strategies.base import Strategy
+
+    with pytest.raises(
+        TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"
+    ):
+
+        @register("forgetful")
+        class Forgetful(Strategy):  # shards nothing explicitly, inherits no state hooks
+            pass
+
+    assert "forgetful" not in registered_names()

@@ -1,0 +1,62 @@
+"""The spine, in-process: registry <-> yaml, Hydra compose and the parent's validation (threads,
+unknown options). Its runs: tests/integration/test_spine.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_lab.config import CONF_DIR, validate
+from parallel_lab.strategies import registered_names
+from tests.support.cli import compose_cfg
+
+
+def test_registry_matches_strategy_yaml_files():
+    yaml_names = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
+    assert registered_names() == yaml_names
+
+
+def test_compose_defaults_and_single_forces_one_process_with_same_total_threads():
+    cfg = compose_cfg()
+    assert (cfg.strategy.name, cfg.world_size, cfg.model.name, cfg.data.name, cfg.launcher.name) == (
+        "ddp",
+        2,
+        "cnn",
+        "synthetic",
+        "spawn",
+    )
+    single = validate(compose_cfg("strategy=single", "world_size=2"))
+    assert single.world_size == 1 and single.trainer.threads == 2
+    ddp = validate(compose_cfg("strategy=ddp", "world_size=2"))
+    assert ddp.world_size == 2 and ddp.trainer.threads == 1
+
+
+def test_explicit_threads_are_used_as_given():
+    assert validate(compose_cfg("strategy=single", "world_size=2", "trainer.threads=3")).trainer.threads == 3
+    assert validate(compose_cfg("strategy=ddp", "trainer.threads_per_rank=2", "trainer.threads=1")).trainer.threads == 1
+    assert validate(compose_cfg("strategy=ddp", "trainer.threads_per_rank=2")).trainer.threads == 2
+
+
+def test_compose_rejects_unknown_strategy_option():
+    from parallel_lab.errors import ConfigError
+
+    cfg = compose_cfg("strategy=ddp", "+strategy.bucket_cap=3")
+    with pytest.raises(ConfigError, match="bucket_cap"):
+        validate(cfg)
+
+
+def test_typed_choices_reach_config_yaml_as_the_strings_users_type(tmp_path):
+    """A Choice-typed key (choices.py) is written to config.yaml by member name and read back
+    by the workers as a plain string: every member's name must be its value."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.choices import Choice
+    from parallel_lab.strategies import options_schemas
+
+    options_schemas()  # imports every strategy, and with it the choices of its Options
+    members = [(m.name, m.value) for choice in Choice.__subclasses__() for m in choice]
+    assert len(members) > 20 and all(name == value for name, value in members), members
+    cfg = compose_cfg("strategy=pp", "strategy.schedule=1f1b", "fault.mode=kill", "trainer.optimizer=sgd")
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    read = OmegaConf.load(tmp_path / "config.yaml")
+    typed = (read.strategy.schedule, read.fault.mode, read.trainer.optimizer, read.device)
+    assert typed == ("1f1b", "kill", "sgd", "auto") and all(type(v) is str for v in typed), typed
