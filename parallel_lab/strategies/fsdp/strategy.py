@@ -111,7 +111,10 @@ class FSDPStrategy(Strategy):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        FSDPStrategy._by_version[cls.api_version] = cls
+        # Only the class that names a version implements it: a subclass of FSDP2 (a test's broken
+        # variant, a plugin) must not replace FSDP2 for every later run.
+        if "api_version" in cls.__dict__:
+            FSDPStrategy._by_version[cls.api_version] = cls
 
     def __new__(cls, cfg: DictConfig, env) -> FSDPStrategy:
         if cls is FSDPStrategy:  # the registry knows one name; the version picks the class
