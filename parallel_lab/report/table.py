@@ -302,6 +302,45 @@ def _inter_host_mib(m: RunMetrics) -> float | None:
     return None if m.inter_host_bytes_per_step is None else m.inter_host_bytes_per_step / MiB
 
 
+TIME_PARTS = ("step", "compute", "comm", "exposed_comm", "optimizer", "idle", "other")  # ranks[k].time_ms
+
+
+def rank_mean_time_ms(m: RunMetrics) -> dict[str, float] | None:
+    """trainer.profile runs: the mean over ranks of each rank's mean profiled step (ms; the parts
+    still add up to the step), None for a run that was not profiled."""
+    per_rank = [r["time_ms"] for r in m.ranks if r.get("time_ms")]
+    if not per_rank:
+        return None
+    return {key: sum(t[key] for t in per_rank) / len(per_rank) for key in TIME_PARTS}
+
+
+def _overlap_pct(t: dict[str, float]) -> float | None:
+    return 100 * (1 - t["exposed_comm"] / t["comm"]) if t["comm"] else None
+
+
+def _exposed_comm(m: RunMetrics) -> str | None:
+    """'exposed / total comm ms (overlap %)' of the profiled steps (worker/timeline.py)."""
+    t = rank_mean_time_ms(m)
+    if t is None:
+        return None
+    overlap = _overlap_pct(t)
+    return f"{t['exposed_comm']:.1f} / {t['comm']:.1f}" + ("" if overlap is None else f" ({overlap:.0f}%)")
+
+
+def _time_part(key: str):
+    def read(m: RunMetrics) -> float | None:
+        t = rank_mean_time_ms(m)
+        return None if t is None else t[key]
+
+    return read
+
+
+# comparison.csv only (the md table stays narrow): where the profiled step's time went, rank mean
+PROFILE_COLUMNS = [
+    *((f"{key.replace('_', ' ')} ms (trace)", _ok(_time_part(key))) for key in TIME_PARTS),
+    ("overlap %", _ok(lambda m: None if rank_mean_time_ms(m) is None else _overlap_pct(rank_mean_time_ms(m)))),
+]
+
 COLUMNS = [  # (header, how to read it from a row)
     ("strategy", _strategy_label),
     ("launcher", lambda r: r.record.launcher),
@@ -315,6 +354,7 @@ COLUMNS = [  # (header, how to read it from a row)
         "fwd+bwd / opt ms",
         _ok(lambda m: f"{1000 * m.step_split_s['fwd_bwd']:.1f} / {1000 * m.step_split_s['optimizer']:.1f}"),
     ),
+    ("exposed / comm ms (overlap)", _ok(_exposed_comm)),
     ("peak RSS MiB", lambda r: _mib(r, "peak_rss_bytes")),
     ("CUDA alloc/reserved MiB", _cuda_mib),
     ("params MiB meas/analytic", _measured_vs_analytic("param_bytes")),
@@ -396,8 +436,9 @@ def write_tables(runs: list[Row], out: Path) -> str:
     (out / "comparison.md").write_text(text)
     with open(out / "comparison.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([h for h, _ in COLUMNS])
-        writer.writerows(table_rows(runs))
+        writer.writerow([h for h, _ in COLUMNS + PROFILE_COLUMNS])
+        extra = [[_fmt(get(run)) for _, get in PROFILE_COLUMNS] for run in runs]
+        writer.writerows(row + more for row, more in zip(table_rows(runs), extra))
     (out / "comparison.json").write_text(json.dumps([run.to_json() for run in runs], indent=2) + "\n")
     return text
 
