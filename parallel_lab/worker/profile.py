@@ -79,10 +79,16 @@ class StepProfiler:
         self.steps = timeline.breakdown(events)
         self.gpu_steps = timeline.gpu_breakdown(events)
 
-    def rank_record(self) -> dict:
-        """What this rank adds to its entry of metrics.json's ranks."""
+    def rank_record(self, step_times: list[float]) -> dict:
+        """What this rank adds to its entry of metrics.json's ranks: the trace's breakdown and, beside
+        it, this rank's own loop timing of the same steps (the check that the parts add up)."""
         time_ms = timeline.mean_breakdown(self.steps)
-        record = {"time_ms": time_ms, "time_ms_steps": self.steps, "comm_overlap": timeline.overlap(time_ms)}
+        record = {
+            "time_ms": time_ms,
+            "time_ms_steps": self.steps,
+            "comm_overlap": timeline.overlap(time_ms),
+            "loop_step_ms": [1000 * t for i, t in enumerate(step_times) if self.profiled(i)],
+        }
         if self.gpu_steps:
             record["gpu_time_ms"] = timeline.mean_breakdown(self.gpu_steps)
         return record

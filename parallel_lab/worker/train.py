@@ -262,6 +262,7 @@ def _metrics(
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
     # The planner's exact prediction (parallel_lab.plan), from this run's config alone, beside what was measured.
     predicted = predicted_metrics(cfg, type(strategy), build_meta_model(cfg.model), env.rank)
+    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     rank_info = {
         "rank": env.rank,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -272,7 +273,7 @@ def _metrics(
         "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
         "comm_bytes_by_group": {group: n / steps_run_here for group, n in counter.bytes_by_group.items()},
         **device_memory(env.device),
-        **(profiler.rank_record() if profiler is not None else {}),
+        **(profiler.rank_record(step_times) if profiler is not None else {}),
     }
     ranks = gather_from_ranks(rank_info)
     extras = strategy.extra_metrics()
@@ -280,7 +281,6 @@ def _metrics(
         extras["mesh"] = _mesh_metrics(strategy.mesh_dims(), ranks)
     nodes = cfg.launcher.get("nodes") or 1
     nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
-    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     step_time = timed_median(step_times, t.warmup_steps)
     return RunMetrics(
         strategy=cfg.strategy.name,
