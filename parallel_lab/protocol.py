@@ -13,6 +13,7 @@ its workers meet only in these files (the layers: docs/architecture.md).
     <run_dir>/errors/rank<k>.txt   a failed rank's one-line summary and traceback
     <run_dir>/pids/rank<k>.pid     every worker's pid, to check none outlived the run
     <run_dir>/checkpoints/         the default trainer.checkpoint_dir
+    <run_dir>/traces/rank<k>.json  trainer.profile=true: rank k's profiler trace (Chrome trace format)
 """
 
 from __future__ import annotations
@@ -33,8 +34,22 @@ PARAMS_FILE = "final_params.pt"  # the full (gathered) final parameters, by name
 ERRORS_DIR = "errors"
 PIDS_DIR = "pids"
 CHECKPOINTS_DIR = "checkpoints"
+TRACES_DIR = "traces"
+# Names of the profiler ranges the trace analysis reads (parallel_lab/worker/timeline.py): a counted
+# collective "comm:<op>:<bytes>", a blocking wait "wait:<what>", a pipeline stage waiting for its
+# neighbour "idle:<what>", and the loop's own step and optimizer ranges.
+COMM_LABEL = "comm:"
+WAIT_LABEL = "wait:"
+IDLE_LABEL = "idle:"
+STEP_LABEL = "parallel_lab:step"
+OPTIMIZER_LABEL = "parallel_lab:optimizer"
 SUPERVISED_ENV = "PARALLEL_LAB_SUPERVISED"  # set by our launcher: it prints the traceback itself
 RANK_START_ENV = "PARALLEL_LAB_RANK_START"  # "fork": this rank was forked from the zygote (worker/zygote.py)
+
+
+def trace_path(run_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its trainer.profile trace."""
+    return Path(run_dir) / TRACES_DIR / f"rank{rank}.json"
 
 
 def default_checkpoint_dir(run_dir: str | Path) -> Path:
@@ -133,7 +148,9 @@ class RunMetrics(_Record):
     comm_volume_psi: float  # the same in units of Ψ
     comm_theory_psi: Optional[float]  # what the ZeRO paper's formula says (None: no formula applies)
     # per rank: peak RSS, measured, analytic_* (ZeRO paper) and predicted_* (parallel_lab.plan, exact)
-    # model-state bytes, comm by op
+    # model-state bytes, comm by op; with trainer.profile, time_ms (the mean profiled step's step,
+    # compute, comm, exposed_comm, optimizer, idle, other in ms), time_ms_steps (each profiled step's)
+    # and comm_overlap (1 - exposed_comm / comm): parallel_lab/worker/timeline.py, docs/profiling.md
     ranks: list[dict]
     strategy_options: dict  # the validated strategy.* options
     strategy_extras: dict[str, Any] = field(default_factory=dict)  # Strategy.extra_metrics(), by name
@@ -155,6 +172,9 @@ class RunMetrics(_Record):
     # synced, samples (how many samples each training forward normalised over), the running
     # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.
     batchnorm: dict[str, Any] = field(default_factory=dict)
+    # trainer.profile only ({} otherwise): the profiled steps, the loop's step time in them and in the
+    # other steps after warm-up (the profiler's cost), and the traces' folder (parallel_lab/worker/profile.py)
+    profile: dict[str, Any] = field(default_factory=dict)
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

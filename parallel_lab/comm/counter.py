@@ -8,6 +8,12 @@ moves 2Ψ per rank (reduce-scatter + all-gather), an all-gather or reduce-scatte
 full tensor moves Ψ, a broadcast or send of Ψ moves Ψ; receives are not counted again.
 So DDP/ZeRO-1/2 should show ≈2Ψ per step and ZeRO-3/FSDP full shard ≈3Ψ.
 
+While ``trainer.profile`` records a trace (``parallel_lab.worker.profile``), every counted
+collective is also a profiler range named ``comm:<op>:<bytes>`` (``trace_label``), on whichever
+thread issued it, and every ``Work.wait()`` is a ``wait:work`` range (``labelled_waits``): the
+trace analysis (``parallel_lab.worker.timeline``) reads communication and waiting from these names.
+Without profiling neither exists: no wrapper is installed on ``Work`` and no range is opened.
+
 Volume is also kept per process group (``bytes_by_group``): on a 2-D device mesh a strategy names
 its groups after the mesh dimensions (``label_group``), so the report can tell the bytes that cross
 the replicate dimension (between hosts, in HSDP's layout) from those that stay inside a shard,
@@ -26,6 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from parallel_lab.protocol import COMM_LABEL, WAIT_LABEL
 
 
 def _nbytes(t) -> int:
@@ -87,6 +95,7 @@ class CommCounter:
         self._active = False
         self._local = threading.local()  # per thread: inside an already-counted operation
         self._originals: list[tuple[object, str, Callable]] = []
+        self.profiling = False  # set by the profiler: counted collectives become named trace ranges
 
     def label_group(self, group, label: str) -> None:
         """Count what is issued on ``group`` under ``label`` (e.g. a mesh dimension's name)."""
@@ -148,7 +157,11 @@ class CommCounter:
         self.record(op, nbytes, group)
         outer, self._local.inside = getattr(self._local, "inside", False), True
         try:
-            yield
+            if self.profiling and self._active:
+                with torch.profiler.record_function(f"{COMM_LABEL}{op}:{nbytes}"):
+                    yield
+            else:
+                yield
         finally:
             self._local.inside = outer
 
@@ -168,3 +181,32 @@ class CommCounter:
             yield
         finally:
             self._active = False
+
+
+def trace_label(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named ``name`` while a profiler records, else nothing at all (one flag
+    check): strategies mark where their training thread waits (``idle:``/``wait:`` names)."""
+    # The Python-side flag: torch.autograd._profiler_enabled() reads False when the profiler
+    # records every thread (profile_all_threads), as parallel_lab's does.
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def labelled_waits() -> Iterator[None]:
+    """While profiling: every ``Work.wait()`` (a blocking collective's second half, or the wait on an
+    async one: FSDP, DeepSpeed, point-to-point) is a ``wait:work`` range on the thread that waits.
+    Installed on the class for the profiled steps only and removed after."""
+    work = dist.Work
+    original = work.wait
+
+    def wait(self, *args, **kwargs):
+        with torch.profiler.record_function(f"{WAIT_LABEL}work"):
+            return original(self, *args, **kwargs)
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = original

@@ -71,6 +71,11 @@ class TrainerConfig:
     grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
     seed: int = 0
     warmup_steps: int = 2  # steps left out of the timing medians
+    # true: a torch.profiler trace of profile_steps steps right after the warm-up, on every rank, in
+    # <run_dir>/traces/rank<k>.json, and where each step's time went in metrics.json's ranks[k].time_ms
+    # (docs/profiling.md). false: no profiler, no trace, nothing paid.
+    profile: bool = False
+    profile_steps: int = 2  # steps traced when profile=true (>= 1, within steps - warmup_steps)
     threads_per_rank: int = 1  # intra-op threads per process; one-process strategies get the total
     # Intra-op threads (torch.set_num_threads and OMP_NUM_THREADS) of every process of the run.
     # null = derived: threads_per_rank, times the requested world_size for a one-process strategy

@@ -149,6 +149,21 @@ def _adopt_ds_files(cfg: DictConfig, explicit: Sequence[str]) -> None:
         raise ConfigError(f"{message} (set by {by})") from None
 
 
+def _check_profile(t: DictConfig) -> None:
+    """trainer.profile traces profile_steps steps right after the warm-up: they must exist."""
+    if not t.profile:
+        return
+    if t.profile_steps < 1:
+        raise ConfigError(f"trainer.profile_steps={t.profile_steps} must be >= 1; use e.g. trainer.profile_steps=2")
+    after_warmup = t.steps - t.warmup_steps
+    if t.profile_steps > after_warmup:
+        raise ConfigError(
+            f"trainer.profile_steps={t.profile_steps} is more than the {max(after_warmup, 0)} steps after warm-up "
+            f"(trainer.steps={t.steps} - trainer.warmup_steps={t.warmup_steps}); raise trainer.steps to "
+            f"{t.warmup_steps + t.profile_steps} or lower trainer.profile_steps"
+        )
+
+
 def validate(
     cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = (), warn: Warn = print_warning
 ) -> DictConfig:
@@ -169,6 +184,7 @@ def validate(
     t = cfg.trainer
     for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
         _check_positive(f"trainer.{key}", t[key])
+    _check_profile(t)
     if t.lr_scheduler:
         from parallel_lab.strategies.zero.ds_file import check_scheduler
 

@@ -299,6 +299,46 @@ def _inter_host_mib(m: RunMetrics) -> float | None:
     return None if m.inter_host_bytes_per_step is None else m.inter_host_bytes_per_step / MiB
 
 
+TIME_PARTS = ("step", "compute", "comm", "exposed_comm", "optimizer", "idle", "other")  # ranks[k].time_ms
+
+
+def rank_mean_time_ms(m: RunMetrics) -> dict[str, float] | None:
+    """trainer.profile runs: the mean over ranks of each rank's mean profiled step (ms; the parts
+    still add up to the step), None for a run that was not profiled."""
+    per_rank = [r["time_ms"] for r in m.ranks if r.get("time_ms")]
+    if not per_rank:
+        return None
+    return {key: sum(t[key] for t in per_rank) / len(per_rank) for key in TIME_PARTS}
+
+
+def _overlap_pct(t: dict[str, float]) -> float | None:
+    return 100 * (1 - t["exposed_comm"] / t["comm"]) if t["comm"] else None
+
+
+def _exposed_comm(m: RunMetrics) -> str | None:
+    """'exposed / total comm ms (overlap %)' of the profiled steps (worker/timeline.py)."""
+    t = rank_mean_time_ms(m)
+    if t is None:
+        return None
+    overlap = _overlap_pct(t)
+    return f"{_num(t['exposed_comm'])} / {_num(t['comm'])}" + ("" if overlap is None else f" ({_num(overlap)}%)")
+
+
+def _time_part(key: str):
+    def read(m: RunMetrics) -> float | None:
+        t = rank_mean_time_ms(m)
+        return None if t is None else t[key]
+
+    return read
+
+
+# comparison.csv only (the md table stays narrow): where the profiled step's time went, rank mean
+PROFILE_COLUMNS = [
+    *((f"{key.replace('_', ' ')} ms (trace)", _ok(_time_part(key))) for key in TIME_PARTS),
+    ("overlap %", _ok(lambda m: None if rank_mean_time_ms(m) is None else _overlap_pct(rank_mean_time_ms(m)))),
+]
+
+
 def _theory_psi(m: RunMetrics) -> float | None:
     """The ZeRO paper's Ψ per step (a float even where json stored 2: one number format in md)."""
     return None if m.comm_theory_psi is None else float(m.comm_theory_psi)
@@ -345,6 +385,7 @@ COLUMNS = [  # (header, how to read it from a row)
         for name, label in CHECKS.items()
         for suffix, part in (("", "value"), (" ×env", "ratio"))
     ),
+    *PROFILE_COLUMNS,
     ("parity", lambda r: r.parity),
     ("error", lambda r: r.failure.error if r.failure else None),
 ]
@@ -381,6 +422,13 @@ def _joined(*reads):
     return read
 
 
+def _world_cell(run: Row) -> str:
+    """'4 (2×2)': the world size and how the launcher placed it, nodes × processes per node."""
+    m = run.metrics
+    placed = f" ({m.nodes}×{m.nproc_per_node})" if run.ok and m.nodes else ""
+    return f"{run.record.world_size}{placed}"
+
+
 def _mesh_cell(m: RunMetrics) -> str | None:
     """'replicate 2 (1.226) × shard 2 (3.677)': the mesh and each dimension's MiB per step."""
     mesh = m.strategy_extras.get("mesh")
@@ -405,8 +453,7 @@ def _evidence(run: Row) -> str | None:
 MD_COLUMNS = [  # (header, how to read it from a row, shown)
     ("strategy", _md_strategy, None),
     ("launcher", READ["launcher"], None),
-    ("world", READ["world"], None),
-    ("nodes×procs", _ok(lambda m: m.nodes and f"{m.nodes}×{m.nproc_per_node}"), None),
+    ("world (nodes×procs)", _world_cell, None),
     ("mesh (comm MiB/step per dim)", _ok(_mesh_cell), READ["mesh"]),
     ("samples/s", READ["samples/s"], None),
     ("step ms", READ["step ms"], None),
@@ -415,6 +462,7 @@ MD_COLUMNS = [  # (header, how to read it from a row, shown)
     ("model state MiB meas/plan/paper", _joined(*_STATE.values()), None),
     ("comm Ψ meas/theory", _joined(READ["comm Ψ measured"], READ["comm Ψ theory"]), None),
     ("inter-host MiB/step", READ["inter-host MiB/step"], lambda r: r.ok and (r.metrics.nodes or 1) > 1),
+    ("exposed / comm ms (overlap)", _ok(_exposed_comm), lambda r: r.ok and rank_mean_time_ms(r.metrics) is not None),
     ("parity", READ["parity"], None),
     ("evidence", _evidence, None),
 ]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from parallel_lab.report.plots import plot_comparison, plot_parity
+from parallel_lab.report.plots import plot_comparison, plot_parity, plot_timeline
 from parallel_lab.report.table import Row, write_tables
 
 
 def write_report(runs: list[Row], out: Path) -> str:
-    """comparison.md/.csv/.json and comparison.png/comparison_parity.png in out; returns the md."""
+    """comparison.md/.csv/.json, comparison.png/comparison_parity.png and, where runs were profiled,
+    timeline.png in out; returns the md."""
     text = write_tables(runs, out)
     plot_comparison(runs, out)
     plot_parity(runs, out)
+    plot_timeline(runs, out)
     return text

@@ -34,7 +34,9 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import make_choice
 from parallel_lab.comm import collectives
+from parallel_lab.comm.counter import trace_label
 from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import WAIT_LABEL
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.replicated import ReplicatedModel
@@ -212,7 +214,8 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
             # Buckets whose parameters got no gradient hook call (unused in this forward) go now.
             self._launch_ready_buckets(force=True)
             for bucket in self.buckets:
-                bucket.pending.result()  # re-raises a communication error here
+                with trace_label(f"{WAIT_LABEL}bucket"):  # the training thread blocked on the comm thread
+                    bucket.pending.result()  # re-raises a communication error here
                 bucket.pending, bucket.ready = None, 0
             self._next_launch = 0
         self._wait_times.append(time.perf_counter() - start)

@@ -23,7 +23,14 @@ from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params, norm_of
 from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.plan.predict import predicted_metrics
-from parallel_lab.protocol import RANK_START_ENV, RunMetrics, kernel_dispatch, save_final_params
+from parallel_lab.protocol import (
+    OPTIMIZER_LABEL,
+    RANK_START_ENV,
+    STEP_LABEL,
+    RunMetrics,
+    kernel_dispatch,
+    save_final_params,
+)
 from parallel_lab.strategies import batchnorm
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.faults import maybe_inject_fault
@@ -36,6 +43,7 @@ from parallel_lab.worker.metrics import (
     timed_median,
 )
 from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
+from parallel_lab.worker.profile import StepProfiler, no_range
 
 
 def _progress(steps: int, enabled: bool, first: int = 0):
@@ -80,30 +88,34 @@ def train_step(
     grad_accum: int,
     measure_memory: bool,
     grad_noise: torch.Generator | None = None,
+    region=no_range,
 ) -> tuple[float, float, float, dict]:
     """One optimizer step: (global loss, forward+backward s, optimizer s, memory report or {}).
-    grad_noise: a noise-floor rerun's generator for jitter_gradients (report/parity.py)."""
+    grad_noise: a noise-floor rerun's generator for jitter_gradients (report/parity.py).
+    region: named profiler ranges around the timed step and the optimizer (StepProfiler.region)."""
     inputs, targets = batch
     memory, after_backward = {}, {}
     _sync(env.device)
-    start = time.perf_counter()
-    with counter.counting():  # only the strategy's own communication, not the loss report
-        micro_losses = [
-            strategy.train_step(x.to(env.device), y.to(env.device), i, grad_accum)
-            for i, (x, y) in enumerate(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
-        ]
+    with region(STEP_LABEL):  # the trace's step: exactly the span the loop times
+        start = time.perf_counter()
+        with counter.counting():  # only the strategy's own communication, not the loss report
+            micro_losses = [
+                strategy.train_step(x.to(env.device), y.to(env.device), i, grad_accum)
+                for i, (x, y) in enumerate(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
+            ]
+            _sync(env.device)
+            backward_done = time.perf_counter()
+            if grad_noise is not None:
+                jitter_gradients(strategy.model.parameters(), grad_noise)
+            if measure_memory:  # gradients: the optimizer step frees or zeroes them
+                with counter.paused():
+                    after_backward = strategy.memory_after_backward()
+            optimizer_start = time.perf_counter()
+            with region(OPTIMIZER_LABEL):
+                strategy.optimizer_step()
+            strategy.sync_running_stats()  # BatchNorm's running statistics: identical replicas (base.py)
         _sync(env.device)
-        backward_done = time.perf_counter()
-        if grad_noise is not None:
-            jitter_gradients(strategy.model.parameters(), grad_noise)
-        if measure_memory:  # gradients: the optimizer step frees or zeroes them
-            with counter.paused():
-                after_backward = strategy.memory_after_backward()
-        optimizer_start = time.perf_counter()
-        strategy.optimizer_step()
-        strategy.sync_running_stats()  # BatchNorm's running statistics: identical replicas (base.py)
-    _sync(env.device)
-    end = time.perf_counter()
+        end = time.perf_counter()
     if measure_memory:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
         memory = {**after_backward, **strategy.memory_after_step(), **strategy.memory_buffers()}
     # Split as far as the loop can see: forward+backward (including any communication that
@@ -121,6 +133,7 @@ def run_steps(
     batches: Iterator,
     state: LoopState,
     scheduler=None,
+    profiler: StepProfiler | None = None,
 ) -> dict:
     """Train from state.first_step to trainer.steps; return the memory report of the last step."""
     t, memory = cfg.trainer, {}
@@ -129,9 +142,20 @@ def run_steps(
         maybe_inject_fault(cfg.fault, env, step, "step")
         batch = next(batches)
         state.consumed += 1
+        if profiler is not None:
+            profiler.before_step(step)
         loss, fwd_bwd_s, optimizer_s, step_memory = train_step(
-            strategy, counter, batch, env, t.grad_accum, measure_memory=step == t.steps - 1, grad_noise=grad_noise
+            strategy,
+            counter,
+            batch,
+            env,
+            t.grad_accum,
+            measure_memory=step == t.steps - 1,
+            grad_noise=grad_noise,
+            region=profiler.region if profiler is not None else no_range,
         )
+        if profiler is not None:
+            profiler.after_step(step)
         memory = step_memory or memory
         if scheduler is not None:  # after the optimizer step, as DeepSpeed's engine steps its own
             scheduler.step()
@@ -168,14 +192,17 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
     scheduler = make_scheduler(t, strategy.optimizer, state.first_step)
-    memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state, scheduler)
+    profiler = StepProfiler.maybe(cfg, env, counter)
+    memory = run_steps(cfg, env, strategy, counter, checkpointer, batches, state, scheduler, profiler)
     accuracy = strategy.evaluate(
         eval_batches(eval_set, t.global_batch, t.eval_batches, strategy.dp_rank, strategy.dp_size)
     )
     checksum, digest = _final_parameters(cfg, env, strategy, param_names)
     counter.uninstall()
     probe.remove()
-    metrics = _metrics(cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest)
+    metrics = _metrics(
+        cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest, profiler
+    )
     metrics.batchnorm = batchnorm_record(cfg, strategy, probe, metrics.ranks)
     return metrics
 
@@ -227,6 +254,7 @@ def _metrics(
     accuracy: float | None,
     checksum: float,
     digest: str,
+    profiler: StepProfiler | None = None,
 ) -> RunMetrics:
     t, history = cfg.trainer, state.history
     steps_run_here = max(1, t.steps - state.first_step)
@@ -234,6 +262,7 @@ def _metrics(
     analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
     # The planner's exact prediction (parallel_lab.plan), from this run's config alone, beside what was measured.
     predicted = predicted_metrics(cfg, type(strategy), build_meta_model(cfg.model), env.rank)
+    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     rank_info = {
         "rank": env.rank,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -244,6 +273,7 @@ def _metrics(
         "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
         "comm_bytes_by_group": {group: n / steps_run_here for group, n in counter.bytes_by_group.items()},
         **device_memory(env.device),
+        **(profiler.rank_record(step_times) if profiler is not None else {}),
     }
     ranks = gather_from_ranks(rank_info)
     extras = strategy.extra_metrics()
@@ -251,7 +281,6 @@ def _metrics(
         extras["mesh"] = _mesh_metrics(strategy.mesh_dims(), ranks)
     nodes = cfg.launcher.get("nodes") or 1
     nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
-    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
     step_time = timed_median(step_times, t.warmup_steps)
     return RunMetrics(
         strategy=cfg.strategy.name,
@@ -300,6 +329,7 @@ def _metrics(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
         inter_host_bytes_per_step=inter_host_bytes_per_step(ranks, nodes, nproc_per_node, strategy.mesh_dims()),
+        profile=profiler.run_record(step_times, t.warmup_steps) if profiler is not None else {},
     )
 
 

@@ -380,6 +380,11 @@ CATALOGUE = {
     "never-into-used-checkpoint-dir": (reused_checkpoint_dir, "already holds step_00000002"),
     "resume-parent-folder": (checkpoints_parent_folder, "step_00000002"),
     "resume-beside-other-checkpoints": (resume_beside_other_checkpoints, "already holds step_00000001"),
+    "profile-steps-0": (["trainer.profile=true", "trainer.profile_steps=0"], ("trainer.profile_steps=0", ">= 1")),
+    "profile-steps-past-the-run": (
+        ["trainer.profile=true", "trainer.steps=3", "trainer.profile_steps=2"],
+        ("trainer.profile_steps=2", "trainer.steps to 4"),
+    ),
 }
 
 # A value outside a typed key's choices (choices.py): refused in one line before anything starts.
@@ -404,6 +409,8 @@ BAD_CHOICE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
     *BAD_CHOICE,
+    "profile-steps-0",
+    "profile-steps-past-the-run",
     "device-cuda-too-few-gpus",
     "manual-ddp-mpi-spawn",
     "manual-ddp-mpi-cuda",

@@ -291,7 +291,7 @@ def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, 
     add_parity(runs)
     rows = [line for line in markdown(runs).splitlines() if line.startswith("| manual_ddp")]
     assert sorted(row.split(" | ")[0] for row in rows) == ["| manual_ddp allreduce=mpi", "| manual_ddp allreduce=ring"]
-    assert all("| mpirun | 2 | 1×2 |" in row for row in rows), rows
+    assert all("| mpirun | 2 (1×2) |" in row for row in rows), rows
 
 
 # ---- the bench, as a correctness smoke run (it checks every implementation's result) -----------

@@ -185,6 +185,8 @@ def assert_md_shows_what_a_reader_compares(run_dirs: Path, csv_rows: list[dict])
         rank.update(cuda_max_allocated_bytes=3 * 2**20, cuda_max_reserved_bytes=4 * 2**20)
     mesh = {"dims": {"replicate": 2, "shard": 1}, "comm_bytes_per_step": {"replicate": 2**20, "shard": 0}}
     record.update(nodes=2, nproc_per_node=1, inter_host_bytes_per_step=2**20, strategy_extras={"mesh": mesh})
+    for rank in record["ranks"]:  # and as profiled (trainer.profile): the exposed-communication column
+        rank["time_ms"] = dict(step=10.0, compute=6.0, comm=4.0, exposed_comm=1.0, optimizer=1.0, idle=0.0, other=2.0)
     (twin / "metrics.json").write_text(json.dumps(record))
     (run_dirs / "failed").mkdir()
     failed = FailedRun(strategy="ddp", launcher="spawn", world_size=3, model="cnn", error="bad batch")
@@ -194,6 +196,7 @@ def assert_md_shows_what_a_reader_compares(run_dirs: Path, csv_rows: list[dict])
     text = markdown(runs)
     header = text.splitlines()[0]
     assert len(header.strip("| ").split(" | ")) == 14, header
-    for shown in ("| CUDA alloc/reserved MiB |", "| 3.000 / 4.000 |", "| 2×1 | replicate 2 (1.000) × shard 1 (0) |"):
+    shown_cells = ("| CUDA alloc/reserved MiB |", "| 3.000 / 4.000 |", "(2×1) | replicate 2 (1.000) × shard 1 (0) |")
+    for shown in (*shown_cells, "| 1.000 / 4.000 (75.00%) |"):
         assert shown in text, (shown, text)
     assert "| failed | bad batch |" in text, text

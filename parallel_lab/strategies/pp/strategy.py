@@ -44,7 +44,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.choices import Choice, make_choice
+from parallel_lab.comm.counter import trace_label
 from parallel_lab.errors import ConfigError
+from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import (
     SAMPLE_SHAPE,
@@ -249,7 +251,10 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     def _recv(self, shape: torch.Size, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, device=self.device)
         start = time.perf_counter()
-        dist.recv(buf, src=src, tag=tag, group=self.group)  # src: a global rank
+        # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
+        # idle (the pipeline bubble), not as communication (worker/timeline.py).
+        with trace_label(f"{IDLE_LABEL}recv"):
+            dist.recv(buf, src=src, tag=tag, group=self.group)  # src: a global rank
         self._recv_wait += time.perf_counter() - start  # idle: waiting for the neighbour
         return buf
 
@@ -282,8 +287,11 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
                 self.max_inflight = max(self.max_inflight, len(stash))
             else:
                 self._backward(i, *stash.pop(i))
-        for work, _ in self._pending:
-            work.wait()
+        # gloo completes a send when the neighbour has received it: waiting here is waiting for
+        # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
+        with trace_label(f"{IDLE_LABEL}send"):
+            for work, _ in self._pending:
+                work.wait()
         self._pending = []
 
     def _forward(self, i: int, x: torch.Tensor, y: torch.Tensor):
