@@ -155,6 +155,9 @@ class RunMetrics(_Record):
     # synced, samples (how many samples each training forward normalised over), the running
     # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.
     batchnorm: dict[str, Any] = field(default_factory=dict)
+    # trainer.reshard=true: the run the checkpoint came from ({strategy, strategy_options,
+    # world_size, step, format}); None when not resharded
+    resharded_from: Optional[dict[str, Any]] = None
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches
