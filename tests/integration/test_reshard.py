@@ -188,3 +188,93 @@ def test_resharded_run_trains_on_as_the_uninterrupted_one(tmp_path):
     assert after["losses"][:2] == first["losses"]
     assert after["resharded_from"]["strategy"] == "zero3" and after["resharded_from"]["world_size"] == 2
     assert_losses_close(after["losses"], whole["losses"], rtol=1e-5)
+
+
+# ----- python -m parallel_lab.checkpoint, and bad input (one line, exit 2, nothing written) -----
+def _checkpoint_cmd(*args: str):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "parallel_lab", "checkpoint", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_inspect_and_export(tmp_path, sources, capsys):
+    """inspect names the writer and the bytes per rank (in process); export through
+    `parallel-lab checkpoint` (a real process): its safetensors equal the full state."""
+    from safetensors.torch import load_file
+
+    from parallel_lab.checkpoint.__main__ import main as checkpoint_main
+
+    src = sources("zero3@2")["zero3@2"]
+    assert checkpoint_main(["inspect", str(src)]) == 0
+    shown = capsys.readouterr().out
+    assert "strategy=zero3 world_size=2 at step 2" in shown and "rank 1:" in shown
+    done = _checkpoint_cmd("export", str(src), str(tmp_path / "out"), "--optimizer")
+    assert done.returncode == 0, done.stderr
+    full = consolidate(src)
+    weights, adam = (
+        load_file(tmp_path / "out" / "model.safetensors"),
+        load_file(tmp_path / "out" / "optimizer.safetensors"),
+    )
+    assert all(torch.equal(weights[n], full.model[n]) for n in full.param_names)
+    assert all(torch.equal(adam[f"{n}.exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
+
+
+@pytest.mark.slow
+def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources):
+    """A trainer file replaced by garbage (complete.json re-hashed, so only the reader can tell):
+    one line, exit 2, nothing written."""
+    import json
+    import shutil
+
+    from parallel_lab.checkpoint import COMPLETE, sha256_file
+
+    src = tmp_path / "copy"
+    shutil.copytree(sources("single@1")["single@1"], src)
+    bad = src / "trainer_rank0.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    manifest = json.loads((src / COMPLETE).read_text())
+    manifest["files"]["trainer_rank0.pt"] = {"size": bad.stat().st_size, "sha256": sha256_file(bad)}
+    (src / COMPLETE).write_text(json.dumps(manifest))
+    result = _checkpoint_cmd("export", str(src), str(tmp_path / "out"))
+    assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("trainer.reshard=true",), "trainer.reshard=true needs the checkpoint to re-cut"),
+        (("trainer.reshard=true", "trainer.resume=never"), "trainer.resume=never names none"),
+        (("strategy=zero1", "strategy.precision=bf16", "trainer.reshard=true", "trainer.resume=/x"), "precision=fp32"),
+    ],
+)
+def test_bad_reshard_input_is_one_line(tmp_path, overrides, message):
+    from parallel_lab.cli.run import run_cli as plain_run_cli
+
+    result = plain_run_cli(tmp_path / "run", *overrides, *COMMON, "world_size=2", check=False, in_process=True)
+    assert result.returncode == 2 and message in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_reshard_refuses_what_must_match(tmp_path, sources):
+    """Another global batch is another training run: refused in one line before any process starts,
+    and the target layout that cannot hold the model gets validate()'s own line."""
+    src = sources("single@1")["single@1"]
+    for overrides, message in [
+        (("trainer.global_batch=64",), "global_batch=32 but this run has global_batch=64"),
+        (("strategy=tp", "strategy.tp=3", "world_size=3"), "strategy.tp"),
+    ]:
+        result = run_cli(
+            tmp_path / f"r{len(message)}",
+            *COMMON,
+            *overrides,
+            f"trainer.resume={src}",
+            "trainer.reshard=true",
+            "trainer.steps=4",
+            check=False,
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr
