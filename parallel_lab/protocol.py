@@ -175,6 +175,9 @@ class RunMetrics(_Record):
     # trainer.profile only ({} otherwise): the profiled steps, the loop's step time in them and in the
     # other steps after warm-up (the profiler's cost), and the traces' folder (parallel_lab/worker/profile.py)
     profile: dict[str, Any] = field(default_factory=dict)
+    # trainer.reshard=true: the run the checkpoint came from ({strategy, strategy_options,
+    # world_size, step, format}); None when not resharded
+    resharded_from: Optional[dict[str, Any]] = None
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

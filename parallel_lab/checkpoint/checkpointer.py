@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from parallel_lab.checkpoint.full_state import consolidate
 from parallel_lab.checkpoint.manifest import (
     TMP_PREFIX,
     CheckpointError,
     checkpoint_name,
     commit,
     complete_checkpoints,
+    read_manifest,
     step_of,
 )
 from parallel_lab.checkpoint.policy import pick_checkpoint, run_identity
@@ -63,6 +65,7 @@ class Resumed:
     batches_consumed: int  # global batches the sampler has handed out: where the data resumes
     path: Path
     history: dict  # loss history etc. recorded by the run that wrote the checkpoint
+    resharded_from: dict | None = None  # trainer.reshard=true: the layout that wrote it
 
 
 def _barrier() -> None:
@@ -144,6 +147,8 @@ class Checkpointer:
         if step < 0:
             return None
         path = explicit if from_resume else self.root / checkpoint_name(step)
+        if self.cfg.trainer.get("reshard"):
+            return self._restore_resharded(path, started)
         self.strategy.load_checkpoint(path)
         state = torch.load(path / trainer_file(self.env.rank), map_location="cpu", weights_only=True)
         if state["step"] != step:
@@ -154,3 +159,22 @@ class Checkpointer:
         set_rng_state(state["rng"], self.env.device)
         self.load_seconds = time.perf_counter() - started
         return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=state["history"])
+
+    def _restore_resharded(self, path: Path, started: float) -> Resumed:
+        """trainer.reshard=true: every rank reads the checkpoint's full state offline (any writer,
+        any world size) and the strategy scatters it into its own layout. A rank the source did not
+        have takes rank 0's RNG state (the data order does not depend on it: batches_consumed does)."""
+        manifest = read_manifest(path)
+        full = consolidate(path, self.cfg.model, manifest)
+        self.strategy.load_full_state(full.model, full.optim)
+        set_rng_state(full.rng[self.env.rank] if self.env.rank < len(full.rng) else full.rng[0], self.env.device)
+        self.load_seconds = time.perf_counter() - started
+        run = manifest.get("run", {})
+        source = {key: run.get(key) for key in ("strategy", "strategy_options", "world_size")}
+        return Resumed(
+            step=full.step,
+            batches_consumed=full.batches_consumed,
+            path=path,
+            history=full.history,
+            resharded_from={**source, "step": full.step, "format": full.format},
+        )

@@ -79,7 +79,7 @@ def load_sharded(state: dict, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from parallel_lab.checkpoint import CheckpointError
+    from parallel_lab.checkpoint.manifest import CheckpointError
     from parallel_lab.errors import one_line
 
     try:

@@ -28,6 +28,9 @@ COMPAT_KEYS = (
     "grad_accum",
     "seed",
 )
+# How the state is laid out, not what is trained: trainer.reshard=true lets these differ (the full
+# state is re-cut for the new layout; grad_accum splits the same global batch differently).
+LAYOUT_KEYS = ("strategy", "strategy_options", "world_size", "grad_accum")
 
 
 def run_identity(cfg: DictConfig) -> dict:
@@ -44,13 +47,20 @@ def run_identity(cfg: DictConfig) -> dict:
         "global_batch": t.global_batch,
         "grad_accum": t.grad_accum,
         "seed": t.seed,
+        # Not in COMPAT_KEYS (older checkpoints lack it): what the full state's reader builds the
+        # model's names and shapes from, and compared when both sides have it.
+        "model_config": OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True),
     }
 
 
 def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
     ours = run_identity(cfg)
     theirs = manifest.get("run", {})
-    for key in COMPAT_KEYS:
+    reshard = bool(cfg.trainer.get("reshard"))
+    keys = [k for k in COMPAT_KEYS if not (reshard and k in LAYOUT_KEYS)]
+    if theirs.get("model_config") is not None:
+        keys.append("model_config")
+    for key in keys:
         if theirs.get(key) == ours[key]:
             continue
         name, then, now = key, theirs.get(key), ours[key]
@@ -58,9 +68,14 @@ def check_compatible(manifest: dict, cfg: DictConfig, path: Path) -> None:
             missing = "<absent>"
             sub = next((k for k in sorted(set(then) | set(now)) if then.get(k, missing) != now.get(k, missing)), "?")
             name, then, now = f"strategy.{sub}", then.get(sub, missing), now.get(sub, missing)
+        if name == "model_config":  # name the one model option that differs
+            sub = next((k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)), "?")
+            name, then, now = f"model.{sub}", then.get(sub), now.get(sub)
+        layout = "" if reshard or key not in LAYOUT_KEYS else " (or add trainer.reshard=true to re-cut it)"
         raise CheckpointError(
             f"checkpoint '{path}' was written with {name}={then} but this run has {name}={now}; "
-            f"resume with the same {name}, or start fresh (trainer.resume=never, an empty trainer.checkpoint_dir)"
+            f"resume with the same {name}{layout}, or start fresh "
+            f"(trainer.resume=never, an empty trainer.checkpoint_dir)"
         )
 
 
@@ -148,6 +163,11 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
             f"{t.checkpoint_every}); use a step that is a multiple of trainer.checkpoint_every"
         )
     resume = str(t.resume)
+    if t.get("reshard") and resume in ("auto", "never"):
+        raise ConfigError(
+            f"trainer.reshard=true needs the checkpoint to re-cut: trainer.resume=<path to a step_* folder> "
+            f"(trainer.resume={resume} names none)"
+        )
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder
     if not t.checkpoint_dir:  # a config composed in process, not for a run folder

@@ -109,6 +109,10 @@ def run_hydra(outcome: Outcome) -> None:
 
 def main() -> int:
     """The command line; returns its exit code (2: bad input, before any process started)."""
+    if sys.argv[1:2] == ["checkpoint"]:  # parallel-lab checkpoint inspect|export: reads files, no Hydra
+        from parallel_lab.checkpoint.__main__ import main as checkpoint_main
+
+        return checkpoint_main(sys.argv[2:])
     try:
         if any(a.startswith(("--deep", "--local")) for a in sys.argv[1:]):  # DeepSpeed's own flags
             from parallel_lab.cli.ds_args import overrides_from_deepspeed_args

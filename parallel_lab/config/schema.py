@@ -89,6 +89,9 @@ class TrainerConfig:
     checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
     keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
     resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
+    # true: trainer.resume=<path> may come from any strategy, options and world size; its full state
+    # is gathered offline and scattered into this run's layout (checkpoint/full_state.py)
+    reshard: bool = False
     # Noise-floor reruns of the `single` baseline only (parallel_lab/report/parity.py; a sweep starts them):
     # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
     ulp_jitter_seed: Optional[int] = None

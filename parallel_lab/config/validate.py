@@ -214,6 +214,9 @@ def validate(
     validate_data_config(cfg.data, cfg.trainer)
     from parallel_lab.checkpoint import validate_checkpoint_config
 
+    refusal = strategy_cls.reshard_refusal(cfg) if t.reshard else None
+    if refusal:
+        raise ConfigError(refusal)
     validate_checkpoint_config(cfg)
     from parallel_lab.config.devices import resolve_device
     from parallel_lab.config.resources import check_machine_fits

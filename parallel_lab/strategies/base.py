@@ -257,6 +257,20 @@ class Strategy(abc.ABC):
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what save_checkpoint wrote (collective where saving was)."""
 
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """Scatter a strategy-neutral full state (``checkpoint/full_state.py``: the single model's
+        state_dict, Adam's state by parameter name) into this strategy's own layout; collective
+        where setup was. Used by ``trainer.reshard=true``; a strategy without it cannot be resharded into."""
+        raise ConfigError(
+            f"strategy={self.cfg.strategy.name} cannot load a resharded checkpoint; resume it with "
+            f"its own strategy and world size (drop trainer.reshard=true)"
+        )
+
+    @classmethod
+    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
+        """Why trainer.reshard=true cannot continue a run under this config (one line), or None."""
+        return None
+
     @abc.abstractmethod
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter of the full (unsharded) model in the single model's order; collective."""

@@ -55,6 +55,22 @@ class RankShardCheckpoint:
 
     def load_checkpoint(self, directory: Path) -> None:
         state = torch.load(self._shard_file(directory), map_location=self.device, weights_only=True)
+        self._load_local(state, directory)
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor ``name`` (a pipeline stage holds its tensors whole;
+        tensor parallel cuts its split layers)."""
+        return full
+
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """Each rank cuts its own part of the full state, then loads it as its own shard file."""
+        from parallel_lab.strategies.replicated import indexed_optimizer_state
+
+        local = {name: self.local_part(name, model_state[name]) for name in self.model.state_dict()}
+        optim = indexed_optimizer_state(self.optimizer, self.model, optim_state, self.local_part)
+        self._load_local({"model": local, "optimizer": optim}, "the resharded checkpoint")
+
+    def _load_local(self, state: dict, directory) -> None:
         mine = self.model.state_dict()  # shares storage with the parameters and buffers
         if set(mine) != set(state["model"]):
             raise ConfigError(

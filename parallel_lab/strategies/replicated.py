@@ -19,6 +19,20 @@ from parallel_lab.strategies.memory import (
 REPLICA_FILE = "model_optimizer.pt"
 
 
+def indexed_optimizer_state(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module, by_name: dict[str, dict], local=lambda name, t: t
+) -> dict:
+    """A torch optimizer state_dict for ``optimizer`` (built over ``module.parameters()``, in
+    order) from Adam's state by parameter name; ``local(name, tensor)`` cuts a rank's part."""
+    names = [n for n, _ in module.named_parameters()]
+    state = {
+        i: {k: (v.clone() if k == "step" else local(name, v).clone()) for k, v in by_name[name].items()}
+        for i, name in enumerate(names)
+        if name in by_name
+    }
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
 class ReplicatedModel:
     """Mixin for ``Strategy``: one copy of the state is the whole state."""
 
@@ -40,6 +54,12 @@ class ReplicatedModel:
         state = torch.load(directory / REPLICA_FILE, map_location=self.device, weights_only=True)
         self.unwrapped_model().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """Every rank holds it all: the state_dict as it is, Adam's state re-keyed by index."""
+        module = self.unwrapped_model()
+        module.load_state_dict(model_state)
+        self.optimizer.load_state_dict(indexed_optimizer_state(self.optimizer, module, optim_state))
 
     def full_parameters(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.model.parameters()]

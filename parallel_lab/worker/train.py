@@ -316,6 +316,7 @@ def _metrics(
         attempt=env.restart_count,
         resumed_from_step=state.first_step if state.resumed else None,
         resumed_from=str(state.resumed.path) if state.resumed else None,
+        resharded_from=state.resumed.resharded_from if state.resumed else None,
         checkpoint_every=t.checkpoint_every,
         checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
         checkpoint_load_s=checkpointer.load_seconds,

@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from parallel_lab.cli.run import load_metrics
 from parallel_lab.report.table import load_runs
 from parallel_lab.report.write import write_report
 from parallel_lab.worker.timeline import KEYS, PARTS
+from tests.support.cli import run_cli
 
 TINY = ("world_size=2", "model=cnn", "trainer.global_batch=32", "trainer.eval_batches=0")
 PROFILED = ("trainer.steps=4", "trainer.warmup_steps=2", "trainer.profile=true", "trainer.profile_steps=2")

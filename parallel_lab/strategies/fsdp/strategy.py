@@ -251,6 +251,24 @@ class FSDPStrategy(Strategy):
         load_sharded(state, str(directory / DCP_DIR))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """torch's own tool: ``set_state_dict`` with full (unsharded) state dicts keyed by the
+        single model's names; every rank holds the full state and keeps its shards of it (DCP's
+        load-time resharding does the same from a sharded checkpoint, but only FSDP can read that)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        self._before_state_dict()
+        # One param group over every parameter in the single model's order (setup's optimizer),
+        # named by fully qualified names as set_state_dict expects.
+        (group,) = self.optimizer.param_groups
+        names = [n for n in model_state if n in optim_state]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        optim = {"state": {n: dict(optim_state[n]) for n in names}, "param_groups": [{**hyper, "params": names}]}
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim, options=options
+        )
+
     def full_parameters(self) -> list[torch.Tensor]:
         return self._gather_parameters()
 

@@ -274,6 +274,12 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
             self.group,
         )
 
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The split layers' chunk of this tp rank, as setup cut it (tp/layers.py ``_shard``)."""
+        if name not in self.shard_dims:
+            return full
+        return full.chunk(self.opts.tp, self.shard_dims[name])[self.tp_rank].contiguous()
+
     # ----- proof -----
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter in the single model's order and shape: shards are all-gathered and

@@ -344,6 +344,86 @@ class ZeroStrategy(Strategy):
                 f"trainer.resume=never to start fresh"
             )
 
+    # ----- resharding (trainer.reshard=true): a full state scattered into DeepSpeed's partitions -----
+    @classmethod
+    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
+        """16-bit ZeRO keeps an fp32 master beside 16-bit weights in layouts (FP16_UnfusedOptimizer at
+        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill."""
+        if cfg.strategy.precision != "fp32" or cfg.strategy.ds_config:
+            return (
+                f"trainer.reshard=true into strategy={cfg.strategy.name} needs strategy.precision=fp32 and no "
+                f"strategy.ds_config; reshard into fp32 first, or resume with the writing strategy"
+            )
+        return None
+
+    @torch.no_grad()
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """Stage 0 holds a plain replica; stages 1-2 get their flat fp32 partition cut from the full
+        tensors laid out as their bit16 flat buffer; stage 3 goes through DeepSpeed's own
+        ``safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state`` (ZeRO, arXiv 1910.02054)."""
+        opt, module = self.engine.optimizer, self.engine.module
+        for name, buffer in module.named_buffers():
+            buffer.copy_(model_state[name])
+        if self.opts.stage == 0:
+            from parallel_lab.strategies.replicated import indexed_optimizer_state
+
+            module.load_state_dict(model_state)
+            opt.load_state_dict(indexed_optimizer_state(opt, module, optim_state))
+            return
+        names = {id(p): n for n, p in module.named_parameters()}
+        step = next(iter(optim_state.values()), {}).get("step")
+        if self.opts.stage == 3:
+            self._load_full_stage3(opt, module, model_state, optim_state, step)
+        else:
+            self._load_full_stage12(opt, names, model_state, optim_state, step)
+            for name, p in module.named_parameters():
+                p.data.copy_(model_state[name])
+
+    def _load_full_stage12(self, opt, names: dict, model_state: dict, optim_state: dict, step) -> None:
+        """Each group's full flat vector is the bit16 flat buffer's layout (parameter offsets read
+        from where each parameter's view starts); this rank keeps partition_size elements of it."""
+        import torch.distributed as dist
+
+        for g, flat in enumerate(opt.bit16_groups_flat):
+            full = {key: torch.zeros(flat.numel(), dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
+            for p in opt.bit16_groups[g]:
+                offset = (p.data.data_ptr() - flat.data_ptr()) // flat.element_size()
+                name = names[id(p)]
+                full["param"][offset : offset + p.numel()] = model_state[name].flatten()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if name in optim_state:
+                        full[key][offset : offset + p.numel()] = optim_state[name][key].flatten()
+            size = int(opt.partition_size[g])
+            start = dist.get_rank(group=opt.real_dp_process_group[g]) * size
+            master = opt.single_partition_of_fp32_groups[g]
+            master.data.copy_(full["param"][start : start + size])
+            if step is not None:
+                opt.optimizer.state[master] = {
+                    "step": step.clone(),
+                    **{k: full[k][start : start + size].clone().to(master.device) for k in ("exp_avg", "exp_avg_sq")},
+                }
+
+    def _load_full_stage3(self, opt, module, model_state: dict, optim_state: dict, step) -> None:
+        """DeepSpeed's own setters, once the Adam state they write into exists (torch creates it
+        lazily at the first step); then each parameter's partition is refreshed from the master."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if step is not None:
+            for master in opt.fp32_partitioned_groups_flat:
+                opt.optimizer.state[master] = {
+                    "step": step.clone(),
+                    "exp_avg": torch.zeros_like(master),
+                    "exp_avg_sq": torch.zeros_like(master),
+                }
+        for name, p in module.named_parameters():
+            safe_set_full_fp32_param(p, model_state[name])
+            if step is not None:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(p, optim_state[name][key], key)
+            group, offset, numel = opt.grad_position[opt.get_param_id(p)]
+            master = opt.fp32_partitioned_groups_flat[group].narrow(0, offset, numel)
+            p.ds_tensor.data.narrow(0, 0, numel).copy_(master)
+
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         # The engine: stage 3 gathers parameters collectively (every rank runs the same batches).

@@ -1,0 +1,124 @@
+"""``python -m parallel_lab.checkpoint inspect|export`` (also ``parallel-lab checkpoint ...``).
+
+    python -m parallel_lab.checkpoint inspect runs/<run>/checkpoints/step_00000100
+    python -m parallel_lab.checkpoint export runs/<run>/checkpoints/step_00000100 out/ [--optimizer]
+
+``inspect`` says who wrote a checkpoint (strategy, options, world size, step), its files and bytes
+per rank, and what a run must keep to continue it with ``trainer.reshard=true``. ``export`` writes
+the consolidated fp32 weights as ``model.safetensors`` (and with ``--optimizer`` Adam's state as
+``optimizer.safetensors``, ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step``). Both only read files
+(``full_state.py``: weights_only / allowlist unpicklers); bad input is one line and exit 2, and
+``export`` writes nothing until the whole checkpoint has been read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from parallel_lab.checkpoint.full_state import consolidate, detect_format
+from parallel_lab.checkpoint.manifest import COMPLETE, read_manifest
+from parallel_lab.checkpoint.policy import COMPAT_KEYS, LAYOUT_KEYS
+from parallel_lab.errors import ConfigError, one_line
+
+# Which rank wrote a file, from its name: trainer_rank1.pt, shard_rank1.pt, __1_0.distcp, zero_pp_rank_1_...
+_RANK = re.compile(r"(?:rank_?|^__)(\d+)")
+
+
+def files_per_rank(path: Path, manifest: dict) -> dict[str, dict]:
+    """{"rank <k>" | "shared": {"files": n, "bytes": b}} from complete.json's file list."""
+    table: dict[str, dict] = defaultdict(lambda: {"files": 0, "bytes": 0})
+    for rel, info in manifest["files"].items():
+        found = _RANK.search(Path(rel).name)
+        row = table[f"rank {found[1]}" if found else "shared"]
+        row["files"] += 1
+        row["bytes"] += info["size"]
+    return dict(sorted(table.items()))
+
+
+def inspect(path: Path) -> dict:
+    """What the checkpoint is, from complete.json and the files (nothing is unpickled but the
+    trainer files, with weights_only)."""
+    manifest = read_manifest(path)
+    full = consolidate(path, manifest=manifest)
+    run = manifest.get("run", {})
+    keep = {k: run.get(k) for k in COMPAT_KEYS if k not in LAYOUT_KEYS}
+    return {
+        "checkpoint": str(path),
+        "strategy": run.get("strategy"),
+        "strategy_options": run.get("strategy_options"),
+        "world_size": run.get("world_size"),
+        "step": manifest["step"],
+        "batches_consumed": full.batches_consumed,
+        "format": detect_format(path),
+        "parameters": sum(full.model[n].numel() for n in full.param_names),
+        "adam_state": bool(full.optim),
+        "bytes": sum(f["size"] for f in manifest["files"].values()),
+        "per_rank": files_per_rank(path, manifest),
+        "reshard_into": "any strategy and world size, with trainer.reshard=true and the same "
+        + " ".join(f"{k}={v}" for k, v in keep.items()),
+    }
+
+
+def export(path: Path, out: Path, optimizer: bool) -> list[Path]:
+    """Write model.safetensors (and optimizer.safetensors) under out; returns the files written."""
+    from safetensors.torch import save_file
+
+    manifest = read_manifest(path)
+    full = consolidate(path, manifest=manifest)  # everything read before anything is written
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export folder '{out}' is not empty; pass a new or empty folder")
+    meta = {"step": str(full.step), "source": str(path), "format": full.format}
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "model.safetensors"]
+    save_file({k: v.contiguous() for k, v in full.model.items()}, str(written[0]), metadata=meta)
+    if optimizer:
+        tensors = {f"{n}.{k}": v.contiguous() for n, state in full.optim.items() for k, v in state.items()}
+        written.append(out / "optimizer.safetensors")
+        save_file(tensors, str(written[1]), metadata=meta)
+    return written
+
+
+def _print_inspect(info: dict) -> None:
+    print(f"{info['checkpoint']}")
+    print(
+        f"  written by strategy={info['strategy']} world_size={info['world_size']} at step {info['step']} "
+        f"({info['format']} format; {info['parameters']:,} parameters, Adam state: {info['adam_state']})"
+    )
+    print(f"  options: {json.dumps(info['strategy_options'])}")
+    for who, row in info["per_rank"].items():
+        print(f"  {who:>8}: {row['files']} files, {row['bytes']:,} bytes")
+    print(f"  total: {info['bytes']:,} bytes; {COMPLETE} checked")
+    print(f"  reshard into: {info['reshard_into']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lab.checkpoint", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="who wrote a checkpoint, its files per rank, what it reshards into")
+    p_inspect.add_argument("checkpoint", type=Path)
+    p_inspect.add_argument("--json", action="store_true", help="print the same as JSON")
+    p_export = sub.add_parser("export", help="consolidated fp32 weights (and Adam state) as safetensors")
+    p_export.add_argument("checkpoint", type=Path)
+    p_export.add_argument("out", type=Path)
+    p_export.add_argument("--optimizer", action="store_true", help="also optimizer.safetensors (Adam's state)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect(args.checkpoint.expanduser())
+            print(json.dumps(info, indent=1)) if args.json else _print_inspect(info)
+        else:
+            for file in export(args.checkpoint.expanduser(), args.out.expanduser(), args.optimizer):
+                print(f"wrote {file} ({file.stat().st_size:,} bytes)")
+    except ConfigError as exc:
+        print(f"parallel_lab.checkpoint: error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""trainer.reshard=true: a checkpoint written by one strategy at one world size continues under
+another (checkpoint/full_state.py, Strategy.load_full_state).
+
+Exactness: the source checkpoint and the target's own checkpoint written right after loading are
+read back as full states (parameters, Adam's exp_avg / exp_avg_sq / step, loop state) and must be
+equal bit for bit. Same training: a run continued after resharding trains on as the uninterrupted
+run does, its first losses being the source's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_lab.checkpoint import checkpoint_name
+from parallel_lab.checkpoint.full_state import consolidate
+from parallel_lab.cli.run import load_metrics, run_ranks
+from tests.support.bodies.reshard import reshard_and_save
+from tests.support.bodies.runs import train_and_record
+from tests.support.checks import assert_losses_close
+from tests.support.cli import run_cli, write_config
+
+COMMON = ("trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
+SAVED_AT = 2  # the sources train 2 steps and checkpoint there
+TIMEOUT = 300
+SOURCES = {  # name: (world_size, overrides)
+    "single@1": (1, ("strategy=single",)),
+    "zero3@2": (2, ("strategy=zero3",)),
+    "fsdp@2": (2, ("strategy=fsdp",)),
+    "tp@2": (2, ("strategy=tp",)),
+    "pp@2": (2, ("strategy=pp",)),
+    "zero1_offload@2": (2, ("strategy=zero1", "strategy.offload=cpu")),
+    "ddp@2": (2, ("strategy=ddp",)),
+    "hybrid@2": (2, ("strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2")),
+    "zero2@2": (2, ("strategy=zero2",)),
+    "zero0@2": (2, ("strategy=zero0",)),
+    "manual_ddp@2": (2, ("strategy=manual_ddp",)),
+    "dp@2": (2, ("strategy=dp",)),
+    "fsdp1@2": (2, ("strategy=fsdp", "strategy.version=1")),
+    "zero3_offload@2": (2, ("strategy=zero3", "strategy.offload=cpu")),
+}
+TARGETS = {  # name: (world_size, overrides)
+    "ddp@1": (1, ("strategy=ddp",)),
+    "fsdp@2": (2, ("strategy=fsdp",)),
+    "zero1@2": (2, ("strategy=zero1",)),
+    "pp@2": (2, ("strategy=pp",)),
+    "zero3@2": (2, ("strategy=zero3",)),
+    "tp@2": (2, ("strategy=tp",)),
+    "single@1": (1, ("strategy=single",)),
+    "zero2_offload@2": (2, ("strategy=zero2", "strategy.offload=cpu")),
+    "zero3_offload@2": (2, ("strategy=zero3", "strategy.offload=cpu")),
+    "zero0@1": (1, ("strategy=zero0",)),
+    "hybrid@2": (2, ("strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2")),
+    "fsdp1@2": (2, ("strategy=fsdp", "strategy.version=1")),
+    "manual_ddp@2": (2, ("strategy=manual_ddp",)),
+    "dp@2": (2, ("strategy=dp",)),
+    "zero2@1": (1, ("strategy=zero2",)),
+}
+# make test: every kind of layout once as a source and once as a target, world down and up.
+DEFAULT_PAIRS = [("zero3@2", "ddp@1"), ("single@1", "fsdp@2"), ("tp@2", "zero3@2"), ("fsdp@2", "pp@2")]
+EXTRA_PAIRS = [(s, t) for s in SOURCES for t in TARGETS if (s, t) not in DEFAULT_PAIRS]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The source checkpoints (step 2), trained on demand, each world size in one set of ranks."""
+    root = tmp_path_factory.mktemp("sources")
+    made: dict[str, Path] = {}
+
+    def get(*names: str) -> dict[str, Path]:
+        todo = [n for n in dict.fromkeys(names) if n not in made]
+        for world in sorted({SOURCES[n][0] for n in todo}):
+            batch = [n for n in todo if SOURCES[n][0] == world]
+            paths = [_config(root / _slug(n), world, SOURCES[n][1], f"trainer.steps={SAVED_AT}") for n in batch]
+            run_ranks(train_and_record, world, timeout=TIMEOUT, config_paths=paths)
+            made.update({n: root / _slug(n) / "checkpoints" / checkpoint_name(SAVED_AT) for n in batch})
+        return {n: made[n] for n in names}
+
+    return get
+
+
+def _slug(name: str) -> str:
+    return name.replace("@", "_at_")
+
+
+def _config(folder: Path, world: int, overrides, *more: str) -> str:
+    return write_config(
+        folder.with_suffix(".yaml"),
+        *overrides,
+        f"world_size={world}",
+        *COMMON,
+        f"trainer.checkpoint_every={SAVED_AT}",
+        *more,
+    )
+
+
+def reshard_pairs(tmp_path: Path, source_paths: dict, pairs, broken: str = "") -> dict:
+    """Load each source into its target and write it out; returns {(source, target): written folder}."""
+    written = {}
+    for world in sorted({TARGETS[t][0] for _, t in pairs}):
+        batch = [(s, t) for s, t in pairs if TARGETS[t][0] == world]
+        paths = []
+        for s, t in batch:
+            out = tmp_path / f"{_slug(s)}__{_slug(t)}"
+            paths.append(
+                _config(
+                    out,
+                    world,
+                    TARGETS[t][1],
+                    f"trainer.steps={SAVED_AT + 2}",
+                    f"trainer.resume={source_paths[s]}",
+                    "trainer.reshard=true",
+                    f"trainer.checkpoint_dir={out / 'resharded'}",
+                )
+            )
+            written[(s, t)] = out / "resharded" / checkpoint_name(SAVED_AT)
+        run_ranks(reshard_and_save, world, timeout=TIMEOUT, config_paths=paths, broken=broken)
+    return written
+
+
+def state_differences(a, b) -> list[str]:
+    """Where two full states differ (bit for bit); [] when they are the same."""
+    diffs = []
+    for name in a.param_names:
+        if not torch.equal(a.model[name], b.model[name]):
+            diffs.append(f"{name}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if not torch.equal(a.optim[name][key].float(), b.optim[name][key].float()):
+                diffs.append(f"{name}.{key}")
+    for what in ("step", "batches_consumed", "history"):
+        if getattr(a, what) != getattr(b, what):
+            diffs.append(what)
+    return diffs
+
+
+def assert_same_state(source: Path, written: Path) -> None:
+    diffs = state_differences(consolidate(source), consolidate(written))
+    assert not diffs, f"{written}: differs from {source} in {diffs[:6]}"
+
+
+@pytest.mark.slow
+def test_reshard_is_exact(tmp_path, sources):
+    """Parameters, Adam state and loop state survive S@W -> S'@W' bit for bit (ZeRO, FSDP,
+    replicated and tp/pp each a source and a target; world 2 -> 1 and 1 -> 2)."""
+    written = reshard_pairs(tmp_path, sources(*{s for s, _ in DEFAULT_PAIRS}), DEFAULT_PAIRS)
+    for (s, t), folder in written.items():
+        assert_same_state(sources(s)[s], folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["swap_moments", "step_not_restored"])
+def test_exactness_check_catches_a_broken_bridge(tmp_path, sources, broken):
+    """The same check fails when Adam's moments are swapped or its step counter is not restored."""
+    pair = ("zero3@2", "ddp@1")
+    written = reshard_pairs(tmp_path, sources(pair[0]), [pair], broken=broken)
+    diffs = state_differences(consolidate(sources(pair[0])[pair[0]]), consolidate(written[pair]))
+    expected = "exp_avg" if broken == "swap_moments" else "step"
+    assert any(d.endswith(f".{expected}") for d in diffs), diffs
+
+
+@pytest.mark.slow
+@pytest.mark.extra
+@pytest.mark.parametrize("pair", EXTRA_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_reshard_is_exact_everywhere(tmp_path, sources, pair):
+    written = reshard_pairs(tmp_path, sources(pair[0]), [pair])
+    assert_same_state(sources(pair[0])[pair[0]], written[pair])
+
+
+@pytest.mark.slow
+def test_resharded_run_trains_on_as_the_uninterrupted_one(tmp_path):
+    """zero3@2 for 2 steps, resharded into ddp@1 for 2 more, against single for 4 straight: the
+    first two losses are the source's own, bit for bit; the rest agree to 1e-5 (ZeRO's reduction
+    order is not one process's, so the weights differ in the last bits)."""
+    src, straight, resumed = tmp_path / "src", tmp_path / "straight", tmp_path / "resumed"
+    run_cli(src, "strategy=zero3", "world_size=2", *COMMON, "trainer.steps=2", "trainer.checkpoint_every=2")
+    run_cli(straight, "strategy=single", *COMMON, "trainer.steps=4")
+    run_cli(
+        resumed,
+        "strategy=ddp",
+        "world_size=1",
+        *COMMON,
+        "trainer.steps=4",
+        f"trainer.resume={src / 'checkpoints' / checkpoint_name(2)}",
+        "trainer.reshard=true",
+    )
+    first, whole, after = load_metrics(src), load_metrics(straight), load_metrics(resumed)
+    assert after["losses"][:2] == first["losses"]
+    assert after["resharded_from"]["strategy"] == "zero3" and after["resharded_from"]["world_size"] == 2
+    assert_losses_close(after["losses"], whole["losses"], rtol=1e-5)
+
+
+# ----- python -m parallel_lab.checkpoint, and bad input (one line, exit 2, nothing written) -----
+def _checkpoint_cmd(*args: str):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "parallel_lab", "checkpoint", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_inspect_and_export(tmp_path, sources, capsys):
+    """inspect names the writer and the bytes per rank (in process); export through
+    `parallel-lab checkpoint` (a real process): its safetensors equal the full state."""
+    from safetensors.torch import load_file
+
+    from parallel_lab.checkpoint.__main__ import main as checkpoint_main
+
+    src = sources("zero3@2")["zero3@2"]
+    assert checkpoint_main(["inspect", str(src)]) == 0
+    shown = capsys.readouterr().out
+    assert "strategy=zero3 world_size=2 at step 2" in shown and "rank 1:" in shown
+    done = _checkpoint_cmd("export", str(src), str(tmp_path / "out"), "--optimizer")
+    assert done.returncode == 0, done.stderr
+    full = consolidate(src)
+    weights, adam = (
+        load_file(tmp_path / "out" / "model.safetensors"),
+        load_file(tmp_path / "out" / "optimizer.safetensors"),
+    )
+    assert all(torch.equal(weights[n], full.model[n]) for n in full.param_names)
+    assert all(torch.equal(adam[f"{n}.exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
+
+
+@pytest.mark.slow
+def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources):
+    """A trainer file replaced by garbage (complete.json re-hashed, so only the reader can tell):
+    one line, exit 2, nothing written."""
+    import json
+    import shutil
+
+    from parallel_lab.checkpoint import COMPLETE, sha256_file
+
+    src = tmp_path / "copy"
+    shutil.copytree(sources("single@1")["single@1"], src)
+    bad = src / "trainer_rank0.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    manifest = json.loads((src / COMPLETE).read_text())
+    manifest["files"]["trainer_rank0.pt"] = {"size": bad.stat().st_size, "sha256": sha256_file(bad)}
+    (src / COMPLETE).write_text(json.dumps(manifest))
+    result = _checkpoint_cmd("export", str(src), str(tmp_path / "out"))
+    assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("trainer.reshard=true",), "trainer.reshard=true needs the checkpoint to re-cut"),
+        (("trainer.reshard=true", "trainer.resume=never"), "trainer.resume=never names none"),
+        (("strategy=zero1", "strategy.precision=bf16", "trainer.reshard=true", "trainer.resume=/x"), "precision=fp32"),
+    ],
+)
+def test_bad_reshard_input_is_one_line(tmp_path, overrides, message):
+    from parallel_lab.cli.run import run_cli as plain_run_cli
+
+    result = plain_run_cli(tmp_path / "run", *overrides, *COMMON, "world_size=2", check=False, in_process=True)
+    assert result.returncode == 2 and message in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_reshard_refuses_what_must_match(tmp_path, sources):
+    """Another global batch is another training run: refused in one line before any process starts,
+    and the target layout that cannot hold the model gets validate()'s own line."""
+    src = sources("single@1")["single@1"]
+    for overrides, message in [
+        (("trainer.global_batch=64",), "global_batch=32 but this run has global_batch=64"),
+        (("strategy=tp", "strategy.tp=3", "world_size=3"), "strategy.tp"),
+    ]:
+        result = run_cli(
+            tmp_path / f"r{len(message)}",
+            *COMMON,
+            *overrides,
+            f"trainer.resume={src}",
+            "trainer.reshard=true",
+            "trainer.steps=4",
+            check=False,
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr
