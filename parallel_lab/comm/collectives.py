@@ -16,7 +16,9 @@ function               pattern                                    bytes sent (bu
 ``reduce``             star: everyone sends to ``dst``            B (leaf);  dst receives (N-1)B
 ``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B sent + (N-1)B received
                                                                   at rank 0: a hotspot
-``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank
+``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank;
+                       up to ``SMALL_BYTES`` on a power-of-two    B * log2(N) (recursive
+                       world: recursive doubling                  doubling: log2 N steps)
 ``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
 ``all_reduce`` mpi     mpi4py ``Allreduce`` on a numpy view       MPI library's choice, about
                        (``comm/mpi.py``; ranks from ``mpiexec``)  2(N-1)/N * B (Rabenseifner)
@@ -26,6 +28,12 @@ function               pattern                                    bytes sent (bu
 
 The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
 all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
+Small tensors are latency-bound instead: every gloo message here costs a fixed ~100-200 us (gloo's
+TCP pair sends only once the peer has announced the matching receive, then the peer's event loop
+wakes, a Work object completes), so ``all_reduce(ring)`` switches to recursive doubling below
+``SMALL_BYTES`` (Thakur, Rabenseifner & Gropp, IJHPCA 2005: MPICH makes the same split), one
+message step per log2 N instead of the ring's 2(N-1). Measured side by side with gloo and MPICH:
+``python -m parallel_lab.bench collectives`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,7 +47,11 @@ OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin", "mpi")
 SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
 RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
-SMALL_BYTES = 1 << 20  # all_reduce(ring) at or below this size runs recursive doubling instead
+# all_reduce(ring) at or below this size runs recursive doubling instead. Measured at world 2
+# (bench collectives, 7 rounds, 2 shared cores): recursive doubling takes 0.74-0.85x gloo's time
+# from 1 KiB to 256 KiB; at 1 MiB it is 1.57x gloo's, but the ring was no better there (1.2x to
+# 3.4x across runs): both pay gloo's per-message handshake, the ring twice in a row.
+SMALL_BYTES = 1 << 20
 
 
 def _check_op(op: str) -> None:

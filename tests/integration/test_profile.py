@@ -101,7 +101,7 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches):
     unit-tested against a simulation); the first stage's measured idle share must match it within
     0.1. m = 2 and 3: every further micro-batch adds one more hand-off (gloo moves a tensor only once
     its receive is posted) and, under load, one more max of two jittery stage times to the real
-    pipeline that mean times do not see (measured: +0.03 to +0.15 at m = 4)."""
+    pipeline that mean times do not see (measured: up to +0.14 at m = 4, failing 2 of 4 runs under load)."""
     metrics = runs(
         f"pp_m{microbatches}",
         "strategy=pp",
