@@ -30,7 +30,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(SmallCNN())
+    # The toolkit's ddp defaults (parallel_lab/strategies/ddp.py): gradients live in the buckets
+    # (no copy into them and back each step), 25 MiB buckets. Without them this script did more work
+    # per step than the toolkit and the overhead bench read 1.2x "faster than bare".
+    model = DistributedDataParallel(SmallCNN(), bucket_cap_mb=25.0, gradient_as_bucket_view=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
     data = TensorDataset(torch.randn(4096, 3, 32, 32), torch.randint(0, 10, (4096,)))
     sampler = DistributedSampler(data, world, rank, seed=0, drop_last=True)

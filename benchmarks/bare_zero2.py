@@ -37,7 +37,15 @@ def main() -> None:
         "train_micro_batch_size_per_gpu": args.global_batch // world,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 2},
+        # The toolkit's zero2 settings (parallel_lab/strategies/zero/ds_config.py): 25 MiB buckets
+        # (in fp32 elements) and no step logging, so both sides do the same work per step.
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 25 * 2**20 // 4,
+            "allgather_bucket_size": 25 * 2**20 // 4,
+        },
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)

@@ -139,6 +139,25 @@ def memcpy_gbps(nbytes: int, reps: int = 10) -> float:
     return src.nbytes * reps / (time.perf_counter() - t0) / 1e9
 
 
+def time_call(impl: str, op: str, n: int, comm, rank: int, p: int, args) -> float:
+    """Median seconds per call over this round's iterations, the slowest rank's (MAX over ranks)."""
+    from mpi4py import MPI
+
+    run, _ = make_call(impl, op, rank_input(op, n, rank, p, zeros=True), comm, rank, p)
+    iters = max(args.min_iters, min(args.max_iters, args.budget_bytes // (4 * n)))
+    for _ in range(args.warmup):
+        run()
+    comm.Barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    # Median per call (robust to a descheduled rank on shared cores); the slowest rank sets the
+    # pace of a collective, hence MAX over ranks.
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
 def run_job(args) -> int:
     """Inside mpiexec: every rank runs this."""
     import torch
@@ -160,30 +179,26 @@ def run_job(args) -> int:
     while size <= args.max_bytes:
         sizes.append(size)
         size *= args.factor
-    rows = []
-    for op in args.ops:
-        for nbytes in sizes:
-            n = max(p, (nbytes // 4) // p * p)  # float32, a multiple of p elements
-            row = {"op": op, "bytes": 4 * n}
+    cases = [(op, max(p, (nbytes // 4) // p * p)) for op in args.ops for nbytes in sizes]  # float32, n % p == 0
+    for op, n in cases:  # correctness first: one call per impl on known integers, exact comparison
+        for impl in args.impls:
+            run, result = make_call(impl, op, rank_input(op, n, rank, p, zeros=False), comm, rank, p)
+            run()
+            if not np.array_equal(result(), expected(op, n, rank, p)):
+                raise AssertionError(f"{impl} {op} at {n} elements gave a wrong result on rank {rank}")
+    # Rounds: every round times every (op, size, impl) once, the impls back to back, so load that
+    # drifts during the run (a shared machine) lands on all of them alike; the table reports the
+    # median over rounds of each round's median.
+    per_round: dict[tuple[str, int, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for op, n in cases:
             for impl in args.impls:
-                run, result = make_call(impl, op, rank_input(op, n, rank, p, zeros=False), comm, rank, p)
-                run()  # correctness first: one call on known integers, exact comparison
-                if not np.array_equal(result(), expected(op, n, rank, p)):
-                    raise AssertionError(f"{impl} {op} at {n} elements gave a wrong result on rank {rank}")
-                run, _ = make_call(impl, op, rank_input(op, n, rank, p, zeros=True), comm, rank, p)
-                iters = max(args.min_iters, min(args.max_iters, args.budget_bytes // (4 * n)))
-                for _ in range(args.warmup):
-                    run()
-                comm.Barrier()
-                times = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - t0)
-                # Median per call (robust to a descheduled rank on shared cores); the slowest
-                # rank sets the pace of a collective, hence MAX over ranks.
-                row[impl] = comm.allreduce(float(np.median(times)), op=MPI.MAX)
-            rows.append(row)
+                per_round.setdefault((op, n, impl), []).append(time_call(impl, op, n, comm, rank, p, args))
+    rows = []
+    for op, n in cases:
+        row = {"op": op, "bytes": 4 * n}
+        row.update({impl: float(np.median(per_round[(op, n, impl)])) for impl in args.impls})
+        rows.append(row)
     import gc
 
     gc.collect()
@@ -226,6 +241,28 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
             alg = row["bytes"] / t / 1e9
             cells += [f"{t * 1e6:.1f}", f"{alg:.3f}", f"{alg * bus_factor(row['op'], p):.3f}"]
         print("| " + " | ".join(cells) + " |")
+    if {"hand", "gloo"} <= set(args.impls):
+        print_ratios(rows, args, p, ceiling)
+
+
+def print_ratios(rows, args, p: int, ceiling: tuple[float, float]) -> None:
+    """The hand-written collectives as ratios: busbw against gloo, MPI and the memcpy ceiling (the
+    in-cache one up to 256 KiB), and time against gloo's (latency, what matters for small sizes)."""
+    mpi = "mpi4py" in args.impls
+    print(f"\nhand-written collectives as ratios (median of {args.rounds} rounds; > 1 = hand ahead, except time)")
+    print(
+        "| op | size | hand/gloo busbw |"
+        + (" hand/mpi4py busbw |" if mpi else "")
+        + " hand busbw/memcpy | hand time/gloo time |"
+    )
+    print("|" + "---|" * (5 + mpi))
+    for row in rows:
+        hand, gloo = row["hand"], row["gloo"]
+        busbw = row["bytes"] / hand / 1e9 * bus_factor(row["op"], p)
+        cells = [row["op"], human(row["bytes"]), f"{gloo / hand:.2f}"]
+        cells += [f"{row['mpi4py'] / hand:.2f}"] if mpi else []
+        cells += [f"{busbw / ceiling[0 if row['bytes'] > 256 << 10 else 1]:.2f}", f"{hand / gloo:.2f}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 def under_mpi() -> bool:
@@ -247,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-bytes",
         type=parse_bytes,
-        default=256 << 20,
+        default=128 << 20,
         help="iterations per size = budget / size, clamped to [min-iters, max-iters]",
     )
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=positive, default=5, help="rounds; the table shows their median (default 5)")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--json", default=None, help="also write the rows (seconds per call) to this file")

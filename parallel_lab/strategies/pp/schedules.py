@@ -4,6 +4,7 @@ measured, the same way for both implementations."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from torch import nn
 
@@ -57,3 +58,30 @@ class BusyTimer:
         now = time.perf_counter()
         self.busy += now - self._start
         self._start = now if keep_open else None
+
+
+def gpipe_step_time(forward: Sequence[float], backward: Sequence[float], m: int, handoff: float = 0.0) -> float:
+    """How long a GPipe step takes when stage s spends ``forward[s]`` on its m forwards and
+    ``backward[s]`` on its m backwards (totals, any unit; its sends folded in).
+
+    The forwards are a flow shop of m identical jobs through stages 0..p-1: the first micro-batch
+    crosses every stage, then the slowest stage lets one more through per forward of its own, so
+    they end after sum(f) + (m-1) max(f) for the per-micro-batch times f = forward / m. The
+    backwards start on the last stage at that moment and cross back the same way: sum(b) +
+    (m-1) max(b) more (GPipe, Huang et al., arXiv 1811.06965). Equal stages give (m + p - 1)(f + b),
+    whence the bubble (p-1)/(m+p-1).
+
+    ``handoff``: the time a receiving stage waits for a tensor already sent (gloo's rendezvous:
+    the data moves only once the receive is posted, and this strategy posts it when it needs the
+    tensor). It lengthens every micro-batch's hop on the critical path: (m + p - 1) per direction
+    at most; here counted once per micro-batch and boundary crossing of the critical path, i.e.
+    (m + p - 1) in all, as the faster stage of each direction absorbs the other's."""
+    p = len(forward)
+    f, b = [t / m for t in forward], [t / m for t in backward]
+    return sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b) + (m + p - 1) * handoff
+
+
+def gpipe_first_stage_idle(forward: Sequence[float], backward: Sequence[float], m: int, handoff: float = 0.0) -> float:
+    """The first stage's predicted idle time in a GPipe step: it starts the step and finishes it
+    (the last backward is its own), so it idles for the whole step minus its own work."""
+    return gpipe_step_time(forward, backward, m, handoff) - forward[0] - backward[0]

@@ -30,6 +30,25 @@ def _assert_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
         assert torch.equal(ours, theirs), what
 
 
+# (algorithm, segment_bytes, small_bytes) for all_reduce; see check_all.
+ALL_REDUCE_VARIANTS = (
+    ("star", None, None),
+    ("ring", None, None),
+    ("ring", None, 0),
+    ("ring", 40, 0),
+    ("ring", 40, None),
+    ("builtin", None, None),
+)
+
+
+def _assert_same_on_every_rank(ours: torch.Tensor, world: int, what: str) -> None:
+    """Data parallelism needs the same bits on every rank (replicas would drift apart otherwise),
+    which a tolerance against gloo's result would not show."""
+    everyone = [torch.empty_like(ours) for _ in range(world)]
+    dist.all_gather(everyone, ours.contiguous())
+    assert all(torch.equal(everyone[0], other) for other in everyone), f"ranks differ after {what}"
+
+
 def _inputs(rank: int, seed: int):
     for dtype in (torch.float32, torch.int64):
         for numel in SIZES:
@@ -96,19 +115,19 @@ def check_all(rank: int, world_size: int) -> None:
                 else:
                     assert torch.equal(ours, x), f"reduce changed non-destination rank {rank}: {what}"
                 checked += 1
-        # ring/40: 40-byte segments, so every chunk travels as several pipelined messages.
-        for algorithm, segment in (("star", None), ("ring", None), ("ring", 40), ("builtin", None)):
+        # ring/40: 40-byte segments, so every chunk travels as several pipelined messages. small=0
+        # forces the ring; small=None lets sizes up to SMALL_BYTES on a power-of-two world take
+        # recursive doubling (every size here at world 2), segmented too with 40-byte segments.
+        for algorithm, segment, small in ALL_REDUCE_VARIANTS:
             if segment and x.numel() > 2000:
                 continue  # tens of thousands of tiny messages would only cost time
             for op in ("sum", "mean"):
                 ours, theirs = x.clone(), x.clone()
-                collectives.all_reduce(ours, op=op, algorithm=algorithm, segment_bytes=segment)
+                collectives.all_reduce(ours, op=op, algorithm=algorithm, segment_bytes=segment, small_bytes=small)
                 dist.all_reduce(theirs, op=dist.ReduceOp.SUM)
-                _assert_equal(
-                    ours,
-                    theirs if op == "sum" else _torch_mean(theirs, world_size),
-                    f"all_reduce {algorithm}/{segment} op={op} {what}",
-                )
+                what_here = f"all_reduce {algorithm}/{segment}/small={small} op={op} {what}"
+                _assert_equal(ours, theirs if op == "sum" else _torch_mean(theirs, world_size), what_here)
+                _assert_same_on_every_rank(ours, world_size, what_here)
                 checked += 1
         checked += _check_ring_halves(x, rank, world_size, what)
     print(f"checked {checked}")
