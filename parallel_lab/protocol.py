@@ -178,6 +178,8 @@ class RunMetrics(_Record):
     # trainer.reshard=true: the run the checkpoint came from ({strategy, strategy_options,
     # world_size, step, format}); None when not resharded
     resharded_from: Optional[dict[str, Any]] = None
+    # trainer.init_from: {path, format, optimizer} of the outside weights this run started from
+    initialized_from: Optional[dict[str, Any]] = None
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

@@ -317,6 +317,7 @@ def _metrics(
         resumed_from_step=state.first_step if state.resumed else None,
         resumed_from=str(state.resumed.path) if state.resumed else None,
         resharded_from=state.resumed.resharded_from if state.resumed else None,
+        initialized_from=checkpointer.initialized_from,
         checkpoint_every=t.checkpoint_every,
         checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
         checkpoint_load_s=checkpointer.load_seconds,
