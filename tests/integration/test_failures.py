@@ -440,6 +440,21 @@ CATALOGUE = {
         ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.min_nodes=3"],
         ("launcher.min_nodes=3", "2 host(s)", "at most 2"),
     ),
+    "min-nodes-batch-not-split": (
+        [
+            "launcher=torchrun",
+            "launcher.hosts=[a,b,c]",
+            "world_size=3",
+            "launcher.min_nodes=2",
+            "trainer.global_batch=33",
+            "trainer.checkpoint_every=5",
+        ],
+        ("launcher.min_nodes=2", "2 ranks", "trainer.global_batch=33"),
+    ),
+    "min-nodes-no-checkpoints": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.min_nodes=1"],
+        ("launcher.min_nodes=1", "trainer.checkpoint_every=0", "set trainer.checkpoint_every"),
+    ),
     "profile-steps-0": (["trainer.profile=true", "trainer.profile_steps=0"], ("trainer.profile_steps=0", ">= 1")),
     "profile-steps-past-the-run": (
         ["trainer.profile=true", "trainer.steps=3", "trainer.profile_steps=2"],
@@ -479,6 +494,8 @@ REFUSED_BEFORE_WORKERS = {
     "init-from-and-resume",
     "min-nodes-without-torchrun",
     "min-nodes-beyond-hosts",
+    "min-nodes-batch-not-split",
+    "min-nodes-no-checkpoints",
     "profile-steps-0",
     "profile-steps-past-the-run",
     "device-cuda-too-few-gpus",
