@@ -105,7 +105,13 @@ def torchrun_host_command(cfg: DictConfig, config_path: Path, port: int, node_ra
         *WORKER,
         str(config_path),
     ]
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in worker_env(cfg).items()]
+    env = worker_env(cfg)
+    if elastic:
+        # Not the agents' shared rendezvous store: each round's workers make a fresh one. A host
+        # that joins later counts its restarts from 0 while the others do not, so the per-attempt
+        # key prefix on a shared store (comm/dist_env.py) would differ between ranks.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     return f"cd {shlex.quote(os.getcwd())} && env {' '.join(assignments)} {shlex.join(argv)}"
 
 
