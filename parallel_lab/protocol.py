@@ -178,6 +178,11 @@ class RunMetrics(_Record):
     # trainer.reshard=true: the run the checkpoint came from ({strategy, strategy_options,
     # world_size, step, format}); None when not resharded
     resharded_from: Optional[dict[str, Any]] = None
+    # trainer.init_from: {path, format, optimizer} of the outside weights this run started from
+    initialized_from: Optional[dict[str, Any]] = None
+    # [{from_step, to_step, world_size, strategy}]: steps [from, to) trained at that world (one range
+    # unless an elastic run, launcher.min_nodes, lost or regained hosts, or a reshard changed it)
+    world_size_history: list = field(default_factory=list)
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

@@ -97,6 +97,7 @@ class Checkpointer:
         self.save_seconds: list[float] = []  # wall time of each save, barriers included
         self.load_seconds: float | None = None
         self.last_bytes = 0  # size of the newest checkpoint written (rank 0)
+        self.initialized_from: dict | None = None  # trainer.init_from, once loaded
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and (steps_done % self.every == 0 or steps_done == self.cfg.trainer.steps)
@@ -145,6 +146,7 @@ class Checkpointer:
             choice[1]["step"] if choice else -1, int(bool(choice) and choice[0] == explicit)
         )
         if step < 0:
+            self._init_from()
             return None
         path = explicit if from_resume else self.root / checkpoint_name(step)
         if self.cfg.trainer.get("reshard"):
@@ -159,6 +161,20 @@ class Checkpointer:
         set_rng_state(state["rng"], self.env.device)
         self.load_seconds = time.perf_counter() - started
         return Resumed(step=step, batches_consumed=state["batches_consumed"], path=path, history=state["history"])
+
+    def _init_from(self) -> None:
+        """trainer.init_from: a fresh run (step 0, data from the start) with outside weights, and
+        Adam's state with trainer.init_optimizer=true, scattered by the strategy as a reshard is."""
+        t = self.cfg.trainer
+        if not t.get("init_from"):
+            return
+        from parallel_lab.checkpoint.outside import read_outside
+
+        started = time.perf_counter()
+        outside = read_outside(t.init_from, self.cfg.model, bool(t.init_optimizer))
+        self.strategy.load_full_state(outside.model, outside.optim)
+        self.load_seconds = time.perf_counter() - started
+        self.initialized_from = {"path": str(t.init_from), "format": outside.format, "optimizer": bool(outside.optim)}
 
     def _restore_resharded(self, path: Path, started: float) -> Resumed:
         """trainer.reshard=true: every rank reads the checkpoint's full state offline (any writer,

@@ -130,6 +130,13 @@ def _read_rank_shards(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
 
 
 def _read_dcp(path: Path) -> tuple[dict, dict]:
+    state = read_dcp_folder(path / "dcp", path)
+    optim = state.get("optimizer", {}).get("state", {})
+    return dict(state["model"]), {n: {k: v for k, v in s.items() if k in ADAM_KEYS} for n, s in optim.items()}
+
+
+def read_dcp_folder(folder: Path, path: Path) -> dict:
+    """A torch DCP checkpoint's whole state dict, as written (nested), read without a process group."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -142,12 +149,11 @@ def _read_dcp(path: Path) -> tuple[dict, dict]:
     state: dict = {}
     try:
         _load_state_dict(
-            state, storage_reader=WeightsOnlyFileSystemReader(str(path / "dcp")), planner=Planner(), no_dist=True
+            state, storage_reader=WeightsOnlyFileSystemReader(str(folder)), planner=Planner(), no_dist=True
         )
     except Exception as exc:  # noqa: BLE001 - DCP wraps every failure; one line is what the user needs
-        raise _bad(path, f"has unreadable dcp/ files ({type(exc).__name__})") from None
-    optim = state.get("optimizer", {}).get("state", {})
-    return dict(state["model"]), {n: {k: v for k, v in s.items() if k in ADAM_KEYS} for n, s in optim.items()}
+        raise _bad(path, f"has unreadable {folder.name}/ files ({type(exc).__name__})") from None
+    return state
 
 
 def _deepspeed_model_states(files: list[Path]) -> list:
@@ -189,9 +195,14 @@ def _merge_zero(stage: int, world: int, flat_groups: list, model_states: list, p
 
 
 def _read_deepspeed(path: Path, names: list[str]) -> tuple[dict, dict]:
+    return read_deepspeed_folder(path / "deepspeed", names)
+
+
+def read_deepspeed_folder(folder: Path, names: list[str]) -> tuple[dict, dict]:
+    """One tag folder of DeepSpeed's engine.save_checkpoint (any ZeRO stage and world size): the
+    full model state_dict and Adam's state by parameter name."""
     from parallel_lab.checkpoint.ds_reader import weights_only_load
 
-    folder = path / "deepspeed"
     optim_files = sorted(folder.glob("*_optim_states.pt"), key=lambda f: int(re.search(r"rank_(\d+)", f.name)[1]))
     if not optim_files:  # ZeRO-0: the module and the torch optimizer's own state_dict
         sd = weights_only_load(str(folder / "mp_rank_00_model_states.pt"), map_location="cpu")

@@ -135,6 +135,33 @@ def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=print_warning)
     return path, manifest
 
 
+def _validate_init_from(cfg: DictConfig) -> None:
+    """trainer.init_from / init_optimizer: read here, in the parent, so a file that is not what it
+    claims or another model's weights is one line before any process starts."""
+    t = cfg.trainer
+    if t.get("init_optimizer") and not t.get("init_from"):
+        raise ConfigError(
+            "trainer.init_optimizer=true needs trainer.init_from=<checkpoint> to take Adam's state from; "
+            "add trainer.init_from or drop trainer.init_optimizer"
+        )
+    if not t.get("init_from"):
+        return
+    if str(t.resume) not in ("auto", "never"):
+        raise ConfigError(
+            f"trainer.init_from={t.init_from} starts a new run but trainer.resume={t.resume} continues one; "
+            "keep one of them"
+        )
+    if t.init_optimizer and str(t.optimizer) not in ("adam", "adamw"):
+        raise ConfigError(
+            f"trainer.init_optimizer=true loads Adam's state, but trainer.optimizer={t.optimizer}; "
+            "use trainer.optimizer=adam or drop trainer.init_optimizer"
+        )
+    from parallel_lab.checkpoint.outside import read_outside
+
+    t.init_from = str(Path(str(t.init_from)).expanduser().resolve())
+    read_outside(t.init_from, cfg.model, bool(t.init_optimizer))
+
+
 def validate_checkpoint_config(cfg: DictConfig) -> None:
     """Parent-side checks of trainer.checkpoint_* / trainer.resume (one-line errors)."""
     t = cfg.trainer
@@ -170,6 +197,7 @@ def validate_checkpoint_config(cfg: DictConfig) -> None:
         )
     if resume not in ("auto", "never"):
         t.resume = str(Path(resume).expanduser().resolve())  # workers may start in another folder
+    _validate_init_from(cfg)
     if not t.checkpoint_dir:  # a config composed in process, not for a run folder
         if t.resume not in ("auto", "never"):
             pick_checkpoint(cfg, warn=lambda msg: None)

@@ -199,20 +199,25 @@ def _signal_group(popen: subprocess.Popen | zygote.ForkedRank, sig: int) -> None
             pass
 
 
-def supervise(procs: list[Proc], grace_s: float) -> int:
-    """Wait for all; after the first failure give the rest grace_s to exit, then stop them."""
+def supervise(procs: list[Proc], grace_s: float, required: int | None = None) -> int:
+    """Wait for all; after the first failure give the rest grace_s to exit, then stop them.
+    required=k (an elastic torchrun run): only the first k may not fail; a later host's agent that
+    dies leaves the group to torchrun, which re-forms it without that host."""
     failed_at = None
+    required = len(procs) if required is None else required
     while True:
         codes = [p.popen.poll() for p in procs]
-        if all(c is not None for c in codes):
+        if all(c is not None for c in codes[:required]) and (
+            required < len(procs) or all(c is not None for c in codes)
+        ):
             break
-        if failed_at is None and any(c not in (None, 0) for c in codes):
+        if failed_at is None and any(c not in (None, 0) for c in codes[:required]):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             _stop(procs)
             break
         time.sleep(0.05)
-    codes = [p.popen.returncode for p in procs]
+    codes = [p.popen.returncode for p in procs[:required]]
     return next((c for c in codes if c != 0), 0)
 
 
@@ -285,7 +290,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> int | None:
     try:
         commands = launcher_commands(cfg, config_path, port)
         procs = run_processes(commands, fork=_fork_spawned_ranks(cfg, commands))
-        return supervise(procs, cfg.launcher.grace_s)
+        elastic = cfg.launcher.name == "torchrun" and cfg.launcher.get("min_nodes") is not None
+        return supervise(procs, cfg.launcher.grace_s, required=1 if elastic else None)
     finally:
         _stop(procs)  # also on KeyboardInterrupt or SIGTERM: no orphan workers
         signal.signal(signal.SIGTERM, previous)

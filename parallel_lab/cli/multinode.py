@@ -61,24 +61,57 @@ def remote_shell(cfg: DictConfig) -> list[str]:
     return shlex.split(cfg.launcher.remote_shell or "")
 
 
+ELASTIC_RESTARTS = 3  # launcher.min_nodes with max_restarts=0: re-forming the group IS a restart
+
+
+def static_flags(cfg: DictConfig, port: int, node_rank: int) -> list[str]:
+    """A fixed group: every host's rank known in advance, the rendezvous on host 0."""
+    launcher = cfg.launcher
+    return [
+        f"--nnodes={launcher.nodes}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={launcher.master_addr}",
+        f"--master_port={port}",
+    ]
+
+
+def elastic_flags(cfg: DictConfig, port: int) -> list[str]:
+    """launcher.min_nodes: torchrun's elastic group (--nnodes=K:N), its c10d rendezvous store on host 0
+    (the agent whose host is the endpoint serves it); node ranks are handed out at each rendezvous.
+    The run folder names the rendezvous, so two runs on the same hosts never meet."""
+    launcher = cfg.launcher
+    return [
+        f"--nnodes={launcher.min_nodes}:{launcher.nodes}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={launcher.master_addr}:{port}",
+        f"--rdzv_id={Path(cfg.run_dir).name if cfg.run_dir else 'parallel_lab'}",
+        "--rdzv_conf=join_timeout=60,last_call_timeout=5",
+    ]
+
+
 def torchrun_host_command(cfg: DictConfig, config_path: Path, port: int, node_rank: int) -> str:
     """The shell line that starts host `node_rank`'s torchrun agent (what ssh runs there)."""
     launcher = cfg.launcher
+    elastic = launcher.get("min_nodes") is not None
+    restarts = launcher.max_restarts or (ELASTIC_RESTARTS if elastic else 0)
     argv = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={launcher.nodes}",
-        f"--node_rank={node_rank}",
+        *(elastic_flags(cfg, port) if elastic else static_flags(cfg, port, node_rank)),
         f"--nproc_per_node={launcher.nproc_per_node}",
-        f"--master_addr={launcher.master_addr}",
-        f"--master_port={port}",
-        f"--max_restarts={launcher.max_restarts}",
+        f"--max_restarts={restarts}",
         *launcher.extra_args,
         *WORKER,
         str(config_path),
     ]
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in worker_env(cfg).items()]
+    env = worker_env(cfg)
+    if elastic:
+        # Not the agents' shared rendezvous store: each round's workers make a fresh one. A host
+        # that joins later counts its restarts from 0 while the others do not, so the per-attempt
+        # key prefix on a shared store (comm/dist_env.py) would differ between ranks.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     return f"cd {shlex.quote(os.getcwd())} && env {' '.join(assignments)} {shlex.join(argv)}"
 
 

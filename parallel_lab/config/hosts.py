@@ -105,6 +105,23 @@ def _master_addr(launcher: DictConfig, hosts: list[str], nodes: int) -> str | No
     return addr
 
 
+def _check_min_nodes(launcher: DictConfig, nodes: int) -> None:
+    """launcher.min_nodes: torchrun's elastic range --nnodes=min_nodes:nodes (one line otherwise)."""
+    k = launcher.get("min_nodes")
+    if k is None:
+        return
+    if launcher.name != "torchrun":
+        raise ConfigError(
+            f"launcher.min_nodes={k} needs launcher=torchrun (launcher={launcher.name} cannot shrink a running "
+            f"group); add launcher=torchrun or drop launcher.min_nodes"
+        )
+    if not isinstance(k, int) or not 1 <= k <= nodes:
+        raise ConfigError(
+            f"launcher.min_nodes={k} must be between 1 and the {nodes} host(s) listed; "
+            f"set launcher.min_nodes to at most {nodes}, or list more launcher.hosts"
+        )
+
+
 def resolve_hosts(cfg: DictConfig, world: int, single_process: bool) -> None:
     """Check hosts x procs per node = world_size; fill in hosts, nodes, nproc_per_node, master_addr."""
     launcher = cfg.launcher
@@ -136,6 +153,7 @@ def resolve_hosts(cfg: DictConfig, world: int, single_process: bool) -> None:
             "launcher.ds_runner=mpich cannot start a module in DeepSpeed 0.19.8 (it runs "
             "`python -m <path>/launcher_helper.py`); use launcher.ds_runner=pdsh, or launcher=mpirun"
         )
+    _check_min_nodes(launcher, nodes)
     slots = {s for _, s in entries if s is not None}
     launcher.nproc_per_node = 1 if single_process else _procs_per_node(launcher, slots, nodes, world)
     launcher.hosts = hosts

@@ -92,6 +92,11 @@ class TrainerConfig:
     # true: trainer.resume=<path> may come from any strategy, options and world size; its full state
     # is gathered offline and scattered into this run's layout (checkpoint/full_state.py)
     reshard: bool = False
+    # A NEW run (steps count from 0) starting from the weights at this path: one of our checkpoints,
+    # a plain DeepSpeed or torch DCP checkpoint, a .safetensors or torch.save state dict
+    # (checkpoint/outside.py). Ignored when trainer.resume finds a checkpoint of this run to continue.
+    init_from: Optional[str] = None
+    init_optimizer: bool = False  # true: also Adam's state (exp_avg, exp_avg_sq, step) from init_from
     # Noise-floor reruns of the `single` baseline only (parallel_lab/report/parity.py; a sweep starts them):
     # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
     ulp_jitter_seed: Optional[int] = None
@@ -153,6 +158,10 @@ class LauncherConfig:
     remote_shell: Optional[str] = "ssh -o BatchMode=yes -tt"
     ds_runner: str = "pdsh"  # deepspeed on several hosts: its --launcher (pdsh | mpich | openmpi | ...)
     max_restarts: int = 0  # torchrun only
+    # torchrun only, several hosts: run elastically (--nnodes=min_nodes:len(hosts), c10d rendezvous
+    # on host 0): when a host dies the others re-form a smaller group and reshard the newest
+    # checkpoint to the new world size (docs/multinode.md). null = a fixed set of hosts.
+    min_nodes: Optional[int] = None
     extra_args: list = field(default_factory=list)
     grace_s: float = 10.0  # after one rank fails, how long the others get before being killed
     # spawn on CPU: fork each rank from a process that has already imported torch (~0.1 s instead

@@ -214,7 +214,9 @@ def validate(
     validate_data_config(cfg.data, cfg.trainer)
     from parallel_lab.checkpoint import validate_checkpoint_config
 
-    refusal = strategy_cls.reshard_refusal(cfg) if t.reshard else None
+    _check_elastic_worlds(cfg)
+    elastic = cfg.launcher.get("min_nodes") is not None  # a re-formed group reshards its checkpoint
+    refusal = strategy_cls.reshard_refusal(cfg) if t.reshard or elastic else None
     if refusal:
         raise ConfigError(refusal)
     validate_checkpoint_config(cfg)
@@ -224,6 +226,27 @@ def validate(
     resolve_device(cfg, warn)
     check_machine_fits(cfg, t.global_batch // (dp * t.grad_accum), warn)  # last: every value is known good
     return cfg
+
+
+def _check_elastic_worlds(cfg: DictConfig) -> None:
+    """launcher.min_nodes: every world torchrun may re-form (min_nodes..nodes hosts) must split the
+    global batch, which stays what it is so the loss curve continues; and without checkpoints there
+    is nothing to continue from."""
+    launcher, t = cfg.launcher, cfg.trainer
+    if launcher.get("min_nodes") is None:
+        return
+    for hosts in range(launcher.min_nodes, launcher.nodes + 1):
+        world = hosts * launcher.nproc_per_node
+        if t.global_batch % (world * t.grad_accum):
+            raise ConfigError(
+                f"launcher.min_nodes={launcher.min_nodes}: a group re-formed on {hosts} host(s) has {world} ranks, "
+                f"which do not split trainer.global_batch={t.global_batch}; use a global batch every such world divides"
+            )
+    if t.checkpoint_every <= 0:
+        raise ConfigError(
+            f"launcher.min_nodes={launcher.min_nodes} re-forms the group from the newest checkpoint, but "
+            "trainer.checkpoint_every=0 writes none; set trainer.checkpoint_every (e.g. 10)"
+        )
 
 
 def write_run_config(cfg: DictConfig) -> Path:

@@ -426,7 +426,19 @@ def _world_cell(run: Row) -> str:
     """'4 (2×2)': the world size and how the launcher placed it, nodes × processes per node."""
     m = run.metrics
     placed = f" ({m.nodes}×{m.nproc_per_node})" if run.ok and m.nodes else ""
-    return f"{run.record.world_size}{placed}"
+    return f"{run.record.world_size}{placed}{_world_changes(m) if run.ok else ''}"
+
+
+def _world_changes(m: RunMetrics) -> str:
+    """' [2→1 at step 20]': where an elastic run (or a reshard) changed its world or strategy."""
+    ranges = getattr(m, "world_size_history", None) or []
+    changes = [
+        f"{a['world_size']}→{b['world_size']}"
+        + (f" {a['strategy']}→{b['strategy']}" if a["strategy"] != b["strategy"] else "")
+        + f" at step {b['from_step']}"
+        for a, b in zip(ranges, ranges[1:])
+    ]
+    return f" [{'; '.join(changes)}]" if changes else ""
 
 
 def _mesh_cell(m: RunMetrics) -> str | None:

@@ -76,12 +76,30 @@ def record_pid(run_dir: Path, rank: int) -> None:
     (folder / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
+def adapt_to_elastic_world(cfg, env: DistEnv) -> None:
+    """launcher.min_nodes: torchrun may start this attempt with fewer (or again more) ranks than
+    config.yaml names. The run goes on at the world it got: the same global batch (each rank a
+    larger share, so the loss curve continues), and whatever checkpoint it resumes is re-cut to this
+    world (trainer.reshard: exact, tests/integration/test_reshard.py)."""
+    nproc = cfg.launcher.nproc_per_node or 1
+    if env.world_size % nproc or cfg.trainer.global_batch % (env.world_size * cfg.trainer.grad_accum):
+        raise ConfigError(
+            f"torchrun re-formed the group with {env.world_size} ranks, which do not split "
+            f"trainer.global_batch={cfg.trainer.global_batch}; pick a global batch every allowed world size divides"
+        )
+    cfg.world_size = env.world_size
+    cfg.launcher.nodes = env.world_size // nproc
+    cfg.trainer.reshard = True
+
+
 def run_worker(config_path: str) -> RunMetrics:
     """Train one rank of the run described by config_path; rank 0 writes metrics.json."""
     from parallel_lab.worker.train import train
 
     cfg = load_run_config(config_path)
     env: DistEnv = read_dist_env(cfg.device)
+    if cfg.launcher.get("min_nodes") is not None:
+        adapt_to_elastic_world(cfg, env)
     if env.world_size != cfg.world_size:
         raise ConfigError(
             f"config.yaml was resolved for world_size={cfg.world_size} but the launcher started "

@@ -69,10 +69,16 @@ class LoopState:
     resumed: Resumed | None = None
 
     @classmethod
-    def start(cls, resumed: Resumed | None) -> LoopState:
-        if resumed is None:
-            return cls()
-        return cls(resumed.step, resumed.batches_consumed, resumed.history, resumed)
+    def start(cls, resumed: Resumed | None, world: dict | None = None) -> LoopState:
+        state = cls() if resumed is None else cls(resumed.step, resumed.batches_consumed, resumed.history, resumed)
+        if world is not None:  # world_size_history: which world and strategy trained which steps
+            ranges = [r for r in state.history.get("world_size_history", []) if r["from_step"] < state.first_step]
+            if ranges:
+                ranges[-1] = {**ranges[-1], "to_step": state.first_step}
+            if not ranges or {k: ranges[-1][k] for k in world} != world:
+                ranges.append({"from_step": state.first_step, **world})
+            state.history["world_size_history"] = ranges
+        return state
 
     def record(self, loss: float, fwd_bwd_s: float, optimizer_s: float) -> None:
         self.history["losses"].append(loss)
@@ -188,7 +194,8 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     probe = batchnorm.StatisticsProbe(strategy.model)
     checkpointer = Checkpointer(cfg, env, strategy)
     with counter.paused():
-        state = LoopState.start(checkpointer.restore())  # RNG, sampler position, model and optimizer
+        world = {"world_size": env.world_size, "strategy": cfg.strategy.name}
+        state = LoopState.start(checkpointer.restore(), world)  # RNG, sampler position, model and optimizer
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
     scheduler = make_scheduler(t, strategy.optimizer, state.first_step)
@@ -232,6 +239,12 @@ def batchnorm_record(cfg: DictConfig, strategy: Strategy, probe: batchnorm.Stati
         "comm_theory_bytes_per_step": sum(theory.values()),
         "comm_theory_by_op": theory,
     }
+
+
+def _closed_ranges(ranges: list[dict], steps: int) -> list[dict]:
+    """world_size_history with every range's end: [{from_step, to_step, world_size, strategy}]."""
+    ends = [r["from_step"] for r in ranges[1:]] + [steps]
+    return [{**r, "to_step": end} for r, end in zip(ranges, ends)]
 
 
 def _final_parameters(cfg: DictConfig, env: DistEnv, strategy: Strategy, names: list[str]) -> tuple[float, str]:
@@ -317,6 +330,8 @@ def _metrics(
         resumed_from_step=state.first_step if state.resumed else None,
         resumed_from=str(state.resumed.path) if state.resumed else None,
         resharded_from=state.resumed.resharded_from if state.resumed else None,
+        initialized_from=checkpointer.initialized_from,
+        world_size_history=_closed_ranges(state.history.get("world_size_history", []), t.steps),
         checkpoint_every=t.checkpoint_every,
         checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
         checkpoint_load_s=checkpointer.load_seconds,

@@ -104,6 +104,35 @@ def finished_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
     ]
 
 
+def _init_from_file(name: str, content: bytes):
+    """trainer.init_from=<tmp>/<name> holding content."""
+
+    def make(tmp: Path, _) -> list[str]:
+        (tmp / name).write_bytes(content)
+        return [f"trainer.init_from={tmp / name}"]
+
+    return make
+
+
+def init_from_other_model(tmp: Path, _) -> list[str]:
+    """A torch.save state dict of the cnn, into a resnet18 run."""
+    import torch
+
+    from parallel_lab.models.cnn import SmallCNN
+
+    torch.save(SmallCNN().state_dict(), tmp / "cnn.pt")
+    return ["model=resnet18", f"trainer.init_from={tmp / 'cnn.pt'}"]
+
+
+def init_optimizer_without_adam_state(tmp: Path, _) -> list[str]:
+    from safetensors.torch import save_file
+
+    from parallel_lab.models.cnn import SmallCNN
+
+    save_file(SmallCNN().state_dict(), tmp / "model.safetensors")
+    return [f"trainer.init_from={tmp / 'model.safetensors'}", "trainer.init_optimizer=true"]
+
+
 def reused_checkpoint_dir(tmp: Path, checkpoint_of) -> list[str]:
     return [f"trainer.checkpoint_dir={checkpoint_of(tmp).parent}", "trainer.resume=never"]
 
@@ -380,6 +409,52 @@ CATALOGUE = {
     "never-into-used-checkpoint-dir": (reused_checkpoint_dir, "already holds step_00000002"),
     "resume-parent-folder": (checkpoints_parent_folder, "step_00000002"),
     "resume-beside-other-checkpoints": (resume_beside_other_checkpoints, "already holds step_00000001"),
+    "init-from-unknown-format": (
+        _init_from_file("weights.bin", b"GGUF not ours at all"),
+        ("weights.bin", "unknown format", "point trainer.init_from at"),
+    ),
+    "init-from-not-what-it-claims": (
+        _init_from_file("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"),
+        ("model.safetensors", "not a readable safetensors checkpoint"),
+    ),
+    "init-from-disallowed-pickle-global": (
+        _init_from_file("evil.pt", pickle.dumps(Evil())),
+        ("evil.pt", "not a readable torch checkpoint", "weights_only=True) refused it"),
+    ),
+    "init-from-other-model": (init_from_other_model, ("cnn.pt", "does not fit model=resnet18")),
+    "init-from-missing": (["trainer.init_from=/nonexistent/w.pt"], ("/nonexistent/w.pt", "does not exist")),
+    "init-optimizer-without-init-from": (["trainer.init_optimizer=true"], ("trainer.init_optimizer=true", "add")),
+    "init-optimizer-no-adam-state": (
+        init_optimizer_without_adam_state,
+        ("no Adam state", "drop trainer.init_optimizer"),
+    ),
+    "init-from-and-resume": (
+        ["trainer.init_from=/x.pt", "trainer.resume=/y"],
+        ("trainer.init_from=/x.pt", "trainer.resume=/y", "keep one"),
+    ),
+    "min-nodes-without-torchrun": (
+        ["launcher.min_nodes=1"],
+        ("launcher.min_nodes=1", "launcher=spawn", "add launcher=torchrun"),
+    ),
+    "min-nodes-beyond-hosts": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.min_nodes=3"],
+        ("launcher.min_nodes=3", "2 host(s)", "at most 2"),
+    ),
+    "min-nodes-batch-not-split": (
+        [
+            "launcher=torchrun",
+            "launcher.hosts=[a,b,c]",
+            "world_size=3",
+            "launcher.min_nodes=2",
+            "trainer.global_batch=33",
+            "trainer.checkpoint_every=5",
+        ],
+        ("launcher.min_nodes=2", "2 ranks", "trainer.global_batch=33"),
+    ),
+    "min-nodes-no-checkpoints": (
+        ["launcher=torchrun", "launcher.hosts=[node0,node1]", "launcher.min_nodes=1"],
+        ("launcher.min_nodes=1", "trainer.checkpoint_every=0", "set trainer.checkpoint_every"),
+    ),
     "profile-steps-0": (["trainer.profile=true", "trainer.profile_steps=0"], ("trainer.profile_steps=0", ">= 1")),
     "profile-steps-past-the-run": (
         ["trainer.profile=true", "trainer.steps=3", "trainer.profile_steps=2"],
@@ -409,6 +484,18 @@ BAD_CHOICE = {
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
     *BAD_CHOICE,
+    "init-from-unknown-format",
+    "init-from-not-what-it-claims",
+    "init-from-disallowed-pickle-global",
+    "init-from-other-model",
+    "init-from-missing",
+    "init-optimizer-without-init-from",
+    "init-optimizer-no-adam-state",
+    "init-from-and-resume",
+    "min-nodes-without-torchrun",
+    "min-nodes-beyond-hosts",
+    "min-nodes-batch-not-split",
+    "min-nodes-no-checkpoints",
     "profile-steps-0",
     "profile-steps-past-the-run",
     "device-cuda-too-few-gpus",

@@ -3,8 +3,10 @@ another (checkpoint/full_state.py, Strategy.load_full_state).
 
 Exactness: the source checkpoint and the target's own checkpoint written right after loading are
 read back as full states (parameters, Adam's exp_avg / exp_avg_sq / step, loop state) and must be
-equal bit for bit. Same training: a run continued after resharding trains on as the uninterrupted
-run does, its first losses being the source's own.
+equal bit for bit. Same training (issue 24 item 1): 2 steps under S@W, resharded, 2 more under
+S'@W' pass the parity criterion (parallel_lab/report/parity.py) against the uninterrupted single run
+of 4 steps; every strategy a source and a target, the world going down and up (extra); a bridge that
+swaps Adam's moments or restarts its step counter fails it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch
 from parallel_lab.checkpoint import checkpoint_name
 from parallel_lab.checkpoint.full_state import consolidate
 from parallel_lab.cli.run import load_metrics, run_ranks
-from tests.support.bodies.reshard import reshard_and_save
+from parallel_lab.protocol import load_final_params
+from tests.support.bodies.reshard import reshard_and_save, train_resharded
 from tests.support.bodies.runs import train_and_record
 from tests.support.checks import assert_losses_close
 from tests.support.cli import run_cli, write_config
+from tests.support.reference import parity_reference
 
 COMMON = ("trainer.global_batch=32", "data.size=96", "trainer.eval_batches=0", "dist_timeout_s=60")
 SAVED_AT = 2  # the sources train 2 steps and checkpoint there
@@ -40,6 +44,8 @@ SOURCES = {  # name: (world_size, overrides)
     "dp@2": (2, ("strategy=dp",)),
     "fsdp1@2": (2, ("strategy=fsdp", "strategy.version=1")),
     "zero3_offload@2": (2, ("strategy=zero3", "strategy.offload=cpu")),
+    "zero1@1": (1, ("strategy=zero1",)),
+    "dp@1": (1, ("strategy=dp",)),  # dp is one process (dp@2 above runs two copies of it side by side)
 }
 TARGETS = {  # name: (world_size, overrides)
     "ddp@1": (1, ("strategy=ddp",)),
@@ -57,10 +63,32 @@ TARGETS = {  # name: (world_size, overrides)
     "manual_ddp@2": (2, ("strategy=manual_ddp",)),
     "dp@2": (2, ("strategy=dp",)),
     "zero2@1": (1, ("strategy=zero2",)),
+    "dp@1": (1, ("strategy=dp",)),
 }
 # make test: every kind of layout once as a source and once as a target, world down and up.
 DEFAULT_PAIRS = [("zero3@2", "ddp@1"), ("single@1", "fsdp@2"), ("tp@2", "zero3@2"), ("fsdp@2", "pp@2")]
 EXTRA_PAIRS = [(s, t) for s in SOURCES for t in TARGETS if (s, t) not in DEFAULT_PAIRS]
+# Same training (issue 24 item 1): SAVED_AT steps under S@W, resharded, CONTINUED steps under S'@W',
+# judged against the uninterrupted single run of SAVED_AT + CONTINUED steps by the parity criterion.
+# Every strategy is a source and a target at least once; the world goes 2 -> 1 and 1 -> 2.
+CONTINUED = 2
+PARITY_DEFAULT = [("zero3@2", "ddp@1")]
+PARITY_EXTRA = [
+    ("single@1", "fsdp@2"),
+    ("zero1@1", "tp@2"),
+    ("tp@2", "zero3@2"),
+    ("fsdp@2", "pp@2"),
+    ("pp@2", "zero1@2"),
+    ("ddp@2", "zero2@1"),
+    ("dp@1", "manual_ddp@2"),
+    ("manual_ddp@2", "dp@1"),
+    ("zero0@2", "zero0@1"),
+    ("zero2@2", "single@1"),
+    ("zero1_offload@2", "zero3_offload@2"),
+    ("zero3_offload@2", "zero2_offload@2"),
+    ("hybrid@2", "fsdp1@2"),
+    ("fsdp1@2", "hybrid@2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +197,7 @@ def test_reshard_is_exact_everywhere(tmp_path, sources, pair):
 
 
 @pytest.mark.slow
+@pytest.mark.extra  # make test: test_resharded_pair_is_the_same_training (the same pair, judged by parity)
 def test_resharded_run_trains_on_as_the_uninterrupted_one(tmp_path):
     """zero3@2 for 2 steps, resharded into ddp@1 for 2 more, against single for 4 straight: the
     first two losses are the source's own, bit for bit; the rest agree to 1e-5 (ZeRO's reduction
@@ -189,6 +218,67 @@ def test_resharded_run_trains_on_as_the_uninterrupted_one(tmp_path):
     assert after["losses"][:2] == first["losses"]
     assert after["resharded_from"]["strategy"] == "zero3" and after["resharded_from"]["world_size"] == 2
     assert_losses_close(after["losses"], whole["losses"], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def same_training():
+    """The uninterrupted single run of SAVED_AT + CONTINUED steps and its noise floor."""
+    return parity_reference("cnn", steps=SAVED_AT + CONTINUED, global_batch=32, data_size=96)
+
+
+def continue_pairs(tmp_path: Path, source_paths: dict, pairs, broken: str = "") -> dict:
+    """Each source continued CONTINUED steps under its target; returns {(source, target): metrics}."""
+    runs = {}
+    for world in sorted({TARGETS[t][0] for _, t in pairs}):
+        batch = [(s, t) for s, t in pairs if TARGETS[t][0] == world]
+        paths = []
+        for s, t in batch:
+            out = tmp_path / f"{_slug(s)}__{_slug(t)}"
+            resume = (f"trainer.resume={source_paths[s]}", "trainer.reshard=true")
+            paths.append(_config(out, world, TARGETS[t][1], f"trainer.steps={SAVED_AT + CONTINUED}", *resume))
+            runs[(s, t)] = out
+        run_ranks(train_resharded, world, timeout=TIMEOUT, config_paths=paths, broken=broken)
+    return {pair: {**load_metrics(out), "run_dir": str(out)} for pair, out in runs.items()}
+
+
+def judge_pairs(same_training, runs: dict) -> None:
+    """Each continued run passes the parity criterion, each check's multiple of its envelope shown."""
+    for (s, t), metrics in runs.items():
+        assert metrics["resharded_from"]["step"] == SAVED_AT, metrics["resharded_from"]
+        verdict = same_training.assert_run_matches(metrics, f"reshard {s}->{t}")
+        print(f"{s} -> {t}:", ", ".join(f"{n} {c.ratio:.2g}x" for n, c in verdict.checks().items()))
+
+
+@pytest.mark.slow
+def test_resharded_pair_is_the_same_training(tmp_path, sources, same_training):
+    """zero3@2 for 2 steps, resharded into ddp@1 for 2 more: parity with single for 4 straight;
+    its first two losses are the source's own, bit for bit."""
+    source = sources(*{s for s, _ in PARITY_DEFAULT})
+    runs = continue_pairs(tmp_path, source, PARITY_DEFAULT)
+    judge_pairs(same_training, runs)
+    for (s, _), metrics in runs.items():
+        assert metrics["losses"][:SAVED_AT] == load_metrics(source[s].parent.parent)["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.extra
+@pytest.mark.parametrize("pair", PARITY_EXTRA, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_resharded_runs_are_the_same_training(tmp_path, sources, same_training, pair):
+    judge_pairs(same_training, continue_pairs(tmp_path, sources(pair[0]), [pair]))
+
+
+@pytest.mark.slow
+@pytest.mark.extra
+@pytest.mark.parametrize("broken", ["swap_moments", "step_not_restored"])
+def test_parity_catches_a_broken_bridge(tmp_path, sources, same_training, broken):
+    """The parity criterion fails the continued run when Adam's moments are swapped or its step
+    counter restarts (bias correction of step 1 again: a step 10x too large)."""
+    pair = PARITY_DEFAULT[0]
+    metrics = continue_pairs(tmp_path, sources(pair[0]), [pair], broken=broken)[pair]
+    params = load_final_params(Path(metrics["run_dir"]))
+    verdict = same_training.verdict(metrics["losses"], params, f"reshard {broken}", expect_pass=False)
+    print(broken, verdict.reason())
+    assert not verdict.passed, verdict.reason()
 
 
 # ----- python -m parallel_lab.checkpoint, and bad input (one line, exit 2, nothing written) -----

@@ -255,10 +255,17 @@ class FSDPStrategy(Strategy):
         """torch's own tool: ``set_state_dict`` with full (unsharded) state dicts keyed by the
         single model's names; every rank holds the full state and keeps its shards of it (DCP's
         load-time resharding does the same from a sharded checkpoint, but only FSDP can read that)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         self._before_state_dict()
+        if not optim_state:
+            # No Adam state (trainer.init_from without init_optimizer, a step-0 checkpoint): the
+            # optimizer is left alone. set_state_dict would first create Adam's state by a step with
+            # zero gradients (torch's _init_optim_state), leaving step=1 behind: the next update's
+            # bias correction would be step 2's, another training (caught by tests/integration/test_init_from.py).
+            set_model_state_dict(self.model, model_state, options=options)
+            return
         # One param group over every parameter in the single model's order (setup's optimizer),
         # named by fully qualified names as set_state_dict expects.
         (group,) = self.optimizer.param_groups

@@ -47,3 +47,23 @@ def reshard_and_save(rank: int, world_size: int, config_paths: list[str], broken
         strategy.teardown()
         del strategy, checkpointer
         gc.collect()
+
+
+def train_resharded(rank: int, world_size: int, config_paths: list[str], broken: str = "") -> None:
+    """Whole runs (tests/support/bodies/runs.py::record_run) that continue trainer.resume=<source>
+    with trainer.reshard=true; ``broken`` plants the same bugs as reshard_and_save, on the way in."""
+    from tests.support.bodies.runs import record_run
+
+    for path in config_paths:
+        cls = get_strategy_class(load_run_config(path).strategy.name)
+        if broken:
+            load = cls.load_full_state
+            cls = type(f"Broken{cls.__name__}", (cls,), {"load_full_state": _broken_load(load, broken)})
+        record_run(path, cls)
+
+
+def _broken_load(load, broken: str):
+    def load_full_state(self, params: dict, optim: dict) -> None:
+        load(self, params, _break(optim, broken))
+
+    return load_full_state
