@@ -21,7 +21,7 @@ from parallel_lab.checkpoint import checkpoint_name
 from parallel_lab.cli.run import load_metrics
 from tests.support.cli import ROOT
 from tests.support.reference import parity_reference
-from tests.support.simulated_hosts import SimulatedHosts, unavailable_reason
+from tests.support.simulated_hosts import SimulatedHosts, hosts_for_tests
 
 STEPS, BATCH, EVERY, KILL_AFTER = 60, 32, 10, 20  # host 1 dies once step KILL_AFTER is checkpointed
 RUN_TIMEOUT = 300
@@ -29,14 +29,8 @@ RUN_TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    sim = SimulatedHosts(tmp_path_factory.mktemp("hosts"), prefix=f"pe{os.getpid()}")
-    with sim:
+    with hosts_for_tests(tmp_path_factory.mktemp("hosts"), prefix=f"pe{os.getpid()}") as sim:
         yield sim
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    assert not [ns for ns in sim.namespaces if ns in listed], f"namespaces left behind: {listed}"
 
 
 def start_on_node0(hosts: SimulatedHosts, run_dir: Path, *overrides: str) -> subprocess.Popen:

@@ -28,7 +28,7 @@ from parallel_lab.cli.run import load_metrics
 from tests.support.cli import ROOT
 from tests.support.private_slurm import PrivateSlurm, ensure_packages
 from tests.support.reference import parity_reference
-from tests.support.simulated_hosts import SimulatedHosts, unavailable_reason
+from tests.support.simulated_hosts import SimulatedHosts, hosts_for_tests
 
 STEPS, BATCH = 3, 32  # as tests/integration/test_sharded.py: one cached reference for both
 COMMON = (f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer.eval_batches=0", "world_size=2")
@@ -49,14 +49,8 @@ def packages():
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory, packages):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    sim = SimulatedHosts(tmp_path_factory.mktemp("hosts"))
-    with sim:
+    with hosts_for_tests(tmp_path_factory.mktemp("hosts")) as sim:
         yield sim
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    assert not [ns for ns in sim.namespaces if ns in listed], f"namespaces left behind: {listed}"
 
 
 def cli_on_node0(hosts: SimulatedHosts, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -12,12 +12,14 @@ own namespace. Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 NETNS_ETC = Path("/etc/netns")
 CMD_TIMEOUT = 20
@@ -153,3 +155,19 @@ class SimulatedHosts:
             timeout=timeout,
             **kwargs,
         )
+
+
+@contextlib.contextmanager
+def hosts_for_tests(workdir: Path, prefix: str = f"pl{os.getpid()}") -> Iterator[SimulatedHosts]:
+    """Two simulated hosts for a test module: skipped where namespaces cannot be made here, and
+    after the last test every namespace checked gone (a test stops what it starts)."""
+    import pytest
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    sim = SimulatedHosts(workdir, prefix=prefix)
+    with sim:
+        yield sim
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert not [ns for ns in sim.namespaces if ns in listed], f"namespaces left behind: {listed}"
