@@ -7,20 +7,25 @@
 per rank, and what a run must keep to continue it with ``trainer.reshard=true``. ``export`` writes
 the consolidated fp32 weights as ``model.safetensors`` (and with ``--optimizer`` Adam's state as
 ``optimizer.safetensors``, ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step``). Both only read files
-(``full_state.py``: weights_only / allowlist unpicklers); bad input is one line and exit 2, and
-``export`` writes nothing until the whole checkpoint has been read.
+(``full_state.py``: weights_only / allowlist unpicklers); bad input is one line and exit 2. Both
+stream: ``inspect`` reads no tensor data, ``export`` one tensor at a time, into temporary files
+renamed when complete (a failure leaves nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import struct
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from parallel_lab.checkpoint.full_state import consolidate, detect_format
+import torch
+
+from parallel_lab.checkpoint.full_state import LazyState, consolidate, detect_format
 from parallel_lab.checkpoint.manifest import COMPLETE, read_manifest
 from parallel_lab.checkpoint.policy import COMPAT_KEYS, LAYOUT_KEYS
 from parallel_lab.errors import ConfigError, one_line
@@ -55,7 +60,7 @@ def inspect(path: Path) -> dict:
         "step": manifest["step"],
         "batches_consumed": full.batches_consumed,
         "format": detect_format(path),
-        "parameters": sum(full.model[n].numel() for n in full.param_names),
+        "parameters": sum(math.prod(full.model.shapes[n]) for n in full.param_names),
         "adam_state": bool(full.optim),
         "bytes": sum(f["size"] for f in manifest["files"].values()),
         "per_rank": files_per_rank(path, manifest),
@@ -64,23 +69,81 @@ def inspect(path: Path) -> dict:
     }
 
 
-def export(path: Path, out: Path, optimizer: bool) -> list[Path]:
-    """Write model.safetensors (and optimizer.safetensors) under out; returns the files written."""
-    from safetensors.torch import save_file
+# safetensors' dtype names (its format spec); the tensors a checkpoint of ours can hold.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
+
+def write_safetensors(file: Path, state: LazyState, metadata: dict[str, str]) -> None:
+    """A .safetensors file written tensor by tensor: the header (names, dtypes, shapes, byte
+    offsets) comes from ``state.meta`` alone, then each tensor is read, written and dropped, so
+    only one is in memory at a time (``safetensors.torch.save_file`` needs them all at once).
+    The format: an 8-byte little-endian header length, the JSON header padded with spaces to a
+    multiple of 8, then the tensors' bytes back to back in header order."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, meta in state.meta.items():
+        nbytes = math.prod(meta.shape) * meta.dtype.itemsize
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[meta.dtype],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with file.open("wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, meta in state.meta.items():
+            tensor = state[name].contiguous()
+            if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+                raise ConfigError(f"{name} reads as {tensor.dtype} {tuple(tensor.shape)}, its metadata says {meta}")
+            out.write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))  # no copy
+
+
+def _optimizer_view(full) -> LazyState:
+    """Adam's state as one flat LazyState named ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step``."""
+    meta = {f"{n}.{k}": m for n, state in full.optim.items() for k, m in state.meta.items()}
+    return LazyState(meta, lambda key: full.optim[key.rpartition(".")[0]][key.rpartition(".")[2]])
+
+
+def export(path: Path, out: Path, optimizer: bool) -> list[Path]:
+    """Write model.safetensors (and optimizer.safetensors) under out; returns the files written.
+    Streamed: each file is written under a temporary name and renamed once complete, so a failure
+    leaves nothing behind."""
     manifest = read_manifest(path)
-    full = consolidate(path, manifest=manifest)  # everything read before anything is written
+    full = consolidate(path, manifest=manifest)  # shapes checked; tensors are read while writing
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export folder '{out}' is not empty; pass a new or empty folder")
     meta = {"step": str(full.step), "source": str(path), "format": full.format}
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "model.safetensors"]
-    save_file({k: v.contiguous() for k, v in full.model.items()}, str(written[0]), metadata=meta)
+    jobs = [(out / "model.safetensors", full.model)]
     if optimizer:
-        tensors = {f"{n}.{k}": v.contiguous() for n, state in full.optim.items() for k, v in state.items()}
-        written.append(out / "optimizer.safetensors")
-        save_file(tensors, str(written[1]), metadata=meta)
-    return written
+        jobs.append((out / "optimizer.safetensors", _optimizer_view(full)))
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    partial = [out / f".{file.name}.partial" for file, _ in jobs]
+    try:
+        for (file, state), tmp in zip(jobs, partial):
+            write_safetensors(tmp, state, meta)
+    except BaseException:
+        for tmp in partial:
+            tmp.unlink(missing_ok=True)
+        if created:
+            out.rmdir()
+        raise
+    for (file, _), tmp in zip(jobs, partial):
+        tmp.rename(file)
+    return [file for file, _ in jobs]
 
 
 def _print_inspect(info: dict) -> None:

@@ -74,6 +74,23 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
+def read_tensor(folder, fqn: str, metadata) -> torch.Tensor:
+    """One tensor of a DCP checkpoint by its flattened name (``model.fc.weight``,
+    ``optimizer.state.fc.weight.exp_avg``), whole, without a process group: DCP reads only the
+    byte ranges of that tensor's chunks from the .distcp files."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    meta = metadata.state_dict_metadata[fqn]
+    state = {fqn: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    _load_state_dict(
+        state,
+        storage_reader=WeightsOnlyFileSystemReader(str(folder)),
+        planner=WeightsOnlyLoadPlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    return state[fqn]
+
+
 def load_sharded(state: dict, path: str) -> None:
     """dcp.load(state) from the folder path, in place, with both restrictions."""
     import torch.distributed.checkpoint as dcp

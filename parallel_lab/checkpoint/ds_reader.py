@@ -19,10 +19,11 @@ def allowed_deepspeed_globals() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def weights_only_load(path: str, map_location=None) -> dict:
-    """torch.load of a DeepSpeed file: tensors, plain values and the allowed DeepSpeed types only."""
+def weights_only_load(path: str, map_location=None, mmap: bool = False) -> dict:
+    """torch.load of a DeepSpeed file: tensors, plain values and the allowed DeepSpeed types only
+    (mmap=True: the tensors' bytes are mapped, read only when touched)."""
     with torch.serialization.safe_globals(allowed_deepspeed_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def use_weights_only_loading(engine) -> None:

@@ -66,7 +66,8 @@ class RankShardCheckpoint:
         """Each rank cuts its own part of the full state, then loads it as its own shard file."""
         from parallel_lab.strategies.replicated import indexed_optimizer_state
 
-        local = {name: self.local_part(name, model_state[name]) for name in self.model.state_dict()}
+        # clone: a part is a view of the full tensor, which would otherwise stay alive with it
+        local = {name: self.local_part(name, model_state[name]).clone() for name in self.model.state_dict()}
         optim = indexed_optimizer_state(self.optimizer, self.model, optim_state, self.local_part)
         self._load_local({"model": local, "optimizer": optim}, "the resharded checkpoint")
 

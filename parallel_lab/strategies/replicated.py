@@ -33,6 +33,18 @@ def indexed_optimizer_state(
     return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
+@torch.no_grad()
+def copy_tensors_into(module: torch.nn.Module, model_state) -> None:
+    """``module.load_state_dict(model_state)`` one tensor at a time: load_state_dict first copies the
+    mapping into a dict, which would read every tensor of a lazy (streamed) state at once."""
+    mine = module.state_dict()  # shares storage with the parameters and buffers
+    if set(mine) != set(model_state):
+        missing, unexpected = sorted(set(mine) - set(model_state)), sorted(set(model_state) - set(mine))
+        raise RuntimeError(f"state_dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, tensor in mine.items():
+        tensor.copy_(model_state[name])
+
+
 class ReplicatedModel:
     """Mixin for ``Strategy``: one copy of the state is the whole state."""
 
@@ -58,7 +70,7 @@ class ReplicatedModel:
     def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
         """Every rank holds it all: the state_dict as it is, Adam's state re-keyed by index."""
         module = self.unwrapped_model()
-        module.load_state_dict(model_state)
+        copy_tensors_into(module, model_state)
         self.optimizer.load_state_dict(indexed_optimizer_state(self.optimizer, module, optim_state))
 
     def full_parameters(self) -> list[torch.Tensor]:

@@ -196,6 +196,10 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     with counter.paused():
         world = {"world_size": env.world_size, "strategy": cfg.strategy.name}
         state = LoopState.start(checkpointer.restore(), world)  # RNG, sampler position, model and optimizer
+    if state.resumed and state.resumed.resharded_from:
+        # The rank's peak RSS so far: model, optimizer state and what reading the checkpoint took
+        # (a reshard streams tensor by tensor; docs/checkpoints.md has the measured bound).
+        state.resumed.resharded_from.update(load_s=checkpointer.load_seconds, peak_rss_bytes=peak_rss_bytes())
     train_set, eval_set = load_datasets(cfg.data, t.seed)
     batches = train_batches(train_set, t.global_batch, strategy.dp_rank, strategy.dp_size, t.seed, state.consumed)
     scheduler = make_scheduler(t, strategy.optimizer, state.first_step)

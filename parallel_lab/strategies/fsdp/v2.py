@@ -34,6 +34,37 @@ class FSDP2(FSDPStrategy):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
 
+    @torch.no_grad()
+    def load_full_state(self, model_state, optim_state) -> None:
+        """One tensor at a time (``model_state``/``optim_state`` may read lazily, as a reshard's do):
+        each rank cuts its own shard of the full tensor with DTensor's own placement rules
+        (``distribute_tensor(src_data_rank=None)``: local slicing, no communication) and copies it
+        into the parameter's shard, or into Adam's state created as Adam creates it. At most one
+        full tensor is alive beside the sharded model; torch's ``set_state_dict`` with full state
+        dicts (FSDP1's path) needs all of them at once."""
+        from torch.distributed.tensor import distribute_tensor
+
+        self._before_state_dict()
+        params = dict(self.model.named_parameters())
+        for name, buffer in self.model.named_buffers():
+            buffer.copy_(model_state[name])
+
+        def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+            dt = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            return dt.to_local()
+
+        for name, param in params.items():
+            param.to_local().copy_(shard_of(param, model_state[name]))
+        if not optim_state:  # no Adam state: the optimizer starts afresh (see FSDPStrategy.load_full_state)
+            return
+        for name, param in params.items():
+            saved = optim_state[name]
+            state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param)  # a DTensor laid out as the parameter, as Adam makes it
+                state[key].to_local().copy_(shard_of(param, saved[key]))
+            self.optimizer.state[param] = state
+
     def clip_gradients(self) -> None:
         if self.cfg.trainer.grad_clip > 0:
             # DTensor gradients: the norm is reduced over the shards inside clip_grad_norm_.

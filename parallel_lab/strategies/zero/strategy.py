@@ -365,9 +365,9 @@ class ZeroStrategy(Strategy):
         for name, buffer in module.named_buffers():
             buffer.copy_(model_state[name])
         if self.opts.stage == 0:
-            from parallel_lab.strategies.replicated import indexed_optimizer_state
+            from parallel_lab.strategies.replicated import copy_tensors_into, indexed_optimizer_state
 
-            module.load_state_dict(model_state)
+            copy_tensors_into(module, model_state)
             opt.load_state_dict(indexed_optimizer_state(opt, module, optim_state))
             return
         names = {id(p): n for n, p in module.named_parameters()}
@@ -381,26 +381,31 @@ class ZeroStrategy(Strategy):
 
     def _load_full_stage12(self, opt, names: dict, model_state: dict, optim_state: dict, step) -> None:
         """Each group's full flat vector is the bit16 flat buffer's layout (parameter offsets read
-        from where each parameter's view starts); this rank keeps partition_size elements of it."""
+        from where each parameter's view starts); this rank keeps partition_size elements of it,
+        filled parameter by parameter from the part of each that falls into the partition."""
         import torch.distributed as dist
 
         for g, flat in enumerate(opt.bit16_groups_flat):
-            full = {key: torch.zeros(flat.numel(), dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
-            for p in opt.bit16_groups[g]:
-                offset = (p.data.data_ptr() - flat.data_ptr()) // flat.element_size()
-                name = names[id(p)]
-                full["param"][offset : offset + p.numel()] = model_state[name].flatten()
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if name in optim_state:
-                        full[key][offset : offset + p.numel()] = optim_state[name][key].flatten()
             size = int(opt.partition_size[g])
             start = dist.get_rank(group=opt.real_dp_process_group[g]) * size
             master = opt.single_partition_of_fp32_groups[g]
-            master.data.copy_(full["param"][start : start + size])
+            mine = {key: torch.zeros(size, dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")}
+            for p in opt.bit16_groups[g]:
+                offset = (p.data.data_ptr() - flat.data_ptr()) // flat.element_size()
+                lo, hi = max(offset, start), min(offset + p.numel(), start + size)
+                if lo >= hi:
+                    continue  # the parameter lies in another rank's partition
+                name = names[id(p)]
+                part = slice(lo - offset, hi - offset)
+                mine["param"][lo - start : hi - start] = model_state[name].flatten()[part]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if name in optim_state:
+                        mine[key][lo - start : hi - start] = optim_state[name][key].flatten()[part]
+            master.data.copy_(mine["param"])
             if step is not None:
                 opt.optimizer.state[master] = {
                     "step": step.clone(),
-                    **{k: full[k][start : start + size].clone().to(master.device) for k in ("exp_avg", "exp_avg_sq")},
+                    **{k: mine[k].to(master.device) for k in ("exp_avg", "exp_avg_sq")},
                 }
 
     def _load_full_stage3(self, opt, module, model_state: dict, optim_state: dict, step) -> None:
