@@ -181,8 +181,12 @@ class Checkpointer:
         any world size) and the strategy scatters it into its own layout. A rank the source did not
         have takes rank 0's RNG state (the data order does not depend on it: batches_consumed does)."""
         manifest = read_manifest(path)
-        full = consolidate(path, self.cfg.model, manifest)
-        self.strategy.load_full_state(full.model, full.optim)
+        full = consolidate(path, self.cfg.model, manifest)  # lazy: loop state now, tensors on demand
+        if self.strategy.load_resharded_natively(path, full.format):
+            via = "the library's own resharding"
+        else:
+            self.strategy.load_full_state(full.model, full.optim)
+            via = "full state, streamed"
         set_rng_state(full.rng[self.env.rank] if self.env.rank < len(full.rng) else full.rng[0], self.env.device)
         self.load_seconds = time.perf_counter() - started
         run = manifest.get("run", {})
@@ -192,5 +196,5 @@ class Checkpointer:
             batches_consumed=full.batches_consumed,
             path=path,
             history=full.history,
-            resharded_from={**source, "step": full.step, "format": full.format},
+            resharded_from={**source, "step": full.step, "format": full.format, "via": via},
         )

@@ -72,7 +72,10 @@ class LazyState(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        return self._read(name)
+        # DeepSpeed saves its flat fp32 groups with requires_grad=True: an op on them under autograd
+        # would link the result to the mapped file through its graph and keep the file mapped.
+        with torch.no_grad():
+            return self._read(name).detach()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

@@ -266,6 +266,12 @@ class Strategy(abc.ABC):
             f"its own strategy and world size (drop trainer.reshard=true)"
         )
 
+    def load_resharded_natively(self, directory: Path, fmt: str) -> bool:
+        """Load a checkpoint of another layout with a library's own resharding when one applies to
+        its format (FSDP: DCP's load-time resharding of a DCP checkpoint); False: not handled here,
+        the full state is scattered by load_full_state instead."""
+        return False
+
     @classmethod
     def reshard_refusal(cls, cfg: DictConfig) -> str | None:
         """Why trainer.reshard=true cannot continue a run under this config (one line), or None."""

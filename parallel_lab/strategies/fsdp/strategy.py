@@ -251,6 +251,15 @@ class FSDPStrategy(Strategy):
         load_sharded(state, str(directory / DCP_DIR))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
+    def load_resharded_natively(self, directory: Path, fmt: str) -> bool:
+        """A DCP checkpoint (FSDP1, FSDP2 or HSDP, any world size) is loaded by DCP itself: each rank
+        asks for its own shards of this run's layout and DCP reads the byte ranges that overlap
+        them (load-time resharding). The DCP folder name is this module's own."""
+        if fmt != "dcp" or not (directory / DCP_DIR).is_dir():
+            return False
+        self.load_checkpoint(directory)
+        return True
+
     def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
         """torch's own tool: ``set_state_dict`` with full (unsharded) state dicts keyed by the
         single model's names; every rank holds the full state and keeps its shards of it (DCP's
@@ -259,6 +268,7 @@ class FSDPStrategy(Strategy):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         self._before_state_dict()
+        model_state = dict(model_state)  # torch edits the dict it is given: every tensor, read now
         if not optim_state:
             # No Adam state (trainer.init_from without init_optimizer, a step-0 checkpoint): the
             # optimizer is left alone. set_state_dict would first create Adam's state by a step with
