@@ -38,10 +38,13 @@ message step per log2 N instead of the ring's 2(N-1). Measured side by side with
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from parallel_lab.comm import shm
 
 OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin", "mpi")
@@ -161,7 +164,7 @@ def all_reduce(
         _in_place(mpi.all_reduce_sum, tensor)
     elif algorithm == "star":
         _in_place(_star_all_reduce, tensor)
-    elif _latency_bound(tensor, world, SMALL_BYTES if small_bytes is None else small_bytes):
+    elif _shm_link(tensor) is None and _latency_bound(tensor, world, SMALL_BYTES if small_bytes is None else small_bytes):
         _in_place(lambda flat: _recursive_doubling(flat, segment_bytes or SEGMENT_BYTES), tensor)
     else:
         _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)
@@ -285,15 +288,15 @@ def _ring(
     while another with the same peer and tag is pending.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    link = _shm_link(flat)
+    if link is not None:
+        _ring_shm(link, flat, owned, reduce_rounds, gather_rounds, segment_bytes)
+        return
     right, left = (rank + 1) % world, (rank - 1) % world
     rounds = reduce_rounds + gather_rounds
     chunks = ring_chunks(flat, world)
     seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
-    # (round, chunk index, the chunk's segments) for every message this rank receives, in order.
-    stream = []
-    for t in range(rounds):
-        chunk = (owned - t - 1) % world
-        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    stream = _ring_stream(chunks, owned, rounds, seg)
     per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
 
     def tag(t: int, k: int) -> int:
@@ -329,3 +332,51 @@ def _ring(
             posted.append(post(i + ahead))  # message i's pool slot is free again
     for work in sends.values():
         work.wait()
+
+
+def _ring_stream(chunks: list[torch.Tensor], owned: int, rounds: int, seg: int) -> list:
+    """(round, chunk index, segment index, segment view) for every message this rank receives, in
+    order: round t receives chunk (owned - t - 1) mod N, cut into segments of ``seg`` elements."""
+    world = len(chunks)
+    stream = []
+    for t in range(rounds):
+        chunk = (owned - t - 1) % world
+        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    return stream
+
+
+def _shm_link(flat: torch.Tensor):
+    """The shm link under the ring when every rank is on this host (``comm/shm.py``), else None for
+    gloo's isend/irecv: ``shm.transport`` is the one place that decides (``PARALLEL_LAB_HAND_TRANSPORT``)."""
+    return shm.transport(flat.device)
+
+
+def _ring_shm(
+    link: shm.Link, flat: torch.Tensor, owned: int, reduce_rounds: int, gather_rounds: int, segment_bytes: int
+) -> None:
+    """``_ring`` over shared memory: the same rounds, chunks, segments and additions (so the same
+    bits as the gloo path), but a message is a copy into a slot of the right neighbour's inbox and a
+    receive reads straight out of this rank's inbox: ``part.add_(slot)`` (reducing rounds) or
+    ``part.copy_(slot)`` (copying rounds), with no scratch buffer. Sends are queued and go out
+    whenever the right neighbour has a free slot, also while this rank waits for its left one.
+
+    A copying round writes ``part`` only after everything queued before it went out: the chunk it
+    receives last left this rank (as a queued send) N rounds earlier, and it can only come back after
+    travelling the whole ring, i.e. after this rank's send of it was copied out."""
+    rounds = reduce_rounds + gather_rounds
+    chunks = ring_chunks(flat, link.world)
+    seg = max(1, min(segment_bytes, link.slot_bytes) // flat.element_size())
+    seg = min(seg, max(1, chunks[0].numel()))
+    outgoing = deque(torch.split(chunks[owned], seg))  # round 0 sends the owned chunk
+    inbox = link.inbox
+    for t, _chunk, _k, part in _ring_stream(chunks, owned, rounds, seg):
+        link.wait_inbox(outgoing)
+        incoming = inbox.peek(part.numel(), part.dtype)
+        if t < reduce_rounds:
+            part.add_(incoming)  # the same order as _ring: the local partial sum + the left's
+        else:
+            part.copy_(incoming)
+        inbox.release()
+        if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
+            outgoing.append(part)
+    link.flush(outgoing)
