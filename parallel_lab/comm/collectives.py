@@ -164,7 +164,9 @@ def all_reduce(
         _in_place(mpi.all_reduce_sum, tensor)
     elif algorithm == "star":
         _in_place(_star_all_reduce, tensor)
-    elif _shm_link(tensor) is None and _latency_bound(tensor, world, SMALL_BYTES if small_bytes is None else small_bytes):
+    elif _shm_link(tensor) is None and _latency_bound(
+        tensor, world, SMALL_BYTES if small_bytes is None else small_bytes
+    ):
         _in_place(lambda flat: _recursive_doubling(flat, segment_bytes or SEGMENT_BYTES), tensor)
     else:
         _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)
