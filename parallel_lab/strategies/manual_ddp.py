@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.choices import make_choice
-from parallel_lab.comm import collectives
+from parallel_lab.comm import collectives, shm
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import WAIT_LABEL
@@ -252,6 +252,8 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
             from mpi4py import MPI
 
             extras["mpi_library"] = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        if self.opts.allreduce == "ring":  # which transport carried the ring: shm on one host, else gloo
+            extras["hand_transport"] = shm.describe()
         return {
             **extras,
             "buckets": len(self.buckets),
