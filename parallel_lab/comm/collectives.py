@@ -389,14 +389,18 @@ def _ring_shm(
     seg = min(seg, max(1, chunks[0].numel()))
     outgoing = deque(torch.split(chunks[owned], seg))  # round 0 sends the owned chunk
     inbox = link.inbox
-    for t, _chunk, _k, part in _ring_stream(chunks, owned, rounds, seg):
-        link.wait_inbox(outgoing)
-        incoming = inbox.peek(part.numel(), part.dtype)
-        if t < reduce_rounds:
-            part.add_(incoming)  # the same order as _ring: the local partial sum + the left's
-        else:
-            part.copy_(incoming)
-        inbox.release()
-        if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
-            outgoing.append(part)
-    link.flush(outgoing)
+    try:
+        for t, _chunk, _k, part in _ring_stream(chunks, owned, rounds, seg):
+            link.wait_inbox(outgoing)
+            incoming = inbox.peek(part.numel(), part.dtype)
+            if t < reduce_rounds:
+                part.add_(incoming)  # the same order as _ring: the local partial sum + the left's
+            else:
+                part.copy_(incoming)
+            inbox.release()
+            if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
+                outgoing.append(part)
+        link.flush(outgoing)
+    except BaseException as err:  # an interrupted call leaves the message streams out of step
+        link.broken = link.broken or f"{type(err).__name__} in a collective"
+        raise

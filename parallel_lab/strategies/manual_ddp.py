@@ -158,6 +158,10 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
         self.model = model.to(self.device)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             collectives.broadcast(tensor.data, src=0)
+        if self.opts.allreduce == "ring":
+            # Set up the ring's transport here, on the main thread with every rank in step, rather
+            # than inside the first step's communication thread (shm: two small exchanges).
+            shm.transport(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         cap = self.opts.bucket_mb * MB if self.opts.bucketed else float("inf")
         self.buckets = make_buckets(list(reversed(params)), cap)
