@@ -58,6 +58,7 @@ run the collectives (manual_ddp: its single communication thread).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -376,6 +377,8 @@ def _setup() -> tuple[Link | None, str | None]:
                 inbox_file.q[_Q_RANK], inbox_file.q[_Q_TOKEN], inbox_file.q[_Q_MAGIC] = rank, token, _MAGIC
             except (OSError, ValueError) as err:
                 why = f"rank {rank} could not create {path}: {err}"
+                with contextlib.suppress(OSError):  # created but not mapped (e.g. tmpfs full)
+                    os.unlink(path)
         me = {
             "host": socket.gethostname(),
             "boot": _boot_id(),
