@@ -5,7 +5,7 @@ as the ceiling.
 
     python -m parallel_lab.bench collectives [--np 2] [--min-bytes 1K] [--max-bytes 64M]
                                              [--factor 4] [--max-iters 200] [--ops ...] [--impls ...]
-                                             [--json calibration.json]
+                                             [--hand-transport auto|shm|p2p] [--json calibration.json]
 
 Run without mpiexec, it starts ``mpiexec -n NP python -m mpi4py`` on itself (one job: MPI and a
 gloo group whose ranks and rendezvous come from the MPI environment, via parallel_lab.comm.dist_env).
@@ -20,6 +20,11 @@ Definitions (as in nccl-tests), with p ranks, S bytes and t the slowest rank's m
           algorithm, so it is comparable across ops and p, and with the link (here: memory).
 Every process of the job lives on one machine, so "the link" is memory and the CPU cores doing
 the copies; the single-process memcpy line is the ceiling for busbw.
+
+The hand column's ring (all_reduce, reduce_scatter, all_gather) runs over whatever transport
+training would use (``parallel_lab.comm.shm.transport``: shared memory when every rank is on this
+host, gloo's isend/irecv otherwise); the header names it. ``--hand-transport p2p`` (the environment
+variable ``PARALLEL_LAB_HAND_TRANSPORT``) times the gloo path instead.
 """
 
 from __future__ import annotations
@@ -164,6 +169,7 @@ def run_job(args) -> int:
     import torch.distributed as dist
     from mpi4py import MPI
 
+    from parallel_lab.comm import shm
     from parallel_lab.comm.dist_env import init_process_group, read_dist_env
 
     comm = MPI.COMM_WORLD
@@ -173,6 +179,8 @@ def run_job(args) -> int:
     # cache, so small collectives can beat the big-copy number).
     ceiling = (memcpy_gbps(args.max_bytes), memcpy_gbps(256 << 10, reps=200)) if rank == 0 else (0.0, 0.0)
     comm.Barrier()
+    if args.hand_transport:  # before the first collective: shm.transport() reads it on every call
+        os.environ[shm.TRANSPORT_ENV] = args.hand_transport
     env = read_dist_env("cpu")
     init_process_group(env, timeout_s=300)
     sizes, size = [], args.min_bytes
@@ -199,13 +207,14 @@ def run_job(args) -> int:
         row = {"op": op, "bytes": 4 * n}
         row.update({impl: float(np.median(per_round[(op, n, impl)])) for impl in args.impls})
         rows.append(row)
+    transport = shm.describe()  # what the hand column's ring ran over
     import gc
 
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        print_table(rows, args, p, ceiling)
+        print_table(rows, args, p, ceiling, transport)
         if args.json:  # the calibration python -m parallel_lab.bench plantime reads (alpha-beta fits)
             import json
 
@@ -214,7 +223,7 @@ def run_job(args) -> int:
     return 0
 
 
-def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
+def print_table(rows, args, p: int, ceiling: tuple[float, float], transport: str = "p2p") -> None:
     import torch
     from mpi4py import MPI
 
@@ -231,6 +240,8 @@ def print_table(rows, args, p: int, ceiling: tuple[float, float]) -> None:
         "time = slowest rank's median per call; algbw = bytes/time; busbw = algbw x "
         f"(all_reduce {2 * (p - 1) / p:.2f}, all_gather/reduce_scatter {(p - 1) / p:.2f}, broadcast 1); GB/s = 1e9 B/s"
     )
+    if "hand" in args.impls:
+        print(f"hand = parallel_lab.comm.collectives; its ring's transport: {transport} (broadcast: gloo p2p)")
     head = "| op | size |" + "".join(f" {i} us | {i} algbw | {i} busbw |" for i in args.impls)
     print(head)
     print("|" + "---|" * (2 + 3 * len(args.impls)))
@@ -291,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive, default=5, help="rounds; the table shows their median (default 5)")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument(
+        "--hand-transport",
+        choices=("auto", "shm", "p2p"),
+        default=None,
+        help="the hand ring's transport (sets PARALLEL_LAB_HAND_TRANSPORT; default: that variable, else auto)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows (seconds per call) to this file")
     args = parser.parse_args(argv)
     if args.min_bytes > args.max_bytes:

@@ -17,8 +17,8 @@ function               pattern                                    bytes sent (bu
 ``all_reduce`` star    reduce to rank 0, then rank 0 sends back   (N-1)B sent + (N-1)B received
                                                                   at rank 0: a hotspot
 ``all_reduce`` ring    reduce-scatter + all-gather over a ring    2(N-1)/N * B on every rank;
-                       up to ``SMALL_BYTES`` on a power-of-two    B * log2(N) (recursive
-                       world: recursive doubling                  doubling: log2 N steps)
+                       (over gloo, up to ``SMALL_BYTES`` on a     B * log2(N) with recursive
+                       power-of-two world: recursive doubling)    doubling (log2 N steps)
 ``all_reduce`` builtin ``dist.all_reduce`` (gloo/nccl's own)      library's choice (ring-like)
 ``all_reduce`` mpi     mpi4py ``Allreduce`` on a numpy view       MPI library's choice, about
                        (``comm/mpi.py``; ranks from ``mpiexec``)  2(N-1)/N * B (Rabenseifner)
@@ -28,26 +28,45 @@ function               pattern                                    bytes sent (bu
 
 The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
 all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
-Small tensors are latency-bound instead: every gloo message here costs a fixed ~100-200 us (gloo's
-TCP pair sends only once the peer has announced the matching receive, then the peer's event loop
-wakes, a Work object completes), so ``all_reduce(ring)`` switches to recursive doubling below
-``SMALL_BYTES`` (Thakur, Rabenseifner & Gropp, IJHPCA 2005: MPICH makes the same split), one
-message step per log2 N instead of the ring's 2(N-1). Measured side by side with gloo and MPICH:
-``python -m parallel_lab.bench collectives`` (docs/benchmarks.md).
+
+Transport under the ring (``all_reduce`` ring, ``reduce_scatter``, ``all_gather``), chosen in one
+place, ``shm.transport()``:
+
+- **shm** (default when every rank of the default group is on this host, x86-64, CPU tensors):
+  ``comm/shm.py``, the way MPICH's nemesis and NCCL move bytes inside a node. Each ring link is a
+  few slots of shared memory; a message is one copy into the right neighbour's slot, and the
+  receiver adds (or copies) straight out of it: no socket, no kernel, no scratch buffer, a few
+  microseconds per message. Same rounds, chunks and order of additions as over gloo, so the same
+  bits (tests/integration/test_shm.py checks it). Latency is no longer per-message-bound, so the
+  ring runs at every size (no recursive doubling).
+- **p2p**: gloo's ``isend``/``irecv`` (loopback TCP on one host, the network across hosts); always
+  used across hosts, or with ``PARALLEL_LAB_HAND_TRANSPORT=p2p``. Every gloo message costs a fixed
+  ~100-200 us here (gloo's TCP pair sends only once the peer has announced the matching receive,
+  then the peer's event loop wakes, a Work object completes), so ``all_reduce(ring)`` switches to
+  recursive doubling below ``SMALL_BYTES`` on a power-of-two world (Thakur, Rabenseifner & Gropp,
+  IJHPCA 2005: MPICH makes the same split), one message step per log2 N instead of the ring's
+  2(N-1). On 2 ranks both give the same bits (one addition of two values commutes); on 4 or more,
+  small tensors round differently from the shm ring's order (either is the same on every rank).
+
+``broadcast``, ``reduce`` and ``all_reduce(star)`` always use gloo's send/recv. Measured side by
+side with gloo and MPICH: ``python -m parallel_lab.bench collectives`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from parallel_lab.comm import shm
+
 OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin", "mpi")
 SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
 RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
-# all_reduce(ring) at or below this size runs recursive doubling instead. Measured at world 2
+# all_reduce(ring) over gloo (not shm) at or below this size runs recursive doubling instead. Measured at world 2
 # (bench collectives, 7 rounds, 2 shared cores): recursive doubling takes 0.74-0.85x gloo's time
 # from 1 KiB to 256 KiB; at 1 MiB it is 1.57x gloo's, but the ring was no better there (1.2x to
 # 3.4x across runs): both pay gloo's per-message handshake, the ring twice in a row.
@@ -161,7 +180,11 @@ def all_reduce(
         _in_place(mpi.all_reduce_sum, tensor)
     elif algorithm == "star":
         _in_place(_star_all_reduce, tensor)
-    elif _latency_bound(tensor, world, SMALL_BYTES if small_bytes is None else small_bytes):
+    # Recursive doubling only saves gloo's per-message cost; over shm a message costs microseconds,
+    # so the ring (bandwidth-optimal at every size) runs there.
+    elif _shm_link(tensor) is None and _latency_bound(
+        tensor, world, SMALL_BYTES if small_bytes is None else small_bytes
+    ):
         _in_place(lambda flat: _recursive_doubling(flat, segment_bytes or SEGMENT_BYTES), tensor)
     else:
         _in_place(lambda flat: _ring_all_reduce(flat, segment_bytes or SEGMENT_BYTES), tensor)
@@ -285,15 +308,15 @@ def _ring(
     while another with the same peer and tag is pending.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    link = _shm_link(flat)
+    if link is not None:
+        _ring_shm(link, flat, owned, reduce_rounds, gather_rounds, segment_bytes)
+        return
     right, left = (rank + 1) % world, (rank - 1) % world
     rounds = reduce_rounds + gather_rounds
     chunks = ring_chunks(flat, world)
     seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
-    # (round, chunk index, the chunk's segments) for every message this rank receives, in order.
-    stream = []
-    for t in range(rounds):
-        chunk = (owned - t - 1) % world
-        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    stream = _ring_stream(chunks, owned, rounds, seg)
     per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
 
     def tag(t: int, k: int) -> int:
@@ -329,3 +352,55 @@ def _ring(
             posted.append(post(i + ahead))  # message i's pool slot is free again
     for work in sends.values():
         work.wait()
+
+
+def _ring_stream(chunks: list[torch.Tensor], owned: int, rounds: int, seg: int) -> list:
+    """(round, chunk index, segment index, segment view) for every message this rank receives, in
+    order: round t receives chunk (owned - t - 1) mod N, cut into segments of ``seg`` elements."""
+    world = len(chunks)
+    stream = []
+    for t in range(rounds):
+        chunk = (owned - t - 1) % world
+        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
+    return stream
+
+
+def _shm_link(flat: torch.Tensor):
+    """The shm link under the ring when every rank is on this host (``comm/shm.py``), else None for
+    gloo's isend/irecv: ``shm.transport`` is the one place that decides (``PARALLEL_LAB_HAND_TRANSPORT``)."""
+    return shm.transport(flat.device)
+
+
+def _ring_shm(
+    link: shm.Link, flat: torch.Tensor, owned: int, reduce_rounds: int, gather_rounds: int, segment_bytes: int
+) -> None:
+    """``_ring`` over shared memory: the same rounds, chunks, segments and additions (so the same
+    bits as the gloo path), but a message is a copy into a slot of the right neighbour's inbox and a
+    receive reads straight out of this rank's inbox: ``part.add_(slot)`` (reducing rounds) or
+    ``part.copy_(slot)`` (copying rounds), with no scratch buffer. Sends are queued and go out
+    whenever the right neighbour has a free slot, also while this rank waits for its left one.
+
+    A copying round writes ``part`` only after everything queued before it went out: the chunk it
+    receives last left this rank (as a queued send) N rounds earlier, and it can only come back after
+    travelling the whole ring, i.e. after this rank's send of it was copied out."""
+    rounds = reduce_rounds + gather_rounds
+    chunks = ring_chunks(flat, link.world)
+    seg = max(1, min(segment_bytes, link.slot_bytes) // flat.element_size())
+    seg = min(seg, max(1, chunks[0].numel()))
+    outgoing = deque(torch.split(chunks[owned], seg))  # round 0 sends the owned chunk
+    inbox = link.inbox
+    try:
+        for t, _chunk, _k, part in _ring_stream(chunks, owned, rounds, seg):
+            link.wait_inbox(outgoing)
+            incoming = inbox.peek(part.numel(), part.dtype)
+            if t < reduce_rounds:
+                part.add_(incoming)  # the same order as _ring: the local partial sum + the left's
+            else:
+                part.copy_(incoming)
+            inbox.release()
+            if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
+                outgoing.append(part)
+        link.flush(outgoing)
+    except BaseException as err:  # an interrupted call leaves the message streams out of step
+        link.broken = link.broken or f"{type(err).__name__} in a collective"
+        raise

@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.choices import make_choice
-from parallel_lab.comm import collectives
+from parallel_lab.comm import collectives, shm
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import WAIT_LABEL
@@ -158,6 +158,10 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
         self.model = model.to(self.device)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             collectives.broadcast(tensor.data, src=0)
+        if self.opts.allreduce == "ring":
+            # Set up the ring's transport here, on the main thread with every rank in step, rather
+            # than inside the first step's communication thread (shm: two small exchanges).
+            shm.transport(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         cap = self.opts.bucket_mb * MB if self.opts.bucketed else float("inf")
         self.buckets = make_buckets(list(reversed(params)), cap)
@@ -252,6 +256,8 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
             from mpi4py import MPI
 
             extras["mpi_library"] = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        if self.opts.allreduce == "ring":  # which transport carried the ring: shm on one host, else gloo
+            extras["hand_transport"] = shm.describe()
         return {
             **extras,
             "buckets": len(self.buckets),

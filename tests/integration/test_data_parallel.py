@@ -104,6 +104,7 @@ def test_manual_ddp_cli_run(tmp_path, cnn_reference):
     assert (
         metrics["strategy_extras"]["analytic_sent_bytes_per_step_rank0"] == metrics["ranks"][0]["grad_bytes"]
     )  # 2(N-1)/N = 1
+    assert metrics["strategy_extras"]["hand_transport"].startswith("shm")  # both ranks on this host
 
 
 @pytest.mark.parametrize("accum", [pytest.param(1, marks=pytest.mark.extra), 2])

@@ -326,3 +326,4 @@ def test_collectives_bench_smoke():
     widths = sorted(line.count("|") - 1 for line in rows)
     assert widths == [6] * 8 + [11] * 8, out
     assert "memcpy ceiling" in out and "hand/gloo busbw" in out
+    assert "its ring's transport: shm" in out, out  # one host: the hand ring timed over shared memory

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel_lab.comm import collectives
+from parallel_lab.comm import collectives, shm
 
 # Sizes chosen so most are not divisible by 2 or 3 (and 1 < world size: empty ring chunks).
 SIZES = (1, 2, 5, 7, 1001, 40003)
@@ -130,4 +130,4 @@ def check_all(rank: int, world_size: int) -> None:
                 _assert_same_on_every_rank(ours, world_size, what_here)
                 checked += 1
         checked += _check_ring_halves(x, rank, world_size, what)
-    print(f"checked {checked}")
+    print(f"checked {checked} over {shm.describe()}")
