@@ -66,6 +66,7 @@ def test_torch_save_into_zero3(cli, tmp_path, written):
 # ----- make test-all: every outside format, each continued under two strategies -----
 def _write(kind: str, written: dict, folder) -> str:
     """The state after 2 plain steps, written by the real library alone; returns init_from's path."""
+    import os
     import subprocess
     import sys
 
@@ -88,8 +89,15 @@ def _write(kind: str, written: dict, folder) -> str:
     stage, world = (int(x) for x in kind.removeprefix("deepspeed").split("@"))
     script = ROOT / "tests" / "support" / "deepspeed_writer.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    # The script imports tests.support.reference: the checkout's root on the path, as pytest has it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [*cmd, str(script), str(stage), str(folder / "ds")], cwd=ROOT, capture_output=True, text=True, timeout=240
+        [*cmd, str(script), str(stage), str(folder / "ds")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return str(folder / "ds")
