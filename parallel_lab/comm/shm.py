@@ -44,8 +44,9 @@ fails at setup (fall back to gloo) rather than with SIGBUS mid-collective.
 Waiting: a few checks back to back, then ``os.sched_yield()`` (which also releases the GIL: in
 ``manual_ddp`` the waiting thread is the communication thread and backward runs beside it), then
 sleeps growing to ``MAX_SLEEP_S`` so a rank waiting for a slow peer does not take the CPU its peer
-needs (2 ranks on 2 cores). A wait gives up after ``timeout_s`` (``PARALLEL_LAB_SHM_TIMEOUT_S``,
-default 300 s) with a RuntimeError naming the peer, and sooner if the peer process is gone (checked
+needs (2 ranks on 2 cores). A wait gives up after ``timeout_s()`` (``PARALLEL_LAB_SHM_TIMEOUT_S``,
+else the process group's own timeout, the run's ``dist_timeout_s``) with a RuntimeError naming
+the peer, and sooner if the peer process is gone (checked
 every ``LIVENESS_S`` when the ranks share a pid namespace).
 
 Choice of transport, made in one place (``transport()``): ``PARALLEL_LAB_HAND_TRANSPORT`` =
@@ -98,7 +99,15 @@ LIVENESS_S = 0.05  # how often a long wait checks that the peer process still ex
 
 
 def timeout_s() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    """How long a wait on a peer may last: PARALLEL_LAB_SHM_TIMEOUT_S, else the default process
+    group's own timeout (the run's ``dist_timeout_s``: a stuck peer fails the ring when it would
+    have failed a gloo collective), else DEFAULT_TIMEOUT_S."""
+    if TIMEOUT_ENV in os.environ:
+        return float(os.environ[TIMEOUT_ENV])
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # no default group yet, or a backend without options
+        return DEFAULT_TIMEOUT_S
 
 
 def requested() -> str:
