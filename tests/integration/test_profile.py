@@ -89,8 +89,12 @@ def backward_ms(run_dir: str, rank: int) -> float:
     return sum(length(intersect(nodes, [w])) for w in windows) / len(windows) / 1000
 
 
-@pytest.mark.parametrize("microbatches", [2, 3])
-def test_pipeline_idles_as_gpipe_predicts(runs, microbatches):
+@pytest.mark.parametrize(
+    "microbatches,impl",
+    [(2, "manual"), (3, "manual"), pytest.param(2, "torch", marks=pytest.mark.extra)],
+    ids=["2", "3", "2-torch"],
+)
+def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
     """The first stage starts a GPipe step first and finishes it last, so its idle time is the
     bubble. (p-1)/(m+p-1) (arXiv 1811.06965) holds for equal stages only, and no cut makes these
     equal (resnet18 cut before layer2: FLOPs 0.59/0.41), while load on shared cores skews them
@@ -103,8 +107,9 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches):
     its receive is posted) and, under load, one more max of two jittery stage times to the real
     pipeline that mean times do not see (measured: up to +0.14 at m = 4, failing 2 of 4 runs under load)."""
     metrics = runs(
-        f"pp_m{microbatches}",
+        f"pp_m{microbatches}_{impl}",
         "strategy=pp",
+        f"strategy.impl={impl}",
         "model=resnet18",
         "model.width=0.25",
         "strategy.cuts=[layer2]",
@@ -121,7 +126,8 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches):
     measured = first["idle"] / first["step"]
     predicted = gpipe_first_stage_idle(forward, backward, m) / first["step"]
     print(
-        f"pp m={m}: forward {forward[0]:.1f}/{forward[1]:.1f} ms, backward {backward[0]:.1f}/{backward[1]:.1f} ms; "
+        f"pp {impl} m={m}: forward {forward[0]:.1f}/{forward[1]:.1f} ms, "
+        f"backward {backward[0]:.1f}/{backward[1]:.1f} ms; "
         f"first stage idle {measured:.3f} of its step, GPipe predicts {predicted:.3f} "
         f"(equal stages (p-1)/(m+p-1) {(p - 1) / (m + p - 1):.3f})"
     )

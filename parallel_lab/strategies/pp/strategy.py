@@ -34,6 +34,7 @@ by m * grad_accum before backward: the summed gradient is the gradient of the gl
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -323,7 +324,8 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     def _torch_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": []} if self.is_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
+        with _torch_waits_traced_as_idle():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.is_last:  # undo the pre-scaling to report each micro-batch's mean loss
             self._losses = [x.detach() * (self.opts.microbatches * self._num_micro) for x in kwargs["losses"]]
 
@@ -443,3 +445,28 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     def teardown(self) -> None:
         super().teardown()
         self.schedule = self.pipe_stage = self.meta_stages = self.timer = None
+
+
+@contextlib.contextmanager
+def _torch_waits_traced_as_idle():
+    """torch.distributed.pipelining blocks on its stage-to-stage messages in one module function,
+    ``schedules._wait_batch_p2p``; wrapped here so the trace labels those waits idle (the bubble),
+    as the manual loop's ``_recv`` does, instead of exposed communication. Only while this
+    strategy's step runs; a torch without that function is left as it is (the waits then count
+    as communication)."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if original is None:
+        yield
+        return
+
+    def wait(work):
+        with trace_label(f"{IDLE_LABEL}p2p"):
+            return original(work)
+
+    schedules._wait_batch_p2p = wait
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
