@@ -72,7 +72,6 @@ IMPORT_TIME_PREFIXES = (
 NOT_COMPARED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
-
 @dataclasses.dataclass
 class Zygote:
     """The running fork server (multiprocessing keeps one per process): its pid, and os.environ
