@@ -73,7 +73,8 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom, is_package: bool, k
         else:
             prefix = node.module or ""
         names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
-    return [name for name in map(lambda n: _known_prefix(n, known), names) if name and name != module]
+    resolved = [_known_prefix(name, known) for name in names]
+    return [name for name in resolved if name and name != module]
 
 
 def _known_prefix(name: str, known: dict) -> str | None:
