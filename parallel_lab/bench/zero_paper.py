@@ -21,6 +21,7 @@ between the plan and the paper.
 from __future__ import annotations
 
 import argparse
+import functools
 from decimal import ROUND_HALF_UP, Decimal
 
 from parallel_lab.strategies.zero import zero_name
@@ -74,17 +75,13 @@ def plan_cfg(name: str, width: float, stage: int, nd: int, precision: str = "fp1
     return cfg
 
 
-_BASE: dict = {}
-
-
+@functools.cache
 def _base_cfg(name: str, width: float):
-    """strategy=zero0 composed once (Hydra's compose is the slow part; the ZeRO options are one class)."""
+    """ZeRO stage 0 composed once per model (Hydra's compose is the slow part; the ZeRO options are
+    one class, so plan_cfg sets the stage); callers only read it."""
     from parallel_lab.config import compose_config
 
-    key = (name, width)
-    if key not in _BASE:
-        _BASE[key] = compose_config(["strategy=zero0", f"model={name}", f"model.width={width}"])
-    return _BASE[key]
+    return compose_config([f"strategy={zero_name(0)}", f"model={name}", f"model.width={width}"])
 
 
 def plan_bytes(model, name: str, width: float, stage: int, nd: int, precision: str = "fp16") -> tuple[int, int]:

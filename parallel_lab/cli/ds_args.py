@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.zero import zero_name, zero_stage
+from parallel_lab.strategies.zero import STAGES, zero_name, zero_stage
 
 
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,9 +61,10 @@ def overrides_from_deepspeed_args(argv: list[str]) -> list[str]:
     keys = {a.partition("=")[0].lstrip("+~"): a.partition("=")[2] for a in rest if "=" in a}
     strategy = keys.get("strategy")
     if strategy is not None and zero_stage(strategy) is None:
+        stages = f"{zero_name(STAGES[0])}..{zero_name(STAGES[-1])}"
         raise ConfigError(
             f"--deepspeed contradicts strategy={strategy}; drop strategy= (the stage then comes from "
-            f"zero_optimization.stage of --deepspeed_config) or use strategy=zero0..zero3"
+            f"zero_optimization.stage of --deepspeed_config) or use strategy={stages}"
         )
     added = []
     if strategy is None:

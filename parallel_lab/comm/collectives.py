@@ -29,8 +29,8 @@ function               pattern                                    bytes sent (bu
 The ring is bandwidth-optimal (Patarasuk & Yuan, JPDC 2009; the algorithm behind Baidu's ring
 all-reduce and NCCL): busbw = algbw * 2(N-1)/N is the number that should stay flat as N grows.
 
-Transport under the ring (``all_reduce`` ring, ``reduce_scatter``, ``all_gather``), chosen in one
-place, ``shm.transport()``:
+Transport under the ring (``all_reduce`` ring, ``reduce_scatter``, ``all_gather``; the ring itself
+is ``comm/ring.py``), chosen in one place, ``shm.transport()``:
 
 - **shm** (default when every rank of the default group is on this host, x86-64, CPU tensors):
   ``comm/shm.py``, the way MPICH's nemesis and NCCL move bytes inside a node. Each ring link is a
@@ -54,18 +54,16 @@ side with gloo and MPICH: ``python -m parallel_lab.bench collectives`` (docs/ben
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from parallel_lab.comm import shm
+from parallel_lab.comm import ring
+from parallel_lab.comm.ring import RING_WINDOW, SEGMENT_BYTES, ring_chunks
 
 OPS = ("sum", "mean")
 ALGORITHMS = ("star", "ring", "builtin", "mpi")
-SEGMENT_BYTES = 1 << 20  # ring pipelining granularity: big enough to amortise per-message cost
-RING_WINDOW = 8  # ring receives posted ahead (and scratch segments held): 8 MiB at the default
 # all_reduce(ring) over gloo (not shm) at or below this size runs recursive doubling instead. Measured at world 2
 # (bench collectives, 7 rounds, 2 shared cores): recursive doubling takes 0.74-0.85x gloo's time
 # from 1 KiB to 256 KiB; at 1 MiB it is 1.57x gloo's, but the ring was no better there (1.2x to
@@ -182,7 +180,7 @@ def all_reduce(
         _in_place(_star_all_reduce, tensor)
     # Recursive doubling only saves gloo's per-message cost; over shm a message costs microseconds,
     # so the ring (bandwidth-optimal at every size) runs there.
-    elif _shm_link(tensor) is None and _latency_bound(
+    elif ring.shm_link(tensor) is None and _latency_bound(
         tensor, world, SMALL_BYTES if small_bytes is None else small_bytes
     ):
         _in_place(lambda flat: _recursive_doubling(flat, segment_bytes or SEGMENT_BYTES), tensor)
@@ -242,11 +240,6 @@ def _star_all_reduce(flat: torch.Tensor) -> None:
         dist.recv(flat, 0)
 
 
-def ring_chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
-    """N nearly equal contiguous views (the first numel % N chunks are one element longer)."""
-    return list(torch.tensor_split(flat, world))
-
-
 def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
     """Chunked ring all-reduce: reduce-scatter then all-gather, pipelined in segments.
 
@@ -259,10 +252,10 @@ def _ring_all_reduce(flat: torch.Tensor, segment_bytes: int = SEGMENT_BYTES, win
     In both phases round t receives chunk (r - t - 1) mod N, and the next round sends exactly what
     was just received (after the add). So chunks travel in segments, each forwarded as soon as it
     is ready: the add of one segment overlaps the transfer of the next, and the all-gather starts
-    while the reduce-scatter is still finishing (``_ring``).
+    while the reduce-scatter is still finishing (``ring.run``).
     """
     world = dist.get_world_size()
-    _ring(flat, dist.get_rank(), world - 1, world - 1, segment_bytes, window)
+    ring.run(flat, dist.get_rank(), world - 1, world - 1, segment_bytes, window)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str = "sum", segment_bytes: int | None = None) -> torch.Tensor:
@@ -274,7 +267,7 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum", segment_bytes: int | N
 
     def run(flat: torch.Tensor) -> None:
         if world > 1:  # start one chunk back, so the chunk completed after N-1 rounds is this rank's own
-            _ring(flat, (rank - 1) % world, world - 1, 0, segment_bytes or SEGMENT_BYTES)
+            ring.run(flat, (rank - 1) % world, world - 1, 0, segment_bytes or SEGMENT_BYTES)
         _finish_mean(ring_chunks(flat, world)[rank], op, world)
 
     return _in_place(run, tensor)
@@ -286,121 +279,5 @@ def all_gather(tensor: torch.Tensor, segment_bytes: int | None = None) -> torch.
     ring all-reduce."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world > 1:
-        _in_place(lambda flat: _ring(flat, rank, 0, world - 1, segment_bytes or SEGMENT_BYTES), tensor)
+        _in_place(lambda flat: ring.run(flat, rank, 0, world - 1, segment_bytes or SEGMENT_BYTES), tensor)
     return tensor
-
-
-def _ring(
-    flat: torch.Tensor,
-    owned: int,
-    reduce_rounds: int,
-    gather_rounds: int,
-    segment_bytes: int = SEGMENT_BYTES,
-    window: int = RING_WINDOW,
-) -> None:
-    """The segmented ring every function above runs: ``reduce_rounds`` rounds that add what they
-    receive, then ``gather_rounds`` that copy it. Round 0 sends chunk ``owned``; round t receives
-    chunk (owned - t - 1) mod N from the left neighbour and round t+1 forwards it to the right.
-
-    All rounds form one stream of messages; receives are posted ``window`` messages ahead into a
-    small pool of reused scratch segments (reducing rounds) or straight into the tensor (copying
-    rounds). Every message has its own tag: gloo takes milliseconds to match a receive posted
-    while another with the same peer and tag is pending.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    link = _shm_link(flat)
-    if link is not None:
-        _ring_shm(link, flat, owned, reduce_rounds, gather_rounds, segment_bytes)
-        return
-    right, left = (rank + 1) % world, (rank - 1) % world
-    rounds = reduce_rounds + gather_rounds
-    chunks = ring_chunks(flat, world)
-    seg = max(1, min(segment_bytes // flat.element_size(), chunks[0].numel()))
-    stream = _ring_stream(chunks, owned, rounds, seg)
-    per_round = -(-chunks[0].numel() // seg)  # segments of the largest chunk: the same on every rank
-
-    def tag(t: int, k: int) -> int:
-        return t * per_round + k
-
-    ahead = min(window, len(stream))  # receives posted ahead; reducing rounds need a scratch segment each
-    pool = [torch.empty(seg, dtype=flat.dtype, device=flat.device) for _ in range(ahead if reduce_rounds else 0)]
-    sends: dict[tuple[int, int], dist.Work] = {}  # (chunk, segment) -> in-flight send reading it
-
-    def post(i: int) -> tuple[torch.Tensor, dist.Work]:
-        t, chunk, k, part = stream[i]
-        if t < reduce_rounds:  # reduce: receive beside the chunk, then add
-            target = pool[i % ahead][: part.numel()]
-        else:  # copy: receive straight into the chunk, once nothing still sends from it
-            target = part
-            earlier = sends.pop((chunk, k), None)
-            if earlier is not None:
-                earlier.wait()
-        return target, dist.irecv(target, left, tag=tag(t, k))
-
-    for k, part in enumerate(torch.split(chunks[owned], seg)):  # round 0 sends the owned chunk
-        sends[(owned, k)] = dist.isend(part, right, tag=tag(0, k))
-    posted = [post(i) for i in range(ahead)]
-    for i, (t, chunk, k, part) in enumerate(stream):
-        incoming, work = posted[i]
-        work.wait()
-        if t < reduce_rounds:
-            part.add_(incoming)
-        if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
-            sends[(chunk, k)] = dist.isend(part, right, tag=tag(t + 1, k))
-        posted[i] = None
-        if i + ahead < len(stream):
-            posted.append(post(i + ahead))  # message i's pool slot is free again
-    for work in sends.values():
-        work.wait()
-
-
-def _ring_stream(chunks: list[torch.Tensor], owned: int, rounds: int, seg: int) -> list:
-    """(round, chunk index, segment index, segment view) for every message this rank receives, in
-    order: round t receives chunk (owned - t - 1) mod N, cut into segments of ``seg`` elements."""
-    world = len(chunks)
-    stream = []
-    for t in range(rounds):
-        chunk = (owned - t - 1) % world
-        stream += [(t, chunk, k, part) for k, part in enumerate(torch.split(chunks[chunk], seg))]
-    return stream
-
-
-def _shm_link(flat: torch.Tensor):
-    """The shm link under the ring when every rank is on this host (``comm/shm.py``), else None for
-    gloo's isend/irecv: ``shm.transport`` is the one place that decides (``PARALLEL_LAB_HAND_TRANSPORT``)."""
-    return shm.transport(flat.device)
-
-
-def _ring_shm(
-    link: shm.Link, flat: torch.Tensor, owned: int, reduce_rounds: int, gather_rounds: int, segment_bytes: int
-) -> None:
-    """``_ring`` over shared memory: the same rounds, chunks, segments and additions (so the same
-    bits as the gloo path), but a message is a copy into a slot of the right neighbour's inbox and a
-    receive reads straight out of this rank's inbox: ``part.add_(slot)`` (reducing rounds) or
-    ``part.copy_(slot)`` (copying rounds), with no scratch buffer. Sends are queued and go out
-    whenever the right neighbour has a free slot, also while this rank waits for its left one.
-
-    A copying round writes ``part`` only after everything queued before it went out: the chunk it
-    receives last left this rank (as a queued send) N rounds earlier, and it can only come back after
-    travelling the whole ring, i.e. after this rank's send of it was copied out."""
-    rounds = reduce_rounds + gather_rounds
-    chunks = ring_chunks(flat, link.world)
-    seg = max(1, min(segment_bytes, link.slot_bytes) // flat.element_size())
-    seg = min(seg, max(1, chunks[0].numel()))
-    outgoing = deque(torch.split(chunks[owned], seg))  # round 0 sends the owned chunk
-    inbox = link.inbox
-    try:
-        for t, _chunk, _k, part in _ring_stream(chunks, owned, rounds, seg):
-            link.wait_inbox(outgoing)
-            incoming = inbox.peek(part.numel(), part.dtype)
-            if t < reduce_rounds:
-                part.add_(incoming)  # the same order as _ring: the local partial sum + the left's
-            else:
-                part.copy_(incoming)
-            inbox.release()
-            if t + 1 < rounds:  # forward to the right neighbour as round t+1's message
-                outgoing.append(part)
-        link.flush(outgoing)
-    except BaseException as err:  # an interrupted call leaves the message streams out of step
-        link.broken = link.broken or f"{type(err).__name__} in a collective"
-        raise

@@ -135,7 +135,9 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool
         raise ConfigError(describe_compose_error(exc)) from None
 
 
-_registered: tuple | None = None  # what register_configs stored last: the same again is a no-op
+# The module's one piece of state (allowed in tests/unit/test_module_state.py): what register_configs
+# last stored in Hydra's ConfigStore (itself one per process); storing the same again is skipped.
+_stored: dict[str, tuple] = {}
 
 
 def register_configs() -> None:
@@ -146,10 +148,9 @@ def register_configs() -> None:
     from parallel_lab.plugins import plugin_config_files
     from parallel_lab.strategies import options_schemas, sweep_names
 
-    global _registered
     schemas = options_schemas()
     plugin_files = {group: plugin_config_files(group) for group in CONFIG_GROUPS}
-    if _registered != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
+    if _stored.get("configs") != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
         store = ConfigStore.instance()
         store.store(name="base_config", node=Config)
         for name, options in schemas.items():
@@ -157,7 +158,7 @@ def register_configs() -> None:
         for group, files in plugin_files.items():
             for name, path in files.items():
                 store.store(group=group, name=name, node=OmegaConf.load(path))
-        _registered = (schemas, plugin_files)
+        _stored["configs"] = (schemas, plugin_files)
     if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
         OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
     if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)

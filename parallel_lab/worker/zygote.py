@@ -26,6 +26,7 @@ still leaves no rank behind (tests/integration/test_failures.py kills one).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import subprocess
@@ -70,8 +71,19 @@ IMPORT_TIME_PREFIXES = (
 # torch.cuda counts GPUs): neither needs a new zygote.
 NOT_COMPARED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
-_zygote_env: dict[str, str] = {}  # os.environ when the running fork server started
-_zygote_pid: int | None = None
+
+@dataclasses.dataclass
+class Zygote:
+    """The running fork server (multiprocessing keeps one per process): its pid, and os.environ
+    when it started."""
+
+    pid: int | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+# The module's one piece of state (allowed in tests/unit/test_module_state.py), mirroring
+# multiprocessing's own: a changed pid means the fork server was (re)started.
+_zygote = Zygote()
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -81,13 +93,12 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 def context() -> multiprocessing.context.ForkServerContext:
     """multiprocessing's fork-server context with PRELOAD, its server running (started now if it
     is not): the one zygote of this process, shared with parallel_lab.cli.run.run_ranks."""
-    global _zygote_env, _zygote_pid
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - changes when it was (re)started
-    if pid != _zygote_pid:
-        _zygote_env, _zygote_pid = dict(os.environ), pid
+    if pid != _zygote.pid:
+        _zygote.env, _zygote.pid = dict(os.environ), pid
     return ctx
 
 
@@ -97,10 +108,10 @@ def can_fork(device: str, env: dict[str, str]) -> bool:
     if device != "cpu" or not sys.platform.startswith("linux") or torch.cuda.is_available():
         return False
     context()
-    if _import_time_env(env) != _import_time_env(_zygote_env) and hasattr(forkserver._forkserver, "_stop"):
+    if _import_time_env(env) != _import_time_env(_zygote.env) and hasattr(forkserver._forkserver, "_stop"):
         forkserver._forkserver._stop()  # noqa: SLF001 - ends it; the next context() starts one afresh
         context()
-    return _import_time_env(env) == _import_time_env(_zygote_env)
+    return _import_time_env(env) == _import_time_env(_zygote.env)
 
 
 class _InheritFd:
@@ -183,5 +194,5 @@ def start_process(target, args: tuple, name: str) -> multiprocessing.process.Bas
 def start_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
     """Fork one worker rank (``python -m parallel_lab.worker`` arguments argv) from the zygote."""
     context()  # first: the zygote's pid the rank checks its parent against
-    args = (argv, {**env, RANK_START_ENV: "fork"}, _InheritFd(1), _InheritFd(2), _zygote_pid)
+    args = (argv, {**env, RANK_START_ENV: "fork"}, _InheritFd(1), _InheritFd(2), _zygote.pid)
     return ForkedRank(start_process(_rank_main, args, name=f"parallel_lab rank {env.get('RANK')}"))

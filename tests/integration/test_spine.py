@@ -102,11 +102,11 @@ def test_spawn_forks_ranks_only_where_a_fork_equals_a_fresh_interpreter(monkeypa
     assert forks()
     assert not forks("launcher.fork_ranks=false")
     assert not forks("launcher=torchrun")
-    old_zygote = zygote._zygote_pid
+    old_zygote = zygote._zygote.pid
     other_kernels = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else "default"
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", other_kernels)
-    assert forks() and zygote._zygote_pid != old_zygote
-    assert zygote._zygote_env["ATEN_CPU_CAPABILITY"] == os.environ["ATEN_CPU_CAPABILITY"]
+    assert forks() and zygote._zygote.pid != old_zygote
+    assert zygote._zygote.env["ATEN_CPU_CAPABILITY"] == os.environ["ATEN_CPU_CAPABILITY"]
 
 
 @pytest.mark.extra  # make test runs the worker under real torchrun through launcher=torchrun (above)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from parallel_lab.comm import collectives, shm
+from parallel_lab.comm import collectives, shm, shm_link
 
 SLOT_ELEMS = shm.SLOT_BYTES // 4  # float32 elements per slot
 
@@ -109,9 +109,9 @@ def _publish_before_data(self, part: torch.Tensor) -> None:
     """BROKEN Outbox.send: publishes the counter, then copies the data (the sleep stands for the
     window a reordered store would leave)."""
     k = self.sent % shm.SLOTS
-    self.q[shm._Q_LENGTHS + k] = part.numel() * part.element_size()
+    self.q[shm_link._Q_LENGTHS + k] = part.numel() * part.element_size()
     self.sent += 1
-    self.q[shm._Q_WRITTEN] = self.sent
+    self.q[shm_link._Q_WRITTEN] = self.sent
     time.sleep(0.002)
     self.file.slot(k, part.numel(), part.dtype).copy_(part)
 
