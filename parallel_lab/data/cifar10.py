@@ -139,7 +139,7 @@ def _read_tarball(path: Path) -> tuple[list, list]:
     return train, test
 
 
-_checked: set[tuple] = set()  # tarballs check_tarball passed, by (path, size, mtime, md5): validate runs twice
+_checked: set[tuple] = set()  # tarballs check_tarball passed (path, size, mtime, md5, trusted): validate runs twice
 
 
 def check_tarball(cfg: DictConfig, official_md5: str | None) -> None:
@@ -152,11 +152,12 @@ def check_tarball(cfg: DictConfig, official_md5: str | None) -> None:
     if not path.is_file():
         return
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, cfg.md5)
+    trusted = bool(cfg.md5) and cfg.md5 == official_md5
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, cfg.md5, trusted)
     if key in _checked:
         return
     _check_md5(path, cfg.md5)
-    if not cfg.md5 or cfg.md5 != official_md5:
+    if not trusted:
         _read_tarball(path)
     _checked.add(key)
 
