@@ -121,7 +121,9 @@ class TrainerConfig:
         0.0, 0, note=" (0 = off)"
     )  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
     seed: int = ranged(0, 0, SEED_END)
-    warmup_steps: int = ranged(2, 0)  # steps left out of the timing medians
+    # Steps left out of the timing medians; a DeepSpeed file's "warmup_num_steps": "auto" takes it as
+    # HF's Trainer takes its warmup_steps (strategies/zero/ds_auto.py)
+    warmup_steps: int = ranged(2, 0)
     # true: a torch.profiler trace of profile_steps steps right after the warm-up, on every rank, in
     # <run_dir>/traces/rank<k>.json, and where each step's time went in metrics.json's ranks[k].time_ms
     # (docs/profiling.md). false: no profiler, no trace, nothing paid.
