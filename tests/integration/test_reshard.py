@@ -406,6 +406,12 @@ def test_inspect_and_export(tmp_path, sources, capsys):
     weights, adam = load_file(target), load_file(tmp_path / "new" / "w.optimizer.safetensors")
     assert all(torch.equal(weights[n], full.model[n]) for n in full.param_names)
     assert all(torch.equal(adam[f"{n}.exp_avg"], full.optim[n]["exp_avg"]) for n in full.param_names)
+    # trainer.init_from=w.safetensors finds the optimizer file beside it (checkpoint/outside.py)
+    from parallel_lab.checkpoint.outside import read_outside
+    from tests.support.cli import compose_cfg
+
+    outside = read_outside(target, compose_cfg("model=cnn").model, with_optimizer=True)
+    assert all(torch.equal(outside.optim[n]["exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
     again = _checkpoint_cmd("export", str(src), str(target))  # never overwrites
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "w.safetensors" in again.stderr
     assert torch.equal(load_file(target)[full.param_names[0]], full.model[full.param_names[0]])
