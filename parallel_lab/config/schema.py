@@ -54,6 +54,8 @@ class Range:
         kind = (
             ("integers" if plural else "an integer") if integer else ("finite numbers" if plural else "a finite number")
         )
+        if self.low == -math.inf and high == math.inf:
+            return kind
         shown = f"{self.high_key}={high:g}" if self.high_key else ("2^63" if high == SEED_END else f"{high:g}")
         if high == math.inf:
             return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"

@@ -55,7 +55,7 @@ def _is_number(value: Any) -> bool:
 
 def _check_one_range(cfg: DictConfig, key: str, value: Any, f: dataclasses.Field, rng: Range) -> None:
     high = float(OmegaConf.select(cfg, rng.high_key)) if rng.high_key else rng.high
-    integer = f.type in ("int", "Optional[int]") or rng.integer
+    integer = str(f.type) in ("int", "Optional[int]", "<class 'int'>", "typing.Optional[int]") or rng.integer
     if isinstance(value, (list, ListConfig)):
         items = list(value)
         good = (rng.items is None or len(items) == rng.items) and all(
@@ -71,12 +71,29 @@ def _check_one_range(cfg: DictConfig, key: str, value: Any, f: dataclasses.Field
         raise ConfigError(f"{key}={value} is out of range; set {key} to {rule}{rng.note}, e.g. {shown}")
 
 
-def check_ranges(cfg: DictConfig) -> None:
-    """Every numeric key against the Range beside its default (config/schema.py): one line naming the
-    key, the bad value and the values it takes, before anything is written. nan and inf are refused."""
-    for prefix, schema in RANGED_SECTIONS:
+def _option_range(f: dataclasses.Field) -> Range | None:
+    """A strategy option's Range: declared in its field's metadata (a Range, or its keyword arguments
+    as a dict, so strategies/ need not import config/), else "finite" for a float option (a nan or
+    inf bucket size is never meant); None: the strategy's validate_options checks it."""
+    declared = f.metadata.get(RANGE)
+    if isinstance(declared, dict):
+        return Range(**declared)
+    if declared is not None:
+        return declared
+    return Range() if str(f.type) in FLOAT_TYPES else None
+
+
+FLOAT_TYPES = ("float", "Optional[float]", "<class 'float'>", "typing.Optional[float]")
+
+
+def check_ranges(cfg: DictConfig, options: type | None = None) -> None:
+    """Every numeric key against the Range beside its default (config/schema.py) and, given the
+    strategy's Options dataclass, its options (``_option_range``): one line naming the key, the bad
+    value and the values it takes, before anything is written. nan and inf are refused."""
+    sections = [*RANGED_SECTIONS, *((("strategy", options),) if options is not None else ())]
+    for prefix, schema in sections:
         for f in dataclasses.fields(schema):
-            rng = f.metadata.get(RANGE)
+            rng = f.metadata.get(RANGE) if schema is not options else _option_range(f)
             key = f"{prefix}.{f.name}" if prefix else f.name
             value = OmegaConf.select(cfg, key, default=None)
             if rng is not None and value is not None:
@@ -192,7 +209,7 @@ def validate(
     _adopt_ds_files(cfg, explicit)
     apply_precision(cfg, explicit)
     strategy_cls = get_strategy_class(cfg.strategy.name)
-    check_ranges(cfg)
+    check_ranges(cfg, strategy_cls.Options)
     ws, t = cfg.world_size, cfg.trainer
     _check_profile(t)
     if t.lr_scheduler:

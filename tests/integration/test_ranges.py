@@ -15,7 +15,7 @@ import pytest
 
 from parallel_lab.config.schema import RANGE
 from parallel_lab.config.validate import RANGED_SECTIONS
-from tests.support.cli import assert_one_clean_line, run_cli
+from tests.support.cli import assert_one_clean_line, compose_cfg, run_cli
 
 CLI_TIMEOUT = 120
 
@@ -64,6 +64,13 @@ RANGE_CASES = {
     "fault-rank-below-never": (["fault.rank=-2"], ("fault.rank=-2", "in [-1, world_size=2)")),
     "fault-step-negative": (["fault.step=-1"], ("fault.step=-1", ">= 0")),
     "plan-world-sizes-0": (["plan.world_sizes=[2,0]"], ("plan.world_sizes=[2, 0]", "integers >= 1")),
+    # A strategy's float options: finite (their bounds are each strategy's validate_options).
+    "ddp-bucket-nan": (["strategy=ddp", "strategy.bucket_cap_mb=nan"], ("strategy.bucket_cap_mb=nan", "finite")),
+    "zero-bucket-inf": (["strategy=zero2", "strategy.bucket_mb=inf"], ("strategy.bucket_mb=inf", "finite")),
+    "manual-ddp-bucket-minus-inf": (
+        ["strategy=manual_ddp", "strategy.bucket_mb=-inf"],
+        ("strategy.bucket_mb=-inf", "finite"),
+    ),
 }
 AS_A_PROCESS = {"profile-steps-negative"}  # the issue's case through a fresh `python -m parallel_lab`
 NUMERIC_TYPES = {"int", "float", "Optional[int]", "Optional[float]"}
@@ -92,6 +99,7 @@ def test_every_numeric_key_declares_a_range_and_the_catalogue_tries_each():
     declared = {key for key, f in _fields() if RANGE in f.metadata}
     assert numeric - declared == set(), f"numeric keys without a Range: {sorted(numeric - declared)}"
     tried = {o.split("=")[0] for overrides, _ in RANGE_CASES.values() for o in overrides}
+    tried -= {o for o in tried if o.startswith("strategy.")}
     assert declared - tried == set(), f"ranged keys the catalogue never tries: {sorted(declared - tried)}"
 
 
@@ -117,3 +125,33 @@ def test_the_edges_of_each_range_pass(edge):
     from parallel_lab.config.validate import check_ranges
 
     check_ranges(compose_config([edge]))
+
+
+def test_a_strategy_option_declares_its_range_without_importing_config():
+    """strategies/ sit below config/: an Options field declares its Range as a plain dict in its
+    metadata ("range"), and check_ranges reads it; an undeclared float option must be finite."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.validate import check_ranges
+    from parallel_lab.errors import ConfigError
+
+    @dataclasses.dataclass
+    class Options:
+        degree: int = dataclasses.field(default=2, metadata={"range": {"low": 1, "note": " (1 = off)"}})
+        size_mb: float = 25.0
+        label: str = "x"
+
+    def with_strategy(**strategy):  # a plain config: the schema's strategy would refuse unknown keys
+        return OmegaConf.create({**OmegaConf.to_container(compose_cfg()), "strategy": strategy})
+
+    def refusal(**strategy) -> str:
+        cfg = with_strategy(**strategy)
+        with pytest.raises(ConfigError) as caught:
+            check_ranges(cfg, Options)
+        return str(caught.value)
+
+    assert refusal(degree=0).startswith(
+        "strategy.degree=0 is out of range; set strategy.degree to an integer >= 1 (1 = off)"
+    )
+    assert "strategy.size_mb=nan" in refusal(size_mb=float("nan"))
+    check_ranges(with_strategy(degree=1, size_mb=0.5), Options)
