@@ -8,7 +8,8 @@ like every other key.
 
 Every numeric key declares the values it accepts beside its default (``ranged``: a ``Range`` in the
 field's metadata); ``config/validate.py check_ranges`` refuses anything else in one line, in the
-parent, before anything is written.
+parent, before anything is written. A strategy's ``Options`` field may declare one as a dict of
+``Range``'s arguments under the same metadata key (strategies/ do not import config/).
 """
 
 from __future__ import annotations
