@@ -1,6 +1,6 @@
 """parallel_lab: one CIFAR model, every parallelism strategy, every number proven.
 
-Where things live (README.md, "How it fits together", has the table):
+Where things live (docs/architecture.md has the layers and the package-by-package table):
 
 - ``cli/``, ``config/``, ``report/``: the parent process (command line, launch, validation, the comparison).
 - ``worker/``: one rank (entry point, rendezvous from the environment, the training loop, measurements).

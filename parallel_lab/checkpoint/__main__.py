@@ -2,11 +2,15 @@
 
     python -m parallel_lab.checkpoint inspect runs/<run>/checkpoints/step_00000100
     python -m parallel_lab.checkpoint export runs/<run>/checkpoints/step_00000100 out/ [--optimizer]
+    python -m parallel_lab.checkpoint export runs/<run>/checkpoints/step_00000100 w.safetensors [--optimizer]
 
 ``inspect`` says who wrote a checkpoint (strategy, options, world size, step), its files and bytes
 per rank, and what a run must keep to continue it with ``trainer.reshard=true``. ``export`` writes
-the consolidated fp32 weights as ``model.safetensors`` (and with ``--optimizer`` Adam's state as
-``optimizer.safetensors``, ``<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step``). Both only read files
+the consolidated fp32 weights and, with ``--optimizer``, Adam's state (``<param>.exp_avg`` /
+``.exp_avg_sq`` / ``.step``): an ``out`` ending in ``.safetensors`` is the weights' file, the
+optimizer state going beside it as ``<stem>.optimizer.safetensors`` (``w.safetensors`` ->
+``w.optimizer.safetensors``); any other ``out`` is a folder that gets ``model.safetensors`` and
+``optimizer.safetensors``. Both only read files
 (``full_state.py``: weights_only / allowlist unpicklers); bad input is one line and exit 2. Both
 stream: ``inspect`` reads no tensor data, ``export`` one tensor at a time, into temporary files
 renamed when complete (a failure leaves nothing).
@@ -117,29 +121,54 @@ def _optimizer_view(full) -> LazyState:
     return LazyState(meta, lambda key: full.optim[key.rpartition(".")[0]][key.rpartition(".")[2]])
 
 
+SUFFIX = ".safetensors"
+
+
+def export_targets(out: Path, optimizer: bool) -> tuple[Path, Path | None]:
+    """Where export writes (weights, optimizer state or None): ``w.safetensors`` is the weights' file
+    with ``w.optimizer.safetensors`` beside it; any other ``out`` is a folder holding
+    ``model.safetensors`` and ``optimizer.safetensors``. Refuses a path that would overwrite anything."""
+    if out.name.endswith(SUFFIX) and len(out.name) > len(SUFFIX):
+        model, optim = out, out.with_name(out.name[: -len(SUFFIX)] + ".optimizer" + SUFFIX)
+        taken = [f for f in (model, optim if optimizer else None) if f is not None and f.exists()]
+        if taken:
+            raise ConfigError(f"export target '{taken[0]}' exists; pass a new file name (or a folder)")
+    else:
+        model, optim = out / "model.safetensors", out / "optimizer.safetensors"
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"export folder '{out}' is not empty; pass a new or empty folder")
+    return model, (optim if optimizer else None)
+
+
+def _new_dirs(folder: Path) -> list[Path]:
+    """The folders mkdir(parents=True) would create for ``folder``, deepest first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 def export(path: Path, out: Path, optimizer: bool) -> list[Path]:
-    """Write model.safetensors (and optimizer.safetensors) under out; returns the files written.
-    Streamed: each file is written under a temporary name and renamed once complete, so a failure
-    leaves nothing behind."""
+    """Write the weights (and the optimizer state) where ``export_targets`` says; returns the files
+    written. Streamed: each file is written under a temporary name and renamed once complete, so a
+    failure leaves nothing behind (folders it created included)."""
     manifest = read_manifest(path)
     full = consolidate(path, manifest=manifest)  # shapes checked; tensors are read while writing
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"export folder '{out}' is not empty; pass a new or empty folder")
+    model_file, optim_file = export_targets(out, optimizer)
     meta = {"step": str(full.step), "source": str(path), "format": full.format}
-    jobs = [(out / "model.safetensors", full.model)]
-    if optimizer:
-        jobs.append((out / "optimizer.safetensors", _optimizer_view(full)))
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    partial = [out / f".{file.name}.partial" for file, _ in jobs]
+    jobs = [(model_file, full.model)] + ([(optim_file, _optimizer_view(full))] if optim_file else [])
+    created = _new_dirs(model_file.parent)
+    model_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = [file.with_name(f".{file.name}.partial") for file, _ in jobs]
     try:
         for (file, state), tmp in zip(jobs, partial):
             write_safetensors(tmp, state, meta)
     except BaseException:
         for tmp in partial:
             tmp.unlink(missing_ok=True)
-        if created:
-            out.rmdir()
+        for folder in created:
+            folder.rmdir()
         raise
     for (file, _), tmp in zip(jobs, partial):
         tmp.rename(file)
@@ -165,10 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect = sub.add_parser("inspect", help="who wrote a checkpoint, its files per rank, what it reshards into")
     p_inspect.add_argument("checkpoint", type=Path)
     p_inspect.add_argument("--json", action="store_true", help="print the same as JSON")
-    p_export = sub.add_parser("export", help="consolidated fp32 weights (and Adam state) as safetensors")
-    p_export.add_argument("checkpoint", type=Path)
-    p_export.add_argument("out", type=Path)
-    p_export.add_argument("--optimizer", action="store_true", help="also optimizer.safetensors (Adam's state)")
+    p_export = sub.add_parser(
+        "export",
+        help="consolidated fp32 weights (and Adam state) as safetensors",
+        description="Write a checkpoint's consolidated fp32 weights (and, with --optimizer, Adam's state) "
+        "as safetensors; nothing is left behind on failure.",
+    )
+    p_export.add_argument("checkpoint", type=Path, help="a checkpoint folder (runs/<run>/checkpoints/step_N)")
+    p_export.add_argument(
+        "out",
+        type=Path,
+        help="a name ending in .safetensors is the weights' file (w.safetensors; the optimizer state goes "
+        "beside it as w.optimizer.safetensors); anything else is a new or empty folder that gets "
+        "model.safetensors (and optimizer.safetensors)",
+    )
+    p_export.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="also Adam's state: <out stem>.optimizer.safetensors, or optimizer.safetensors in the folder",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":

@@ -10,8 +10,8 @@ What is read, picked by what the path holds (never by its name alone):
 * a torch Distributed Checkpoint folder (``.metadata``): ``{"model": ..., "optimizer": ...}`` as
   ``dcp.save`` wrote it (optimizer state keyed by name, as ``get_state_dict`` gives it, or by
   index, as ``Optimizer.state_dict`` does), or a bare model state_dict;
-* a ``.safetensors`` file (weights only; an ``optimizer.safetensors`` beside it, as
-  ``python -m parallel_lab.checkpoint export --optimizer`` writes, gives Adam's state);
+* a ``.safetensors`` file (weights only; a ``<stem>.optimizer.safetensors`` or ``optimizer.safetensors``
+  beside it, as ``python -m parallel_lab.checkpoint export --optimizer`` writes, gives Adam's state);
 * a ``torch.save`` file: a state_dict, or a dict holding one under model / state_dict /
   model_state_dict (and optimizer / optimizer_state_dict).
 
@@ -128,8 +128,10 @@ def _read(path: Path, kind: str, model_cfg: DictConfig, names: list[str]) -> tup
         from safetensors.torch import load_file
 
         model = load_file(path)
-        adam_file = path.with_name("optimizer.safetensors")
-        flat = load_file(adam_file) if adam_file.is_file() and adam_file != path else {}
+        # export's two layouts: w.safetensors + w.optimizer.safetensors, or a folder's model/optimizer.safetensors
+        beside = [path.with_name(path.name.removesuffix(".safetensors") + ".optimizer.safetensors")]
+        adam_file = next((f for f in [*beside, path.with_name("optimizer.safetensors")] if f.is_file()), None)
+        flat = load_file(adam_file) if adam_file is not None and adam_file != path else {}
         optim: dict[str, dict] = {}
         for key, value in flat.items():
             name, _, what = key.rpartition(".")

@@ -5,10 +5,17 @@
 ``Options`` dataclass (``parallel_lab/strategies``), which ``conf/strategy/<name>.yaml`` extends
 (``defaults: [/strategy_options/<name>@_here_]``), so ``strategy.<key>=value`` is typed and checked
 like every other key.
+
+Every numeric key declares the values it accepts beside its default (``ranged``: a ``Range`` in the
+field's metadata); ``config/validate.py check_ranges`` refuses anything else in one line, in the
+parent, before anything is written. A strategy's ``Options`` field may declare one as a dict of
+``Range``'s arguments under the same metadata key (strategies/ do not import config/).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +24,51 @@ from omegaconf import MISSING
 from parallel_lab.choices import Choice, Precision, make_choice
 
 CONFIG_GROUPS = ("strategy", "model", "data", "launcher")  # chosen on the command line: group=name
+RANGE = "range"  # the field metadata key holding a numeric key's Range
+SEED_END = 2**63  # seeds: torch.Generator.manual_seed takes int64; the data adds 1 (eval set) and the epoch
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: finite, ``low <= v`` (``low < v`` with low_open) and
+    ``v < high`` (``v <= high`` with high_closed; ``high_key``: below another key's value). A list
+    key: each item, and exactly ``items`` of them when given. null passes (an Optional key's "derive it")."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_closed: bool = False
+    high_key: str = ""  # the bound is this key's value (fault.rank < world_size)
+    items: Optional[int] = None
+    note: str = ""  # what the values mean, printed after the rule
+    example: Any = None  # shown in the refusal where the default is null
+    integer: bool = False  # a list of integers (a scalar key's type says so itself)
+
+    def holds(self, value: float, high: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value <= high if self.high_closed else value < high
+        return math.isfinite(value) and above and below
+
+    def rule(self, integer: bool, high: float, plural: bool = False) -> str:
+        """'an integer >= 1', 'a finite number in [0, 1)', 'an integer in [-1, world_size=2)'
+        ('integers >= 1' with plural)."""
+        kind = (
+            ("integers" if plural else "an integer") if integer else ("finite numbers" if plural else "a finite number")
+        )
+        if self.low == -math.inf and high == math.inf:
+            return kind
+        shown = f"{self.high_key}={high:g}" if self.high_key else ("2^63" if high == SEED_END else f"{high:g}")
+        if high == math.inf:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        if self.low == -math.inf:
+            return f"{kind} {'<=' if self.high_closed else '<'} {shown}"
+        return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {shown}{']' if self.high_closed else ')'}"
+
+
+def ranged(default: Any = NO_DEFAULT, low: float = -math.inf, high: float = math.inf, **kw: Any) -> Any:
+    """A dataclass field with its default and the Range of values it accepts (``factory=`` for a list)."""
+    factory = kw.pop("factory", NO_DEFAULT)
+    return field(default=default, default_factory=factory, metadata={RANGE: Range(low, high, **kw)})
 
 
 class Optimizer(Choice):
@@ -47,17 +99,17 @@ class FaultAt(Choice):
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20
+    steps: int = ranged(20, 1)
     # Constant across world sizes (as in nanoGPT) so every strategy's numbers compare:
     # each data-parallel rank gets global_batch / dp_world, split again into grad_accum micro-batches.
-    global_batch: int = 64
-    grad_accum: int = 1
-    lr: float = 1e-3
+    global_batch: int = ranged(64, 1)
+    grad_accum: int = ranged(1, 1)
+    lr: float = ranged(1e-3, 0, low_open=True)
     optimizer: Optimizer = Optimizer.adam  # adam | adamw (decoupled weight decay, DeepSpeed's "Adam") | sgd
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])  # adam/adamw (torch's default)
-    eps: float = 1e-8  # adam/adamw (torch's default)
+    momentum: float = ranged(0.9, 0, 1, note=" (sgd's momentum)")
+    weight_decay: float = ranged(0.0, 0)
+    betas: list = ranged(factory=lambda: [0.9, 0.999], low=0, high=1, items=2)  # adam/adamw (torch's default)
+    eps: float = ranged(1e-8, 0)  # adam/adamw (torch's default)
     # LR schedule: a DeepSpeed schedule name (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
     # LRRangeTest) or a torch.optim.lr_scheduler one, stepped after every optimizer step; null = constant
     lr_scheduler: Optional[str] = None
@@ -68,26 +120,34 @@ class TrainerConfig:
     # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, zero*:
     # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
     precision: Precision = Precision.fp32
-    grad_clip: float = 0.0  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
-    seed: int = 0
-    warmup_steps: int = 2  # steps left out of the timing medians
+    grad_clip: float = ranged(
+        0.0, 0, note=" (0 = off)"
+    )  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)
+    seed: int = ranged(0, 0, SEED_END)
+    # Steps left out of the timing medians; a DeepSpeed file's "warmup_num_steps": "auto" takes it as
+    # HF's Trainer takes its warmup_steps (strategies/zero/ds_auto.py)
+    warmup_steps: int = ranged(2, 0)
     # true: a torch.profiler trace of profile_steps steps right after the warm-up, on every rank, in
     # <run_dir>/traces/rank<k>.json, and where each step's time went in metrics.json's ranks[k].time_ms
     # (docs/profiling.md). false: no profiler, no trace, nothing paid.
     profile: bool = False
-    profile_steps: int = 2  # steps traced when profile=true (>= 1, within steps - warmup_steps)
-    threads_per_rank: int = 1  # intra-op threads per process; one-process strategies get the total
+    profile_steps: int = ranged(2, 1)  # steps traced when profile=true (>= 1, within steps - warmup_steps)
+    threads_per_rank: int = ranged(1, 1)  # intra-op threads per process; one-process strategies get the total
     # Intra-op threads (torch.set_num_threads and OMP_NUM_THREADS) of every process of the run.
     # null = derived: threads_per_rank, times the requested world_size for a one-process strategy
     # (single, dp) so it uses the cores the ranks would have; an explicit n >= 1 is used as is.
     # config.yaml and metrics.json hold the resolved number.
-    threads: Optional[int] = None
+    threads: Optional[int] = ranged(
+        None, 1, note=" (or trainer.threads=null to derive it from trainer.threads_per_rank)", example=4
+    )
     progress: bool = True
-    eval_batches: int = 2  # batches of held-out data for the accuracy in metrics.json (0 = skip)
+    eval_batches: int = ranged(
+        2, 0, note=" (0 = skip)"
+    )  # batches of held-out data for the accuracy in metrics.json (0 = skip)
     # Checkpoints (parallel_lab/checkpoint/): every N optimizer steps and at the last step.
-    checkpoint_every: int = 0  # 0 = never
+    checkpoint_every: int = ranged(0, 0, note=" (0 = no checkpoints)")  # 0 = never
     checkpoint_dir: Optional[str] = None  # default <run_dir>/checkpoints
-    keep_checkpoints: int = 2  # newest complete ones kept: a damaged newest falls back to the previous
+    keep_checkpoints: int = ranged(2, 1)  # newest complete ones kept: a damaged newest falls back to the previous
     resume: str = "auto"  # auto (newest good checkpoint, if any) | never | <path to a step_* folder>
     # true: trainer.resume=<path> may come from any strategy, options and world size; its full state
     # is gathered offline and scattered into this run's layout (checkpoint/full_state.py)
@@ -99,10 +159,10 @@ class TrainerConfig:
     init_optimizer: bool = False  # true: also Adam's state (exp_avg, exp_avg_sq, step) from init_from
     # Noise-floor reruns of the `single` baseline only (parallel_lab/report/parity.py; a sweep starts them):
     # move every initial weight one float ulp up or down, signs drawn from this seed. null = off.
-    ulp_jitter_seed: Optional[int] = None
+    ulp_jitter_seed: Optional[int] = ranged(None, 0, SEED_END, example=1)
     # Noise-floor reruns of `single` only: before every optimizer step, move every gradient element
     # by one float ulp of its tensor's largest gradient, signs drawn from this seed. null = off.
-    grad_ulp_seed: Optional[int] = None
+    grad_ulp_seed: Optional[int] = ranged(None, 0, SEED_END, example=1)
     # Set by a sweep on its noise-floor reruns of `single` (the perturbation's label, e.g.
     # "micro_batches=2"; parallel_lab/report/parity.py noise_reruns): marks the run as one. null = a run.
     noise_rerun: Optional[str] = None
@@ -120,10 +180,10 @@ class Norm(Choice):
 @dataclass
 class ModelConfig:
     name: str = MISSING  # cnn | resnet18
-    num_classes: int = 10
+    num_classes: int = ranged(10, 10, note=" (the data's labels are 0-9)")
     # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
     # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
-    width: float = 1.0
+    width: float = ranged(1.0, 0, 1000, low_open=True, high_closed=True)
     # group (default, today's models bit for bit) | batch | syncbatch: parallel_lab/strategies/batchnorm.py
     norm: Norm = Norm.group
 
@@ -132,7 +192,7 @@ class ModelConfig:
 class DataConfig:
     name: str = MISSING  # synthetic | cifar10
     root: Optional[str] = None  # folder holding cifar-10-python.tar.gz (cifar10 only)
-    size: int = 4096  # synthetic: number of training samples generated from the seed
+    size: int = ranged(4096, 1)  # synthetic: number of training samples generated from the seed
     download: bool = False  # cifar10: fetch the tarball if it is missing (needs internet)
     # cifar10: md5 of the official cifar-10-python.tar.gz (the one place it is written); null skips the check
     md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"
@@ -145,25 +205,27 @@ class LauncherConfig:
     # node from the allocation; mpirun on several hosts: rank 0's host address, found over MPI).
     # Never 0.0.0.0 unless written here.
     master_addr: Optional[str] = None
-    master_port: int = 0  # 0 = pick a free port
+    master_port: int = ranged(0, 0, 65536, note=" (a TCP port; 0 = pick a free one)")
     # Several machines (docs/multinode.md): the hosts, or a file with one per line ("host",
     # "host slots=N" or "host:N"); world_size must equal nodes x nproc_per_node.
     hosts: list = field(default_factory=list)
     hostfile: Optional[str] = None
-    nodes: Optional[int] = None  # null = len(hosts), or 1; slurm without hosts: how many nodes to ask for
-    nproc_per_node: Optional[int] = None  # null = the hostfile's slots, else world_size / nodes
+    nodes: Optional[int] = ranged(
+        None, 1, example=2
+    )  # null = len(hosts), or 1; slurm without hosts: how many nodes to ask for
+    nproc_per_node: Optional[int] = ranged(None, 1, example=2)  # null = the hostfile's slots, else world_size / nodes
     # How the parent reaches another host to start its torchrun agent (and mpiexec's hydra, if it
     # is not ssh). -tt: closing the connection hangs up the remote agent. null = do not start
     # anything, print the exact per-host commands instead.
     remote_shell: Optional[str] = "ssh -o BatchMode=yes -tt"
     ds_runner: str = "pdsh"  # deepspeed on several hosts: its --launcher (pdsh | mpich | openmpi | ...)
-    max_restarts: int = 0  # torchrun only
+    max_restarts: int = ranged(0, 0)  # torchrun only
     # torchrun only, several hosts: run elastically (--nnodes=min_nodes:len(hosts), c10d rendezvous
     # on host 0): when a host dies the others re-form a smaller group and reshard the newest
     # checkpoint to the new world size (docs/multinode.md). null = a fixed set of hosts.
-    min_nodes: Optional[int] = None
+    min_nodes: Optional[int] = ranged(None, 1, example=1)
     extra_args: list = field(default_factory=list)
-    grace_s: float = 10.0  # after one rank fails, how long the others get before being killed
+    grace_s: float = ranged(10.0, 0, low_open=True)  # after one rank fails, how long the others get before being killed
     # spawn on CPU: fork each rank from a process that has already imported torch (~0.1 s instead
     # of ~6 s of CPU per rank; parallel_lab/worker/zygote.py). false = a fresh
     # `python -m parallel_lab.worker` per rank. The other launchers' tools always start fresh ones.
@@ -174,8 +236,8 @@ class LauncherConfig:
 class FaultConfig:
     """Deliberate failure, for testing what a crash does: rank ``rank`` fails at step ``step``."""
 
-    rank: int = -1  # -1 = never
-    step: int = 0
+    rank: int = ranged(-1, -1, high_key="world_size", note=" (-1 = never)")
+    step: int = ranged(0, 0)
     mode: FaultMode = FaultMode["raise"]  # raise (a Python exception) | kill (SIGKILL itself, like a lost node)
     # step: before step `step` runs; checkpoint: halfway through writing the checkpoint taken after
     # `step` steps (its files written, not yet committed). Only in the first attempt: a torchrun
@@ -192,7 +254,7 @@ class PlanConfig:
     device_memory: Optional[str] = None
     # World sizes to table, e.g. [1,2,4,8,16,32,64,128,256,512,1024]; [] = world_size only. With a
     # list, each rank keeps the micro-batch it has at world_size (the global batch grows).
-    world_sizes: list = field(default_factory=list)
+    world_sizes: list = ranged(factory=list, low=1, example=[1, 2, 4], integer=True)
     out: Optional[str] = None  # output folder; null = runs/plan/<date>_<time>
     # Run folders (or sweeps) whose metrics.json are drawn as measured points in the scaling plot.
     measured: list = field(default_factory=list)
@@ -205,9 +267,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    world_size: int = 2
+    world_size: int = ranged(2, 1, 64, high_closed=True, note=" (a sane ceiling for one machine)")
     device: Device = Device.auto  # auto | cpu | cuda
-    dist_timeout_s: int = 120  # timeout of every process group
+    dist_timeout_s: int = ranged(120, 1)  # timeout of every process group
     run_dir: Optional[str] = None  # filled in by the parent
     # Filled in by the parent: each "auto" of a DeepSpeed file (strategy.ds_config, trainer.recipe)
     # as resolved from this run's config, {<file key>: {<key path>: {value, from}}} (strategies/zero/ds_auto.py)

@@ -7,70 +7,103 @@ by torchrun, the deepspeed launcher or mpirun sees exactly what the parent saw.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
 from parallel_lab.choices import choice_error
-from parallel_lab.config.schema import LauncherConfig, TrainerConfig
+from parallel_lab.config.schema import (
+    RANGE,
+    Config,
+    DataConfig,
+    FaultConfig,
+    LauncherConfig,
+    ModelConfig,
+    PlanConfig,
+    Range,
+    TrainerConfig,
+)
 from parallel_lab.errors import ConfigError, Warn, print_warning
 from parallel_lab.protocol import CONFIG_FILE, default_checkpoint_dir
 
-MAX_WORLD_SIZE = 64  # a sane ceiling for one machine; above it is almost surely a typo
+# Where each numeric key's Range is declared (config/schema.py), by the key's prefix.
+RANGED_SECTIONS = (
+    ("", Config),
+    ("trainer", TrainerConfig),
+    ("model", ModelConfig),
+    ("data", DataConfig),
+    ("launcher", LauncherConfig),
+    ("fault", FaultConfig),
+    ("plan", PlanConfig),
+)
 
 
-def _check_positive(name: str, value: int, alternative: str = "") -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value} must be a positive integer; set {name}=<n> with n >= 1{alternative}")
+def _example_of(f: dataclasses.Field, rng: Range) -> tuple[Any, bool]:
+    """(a value the key takes, whether it is the default): the default, or the Range's example
+    where the default is null or empty."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return (rng.example, False) if default is None or default == [] else (default, True)
 
 
-def _check_range(
-    name: str,
-    value: float,
-    low: float,
-    high: float = math.inf,
-    *,
-    default: float,
-    low_open: bool = False,
-    note: str = "",
-) -> None:
-    """Refuse nan, inf and values outside [low, high) ((low, high) with low_open), naming the default."""
-    inside = math.isfinite(value) and (value > low if low_open else value >= low) and value < high
-    if not inside:
-        rule = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else f"in [{low:g}, {high:g})"
-        raise ConfigError(
-            f"{name}={value} must be a finite number {rule}{note}; set {name} to one, e.g. the default {name}={default}"
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_one_range(cfg: DictConfig, key: str, value: Any, f: dataclasses.Field, rng: Range) -> None:
+    high = float(OmegaConf.select(cfg, rng.high_key)) if rng.high_key else rng.high
+    integer = str(f.type) in ("int", "Optional[int]", "<class 'int'>", "typing.Optional[int]") or rng.integer
+    if isinstance(value, (list, ListConfig)):
+        items = list(value)
+        good = (rng.items is None or len(items) == rng.items) and all(
+            _is_number(v) and (isinstance(v, int) or not integer) and rng.holds(v, high) for v in items
         )
+        rule = f"{rng.items or 'a list of'} {rng.rule(integer, high, plural=True)}"
+    else:
+        good = _is_number(value) and rng.holds(value, high)
+        rule = rng.rule(integer, high)
+    if not good:
+        example, is_default = _example_of(f, rng)
+        shown = f"the default {key}={example}" if is_default else f"{key}={example}"
+        raise ConfigError(f"{key}={value} is out of range; set {key} to {rule}{rng.note}, e.g. {shown}")
 
 
-def _check_numbers(cfg: DictConfig) -> None:
-    """Values torch.optim, torchrun or the supervisor would only reject once the workers run."""
-    t, launcher = cfg.trainer, cfg.launcher
-    _check_range("trainer.lr", t.lr, 0, low_open=True, default=TrainerConfig.lr)
-    _check_range("trainer.weight_decay", t.weight_decay, 0, default=TrainerConfig.weight_decay)
-    _check_range("trainer.grad_clip", t.grad_clip, 0, default=TrainerConfig.grad_clip)
-    if t.optimizer == "sgd":  # Adam does not read it
-        _check_range(
-            "trainer.momentum", t.momentum, 0, 1, default=TrainerConfig.momentum, note=" with trainer.optimizer=sgd"
-        )
-    _check_range("launcher.max_restarts", launcher.max_restarts, 0, default=LauncherConfig.max_restarts)
-    _check_range("launcher.grace_s", launcher.grace_s, 0, low_open=True, default=LauncherConfig.grace_s)
-    _check_range("trainer.eval_batches", t.eval_batches, 0, default=TrainerConfig.eval_batches, note=" (0 = skip)")
-    # A TCP port is 16 bits; 0 lets the launcher pick a free one.
-    _check_range("launcher.master_port", launcher.master_port, 0, 65536, default=LauncherConfig.master_port)
-    _check_positive("dist_timeout_s", cfg.dist_timeout_s)
+def _option_range(f: dataclasses.Field) -> Range | None:
+    """A strategy option's Range: declared in its field's metadata (a Range, or its keyword arguments
+    as a dict, so strategies/ need not import config/), else "finite" for a float option (a nan or
+    inf bucket size is never meant); None: the strategy's validate_options checks it."""
+    declared = f.metadata.get(RANGE)
+    if isinstance(declared, dict):
+        return Range(**declared)
+    if declared is not None:
+        return declared
+    return Range() if str(f.type) in FLOAT_TYPES else None
+
+
+FLOAT_TYPES = ("float", "Optional[float]", "<class 'float'>", "typing.Optional[float]")
+
+
+def check_ranges(cfg: DictConfig, options: type | None = None) -> None:
+    """Every numeric key against the Range beside its default (config/schema.py) and, given the
+    strategy's Options dataclass, its options (``_option_range``): one line naming the key, the bad
+    value and the values it takes, before anything is written. nan and inf are refused."""
+    sections = [*RANGED_SECTIONS, *((("strategy", options),) if options is not None else ())]
+    for prefix, schema in sections:
+        for f in dataclasses.fields(schema):
+            rng = f.metadata.get(RANGE) if schema is not options else _option_range(f)
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            value = OmegaConf.select(cfg, key, default=None)
+            if rng is not None and value is not None:
+                _check_one_range(cfg, key, value, f, rng)
 
 
 def _resolve_threads(t: DictConfig, requested_world: int, single_process: bool) -> int:
-    """trainer.threads as the processes will use it (see TrainerConfig.threads)."""
+    """trainer.threads as the processes will use it (see TrainerConfig.threads; its range: check_ranges)."""
     if t.threads is None:
         return t.threads_per_rank * (requested_world if single_process else 1)
-    _check_positive(
-        "trainer.threads", t.threads, " (or trainer.threads=null to derive it from trainer.threads_per_rank)"
-    )
     return t.threads
 
 
@@ -153,8 +186,6 @@ def _check_profile(t: DictConfig) -> None:
     """trainer.profile traces profile_steps steps right after the warm-up: they must exist."""
     if not t.profile:
         return
-    if t.profile_steps < 1:
-        raise ConfigError(f"trainer.profile_steps={t.profile_steps} must be >= 1; use e.g. trainer.profile_steps=2")
     after_warmup = t.steps - t.warmup_steps
     if t.profile_steps > after_warmup:
         raise ConfigError(
@@ -178,18 +209,13 @@ def validate(
     _adopt_ds_files(cfg, explicit)
     apply_precision(cfg, explicit)
     strategy_cls = get_strategy_class(cfg.strategy.name)
-    ws = cfg.world_size
-    if not isinstance(ws, int) or ws < 1 or ws > MAX_WORLD_SIZE:
-        raise ConfigError(f"world_size={ws} is out of range; use 1 <= world_size <= {MAX_WORLD_SIZE} (world_size=2)")
-    t = cfg.trainer
-    for key in ("steps", "global_batch", "grad_accum", "threads_per_rank"):
-        _check_positive(f"trainer.{key}", t[key])
+    check_ranges(cfg, strategy_cls.Options)
+    ws, t = cfg.world_size, cfg.trainer
     _check_profile(t)
     if t.lr_scheduler:
         from parallel_lab.strategies.zero.ds_file import check_scheduler
 
         check_scheduler(t)
-    _check_numbers(cfg)
     if cfg.launcher.max_restarts and cfg.launcher.name != "torchrun":
         raise ConfigError(
             f"launcher.max_restarts={cfg.launcher.max_restarts} needs launcher=torchrun (launcher="
@@ -212,6 +238,7 @@ def validate(
     from parallel_lab.data import validate_data_config
 
     validate_data_config(cfg.data, cfg.trainer)
+    _check_data_files(cfg)
     from parallel_lab.checkpoint import validate_checkpoint_config
 
     _check_elastic_worlds(cfg)
@@ -226,6 +253,15 @@ def validate(
     resolve_device(cfg, warn)
     check_machine_fits(cfg, t.global_batch // (dp * t.grad_accum), warn)  # last: every value is known good
     return cfg
+
+
+def _check_data_files(cfg: DictConfig) -> None:
+    """data=cifar10: the tarball's md5 and, unless it is the official file, its members, read here in
+    the parent so a damaged file never reaches a rank (data/cifar10.py check_tarball)."""
+    if cfg.data.name == "cifar10":
+        from parallel_lab.data.cifar10 import check_tarball
+
+        check_tarball(cfg.data, DataConfig.md5)
 
 
 def _check_elastic_worlds(cfg: DictConfig) -> None:

@@ -15,6 +15,7 @@ import io
 import pickle
 import tarfile
 import urllib.request
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ TARBALL = "cifar-10-python.tar.gz"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 TRAIN_MEMBERS = [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
 TEST_MEMBER = "cifar-10-batches-py/test_batch"
+CLASSES = 10
 IMAGE_BYTES = 3 * 32 * 32  # one image in the tarball: uint8, channel-major
 DOWNLOAD_IMAGES = 60_000  # 50000 training + 10000 test images in the official tarball
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
@@ -93,12 +95,21 @@ def _read_member(tar: tarfile.TarFile, name: str, path: Path) -> tuple[np.ndarra
         batch = restricted_loads(raw)
         data = np.asarray(_field(batch, "data"), dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = np.asarray(_field(batch, "labels"), dtype=np.int64)
-    except (KeyError, AttributeError) as exc:
+    except (
+        KeyError,
+        AttributeError,
+        ValueError,
+        TypeError,
+        IndexError,
+        EOFError,
+    ) as exc:  # what a damaged pickle raises
         raise ConfigError(f"{path} is not a CIFAR-10 python tarball (member {name}: {exc}); re-download it") from None
     except pickle.UnpicklingError as exc:
         raise ConfigError(f"{path} member {name} was refused: {exc}; use the official tarball") from None
     if len(data) != len(labels):
         raise ConfigError(f"{path} member {name} has {len(data)} images but {len(labels)} labels; re-download it")
+    if labels.size and (labels.min() < 0 or labels.max() >= CLASSES):
+        raise ConfigError(f"{path} member {name} has labels outside 0-{CLASSES - 1}; re-download it")
     return data, labels
 
 
@@ -108,6 +119,49 @@ def _to_dataset(parts: list[tuple[np.ndarray, np.ndarray]]) -> TensorDataset:
     return TensorDataset((images - MEAN) / STD, labels)
 
 
+def _check_md5(path: Path, expected: str | None) -> None:
+    """data.md5 (the official tarball's: DataConfig.md5, config/schema.py); null skips the check."""
+    actual = file_digest(path, "md5") if expected else None
+    if expected and actual != expected:
+        raise ConfigError(
+            f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it"
+        )
+
+
+def _read_tarball(path: Path) -> tuple[list, list]:
+    """(train, test) members as (images, labels) arrays, each read with the restricted unpickler."""
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            train = [_read_member(tar, name, path) for name in TRAIN_MEMBERS]
+            test = [_read_member(tar, TEST_MEMBER, path)]
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+        raise ConfigError(f"{path} cannot be read as a tar.gz ({exc}); re-download it") from None
+    return train, test
+
+
+_checked: set[tuple] = set()  # tarballs check_tarball passed (path, size, mtime, md5, trusted): validate runs twice
+
+
+def check_tarball(cfg: DictConfig, official_md5: str | None) -> None:
+    """The parent's check of data.root's tarball, before any process starts: its md5, and unless it
+    is the official file (data.md5 = official_md5, whose content the md5 vouches for) every member
+    read as the ranks will read it (restricted unpickler, images and labels that match), so a damaged
+    or foreign file is one line and exit 2 instead of a failed rank. A tarball still to be downloaded
+    (data.download=true) is checked by the ranks."""
+    path = tarball_path(cfg)
+    if not path.is_file():
+        return
+    stat = path.stat()
+    trusted = bool(cfg.md5) and cfg.md5 == official_md5
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, cfg.md5, trusted)
+    if key in _checked:
+        return
+    _check_md5(path, cfg.md5)
+    if not trusted:
+        _read_tarball(path)
+    _checked.add(key)
+
+
 def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
     """(train, test) datasets, after checking the tarball's md5 (``data.md5``; null skips it)."""
     path = tarball_path(cfg)
@@ -115,16 +169,6 @@ def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
         if not cfg.download:
             raise ConfigError(f"data.root={cfg.root} has no {TARBALL}; put it there or add data.download=true")
         download(path)
-    expected = cfg.md5  # the official tarball's: DataConfig.md5 (config/schema.py)
-    actual = file_digest(path, "md5") if expected else None
-    if expected and actual != expected:
-        raise ConfigError(
-            f"{path} has md5 {actual}, expected {expected}; the file is corrupt or tampered, re-download it"
-        )
-    try:
-        with tarfile.open(path, "r:gz") as tar:
-            train = [_read_member(tar, name, path) for name in TRAIN_MEMBERS]
-            test = [_read_member(tar, TEST_MEMBER, path)]
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise ConfigError(f"{path} cannot be read as a tar.gz ({exc}); re-download it") from None
+    _check_md5(path, cfg.md5)  # again: the file may have changed since the parent checked it
+    train, test = _read_tarball(path)
     return _to_dataset(train), _to_dataset(test)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from parallel_lab.protocol import METRICS_FILE
-from parallel_lab.report.table import load_runs
+from parallel_lab.report.rows import load_runs
 from parallel_lab.report.write import write_report
 
 

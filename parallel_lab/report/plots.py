@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from parallel_lab.report.columns import MiB, max_rank
 from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE
-from parallel_lab.report.table import MiB, Row, _max_rank
+from parallel_lab.report.rows import Row
 from parallel_lab.worker import timeline
 from parallel_lab.worker.profile import trace_files
 
@@ -34,7 +35,7 @@ def plot_comparison(runs: list[Row], out: Path) -> None:
     axes[0].set_title("throughput (samples/s)")
     bottom = [0.0] * len(ok)
     for key, color in (("param_bytes", "tab:green"), ("grad_bytes", "tab:orange"), ("optim_bytes", "tab:red")):
-        heights = [(_max_rank(r, key) or 0) / MiB for r in ok]
+        heights = [(max_rank(r, key) or 0) / MiB for r in ok]
         axes[1].bar(labels, heights, bottom=bottom, label=key.split("_")[0], color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes[1].set_title("model state per rank (MiB)")

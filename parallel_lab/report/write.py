@@ -1,11 +1,13 @@
-"""The whole comparison of some runs: the tables (``table.py``) and their plots (``plots.py``)."""
+"""The whole comparison of some runs: the tables (``table.py``, from the rows of ``rows.py`` and the
+columns of ``columns.py``) and their plots (``plots.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from parallel_lab.report.plots import plot_comparison, plot_parity, plot_timeline
-from parallel_lab.report.table import Row, write_tables
+from parallel_lab.report.rows import Row
+from parallel_lab.report.table import write_tables
 
 
 def write_report(runs: list[Row], out: Path) -> str:

@@ -143,3 +143,44 @@ def test_hf_file_as_a_recipe_matches_the_reference_on_every_row(hf_runs, hf_refe
     cfg = OmegaConf.load(metrics["config"])
     assert_resolved(cfg, "trainer.recipe")
     _print_verdict(f"recipe {strategy}", hf_reference.assert_run_matches(metrics, f"hf-recipe-{strategy}"))
+
+
+# ----- issue 32: the same file with no LR warm-up on the command line: HF's rule fills it -----
+@pytest.mark.slow
+def test_hf_zero3_file_with_auto_warmup_trains_with_hfs_schedule(tmp_path):
+    """The HF ZeRO-3 file unedited, nothing but the run's own settings on the command line:
+    "warmup_num_steps": "auto" is trainer.warmup_steps (HF's get_warmup_steps: its warmup_steps), the
+    run trains, and the schedule its workers build is the one DeepSpeed builds from the file as HF's
+    Trainer fills it (written out here: min 0, max learning_rate, warmup warmup_steps, total steps)."""
+    import math
+
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    from parallel_lab.optim import make_scheduler, optimizer_factory
+
+    path = ds_file(tmp_path, HF_ZERO3, "hf_zero3.json")
+    warmup, steps = 2, 6
+    run_dir = tmp_path / "run"
+    flags = ["world_size=2", f"trainer.steps={steps}", f"trainer.global_batch={HF_BATCH}", "trainer.eval_batches=0"]
+    run_cli(run_dir, "--deepspeed", f"--deepspeed_config={path}", *flags, f"trainer.warmup_steps={warmup}", timeout=300)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    entry = cfg.ds_auto["strategy.ds_config"]["scheduler.params.warmup_num_steps"]
+    assert (entry.value, entry["from"]) == (warmup, "trainer.warmup_steps (HF's warmup_steps)")
+    metrics = load_metrics(run_dir)
+    assert len(metrics["losses"]) == steps and all(math.isfinite(x) for x in metrics["losses"])
+
+    def lrs(optimizer, scheduler) -> list[float]:
+        out = []
+        for _ in range(steps):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    hf = dict(warmup_min_lr=0, warmup_max_lr=HF_LR, warmup_num_steps=warmup, total_num_steps=steps)
+    theirs_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=HF_LR)
+    theirs = lrs(theirs_opt, WarmupDecayLR(theirs_opt, **hf))
+    ours_opt = optimizer_factory(cfg.trainer)([torch.nn.Parameter(torch.zeros(1))])  # as the workers build it
+    ours = lrs(ours_opt, make_scheduler(cfg.trainer, ours_opt))
+    assert ours == pytest.approx(theirs, rel=1e-12) and len(set(theirs)) > 2, (ours, theirs)

@@ -169,6 +169,12 @@ def evil_pickle_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
     return ["data=cifar10", f"data.root={tmp}", f"data.md5={md5_of(path)}"]
 
 
+def garbage_member_tarball(tmp: Path, _checkpoint_of=None) -> list[str]:
+    """A readable tar.gz whose first batch is not a pickle at all, vouched for by its own md5."""
+    path = build_tarball(tmp, {TRAIN_MEMBERS[0]: b"\x80\x02not a pickle"})
+    return ["data=cifar10", f"data.root={tmp}", f"data.md5={md5_of(path)}"]
+
+
 def ds_config_disagreeing(tmp: Path, _checkpoint_of=None) -> list[str]:
     path = tmp / "ds_config.json"
     path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 2}}))
@@ -401,6 +407,7 @@ CATALOGUE = {
     "cifar-tampered-tarball": (tampered_tarball, "md5"),
     "cifar-truncated-tarball": (truncated_tarball, "cifar-10-python.tar.gz"),
     "cifar-disallowed-pickle-global": (evil_pickle_tarball, "not allowed"),
+    "cifar-garbage-member": (garbage_member_tarball, ("data_batch_1", "was refused")),
     "resume-missing": (["trainer.resume=/nonexistent/step_00000002"], "/nonexistent/step_00000002"),
     "resume-corrupt-checkpoint": (corrupt_checkpoint, "sha256"),
     "resume-incomplete-checkpoint": (incomplete_checkpoint, "incomplete"),
@@ -481,6 +488,13 @@ BAD_CHOICE = {
     "fault-at",
     "ds-config-recipe-fp16-on-single",
 }
+# A damaged or foreign CIFAR-10 tarball: its md5 and members are checked in the parent (issue 32 item 6).
+CIFAR_TARBALLS = {
+    "cifar-tampered-tarball",
+    "cifar-truncated-tarball",
+    "cifar-disallowed-pickle-global",
+    "cifar-garbage-member",
+}
 # Refused by validate() in the parent: no worker may have started (each writes pids/rank<k>.pid first).
 REFUSED_BEFORE_WORKERS = {
     *BAD_CHOICE,
@@ -530,9 +544,10 @@ REFUSED_BEFORE_WORKERS = {
     "ds-config-conflicts-at-once",
     "master-port-beyond-16-bits",
     "eval-batches-negative",
+    *CIFAR_TARBALLS,
 }
 # Refused before Hydra makes the run folder: not even failed.json is written.
-NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-nan", *BAD_CHOICE}
+NOTHING_WRITTEN = {"master-port-beyond-16-bits", "eval-batches-negative", "lr-nan", *BAD_CHOICE, *CIFAR_TARBALLS}
 
 
 # These go through a fresh `python -m parallel_lab` process (exit status, stderr as a user sees them);
@@ -546,6 +561,7 @@ AS_A_PROCESS = {
     "world-size-beyond-memory",
     "resume-corrupt-checkpoint",
     "master-port-beyond-16-bits",
+    "cifar-tampered-tarball",
 }
 
 

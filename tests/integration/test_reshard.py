@@ -395,6 +395,34 @@ def test_inspect_and_export(tmp_path, sources, capsys):
     )
     assert all(torch.equal(weights[n], full.model[n]) for n in full.param_names)
     assert all(torch.equal(adam[f"{n}.exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
+    # out ending in .safetensors: that file (its folder made), the optimizer state beside it, no folder
+    target = tmp_path / "new" / "w.safetensors"
+    done = _checkpoint_cmd("export", str(src), str(target), "--optimizer")
+    assert done.returncode == 0, done.stderr
+    assert target.is_file() and sorted(p.name for p in target.parent.iterdir()) == [
+        "w.optimizer.safetensors",
+        "w.safetensors",
+    ]
+    weights, adam = load_file(target), load_file(tmp_path / "new" / "w.optimizer.safetensors")
+    assert all(torch.equal(weights[n], full.model[n]) for n in full.param_names)
+    assert all(torch.equal(adam[f"{n}.exp_avg"], full.optim[n]["exp_avg"]) for n in full.param_names)
+    # trainer.init_from=w.safetensors finds the optimizer file beside it (checkpoint/outside.py)
+    from parallel_lab.checkpoint.outside import read_outside
+    from tests.support.cli import compose_cfg
+
+    outside = read_outside(target, compose_cfg("model=cnn").model, with_optimizer=True)
+    assert all(torch.equal(outside.optim[n]["exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
+    again = _checkpoint_cmd("export", str(src), str(target))  # never overwrites
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "w.safetensors" in again.stderr
+    assert torch.equal(load_file(target)[full.param_names[0]], full.model[full.param_names[0]])
+
+
+def test_export_help_says_what_out_is():
+    """`export --help` tells a file from a folder and names the optimizer file (a real process)."""
+    done = _checkpoint_cmd("export", "--help")
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0 and "ending in .safetensors is the weights' file" in text
+    assert "w.optimizer.safetensors" in text and "folder" in text
 
 
 @pytest.mark.slow
@@ -413,9 +441,11 @@ def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources):
     manifest = json.loads((src / COMPLETE).read_text())
     manifest["files"]["trainer_rank0.pt"] = {"size": bad.stat().st_size, "sha256": sha256_file(bad)}
     (src / COMPLETE).write_text(json.dumps(manifest))
-    result = _checkpoint_cmd("export", str(src), str(tmp_path / "out"))
-    assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    for out in (tmp_path / "out", tmp_path / "made" / "w.safetensors"):
+        result = _checkpoint_cmd("export", str(src), str(out))
+        assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+    assert not (tmp_path / "made").exists()
 
 
 @pytest.mark.parametrize(

@@ -86,9 +86,9 @@ HF_ZERO3 = {  # the Hugging Face docs' ZeRO-3 offload config, as users copy it (
     "wall_clock_breakdown": False,
 }
 HF_STEPS, HF_BATCH, HF_LR = 4, 16, 1e-3
-# This project has no LR warm-up key (trainer.warmup_steps only leaves steps out of the timings), so
-# the schedule's "auto" warm-up comes from trainer.lr_scheduler_params; warming up from trainer.lr to
-# trainer.lr keeps the rate constant, which the plain reference (constant-LR Adam) can mirror.
+# The schedule's "auto" values come from trainer.lr_scheduler_params here (given wins over HF's rule:
+# warm-up = trainer.warmup_steps); warming up from trainer.lr to trainer.lr keeps the rate constant,
+# which the plain reference (constant-LR Adam) can mirror.
 HF_RUN = (
     "world_size=2",
     f"trainer.steps={HF_STEPS}",

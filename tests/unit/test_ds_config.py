@@ -183,6 +183,27 @@ def test_hf_auto_follows_the_model_precision_and_batch(tmp_path):
         validated(tmp_path / "c", "strategy=zero3", f"strategy.ds_config={fixed_path}", *common[2:])
 
 
+def test_hf_auto_warmup_is_hfs_rule_on_this_runs_warmup_steps(tmp_path):
+    """issue 32: "warmup_num_steps": "auto" as HF's Trainer fills it (get_warmup_steps: its warmup_steps,
+    the ratio's default 0), from trainer.warmup_steps, recorded with its source; a command-line value
+    still wins."""
+    path = ds_file(tmp_path, HF_ZERO3, "hf_zero3.json")
+    for steps in (2, 5):
+        cfg = validated(tmp_path / str(steps), *ZERO3_AT(path), f"trainer.warmup_steps={steps}")
+        auto = cfg.ds_auto["strategy.ds_config"]
+        assert (auto["scheduler.params.warmup_num_steps"].value, auto["scheduler.params.warmup_num_steps"]["from"]) == (
+            steps,
+            "trainer.warmup_steps (HF's warmup_steps)",
+        )
+        assert cfg.trainer.lr_scheduler_params.warmup_num_steps == steps
+    given = validated(tmp_path / "given", *ZERO3_AT(path), "+trainer.lr_scheduler_params.warmup_num_steps=7")
+    assert given.ds_auto["strategy.ds_config"]["scheduler.params.warmup_num_steps"].value == 7
+
+
+def ZERO3_AT(path: str) -> tuple[str, ...]:  # noqa: N802 - reads as the ZERO3 overrides with the file
+    return tuple(o.replace("{path}", path) for o in ZERO3)
+
+
 FP16_KEYS_IN_BF16 = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 PUBLISHED_BF16 = {  # a published config: fp16's loss-scaling keys copied into its bf16 block
     "train_batch_size": 16,
@@ -222,10 +243,13 @@ REFUSED = {  # id: (file, overrides ({path}: the file), texts the one line must 
         ("zero_optimization.offload_optimizer.device='gpu'", "'cpu'"),
     ),
     "batch-as-a-string": ({"train_batch_size": "16"}, ZERO2, ("train_batch_size='16'", "positive integer")),
-    "auto-warmup-without-a-source": (
+    "auto-warmup-of-0": (  # HF's rule gives 0 here; DeepSpeed's warm-up schedules refuse it
         HF_ZERO3,
-        ZERO3,
-        ("scheduler.params.warmup_num_steps", "+trainer.lr_scheduler_params.warmup_num_steps=<value>"),
+        (*ZERO3, "trainer.warmup_steps=0"),
+        (
+            'scheduler.params.warmup_num_steps="auto" is trainer.warmup_steps=0',
+            "+trainer.lr_scheduler_params.warmup_num_steps=<n>",
+        ),
     ),
     "auto-without-a-source-by-flag": (
         {**HF_ZERO3, "zero_optimization": {**HF_ZERO3["zero_optimization"], "allgather_bucket_size": "auto"}},

@@ -21,9 +21,11 @@ scheduler.params.<name>                        trainer.lr_scheduler_params.<name
                                                line sets it, else: warmup_max_lr = trainer.lr,
                                                warmup_min_lr = 0 (HF's constant), total_num_steps
                                                = trainer.steps (num_training_steps);
-                                               warmup_num_steps has no source but that key (HF's
-                                               warmup_steps; trainer.warmup_steps here only leaves
-                                               steps out of the timings, and DeepSpeed refuses 0)
+                                               warmup_num_steps = trainer.warmup_steps (HF's
+                                               get_warmup_steps: warmup_steps, else ceil(
+                                               warmup_ratio x steps), the ratio 0 by default; the
+                                               run's warm-up steps, left out of the timings, are
+                                               these); 0 is refused: DeepSpeed's schedules take >= 1
 zero_optimization.reduce_bucket_size           hidden_size^2
 zero_optimization.stage3_prefetch_bucket_size  int(0.9 x hidden_size^2)
 zero_optimization.stage3_param_persistence_    10 x hidden_size
@@ -223,7 +225,21 @@ class _Rules:
             return 0.0, "0, HF's value (set +trainer.lr_scheduler_params.warmup_min_lr to change)"
         if name == "total_num_steps":
             return int(t.steps), "trainer.steps"
+        if name == "warmup_num_steps":
+            return self.warmup_steps()
         return None
+
+    def warmup_steps(self) -> tuple[int, str]:
+        """HF's get_warmup_steps: its warmup_steps when > 0, else ceil(warmup_ratio x steps) with the
+        ratio's default 0. trainer.warmup_steps plays warmup_steps (this project has no ratio)."""
+        steps = int(self.cfg.trainer.warmup_steps)
+        if steps < 1:  # HF's rule gives 0, which DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR refuse
+            raise ConfigError(
+                'scheduler.params.warmup_num_steps="auto" is trainer.warmup_steps=0 (HF\'s warmup_steps), which '
+                "DeepSpeed's warm-up schedules refuse; set trainer.warmup_steps=<n> or "
+                "+trainer.lr_scheduler_params.warmup_num_steps=<n>"
+            )
+        return steps, "trainer.warmup_steps (HF's warmup_steps)"
 
 
 def resolve_auto(key: str, path: str, data: dict, cfg: DictConfig, world: int) -> Resolution:
@@ -263,7 +279,7 @@ def _unresolved(key: str, path: str, missing: list[str]) -> str:
             f", or set {flags}" if flags else ""
         )
     short_fix = "write values in the file" + (f" or set {flags}" if flags else "")
-    why = "no LR warm-up key here" if scheduler == ["warmup_num_steps"] else "nothing in this run sets it"
+    why = "nothing in this run sets it"
     listed = ", ".join(missing)
     return first_fitting(
         key,
