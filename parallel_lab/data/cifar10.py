@@ -11,6 +11,7 @@ read straight from the archive, never extracted to disk.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import tarfile
@@ -139,9 +140,6 @@ def _read_tarball(path: Path) -> tuple[list, list]:
     return train, test
 
 
-_checked: set[tuple] = set()  # tarballs check_tarball passed (path, size, mtime, md5, trusted): validate runs twice
-
-
 def check_tarball(cfg: DictConfig, official_md5: str | None) -> None:
     """The parent's check of data.root's tarball, before any process starts: its md5, and unless it
     is the official file (data.md5 = official_md5, whose content the md5 vouches for) every member
@@ -153,13 +151,14 @@ def check_tarball(cfg: DictConfig, official_md5: str | None) -> None:
         return
     stat = path.stat()
     trusted = bool(cfg.md5) and cfg.md5 == official_md5
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, cfg.md5, trusted)
-    if key in _checked:
-        return
-    _check_md5(path, cfg.md5)
+    _check_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns, cfg.md5, trusted)
+
+
+@functools.cache  # validate runs twice in the parent: a file unchanged since it passed is not read again
+def _check_file(path: str, size: int, mtime_ns: int, md5: str | None, trusted: bool) -> None:
+    _check_md5(Path(path), md5)
     if not trusted:
-        _read_tarball(path)
-    _checked.add(key)
+        _read_tarball(Path(path))
 
 
 def load_cifar10(cfg: DictConfig) -> tuple[TensorDataset, TensorDataset]:
