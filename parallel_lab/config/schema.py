@@ -119,13 +119,23 @@ class Norm(Choice):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # cnn | resnet18
+    name: str = MISSING  # cnn | resnet18 | vit
     num_classes: int = 10
     # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
     # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
+    # vit: multiplies model.dim (rounded to a multiple of model.heads).
     width: float = 1.0
     # group (default, today's models bit for bit) | batch | syncbatch: parallel_lab/strategies/batchnorm.py
+    # vit: LayerNorm always; only group (the default) is accepted.
     norm: Norm = Norm.group
+    # vit only (cnn and resnet18 ignore them); null = the vit's default in parallel_lab/models/vit.py
+    # DEFAULTS, which conf/model/vit.yaml writes out. docs/vit.md.
+    patch: Optional[int] = None  # side of a square patch, divides 32: 4 -> 64 tokens
+    dim: Optional[int] = None  # token width (64), a multiple of heads
+    depth: Optional[int] = None  # transformer blocks (4), each a pipeline stage boundary
+    heads: Optional[int] = None  # attention heads (4), head width dim / heads
+    mlp_ratio: Optional[float] = None  # MLP hidden width / dim (2.0)
+    dropout: Optional[float] = None  # in [0, 1); 0.0 = off. Data-parallel rows draw other masks than single
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""model=vit trained by the strategies on real ranks: each row the same training as the independent
+single-process reference (tests/support/reference.py, judged by the report's parity criterion) and
+every rank's model state exactly what the planner predicted. The model itself, in-process:
+tests/unit/test_vit.py; the table of every strategy: docs/vit.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.checks import assert_plan_matches
+from tests.support.reference import parity_reference
+
+STEPS, BATCH = 5, 32
+RUN = ("model=vit", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer.eval_batches=0")
+DATA_PARALLEL = ["single", "dp", "manual_ddp", "ddp", "fsdp", "zero0", "zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return parity_reference("vit", steps=STEPS, global_batch=BATCH)
+
+
+def check_row(metrics: dict, reference) -> None:
+    assert metrics["model"] == "vit" and len(metrics["losses"]) == STEPS
+    reference.assert_run_matches(metrics, f"vit {metrics['strategy']}")
+    assert_plan_matches(metrics, tolerance=0.0)  # exact, as for cnn and resnet18
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_fsdp_trains_the_vit_as_single_does_and_as_planned(cli, reference):
+    check_row(cli("strategy=fsdp", *RUN), reference)
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("strategy", [s for s in DATA_PARALLEL if s != "fsdp"] + ["pp"])
+def test_every_strategy_trains_the_vit_as_single_does_and_as_planned(cli, reference, strategy):
+    check_row(cli(f"strategy={strategy}", *RUN), reference)
