@@ -73,7 +73,8 @@ def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
     """The same weights for the same seed, in every process and every strategy."""
     validate_model_config(cfg)
     torch.manual_seed(seed)
-    return MODELS[cfg.name](**_kwargs(cfg))
+    extra = {"seed": seed} if cfg.name == "vit" else {}  # the vit's dropout masks are keyed by it
+    return MODELS[cfg.name](**_kwargs(cfg), **extra)
 
 
 def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:

@@ -12,48 +12,61 @@ Layout, for the strategies that take a model apart (docs/vit.md):
 Attention is written as explicit matmuls and a softmax, not ``F.scaled_dot_product_attention``:
 what autograd saves for them is what the planner counts on the meta device (plan/predict.py).
 The tokens are mean-pooled, no class token: 64 tokens at patch 4, a length a sequence-parallel
-split divides. Dropout is plain ``nn.Dropout`` (off, an Identity, at the default 0.0).
+split divides. Dropout (off, an Identity, at the default 0.0) draws each sample's mask from the
+sample itself (models/dropout.py): the same masks under every data-parallel split.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from parallel_lab.models.dropout import SampleDropout, SampleKeys
 
 # The vit's sizes: the one home of their defaults (config/schema.py ModelConfig leaves them null).
 DEFAULTS = {"patch": 4, "dim": 64, "depth": 4, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
 IMAGE = 32  # CIFAR-10's side
 
 
-def dropout(p: float) -> nn.Module:
-    """nn.Dropout(p), or an Identity at p=0: then the model draws no random numbers and saves no mask."""
-    return nn.Dropout(p) if p > 0 else nn.Identity()
+Dropout = Callable[[], nn.Module]  # makes the model's next dropout layer
+
+
+def dropouts(p: float, keys: SampleKeys) -> Dropout:
+    """A maker of the model's dropout layers, each its own site; Identity at p=0 (no random
+    numbers drawn, no mask saved: the model then trains bit for bit as without dropout)."""
+    sites = itertools.count()
+    return lambda: SampleDropout(p, keys, next(sites)) if p > 0 else nn.Identity()
 
 
 class PatchEmbedding(nn.Module):
     """Image -> tokens: a patch x patch convolution with stride patch (a Linear on each patch),
     plus a learned position embedding."""
 
-    def __init__(self, dim: int, patch: int, p: float) -> None:
+    def __init__(self, dim: int, patch: int, drop: Dropout, keys: SampleKeys | None) -> None:
         super().__init__()
         self.proj = nn.Conv2d(3, dim, patch, stride=patch)
         self.pos = nn.Parameter(torch.empty(1, (IMAGE // patch) ** 2, dim))
         nn.init.trunc_normal_(self.pos, std=0.02)
-        self.drop = dropout(p)
+        self.drop = drop()
+        self.keys = keys  # None without dropout: nothing to key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.keys is not None:  # the one layer that sees the pixels keys the samples
+            self.keys.set(x)
         return self.drop(self.proj(x).flatten(2).transpose(1, 2) + self.pos)  # (batch, tokens, dim)
 
 
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, tokens, head_dim): no parameters."""
 
-    def __init__(self, head_dim: int, p: float) -> None:
+    def __init__(self, head_dim: int, drop: Dropout = nn.Identity) -> None:
         super().__init__()
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.drop = dropout(p)
+        self.drop = drop()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
@@ -61,13 +74,13 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, p: float) -> None:
+    def __init__(self, dim: int, heads: int, drop: Dropout) -> None:
         super().__init__()
         self.heads = heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.core = AttentionCore(dim // heads, p)
+        self.core = AttentionCore(dim // heads, drop)
         self.proj = nn.Linear(dim, dim)
-        self.drop = dropout(p)
+        self.drop = drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
@@ -79,26 +92,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, p: float) -> None:
+    def __init__(self, dim: int, hidden: int, drop: Dropout) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.act = nn.GELU()
+        self.drop1 = drop()
         self.fc2 = nn.Linear(hidden, dim)
-        self.drop = dropout(p)
+        self.drop2 = drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 class Block(nn.Module):
     """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x))."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, p: float) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int, drop: Dropout) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, p)
+        self.attn = Attention(dim, heads, drop)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, hidden, p)
+        self.mlp = MLP(dim, hidden, drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -140,11 +154,15 @@ class ViT(nn.Sequential):
         heads: int = DEFAULTS["heads"],
         mlp_ratio: float = DEFAULTS["mlp_ratio"],
         dropout: float = DEFAULTS["dropout"],
+        seed: int = 0,
     ) -> None:
+        """seed: of the dropout masks (models/dropout.py), build_model's seed."""
         super().__init__()
         del norm  # LayerNorm always: validate_model_config refuses batch/syncbatch for the vit
         dim = scaled_dim(dim, heads, width)
-        self.add_module("embed", PatchEmbedding(dim, patch, dropout))
+        keys = SampleKeys(seed) if dropout > 0 else None
+        drop = dropouts(dropout, keys)
+        self.add_module("embed", PatchEmbedding(dim, patch, drop, keys))
         for i in range(depth):
-            self.add_module(f"block{i}", Block(dim, heads, round(dim * mlp_ratio), dropout))
+            self.add_module(f"block{i}", Block(dim, heads, round(dim * mlp_ratio), drop))
         self.add_module("head", Head(dim, num_classes))

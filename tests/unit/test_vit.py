@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from parallel_lab.errors import ConfigError
 from parallel_lab.models import build_meta_model, build_model, validate_model_config
 from parallel_lab.models.flops import layer_flops
-from parallel_lab.models.vit import DEFAULTS, AttentionCore
+from parallel_lab.models.vit import DEFAULTS, AttentionCore, ViT
 from tests.support.activations import saved_for_backward_bytes
 from tests.support.cli import ROOT, assert_one_clean_line, compose_cfg, run_cli
 
@@ -45,7 +45,7 @@ def test_same_seed_same_weights_and_logits_of_the_right_shape():
 def test_attention_core_equals_torch_scaled_dot_product_attention():
     q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    torch.testing.assert_close(AttentionCore(8, 0.0)(q, k, v), expected)
+    torch.testing.assert_close(AttentionCore(8)(q, k, v), expected)
 
 
 def test_cnn_and_resnet18_are_unchanged_by_the_vit_keys():
@@ -151,3 +151,25 @@ def _saved(module: torch.nn.Module, x: torch.Tensor, loss: bool) -> int:
         if loss:
             torch.nn.functional.cross_entropy(out, torch.zeros(x.shape[0], dtype=torch.long))
     return sum(saved.values())
+
+
+# ----- dropout: a sample's mask does not depend on the batch it is in (models/dropout.py) -----
+def test_dropout_masks_are_the_same_however_the_batch_is_split():
+    cfg, x = vit_cfg(dropout=0.2), torch.randn(8, 3, 32, 32)
+    whole, split = build_model(cfg, 0), build_model(cfg, 0)
+    expected = whole(x)
+    torch.testing.assert_close(torch.cat([split(x[:3]), split(x[3:5]), split(x[5:])]), expected, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    other_seed = ViT(dropout=0.2, seed=1)  # whole's weights, masks keyed by another seed
+    assert not torch.allclose(other_seed(x), expected, atol=1e-3)
+    assert not torch.allclose(whole(x), expected, atol=1e-3)  # a sample's next occurrence: a new mask
+
+
+def test_dropout_is_off_in_eval_and_draws_nothing_at_zero():
+    x = torch.randn(4, 3, 32, 32)
+    dropped, plain = build_model(vit_cfg(dropout=0.5), 0), build_model(vit_cfg(), 0)
+    assert not torch.allclose(dropped(x), plain(x), atol=1e-3)
+    assert torch.equal(dropped.eval()(x), plain.eval()(x))  # the same weights: dropout draws no init numbers
+    before = torch.random.get_rng_state()
+    plain.train()(x)
+    assert torch.equal(torch.random.get_rng_state(), before)
