@@ -36,7 +36,16 @@ def check_row(metrics: dict, reference) -> None:
 @pytest.mark.parity
 def test_fsdp_trains_the_vit_with_dropout_as_single_does_and_as_planned(cli, dropout_reference):
     """Each rank draws, for its half of the batch, the masks single draws for those samples."""
+    assert_envelope_is_rounding_only(dropout_reference)
     check_row(cli("strategy=fsdp", DROPOUT, *RUN), dropout_reference)
+
+
+def assert_envelope_is_rounding_only(reference) -> None:
+    """The noise reruns include the batch summed in 2 and 4 micro-batches: with masks that depend
+    on the split (nn.Dropout's) they are other trainings, the envelope grows to the masks' effect
+    (~1e-2 in the loss at step 1) and any row passes. With per-sample masks they differ in rounding only."""
+    for losses, _ in reference.noise:
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) < 1e-4, (losses, reference.losses)
 
 
 @pytest.mark.extra
