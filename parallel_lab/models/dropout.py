@@ -37,7 +37,7 @@ class SampleKeys:
         """Key every sample of a training batch by (seed, its bytes, its occurrence)."""
         if pixels.is_meta:
             return
-        rows = pixels.detach().cpu().contiguous().reshape(len(pixels), -1).numpy()
+        rows = pixels.detach().cpu().contiguous().reshape(len(pixels), -1).view(torch.uint8).numpy()  # any dtype
         self.keys = []
         for row in rows:
             digest = hashlib.blake2b(row.tobytes(), digest_size=16).digest()
