@@ -179,13 +179,25 @@ class Norm(Choice):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # cnn | resnet18
+    name: str = MISSING  # cnn | resnet18 | vit
     num_classes: int = ranged(10, 10, note=" (the data's labels are 0-9)")
     # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
     # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
+    # vit: multiplies model.dim (rounded to a multiple of model.heads).
     width: float = ranged(1.0, 0, 1000, low_open=True, high_closed=True)
     # group (default, today's models bit for bit) | batch | syncbatch: parallel_lab/strategies/batchnorm.py
+    # vit: LayerNorm always; only group (the default) is accepted.
     norm: Norm = Norm.group
+    # vit only (cnn and resnet18 ignore them); null = the vit's default in parallel_lab/models/vit.py
+    # DEFAULTS, which conf/model/vit.yaml writes out. docs/vit.md.
+    patch: Optional[int] = ranged(None, 1, example=4)  # side of a square patch, divides 32: 4 -> 64 tokens
+    dim: Optional[int] = ranged(None, 1, example=64)  # token width (64), a multiple of heads
+    depth: Optional[int] = ranged(None, 1, example=4)  # transformer blocks (4), each a pipeline stage boundary
+    heads: Optional[int] = ranged(None, 1, example=4)  # attention heads (4), head width dim / heads
+    mlp_ratio: Optional[float] = ranged(None, 0, low_open=True, example=2.0)  # MLP hidden width / dim (2.0)
+    # in [0, 1); 0.0 = off. Masks are keyed by the sample (models/dropout.py), so data-parallel rows
+    # draw single's masks; later pipeline stages do not (docs/vit.md).
+    dropout: Optional[float] = ranged(None, 0, 1, example=0.1)
 
 
 @dataclass

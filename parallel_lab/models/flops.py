@@ -6,24 +6,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel_lab.models.vit import AttentionCore
+
+
+def _flops(mod: nn.Module, output: torch.Tensor) -> float:
+    if isinstance(mod, nn.Linear):
+        return 2.0 * output.numel() * mod.in_features
+    if isinstance(mod, AttentionCore):  # output (batch, heads, tokens, head_dim): two tokens x tokens matmuls
+        return 2 * 2.0 * output.numel() * output.shape[-2]
+    k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
+    return 2.0 * output.numel() * k
+
 
 def layer_flops(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> dict[str, float]:
-    """Forward multiply-add FLOPs of every Conv2d/Linear, by qualified name, from a meta-device
-    forward (nothing allocated). Other layers (ReLU, pooling, norms) are left out: they are a small
-    part of a convnet's time, and the model's error table shows what that costs."""
+    """Forward multiply-add FLOPs of every Conv2d/Linear and of every attention core's two matmuls
+    (q k^T and probs v), by qualified name, from a meta-device forward (nothing allocated). Other
+    layers (ReLU/GELU, pooling, norms, softmax, residual adds) are left out: a small part of these
+    models' time, and the model's error table shows what that costs."""
     flops: dict[str, float] = {}
-    hooks = []
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-
-            def hook(mod, inputs, output, name=name):
-                if isinstance(mod, nn.Linear):
-                    flops[name] = 2.0 * output.numel() * mod.in_features
-                else:
-                    k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
-                    flops[name] = 2.0 * output.numel() * k
-
-            hooks.append(m.register_forward_hook(hook))
+    hooks = [
+        m.register_forward_hook(lambda mod, inputs, output, name=name: flops.__setitem__(name, _flops(mod, output)))
+        for name, m in module.named_modules()
+        if isinstance(m, (nn.Conv2d, nn.Linear, AttentionCore))
+    ]
     try:
         with torch.no_grad():
             module(torch.empty(batch, *sample_shape, device="meta"))

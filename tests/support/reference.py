@@ -20,6 +20,7 @@ import torch
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.resnet import ResNet18
+from parallel_lab.models.vit import ViT
 from parallel_lab.protocol import load_final_params
 from parallel_lab.report.parity import (
     Verdict,
@@ -30,7 +31,8 @@ from parallel_lab.report.parity import (
 )
 from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 
-MODELS = {"cnn": SmallCNN, "resnet18": ResNet18}
+# vit_dropout: model=vit model.dropout=0.1 (per-sample masks: every split draws single's, models/dropout.py)
+MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "vit": ViT, "vit_dropout": functools.partial(ViT, dropout=0.1)}
 
 
 def global_batches(size: int, global_batch: int, seed: int):
