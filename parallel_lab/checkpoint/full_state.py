@@ -4,7 +4,7 @@ The full state is what a single process would hold: the model's state_dict by it
 names (parameters in fp32, buffers), Adam's state per parameter name (``exp_avg``, ``exp_avg_sq``,
 ``step``) and the loop state every rank saved (step, data position, loss history, RNG). Resharding
 (``trainer.reshard=true``) reads it here and each target strategy scatters it into its own layout
-(``Strategy.load_full_state``); ``python -m parallel_lab.checkpoint`` inspects and exports it.
+(``State.load_full``, strategies/state.py); ``python -m parallel_lab.checkpoint`` inspects and exports it.
 
 One reader per file format, picked by the files a checkpoint holds (never by strategy name):
 

@@ -1,5 +1,5 @@
 """trainer.reshard=true: a checkpoint written by one strategy at one world size continues under
-another (checkpoint/full_state.py, Strategy.load_full_state).
+another (checkpoint/full_state.py, State.load_full).
 
 Exactness: the source checkpoint and the target's own checkpoint written right after loading are
 read back as full states (parameters, Adam's exp_avg / exp_avg_sq / step, loop state) and must be

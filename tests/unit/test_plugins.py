@@ -12,7 +12,9 @@ def test_a_strategy_that_does_not_say_where_its_state_lives_is_refused():
     from parallel_lab.strategies.base import Strategy
 
     with pytest.raises(
-        TypeError, match="define save_checkpoint, load_checkpoint, full_parameters, memory_after_backward"
+        TypeError,
+        match=r"define State.save, State.load, State.full_parameters, Memory.after_backward, Memory.after_step, "
+        r"Memory.analytic \(its State and Memory parts\)",
     ):
 
         @register("forgetful")
