@@ -298,8 +298,8 @@ def _deepspeed_own_merge(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 
     from deepspeed.utils import zero_to_fp32 as z
 
+    from parallel_lab.checkpoint.deepspeed_state import _deepspeed_model_states
     from parallel_lab.checkpoint.ds_reader import weights_only_load
-    from parallel_lab.checkpoint.full_state import _deepspeed_model_states
 
     def rank(f: Path) -> int:
         return int(re.search(r"rank_(\d+)", f.name)[1])
