@@ -106,12 +106,12 @@ def step_time(strategy_args: list[str], common: list[str], timeout: float) -> di
 
 def allreduce_runs() -> dict[str, list[str]]:
     """label -> overrides: every way a registered strategy all-reduces its gradients
-    (``Strategy.allreduce_variants``), library reducers first."""
+    (``PlanRules.allreduce_variants``), library reducers first."""
     from parallel_lab.strategies import get_strategy_class, sweep_names
 
     runs = {}
     for name in sweep_names():
-        for label, overrides in get_strategy_class(name).allreduce_variants.items():
+        for label, overrides in get_strategy_class(name).plan.allreduce_variants.items():
             runs[label] = [f"strategy={name}", *overrides]
     return runs
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
@@ -28,14 +27,10 @@ from parallel_lab.strategies.zero import zero_stage
 
 
 def _ours(stage: int, world: int, params: int, precision: str) -> int:
-    from parallel_lab.strategies.zero.strategy import ZeroStrategy
+    from parallel_lab.strategies.zero.memory import analytic_zero_memory
 
-    me = SimpleNamespace(
-        env=SimpleNamespace(world_size=world),
-        opts=SimpleNamespace(stage=stage, precision=precision),
-        cfg=OmegaConf.create({"trainer": {"optimizer": "adam", "momentum": 0.9}}),
-    )
-    return sum(ZeroStrategy.analytic_memory(me, params).values())
+    trainer = OmegaConf.create({"optimizer": "adam", "momentum": 0.9})
+    return sum(analytic_zero_memory(stage, precision, world, trainer, params).values())
 
 
 def _measured(paths: list[str]) -> dict[tuple[int, int], int]:

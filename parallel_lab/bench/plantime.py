@@ -37,7 +37,7 @@ def multi_process_strategies() -> list[str]:
     """Every registered strategy that runs one process per rank (the step-time model's subjects)."""
     from parallel_lab.strategies import get_strategy_class, sweep_names
 
-    return [name for name in sweep_names() if not get_strategy_class(name).single_process]
+    return [name for name in sweep_names() if not get_strategy_class(name).plan.single_process]
 
 
 def collectives_calibration(path: Path) -> dict:

@@ -19,7 +19,7 @@ at any point before that rename leaves only a ``.tmp-*`` folder, which resuming 
 every file is checked against ``complete.json``: a truncated or altered checkpoint is refused
 (``trainer.resume=<path>``) or skipped for the previous good one (``trainer.resume=auto``).
 
-What is saved where is the strategy's business (``Strategy.save_checkpoint``/``load_checkpoint``):
+What is saved where is the strategy's business (its ``State`` part: ``save``/``load``, strategies/state.py):
 replicated strategies write one copy from rank 0, FSDP uses torch Distributed Checkpoint, ZeRO
 uses DeepSpeed's own save_checkpoint/load_checkpoint, tensor/pipeline parallel write one shard
 per rank. Everything is read back with ``torch.load(..., weights_only=True)``.

@@ -110,7 +110,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
             tmp.mkdir(parents=True)
         _barrier()
-        self.strategy.save_checkpoint(tmp)
+        self.strategy.state.save(tmp)
         torch.save(
             {
                 "step": steps_done,
@@ -151,7 +151,7 @@ class Checkpointer:
         path = explicit if from_resume else self.root / checkpoint_name(step)
         if self.cfg.trainer.get("reshard"):
             return self._restore_resharded(path, started)
-        self.strategy.load_checkpoint(path)
+        self.strategy.state.load(path)
         state = torch.load(path / trainer_file(self.env.rank), map_location="cpu", weights_only=True)
         if state["step"] != step:
             raise CheckpointError(
@@ -172,7 +172,7 @@ class Checkpointer:
 
         started = time.perf_counter()
         outside = read_outside(t.init_from, self.cfg.model, bool(t.init_optimizer))
-        self.strategy.load_full_state(outside.model, outside.optim)
+        self.strategy.state.load_full(outside.model, outside.optim)
         self.load_seconds = time.perf_counter() - started
         self.initialized_from = {"path": str(t.init_from), "format": outside.format, "optimizer": bool(outside.optim)}
 
@@ -182,10 +182,10 @@ class Checkpointer:
         have takes rank 0's RNG state (the data order does not depend on it: batches_consumed does)."""
         manifest = read_manifest(path)
         full = consolidate(path, self.cfg.model, manifest)  # lazy: loop state now, tensors on demand
-        if self.strategy.load_resharded_natively(path, full.format):
+        if self.strategy.state.load_resharded_natively(path, full.format):
             via = "the library's own resharding"
         else:
-            self.strategy.load_full_state(full.model, full.optim)
+            self.strategy.state.load_full(full.model, full.optim)
             via = "full state, streamed"
         set_rng_state(full.rng[self.env.rank] if self.env.rank < len(full.rng) else full.rng[0], self.env.device)
         self.load_seconds = time.perf_counter() - started

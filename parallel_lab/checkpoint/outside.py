@@ -6,7 +6,7 @@ What is read, picked by what the path holds (never by its name alone):
 * one of our ``step_*`` checkpoints (``complete.json``): ``full_state.consolidate``, any strategy;
 * a plain DeepSpeed ``engine.save_checkpoint(dir)`` folder (its ``latest`` file names the tag
   folder) or one tag folder (``mp_rank_00_model_states.pt``): any ZeRO stage, any world size,
-  merged as DeepSpeed's zero_to_fp32 does (``full_state.read_deepspeed_folder``, arXiv 2406.18820);
+  merged as DeepSpeed's zero_to_fp32 does (``deepspeed_state.read_deepspeed_folder``, arXiv 2406.18820);
 * a torch Distributed Checkpoint folder (``.metadata``): ``{"model": ..., "optimizer": ...}`` as
   ``dcp.save`` wrote it (optimizer state keyed by name, as ``get_state_dict`` gives it, or by
   index, as ``Optimizer.state_dict`` does), or a bare model state_dict;
@@ -28,14 +28,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.checkpoint.full_state import (
-    ADAM_KEYS,
-    _check_shapes,
-    consolidate,
-    read_dcp_folder,
-    read_deepspeed_folder,
-    reference_model,
-)
+from parallel_lab.checkpoint.deepspeed_state import read_deepspeed_folder
+from parallel_lab.checkpoint.full_state import ADAM_KEYS, _check_shapes, consolidate, read_dcp_folder, reference_model
 from parallel_lab.checkpoint.manifest import COMPLETE, CheckpointError
 
 FIX = "point trainer.init_from at a checkpoint folder, a DeepSpeed/DCP folder, a .safetensors or a torch.save file"

@@ -121,14 +121,17 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
     the model, and the global batch splitting into the data-parallel ranks. Returns that size."""
     from parallel_lab.models import validate_model_config
+    from parallel_lab.strategies.options import validate_options
 
     validate_model_config(cfg.model)
-    cfg.strategy = strategy_cls.validate_options(cfg)
-    refusal = strategy_cls.norm_refusal(cfg)  # BatchNorm: what this strategy can do with model.norm
+    cfg.strategy = validate_options(strategy_cls, cfg)
+    refusal = strategy_cls.Norm.refusal(
+        cfg, strategy_cls.plan.single_process
+    )  # BatchNorm: what this strategy can do with model.norm
     if refusal:
         raise ConfigError(refusal)
     t = cfg.trainer
-    dp = strategy_cls.data_parallel_size(cfg)
+    dp = strategy_cls.plan.data_parallel_size(cfg)
     if t.global_batch % (dp * t.grad_accum):
         raise ConfigError(
             f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
@@ -230,10 +233,10 @@ def validate(
     requested_world = ws
     from parallel_lab.config.hosts import resolve_hosts
 
-    resolve_hosts(cfg, requested_world, strategy_cls.single_process)
-    if strategy_cls.single_process:
+    resolve_hosts(cfg, requested_world, strategy_cls.plan.single_process)
+    if strategy_cls.plan.single_process:
         ws = cfg.world_size = 1
-    t.threads = _resolve_threads(t, requested_world, strategy_cls.single_process)
+    t.threads = _resolve_threads(t, requested_world, strategy_cls.plan.single_process)
     dp = check_split(cfg, strategy_cls)
     from parallel_lab.data import validate_data_config
 
@@ -243,7 +246,7 @@ def validate(
 
     _check_elastic_worlds(cfg)
     elastic = cfg.launcher.get("min_nodes") is not None  # a re-formed group reshards its checkpoint
-    refusal = strategy_cls.reshard_refusal(cfg) if t.reshard or elastic else None
+    refusal = strategy_cls.State.reshard_refusal(cfg) if t.reshard or elastic else None
     if refusal:
         raise ConfigError(refusal)
     validate_checkpoint_config(cfg)

@@ -5,7 +5,7 @@
     python -m parallel_lab.plan model.width=30 plan.world_sizes=[1,2,4,8,16,32,64,128,256,512,1024]
 
 The model is built on the meta device (any size costs nothing). Each strategy predicts its own
-exact model state (``Strategy.predict_memory``: flat buffers, padding, shards, as its
+exact model state (``PlanRules.predict_memory``: flat buffers, padding, shards, as its
 implementation allocates them) and communication (``predict_comm``); this package adds the
 activations at the configured micro-batch, the fit verdict, the tables and the figures. Every
 measured run stores the prediction beside its measurement (``predicted_*`` in each ``ranks[k]``

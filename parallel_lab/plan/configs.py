@@ -47,10 +47,10 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     apply_precision(cfg, overrides)
     if world < 1:
         raise ConfigError(f"world size {world} is out of range; use world sizes >= 1 (plan.world_sizes=[1,2,4])")
-    cfg.world_size = 1 if strategy_cls.single_process else world
+    cfg.world_size = 1 if strategy_cls.plan.single_process else world
     # The degree that, times strategy.replicate, makes the world size (tp, pp): set from each planned
     # world size unless given on the command line.
-    key = strategy_cls.degree_key
+    key = strategy_cls.plan.degree_key
     if key and not _given(overrides, f"strategy.{key}"):
         cfg.strategy[key] = max(1, cfg.world_size // (cfg.strategy.get("replicate") or 1))
     if scale:
@@ -59,9 +59,9 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
         if key and not _given(overrides, f"strategy.{key}"):
             reference.strategy[key] = max(1, reference.world_size // (reference.strategy.get("replicate") or 1))
         t = cfg.trainer
-        micro = max(1, t.global_batch // (strategy_cls.data_parallel_size(reference) * t.grad_accum))
-        t.global_batch = micro * strategy_cls.data_parallel_size(cfg) * t.grad_accum
-        t.global_batch = max(t.global_batch, strategy_cls.min_global_batch(cfg))
+        micro = max(1, t.global_batch // (strategy_cls.plan.data_parallel_size(reference) * t.grad_accum))
+        t.global_batch = micro * strategy_cls.plan.data_parallel_size(cfg) * t.grad_accum
+        t.global_batch = max(t.global_batch, strategy_cls.plan.min_global_batch(cfg))
     check_split(cfg, strategy_cls)
     return cfg
 
@@ -82,7 +82,7 @@ def planned_configs(overrides: list[str]) -> list[Planned]:
     for name in names:
         cfg_n = base if chosen else compose_config([*overrides, f"strategy={name}"])
         strategy_cls = get_strategy_class(name)
-        for world in [1] if strategy_cls.single_process and scale else worlds:
+        for world in [1] if strategy_cls.plan.single_process and scale else worlds:
             try:
                 out.append(Planned(name, world, _at_world(cfg_n, overrides, world, scale)))
             except ConfigError as exc:

@@ -124,7 +124,7 @@ def _one_process(name: str) -> bool:
     """A strategy whose run is always one process (single, and dp's threads): planned at world 1."""
     from parallel_lab.strategies import get_strategy_class
 
-    return name == "single" or get_strategy_class(name).single_process
+    return name == "single" or get_strategy_class(name).plan.single_process
 
 
 def rows_params(rows: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """Per-rank predictions for one validated config: model state (each strategy's own
 ``predict_memory``), communication (``predict_comm``), activations and whether it fits.
 
-The exact model-state numbers live beside each strategy (``Strategy.predict_memory``); this
+The exact model-state numbers live beside each strategy (``PlanRules.predict_memory``); this
 module adds what every strategy shares: the activations autograd saves at the configured
 micro-batch (a meta-device forward, so any size costs nothing) and the fit verdict.
 """
@@ -111,11 +111,11 @@ def predicted_metrics(cfg: DictConfig, strategy_cls: type, model: nn.Module, ran
     ({} when the strategy has no prediction for these options): the model state, and the
     communication buffers (``predicted_comm_buffer_bytes``, beside the measured ``comm_buffer_bytes``;
     not part of the model-state check)."""
-    state = strategy_cls.predict_memory(cfg, model, rank)
+    state = strategy_cls.plan.predict_memory(cfg, model, rank)
     if state is None:
         return {}
     predicted = {f"predicted_{k}": int(state.get(k, 0)) for k in (*MODEL_STATE, "comm_buffer_bytes")}
-    return {**predicted, "predicted_buffer_bytes": strategy_cls.predict_buffer_bytes(cfg, model, rank)}
+    return {**predicted, "predicted_buffer_bytes": strategy_cls.plan.predict_buffer_bytes(cfg, model, rank)}
 
 
 def batchnorm_comm(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> dict[str, float]:
@@ -125,8 +125,8 @@ def batchnorm_comm(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> dic
     from parallel_lab.models import norm_of
     from parallel_lab.strategies.batchnorm import running_stats_bytes, sync_comm_bytes
 
-    dp = strategy_cls.data_parallel_size(cfg)
-    if strategy_cls.single_process or dp < 2 or norm_of(cfg.model) == "group":
+    dp = strategy_cls.plan.data_parallel_size(cfg)
+    if strategy_cls.plan.single_process or dp < 2 or norm_of(cfg.model) == "group":
         return {}
     if norm_of(cfg.model) == "syncbatch":
         return sync_comm_bytes(model, dp, cfg.trainer.grad_accum)
@@ -141,7 +141,7 @@ def _with_batchnorm(comm: dict[str, float] | None, extra: dict[str, float]) -> d
 
 
 def _micro_batch(cfg: DictConfig, strategy_cls: type) -> int:
-    dp = strategy_cls.data_parallel_size(cfg)
+    dp = strategy_cls.plan.data_parallel_size(cfg)
     return max(1, cfg.trainer.global_batch // (dp * cfg.trainer.grad_accum))
 
 
@@ -166,7 +166,7 @@ def _activations(
 ) -> tuple[int, int]:
     """(activation bytes, micro-batch) of this rank, as the strategy lays its forwards out."""
     dtype, copies = compute_mode(cfg, strategy_cls)
-    return strategy_cls.activation_bytes(
+    return strategy_cls.plan.activation_bytes(
         cfg,
         model,
         rank,
@@ -197,23 +197,23 @@ def plan_world(
     cfg: DictConfig, strategy_cls: type, model: nn.Module, cache: SavedBytesCache | None = None
 ) -> list[RankPlan]:
     """Every rank's plan for one validated config (one rank's plan for all where the strategy's
-    ranks do the same: ``Strategy.ranks_differ``). ``cache``: shared by the plans of one planning."""
+    ranks do the same: ``PlanRules.ranks_differ``). ``cache``: shared by the plans of one planning."""
     from omegaconf import OmegaConf
 
     cfg = Values.of(OmegaConf.to_container(cfg, resolve=True))
     micro = _micro_batch(cfg, strategy_cls)
     cache = cache or SavedBytesCache()
-    differ = strategy_cls.ranks_differ
+    differ = strategy_cls.plan.ranks_differ
     shared = None if differ else _activations(cfg, strategy_cls, model, 0, micro, cache)
     params = sum(p.numel() for p in model.parameters())
-    comm = None if differ else strategy_cls.predict_comm(cfg, model, 0)
+    comm = None if differ else strategy_cls.plan.predict_comm(cfg, model, 0)
     bn_comm = batchnorm_comm(cfg, strategy_cls, model)
     plans = []
     for rank in range(cfg.world_size):
         activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro, cache)
-        state = strategy_cls.predict_memory(cfg, model, rank)
+        state = strategy_cls.plan.predict_memory(cfg, model, rank)
         if state is not None:
-            state = {**state, "buffer_bytes": strategy_cls.predict_buffer_bytes(cfg, model, rank)}
+            state = {**state, "buffer_bytes": strategy_cls.plan.predict_buffer_bytes(cfg, model, rank)}
         plans.append(
             RankPlan(
                 strategy=cfg.strategy.name,
@@ -221,7 +221,7 @@ def plan_world(
                 rank=rank,
                 params=params,
                 state=state,
-                comm=_with_batchnorm(strategy_cls.predict_comm(cfg, model, rank) if differ else comm, bn_comm),
+                comm=_with_batchnorm(strategy_cls.plan.predict_comm(cfg, model, rank) if differ else comm, bn_comm),
                 activation_bytes=activations,
                 micro_batch=mb,
             )

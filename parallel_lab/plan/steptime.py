@@ -13,11 +13,11 @@ Two calibrations, both measured here (``python -m parallel_lab.bench plantime`` 
 
 A strategy's step at world N is then its share of the compute (each data-parallel rank 1/N of the
 samples; tp: the split layers' FLOPs divided by the tp degree; pp: the slowest stage times the
-GPipe schedule's m + p - 1 slots) plus its bytes per collective (``Strategy.predict_comm``, the
+GPipe schedule's m + p - 1 slots) plus its bytes per collective (``PlanRules.predict_comm``, the
 same numbers the planner tables) through the fitted alpha-beta. Overlap is stated, not assumed:
 the upper bound hides no communication; the lower bound hides, behind backward, the collectives
-the strategy issues while backward runs (``Strategy.overlapped_collectives``). Nothing here is a GPU
-time. How each strategy splits the compute is its own ``Strategy.compute_shape``.
+the strategy issues while backward runs (``PlanRules.overlapped_collectives``). Nothing here is a GPU
+time. How each strategy splits the compute is its own ``PlanRules.compute_shape``.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> f
     from parallel_lab.strategies.memory import predicted_optimizer_bytes
 
     params = sum(p.numel() for p in model.parameters())
-    state = strategy_cls.predict_memory(cfg, model, rank) or {}
+    state = strategy_cls.plan.predict_memory(cfg, model, rank) or {}
     whole = predicted_optimizer_bytes([params], cfg.trainer, step_counters=False)
     return params * min(1.0, state.get("optim_bytes", whole) / whole) if whole else params
 
@@ -169,14 +169,14 @@ def predict_step(
     strategy splits the work, communication from ``predict_comm`` through the alpha-beta fits
     (``fits[impl][op]``: impl ``gloo`` for torch.distributed, ``hand`` for manual_ddp's own ring)."""
     name, world = cfg.strategy.name, cfg.world_size
-    comm_bytes = strategy_cls.predict_comm(cfg, model, 0) or {}
-    shape = strategy_cls.compute_shape(cfg, model)
+    comm_bytes = strategy_cls.plan.predict_comm(cfg, model, 0) or {}
+    shape = strategy_cls.plan.compute_shape(cfg, model)
     fwd_bwd = shape.slots * compute.fwd_bwd(shape.micro_batch, shape.flop_share)
     calls = {op: shape.calls_per_collective for op in comm_bytes} if shape.calls_per_collective else {}
     notes = [shape.note] if shape.note else []
     optimizer = compute.optimizer(_optimizer_params(cfg, strategy_cls, model, 0))
-    comm = comm_seconds(comm_bytes, fits[strategy_cls.comm_impl(cfg)], calls)
-    overlapped = strategy_cls.overlapped_collectives(cfg)
+    comm = comm_seconds(comm_bytes, fits[strategy_cls.plan.comm_impl(cfg)], calls)
+    overlapped = strategy_cls.plan.overlapped_collectives(cfg)
     hidden = sum(s for op, s in comm.items() if op in overlapped)
     if world < 2:
         notes.append("one process: no communication")

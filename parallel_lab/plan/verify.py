@@ -134,7 +134,7 @@ def comm_table(run_dirs: list[Path]) -> str:
     for run_dir in run_dirs:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         cfg = OmegaConf.load(run_dir / "config.yaml")
-        predicted = get_strategy_class(cfg.strategy.name).predict_comm(cfg, build_meta_model(cfg.model), 0)
+        predicted = get_strategy_class(cfg.strategy.name).plan.predict_comm(cfg, build_meta_model(cfg.model), 0)
         measured = metrics["ranks"][0]["comm_bytes_by_op"]
         head = f"| {metrics['strategy']} | {metrics['model']} | {metrics['world_size']} |"
         if predicted is None:

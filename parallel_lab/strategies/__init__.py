@@ -36,12 +36,16 @@ def _check_state_hooks(cls: type, names: tuple[str, ...]) -> None:
     """A strategy must say where its model state lives; refuse it at registration, not mid-run."""
     from parallel_lab.strategies.base import STATE_HOOKS
 
-    missing = [hook for hook in STATE_HOOKS if getattr(getattr(cls, hook, None), "__isabstractmethod__", False)]
+    def abstract(hook: str) -> bool:
+        part, method = hook.split(".")
+        return getattr(getattr(getattr(cls, part, None), method, None), "__isabstractmethod__", False)
+
+    missing = [hook for hook in STATE_HOOKS if abstract(hook)]
     if missing:
         raise TypeError(
             f"strategy '{names[0]}' ({cls.__name__}) does not say how it saves, loads, gathers and accounts its "
-            f"model state: define {', '.join(missing)}, or inherit ReplicatedModel "
-            f"(parallel_lab/strategies/replicated.py) if every rank holds the whole model"
+            f"model state: define {', '.join(missing)} (its State and Memory parts), or use ReplicatedState "
+            f"and ReplicatedMemory (parallel_lab/strategies/replicated.py) if every rank holds the whole model"
         )
 
 

@@ -28,11 +28,15 @@ the step so that the replicas evaluate and checkpoint the same values).
 from __future__ import annotations
 
 import hashlib
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from parallel_lab.strategies.part import Part
 
 SYNC_LABEL = "batchnorm"  # the counter's name for the group SyncBatchNorm and the running-stat broadcasts use
 
@@ -224,3 +228,87 @@ def sync_comm_bytes(model: nn.Module, world: int, forwards: int) -> dict[str, fl
 def running_stats_bytes(model: nn.Module) -> int:
     """Bytes of the running statistics (what one broadcast of them moves)."""
     return int(sum(t.numel() * t.element_size() for t in running_stats(model).values()))
+
+
+class Norm(Part):
+    """What a running strategy does to BatchNorm (``Strategy.norm``): which ranks' layers
+    model.norm=syncbatch synchronises, and whose running statistics the others copy after each
+    step. Default: every rank a data-parallel replica of the whole world."""
+
+    # True: data-parallel ranks whose BatchNorm layers model.norm=syncbatch converts (convert).
+    syncs: ClassVar[bool] = False
+
+    def __init__(self, strategy) -> None:
+        super().__init__(strategy)
+        self._group = None  # the group BatchNorm's synchronisation uses (running_stats_group)
+        self._plain: bool | None = None  # the model has BatchNorm layers that are not synchronised
+
+    @classmethod
+    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
+        """Why this strategy cannot train ``model.norm`` as asked (one line: why, and the fix), or
+        None. SyncBatchNorm synchronises a data-parallel group: one process needs none (plain
+        BatchNorm already sees the whole batch), a strategy with several must say how it applies
+        (``syncs``) or it is refused here, before any process starts."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch" or single_process or cls.syncs:
+            return None
+        return (
+            f"model.norm=syncbatch: strategy={cfg.strategy.name} has no data-parallel group to synchronise "
+            f"BatchNorm over; use model.norm=batch (docs/batchnorm.md)"
+        )
+
+    def running_stats_group(self) -> tuple[object, int] | None:
+        """(group, source rank): the ranks that hold replicas of the same BatchNorm layers but
+        feed them different samples, and whose running statistics the others copy. None: no
+        such ranks (one process, or every rank sees the same samples). Default: the whole world,
+        through a group of its own, so the counter can tell BatchNorm's bytes from the rest."""
+        plan = self.strategy.plan
+        if plan.single_process or not plan.needs_process_group or self.strategy.dp_size < 2:
+            return None
+        if self._group is None:  # collective: every rank reaches this at the same point
+            self._group = dist.new_group(list(range(dist.get_world_size())))
+            self.strategy.comm.label_group(self._group, SYNC_LABEL)
+        return self._group, 0
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Before setup: model.norm=syncbatch makes every BatchNorm layer synchronised over
+        running_stats_group (where there is one; single and dp keep plain BatchNorm, which
+        already normalises over the whole batch). Models without BatchNorm are returned as they are."""
+        from parallel_lab.models import norm_of
+
+        if not batchnorm_layers(model):
+            return model
+        target = self.running_stats_group()  # created now, before setup, on every rank alike
+        if norm_of(self.cfg.model) != "syncbatch" or target is None:
+            return model
+        return convert_sync_batchnorm(model, target[0], self.device)
+
+    def sync_running_stats(self) -> None:
+        """After each optimizer step: plain BatchNorm layers updated their running statistics from
+        each rank's own samples, so the first replica's are copied to the others (as DDP's
+        broadcast_buffers does, but after the step: the replicas evaluate and checkpoint the same)."""
+        if self._plain is None:
+            self._plain = any(not is_synced(m) for m in batchnorm_layers(self.model))
+        target = self.running_stats_group() if self._plain else None
+        if target is not None:
+            broadcast_running_stats(self.model, *target)
+
+
+class SyncedNorm(Norm):
+    """Every rank reads its own samples: model.norm=syncbatch synchronises the whole world's
+    BatchNorm layers (ddp, manual_ddp, fsdp, zero)."""
+
+    syncs = True
+
+
+class ReplicaNorm(Norm):
+    """A model-parallel strategy (tp, pp) with ``strategy.replicate`` copies of its group: BatchNorm
+    layers outside the split are the same in every replica, fed other samples, so the first
+    replica's running statistics are the ones kept."""
+
+    def running_stats_group(self) -> tuple[object, int] | None:
+        group = getattr(self.strategy, "replicate_group", None)  # built in setup (after convert)
+        if group is None:
+            return None
+        return group, dist.get_process_group_ranks(group)[0]

@@ -21,8 +21,9 @@ from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.batchnorm import SyncedNorm
 from parallel_lab.strategies.precision import Bf16Compute
-from parallel_lab.strategies.replicated import ReplicatedModel
+from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
 
 
 @dataclass
@@ -36,12 +37,12 @@ class DDPOptions(StrategyOptions):
     precision: Precision = Precision.fp32
 
 
-@register("ddp")
-class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
-    Options = DDPOptions
-    comm_theory_psi = 2.0  # one all-reduce of every gradient per step
-    syncs_batchnorm = True
+class DDPPlan(ReplicatedPlan):
     allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        return 2.0  # one all-reduce of every gradient per step
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
@@ -55,6 +56,25 @@ class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
             )
 
+
+class DDPMemory(ReplicatedMemory):
+    def after_backward(self) -> dict[str, int]:
+        report = super().after_backward()
+        # DDP's reducer keeps flat bucket buffers. With gradient_as_bucket_view the .grad tensors
+        # are views into them (already counted); otherwise the buckets are a second gradient copy.
+        if not self.opts.gradient_as_bucket_view:
+            report["comm_buffer_bytes"] = report["grad_bytes"]
+        return report
+
+
+@register("ddp")
+class DDPStrategy(Bf16Compute, Strategy):
+    Options = DDPOptions
+    plan = DDPPlan
+    State = ReplicatedState
+    Memory = DDPMemory
+    Norm = SyncedNorm
+
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
         device_ids = [self.device] if self.device.type == "cuda" else None
@@ -65,7 +85,7 @@ class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
             gradient_as_bucket_view=self.opts.gradient_as_bucket_view,
             # BatchNorm's running statistics: DDP would broadcast rank 0's before every forward, from
             # C++ (uncounted), leaving each rank its own after the last step; the loop's
-            # sync_running_stats copies them after every step instead (base.py, docs/batchnorm.md).
+            # Norm.sync_running_stats copies them after every step instead (batchnorm.py, docs/batchnorm.md).
             forward_sync_buffers=False,
         )
         # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
@@ -79,11 +99,3 @@ class DDPStrategy(Bf16Compute, ReplicatedModel, Strategy):
         sync = micro == num_micro - 1
         with contextlib.nullcontext() if sync else self.model.no_sync():
             return super().train_step(inputs, targets, micro, num_micro)
-
-    def memory_after_backward(self) -> dict[str, int]:
-        report = super().memory_after_backward()
-        # DDP's reducer keeps flat bucket buffers. With gradient_as_bucket_view the .grad tensors
-        # are views into them (already counted); otherwise the buckets are a second gradient copy.
-        if not self.opts.gradient_as_bucket_view:
-            report["comm_buffer_bytes"] = report["grad_bytes"]
-        return report

@@ -15,17 +15,13 @@ from omegaconf import DictConfig
 
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
-from parallel_lab.strategies.replicated import ReplicatedModel
+from parallel_lab.strategies.batchnorm import Norm
+from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
 
 
-@register("dp")
-class DataParallelStrategy(ReplicatedModel, Strategy):
-    single_process = True
-    needs_process_group = False
-    comm_theory_psi = 0.0  # one process: replicas (GPUs) exchange through device copies, no collectives
-
+class DPNorm(Norm):
     @classmethod
-    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
         """DataParallel's replicas are threads of one process: no process group to synchronise
         over (torch's SyncBatchNorm works with DDP only)."""
         from parallel_lab.models import norm_of
@@ -36,6 +32,14 @@ class DataParallelStrategy(ReplicatedModel, Strategy):
             "model.norm=syncbatch: strategy=dp runs its replicas in one process, where SyncBatchNorm has no "
             "process group (torch supports it with DDP only); use strategy=ddp, or model.norm=batch"
         )
+
+
+@register("dp")
+class DataParallelStrategy(Strategy):
+    plan = OneProcessPlan  # one process: replicas (GPUs) exchange through device copies, no collectives
+    State = ReplicatedState
+    Memory = ReplicatedMemory
+    Norm = DPNorm
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)  # DataParallel wants the module on device_ids[0] (cuda:0)

@@ -39,7 +39,8 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import WAIT_LABEL
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.replicated import ReplicatedModel
+from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
 
 MB = 1024 * 1024
 
@@ -105,15 +106,15 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
     return [Bucket(g) for g in groups]
 
 
-@register("manual_ddp")
-class ManualDDPStrategy(ReplicatedModel, Strategy):
-    comm_theory_psi = 2.0  # one all-reduce of every gradient per step
-    syncs_batchnorm = True
-    Options = ManualDDPOptions
+class ManualDDPPlan(ReplicatedPlan):
     allreduce_variants = {
         "manual_ddp ring bucketed": ["strategy.allreduce=ring", "strategy.bucketed=true"],
         "manual_ddp ring after backward": ["strategy.allreduce=ring", "strategy.bucketed=false"],
     }
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        return 2.0  # one all-reduce of every gradient per step
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
@@ -148,6 +149,15 @@ class ManualDDPStrategy(ReplicatedModel, Strategy):
                 f"strategy.allreduce=mpi reduces CPU tensors through numpy views, but device={cfg.device} puts the "
                 f"gradients on CUDA; set device=cpu with launcher=mpirun, or use strategy.allreduce=builtin (nccl)"
             )
+
+
+@register("manual_ddp")
+class ManualDDPStrategy(Strategy):
+    Options = ManualDDPOptions
+    plan = ManualDDPPlan
+    State = ReplicatedState
+    Memory = ReplicatedMemory
+    Norm = SyncedNorm
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         if self.opts.allreduce == "mpi":

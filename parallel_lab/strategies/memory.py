@@ -1,16 +1,19 @@
 """Bytes of model state: what a rank really holds (measured) and what the textbook says (analytic).
 
-Shared by the strategies' ``memory_after_backward``/``memory_after_step``/``analytic_memory``. A
-DTensor counts its local shard only, so tensor- and sequence-parallel layouts are measured the same
-way as plain tensors.
+``Memory`` is the part of a running strategy that accounts for them (``Strategy.memory``); the
+helpers below are shared by its implementations. A DTensor counts its local shard only, so tensor-
+and sequence-parallel layouts are measured the same way as plain tensors.
 """
 
 from __future__ import annotations
 
+import abc
 from typing import Iterable
 
 import torch
 from omegaconf import DictConfig
+
+from parallel_lab.strategies.part import Part
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,42 @@ def analytic_state_bytes(numel: int, trainer: DictConfig) -> dict[str, int]:
         "grad_bytes": 4 * numel,
         "optim_bytes": optimizer_bytes_per_param(trainer) * numel,
     }
+
+
+class Memory(Part, abc.ABC):
+    """What this rank holds, measured from the real tensors, beside the textbook value. The loop
+    measures twice on the last step and merges the two (disjoint) reports: gradients exist only
+    until the optimizer step frees or zeroes them, optimizer state only from the first optimizer
+    step on. No measurement may issue a collective or touch a value. No default (``@register``
+    refuses a strategy without one): a sharded strategy must not report full-model memory."""
+
+    @abc.abstractmethod
+    def after_backward(self) -> dict[str, int]:
+        """Bytes of parameters and gradients (param_bytes, grad_bytes, ...) this rank holds after
+        the last backward, before the optimizer step."""
+
+    @abc.abstractmethod
+    def after_step(self) -> dict[str, int]:
+        """Bytes of optimizer state (optim_bytes, ...) this rank holds after the last optimizer step."""
+
+    @abc.abstractmethod
+    def analytic(self, num_params: int) -> dict[str, int]:
+        """What the textbook says this rank should hold (ZeRO paper, arXiv 1910.02054), same keys."""
+
+    def buffers(self) -> dict[str, int]:
+        """Bytes of the model's buffers (BatchNorm's running statistics) this rank holds."""
+        return {"buffer_bytes": sum(b.numel() * b.element_size() for b in self.model.buffers())}
+
+
+class HeldMemory(Memory):
+    """Parameters, gradients and optimizer state as plain (or DTensor) tensors of this rank's model:
+    a replica, a pipeline stage, a tensor-parallel rank's slices."""
+
+    def after_backward(self) -> dict[str, int]:
+        return held_param_grad_bytes(self.model)
+
+    def after_step(self) -> dict[str, int]:
+        return held_optimizer_bytes(self.optimizer)
 
 
 # ----- prediction (parallel_lab.plan): the same quantities, from shapes alone -----

@@ -1,11 +1,13 @@
-"""2-D device meshes: data parallelism (the ``replicate`` dimension) times one model-parallel
-dimension (FSDP's ``shard``, tensor parallel ``tp``, pipeline ``pp``).
+"""One device mesh for every layout: ``MeshDims`` says how many ways the world is split along each
+dimension (data-parallel ``replicate`` and ``shard``, pipeline ``pp``, tensor ``tp``); a strategy
+declares its dims from its options (``PlanRules.dims``) and a dp x tp x pp layout is one more
+``MeshDims``, not new mesh code.
 
-Ranks are laid out row-major, as ``init_device_mesh`` does: rank = r * inner + i, so each group of
-the inner dimension is a run of consecutive ranks (on several nodes: the ranks of one host, where
-the bandwidth is) and each replicate group takes one rank from every run (the traffic that crosses
-hosts). ``strategy.replicate`` is the number of replicas; replicate x inner = world_size, checked
-in the parent (``check_degrees``).
+Ranks are laid out row-major, as ``init_device_mesh`` does, over the dims larger than 1 in the fixed
+order ``DIM_ORDER``: data parallelism outside, model parallelism inside, so each group of the
+innermost dimension is a run of consecutive ranks (on several nodes: the ranks of one host, where
+the bandwidth is) and each ``replicate`` group takes one rank from every run (the traffic that
+crosses hosts). The product of the dims is world_size, checked in the parent (``check_degrees``).
 
 Data parallelism over the replicate dimension is plain gradient averaging: every replica gets
 global_batch / replicate samples, and after backward each rank all-reduces its gradients (a local
@@ -16,6 +18,8 @@ replicas, then divides by replicate. HSDP does this inside FSDP2; tp and pp call
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -26,35 +30,113 @@ from parallel_lab.comm.counter import CommCounter
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.memory import local_tensor
 
-REPLICATE = "replicate"  # the mesh dimension data parallelism runs over, in every 2-D layout
+REPLICATE = "replicate"  # the mesh dimension data parallelism runs over, in every layout
+# Outermost first. Data parallelism outside model parallelism: a pipeline or a tp group is a run of
+# consecutive ranks (the layouts of dp x pp and dp x tp keep the rank numbering they always had).
+DIM_ORDER = (REPLICATE, "shard", "pp", "tp")
 
 
-def check_degrees(cfg: DictConfig, replicate: int, inner_key: str, inner: int, inner_what: str) -> None:
-    """One line when replicate x inner != world_size, saying what multiplies to what."""
+@dataclass(frozen=True)
+class MeshDims:
+    """How many ways the world is split along each mesh dimension (1 = not split)."""
+
+    replicate: int = 1  # data-parallel replicas (each holds the whole model state, or one shard group's)
+    shard: int = 1  # data-parallel ranks one copy of the model state is sharded over (FSDP)
+    pp: int = 1  # pipeline stages
+    tp: int = 1  # tensor-parallel degree
+    # Dims laid out even at size 1: the groups the strategy's code talks over (tp's f/g, a
+    # pipeline's sends), which must stay this rank's own and not become the world.
+    named: tuple[str, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, name) for name in DIM_ORDER)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the global batch is split: every replicate and shard rank reads its own samples."""
+        return self.replicate * self.shard
+
+    def sizes(self) -> dict[str, int]:
+        """{name: size} of the dims the mesh is built over (larger than 1, or named), outermost first."""
+        return {name: getattr(self, name) for name in DIM_ORDER if getattr(self, name) > 1 or name in self.named}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate along every dimension (0 along the unsplit ones), row-major."""
+        coords = dict.fromkeys(DIM_ORDER, 0)
+        for name, size in reversed(self.sizes().items()):
+            coords[name], rank = rank % size, rank // size
+        return coords
+
+    def dp_rank(self, rank: int) -> int:
+        """Which share of the global batch ``rank`` reads."""
+        c = self.coords(rank)
+        return c[REPLICATE] * self.shard + c["shard"]
+
+    def group_ranks(self, rank: int, name: str) -> list[int]:
+        """The global ranks of ``rank``'s group along dimension ``name``: the ranks whose other
+        coordinates are ``rank``'s."""
+        sizes = self.sizes()
+        if name not in sizes:
+            return [rank]  # not split along it: alone
+        stride = math.prod(list(sizes.values())[list(sizes).index(name) + 1 :])
+        base = rank - self.coords(rank)[name] * stride
+        return [base + k * stride for k in range(sizes[name])]
+
+    def metrics(self) -> dict[str, int] | None:
+        """metrics.json's ``strategy_extras.mesh.dims``: the mesh's dimensions, None for a flat world."""
+        sizes = self.sizes()
+        return sizes if len(sizes) > 1 else None
+
+
+def check_degrees(cfg: DictConfig, dims: MeshDims, keys: dict[str, tuple[str, str]]) -> None:
+    """One line when the dims do not multiply to world_size, saying what multiplies to what.
+    ``keys``: dimension -> (its strategy.<key>, what it counts), beside the replicate degree."""
+    replicate = dims.replicate
     if replicate < 1:
         raise ConfigError(
             f"strategy.replicate={replicate} must be >= 1 (1 = no data parallelism); e.g. strategy.replicate=2"
         )
     world = cfg.world_size
-    if replicate * inner != world:
-        fix = f"set world_size={replicate * inner}"
+    if dims.world != world:
+        inner = dims.world // replicate
+        terms = [f"strategy.replicate={replicate}"] + [
+            f"strategy.{key}={getattr(dims, d)}" for d, (key, _) in keys.items()
+        ]
+        what = ["data-parallel replicas"] + [w for _, w in keys.values()]
+        fix = f"set world_size={dims.world}"
         if world % inner == 0:
             fix += f" or strategy.replicate={world // inner}"
         raise ConfigError(
-            f"strategy.replicate={replicate} x strategy.{inner_key}={inner} = {replicate * inner} is not "
-            f"world_size={world} (data-parallel replicas x {inner_what} = world_size); {fix}"
+            f"{' x '.join(terms)} = {dims.world} is not world_size={world} ({' x '.join(what)} = world_size); {fix}"
         )
 
 
-def build_mesh(device_type: str, replicate: int, inner: int, inner_name: str, counter: CommCounter):
-    """The (replicate, inner) DeviceMesh; the counter counts each dimension's traffic under its name.
-    Collective: every rank of the world must call it."""
-    from torch.distributed.device_mesh import init_device_mesh
+class Mesh:
+    """The device mesh of one run (collective to build: every rank of the world builds it), with
+    each dimension's process group counted under the dimension's name."""
 
-    mesh = init_device_mesh(device_type, (replicate, inner), mesh_dim_names=(REPLICATE, inner_name))
-    for name in mesh.mesh_dim_names:
-        counter.label_group(mesh.get_group(name), name)
-    return mesh
+    def __init__(self, dims: MeshDims, device_type: str, counter: CommCounter) -> None:
+        self.dims = dims
+        self.device_mesh = None
+        sizes = dims.sizes()
+        if len(sizes) > 1:  # one split dimension is the world itself: its default group
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+            for name in sizes:
+                counter.label_group(self.device_mesh.get_group(name), name)
+
+    def group(self, name: str):
+        """This rank's process group along ``name``; None: the whole world (a flat layout), or no
+        such dimension (not split, not named)."""
+        if self.device_mesh is None or name not in self.dims.sizes():
+            return None
+        return self.device_mesh.get_group(name)
+
+    def sub_mesh(self, name: str):
+        """The 1-D DeviceMesh of dimension ``name`` (DTensor layouts), None in a flat layout."""
+        return None if self.device_mesh is None else self.device_mesh[name]
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter], group, size: int) -> None:
@@ -71,42 +153,3 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group, size: int) ->
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-class DataParallelReplicas:
-    """Mixin for a model-parallel ``Strategy`` (tp, pp) that adds data parallelism over
-    ``strategy.replicate`` copies of its model-parallel group: a (replicate, inner) mesh, gradients
-    averaged over the replicate dimension before clipping and the optimizer step."""
-
-    mesh2d = None  # the (replicate, inner) DeviceMesh; None when strategy.replicate = 1
-    replicate_group = None  # this rank's group along the replicate dimension
-
-    def build_replicas(self, inner: int, inner_name: str):
-        """Build the mesh (collective); return this rank's inner group, None (the world) without replicas."""
-        if self.opts.replicate == 1:
-            return None
-        self.mesh2d = build_mesh(self.device.type, self.opts.replicate, inner, inner_name, self.comm)
-        self.replicate_group = self.mesh2d.get_group(REPLICATE)
-        return self.mesh2d.get_group(inner_name)
-
-    def running_stats_group(self) -> tuple[object, int] | None:
-        """BatchNorm layers outside the split are the same in every replica, fed other samples:
-        the first replica's running statistics are the ones kept (base.py sync_running_stats)."""
-        if self.replicate_group is None:
-            return None
-        return self.replicate_group, dist.get_process_group_ranks(self.replicate_group)[0]
-
-    def average_over_replicas(self) -> None:
-        """Data parallelism: every replica saw its own global_batch / replicate samples."""
-        average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
-
-    def optimizer_step(self) -> None:
-        self.average_over_replicas()
-        super().optimizer_step()
-
-    def mesh_dims(self) -> dict[str, int] | None:
-        return None if self.mesh2d is None else dict(zip(self.mesh2d.mesh_dim_names, self.mesh2d.shape))
-
-    def teardown(self) -> None:
-        super().teardown()
-        self.mesh2d = self.replicate_group = None

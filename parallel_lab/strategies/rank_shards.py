@@ -1,5 +1,5 @@
-"""``RankShardCheckpoint``: checkpoint hooks for strategies whose ranks hold different parts of the
-model (tensor and pipeline parallel): each rank writes and reads its own ``shard_rank<k>.pt``."""
+"""``RankShardState``: the state of strategies whose ranks hold different parts of the model
+(tensor and pipeline parallel): each rank writes and reads its own ``shard_rank<k>.pt``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.memory import local_tensor
+from parallel_lab.strategies.state import State
 
 
 def _map_state(optim_state: dict, fn) -> dict:
@@ -37,14 +38,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     )
 
 
-class RankShardCheckpoint:
-    """Mixin for ``Strategy``: one checkpoint file per rank (DTensors saved as their local shards,
-    so loading needs no DTensor types)."""
+class RankShardState(State):
+    """One checkpoint file per rank (DTensors saved as their local shards, so loading needs no
+    DTensor types); the strategy says how its parameters are gathered (``full_parameters``)."""
 
     def _shard_file(self, directory: Path) -> Path:
         return directory / f"shard_rank{self.env.rank}.pt"
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def save(self, directory: Path) -> None:
         torch.save(
             {
                 "model": {k: local_tensor(v) for k, v in self.model.state_dict().items()},
@@ -53,7 +54,7 @@ class RankShardCheckpoint:
             self._shard_file(directory),
         )
 
-    def load_checkpoint(self, directory: Path) -> None:
+    def load(self, directory: Path) -> None:
         state = torch.load(self._shard_file(directory), map_location=self.device, weights_only=True)
         self._load_local(state, directory)
 
@@ -62,7 +63,7 @@ class RankShardCheckpoint:
         tensor parallel cuts its split layers)."""
         return full
 
-    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+    def load_full(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
         """Each rank cuts its own part of the full state, then loads it as its own shard file."""
         from parallel_lab.strategies.replicated import indexed_optimizer_state
 

@@ -1,5 +1,6 @@
-"""``ReplicatedModel``: the model-state hooks of a strategy whose every rank holds the whole model
-and optimizer state (single, dp, ddp, manual_ddp). A strategy that shards says so by not using it."""
+"""The parts of a strategy whose every rank holds the whole model and optimizer state (single, dp,
+ddp, manual_ddp): ``ReplicatedState``, ``ReplicatedMemory``, ``ReplicatedPlan``. A strategy that
+shards says so by not using them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.strategies.memory import (
+    HeldMemory,
     analytic_state_bytes,
-    held_optimizer_bytes,
-    held_param_grad_bytes,
     param_numels,
     predicted_optimizer_bytes,
 )
+from parallel_lab.strategies.planning import PlanRules
+from parallel_lab.strategies.state import State
 
 REPLICA_FILE = "model_optimizer.pt"
 
@@ -45,14 +47,14 @@ def copy_tensors_into(module: torch.nn.Module, model_state) -> None:
         tensor.copy_(model_state[name])
 
 
-class ReplicatedModel:
-    """Mixin for ``Strategy``: one copy of the state is the whole state."""
+class ReplicatedState(State):
+    """One copy of the state is the whole state."""
 
     def unwrapped_model(self) -> torch.nn.Module:
         """The user's module inside DDP/DataParallel wrappers, whose state_dict has the plain names."""
         return getattr(self.model, "module", self.model)
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def save(self, directory: Path) -> None:
         """Every replica holds the same, so rank 0 writes one copy and the others wait at the
         checkpointer's barrier."""
         if self.env.rank == 0:
@@ -61,13 +63,13 @@ class ReplicatedModel:
                 directory / REPLICA_FILE,
             )
 
-    def load_checkpoint(self, directory: Path) -> None:
+    def load(self, directory: Path) -> None:
         """Every rank reads the one copy (weights_only: tensors and plain values only)."""
         state = torch.load(directory / REPLICA_FILE, map_location=self.device, weights_only=True)
         self.unwrapped_model().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+    def load_full(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
         """Every rank holds it all: the state_dict as it is, Adam's state re-keyed by index."""
         module = self.unwrapped_model()
         copy_tensors_into(module, model_state)
@@ -76,15 +78,15 @@ class ReplicatedModel:
     def full_parameters(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.model.parameters()]
 
-    def memory_after_backward(self) -> dict[str, int]:
-        return held_param_grad_bytes(self.model)
 
-    def memory_after_step(self) -> dict[str, int]:
-        return held_optimizer_bytes(self.optimizer)
-
-    def analytic_memory(self, num_params: int) -> dict[str, int]:
+class ReplicatedMemory(HeldMemory):
+    def analytic(self, num_params: int) -> dict[str, int]:
         """A full replica: every parameter's weights, gradient and optimizer state."""
         return analytic_state_bytes(num_params, self.cfg.trainer)
+
+
+class ReplicatedPlan(PlanRules):
+    """Every rank (or the one process) holds the whole model and all-reduces every gradient."""
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
@@ -109,3 +111,14 @@ class ReplicatedModel:
         if cls.single_process or not cls.needs_process_group or cfg.world_size < 2:
             return {}
         return {"all_reduce": 2.0 * 4 * sum(param_numels(model))}
+
+
+class OneProcessPlan(ReplicatedPlan):
+    """One process, no process group, no collectives (single, dp)."""
+
+    single_process = True
+    needs_process_group = False
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        return 0.0

@@ -7,7 +7,7 @@ from parallel_lab.choices import Precision
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import Strategy, StrategyOptions
 from parallel_lab.strategies.precision import Bf16Compute
-from parallel_lab.strategies.replicated import ReplicatedModel
+from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
 
 
 @dataclass
@@ -19,8 +19,8 @@ class SingleOptions(StrategyOptions):
 
 
 @register("single")
-class SingleStrategy(Bf16Compute, ReplicatedModel, Strategy):
+class SingleStrategy(Bf16Compute, Strategy):
     Options = SingleOptions
-    single_process = True
-    needs_process_group = False
-    comm_theory_psi = 0.0
+    plan = OneProcessPlan
+    State = ReplicatedState
+    Memory = ReplicatedMemory

@@ -108,7 +108,7 @@ def run_worker(config_path: str) -> RunMetrics:
     torch.set_num_threads(cfg.trainer.threads)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy = None
-    if strategy_cls.needs_process_group:
+    if strategy_cls.plan.needs_process_group:
         strategy_cls.init_distributed(env, cfg.dist_timeout_s)
     try:
         strategy = strategy_cls(cfg, env)

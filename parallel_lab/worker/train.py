@@ -115,15 +115,15 @@ def train_step(
                 jitter_gradients(strategy.model.parameters(), grad_noise)
             if measure_memory:  # gradients: the optimizer step frees or zeroes them
                 with counter.paused():
-                    after_backward = strategy.memory_after_backward()
+                    after_backward = strategy.memory.after_backward()
             optimizer_start = time.perf_counter()
             with region(OPTIMIZER_LABEL):
                 strategy.optimizer_step()
-            strategy.sync_running_stats()  # BatchNorm's running statistics: identical replicas (base.py)
+            strategy.norm.sync_running_stats()  # BatchNorm's running statistics: identical replicas (batchnorm.py)
         _sync(env.device)
         end = time.perf_counter()
     if measure_memory:  # optimizer state: Adam creates it in the first step, so a 1-step run has it only now
-        memory = {**after_backward, **strategy.memory_after_step(), **strategy.memory_buffers()}
+        memory = {**after_backward, **strategy.memory.after_step(), **strategy.memory.buffers()}
     # Split as far as the loop can see: forward+backward (including any communication that
     # overlaps backward) and the optimizer step (including ZeRO's parameter gathers).
     loss = strategy.global_mean_loss(torch.stack(micro_losses).mean())
@@ -182,14 +182,14 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     return the run's metrics (complete on rank 0)."""
     t = cfg.trainer
     model = build_model(cfg.model, t.seed)
-    param_names = [name for name, _ in model.named_parameters()]  # full_parameters() keeps this order
+    param_names = [name for name, _ in model.named_parameters()]  # state.full_parameters() keeps this order
     if t.ulp_jitter_seed is not None:  # a noise-floor rerun of the baseline (parallel_lab/report/parity.py)
         jitter_one_ulp(model, t.ulp_jitter_seed)
     # Installed before setup: libraries that keep a reference to a collective (DeepSpeed picks
     # its all-gather function once, at initialisation) must keep the counted one.
     counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     num_params = count_params(model)
-    model = strategy.convert_batchnorm(model)  # model.norm=syncbatch (strategies/batchnorm.py)
+    model = strategy.norm.convert(model)  # model.norm=syncbatch (strategies/batchnorm.py)
     strategy.setup(model, optimizer_factory(t))
     probe = batchnorm.StatisticsProbe(strategy.model)
     checkpointer = Checkpointer(cfg, env, strategy)
@@ -211,9 +211,8 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     checksum, digest = _final_parameters(cfg, env, strategy, param_names)
     counter.uninstall()
     probe.remove()
-    metrics = _metrics(
-        cfg, env, strategy, state, checkpointer, counter, memory, num_params, accuracy, checksum, digest, profiler
-    )
+    run = RunRecord(state, checkpointer, counter, profiler, memory, num_params, accuracy, checksum, digest)
+    metrics = _metrics(cfg, env, strategy, run)
     metrics.batchnorm = batchnorm_record(cfg, strategy, probe, metrics.ranks)
     return metrics
 
@@ -229,7 +228,7 @@ def batchnorm_record(cfg: DictConfig, strategy: Strategy, probe: batchnorm.Stati
     synced = any(batchnorm.is_synced(m) for m in layers)  # (a stage without layers: False)
     world = strategy.dp_size if synced else 1
     theory = batchnorm.sync_comm_bytes(strategy.model, world, cfg.trainer.grad_accum) if synced else {}
-    target = strategy.running_stats_group()
+    target = strategy.norm.running_stats_group()
     if not synced and target is not None:
         theory = {"broadcast": float(batchnorm.running_stats_bytes(strategy.model))}
     measured = max(r["comm_bytes_by_group"].get(batchnorm.SYNC_LABEL, 0.0) for r in ranks)
@@ -253,58 +252,74 @@ def _closed_ranges(ranges: list[dict], steps: int) -> list[dict]:
 
 def _final_parameters(cfg: DictConfig, env: DistEnv, strategy: Strategy, names: list[str]) -> tuple[float, str]:
     """The full final parameters' checksum and sha256; rank 0 also saves them for the parity check."""
-    full = strategy.full_parameters()
+    full = strategy.state.full_parameters()
     if env.is_main and cfg.run_dir:
         save_final_params(Path(cfg.run_dir), names, full)
     return param_checksum(full), param_sha256(full)
 
 
-def _metrics(
-    cfg: DictConfig,
-    env: DistEnv,
-    strategy: Strategy,
-    state: LoopState,
-    checkpointer: Checkpointer,
-    counter: CommCounter,
-    memory: dict,
-    num_params: int,
-    accuracy: float | None,
-    checksum: float,
-    digest: str,
-    profiler: StepProfiler | None = None,
-) -> RunMetrics:
-    t, history = cfg.trainer, state.history
-    steps_run_here = max(1, t.steps - state.first_step)
-    comm_per_step = counter.total_bytes / steps_run_here
-    analytic = {f"analytic_{k}": v for k, v in strategy.analytic_memory(num_params).items()}
+@dataclass
+class RunRecord:
+    """What the loop ends a run with, for metrics.json."""
+
+    state: LoopState
+    checkpointer: Checkpointer
+    counter: CommCounter
+    profiler: StepProfiler | None
+    memory: dict  # this rank's measured model-state bytes (the last step's)
+    num_params: int
+    accuracy: float | None
+    checksum: float
+    digest: str
+
+
+def _rank_info(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord, step_times: list[float]) -> dict:
+    """This rank's record (RunMetrics.ranks): memory measured beside the textbook and the
+    planner's prediction, communication per step by op and by group, device and profile figures."""
+    steps = max(1, cfg.trainer.steps - run.state.first_step)
+    counter = run.counter
+    analytic = {f"analytic_{k}": v for k, v in strategy.memory.analytic(run.num_params).items()}
     # The planner's exact prediction (parallel_lab.plan), from this run's config alone, beside what was measured.
     predicted = predicted_metrics(cfg, type(strategy), build_meta_model(cfg.model), env.rank)
-    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
-    rank_info = {
+    return {
         "rank": env.rank,
         "peak_rss_bytes": peak_rss_bytes(),
-        **memory,
+        **run.memory,
         **analytic,
         **predicted,
-        "comm_bytes_per_step": comm_per_step,
-        "comm_bytes_by_op": {op: n / steps_run_here for op, n in counter.bytes_by_op.items()},
-        "comm_bytes_by_group": {group: n / steps_run_here for group, n in counter.bytes_by_group.items()},
+        "comm_bytes_per_step": counter.total_bytes / steps,
+        "comm_bytes_by_op": {op: n / steps for op, n in counter.bytes_by_op.items()},
+        "comm_bytes_by_group": {group: n / steps for group, n in counter.bytes_by_group.items()},
         **device_memory(env.device),
-        **(profiler.rank_record(step_times) if profiler is not None else {}),
+        **(run.profiler.rank_record(step_times) if run.profiler is not None else {}),
     }
-    ranks = gather_from_ranks(rank_info)
-    extras = strategy.extra_metrics()
-    if strategy.mesh_dims():
-        extras["mesh"] = _mesh_metrics(strategy.mesh_dims(), ranks)
-    nodes = cfg.launcher.get("nodes") or 1
-    nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
-    step_time = timed_median(step_times, t.warmup_steps)
-    return RunMetrics(
+
+
+def _resume_fields(cfg: DictConfig, run: RunRecord) -> dict:
+    """Where the run started from and what its checkpoints cost."""
+    state, checkpointer, t = run.state, run.checkpointer, cfg.trainer
+    return dict(
+        resumed_from_step=state.first_step if state.resumed else None,
+        resumed_from=str(state.resumed.path) if state.resumed else None,
+        resharded_from=state.resumed.resharded_from if state.resumed else None,
+        initialized_from=checkpointer.initialized_from,
+        world_size_history=_closed_ranges(state.history.get("world_size_history", []), t.steps),
+        checkpoint_every=t.checkpoint_every,
+        checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
+        checkpoint_load_s=checkpointer.load_seconds,
+        checkpoint_bytes=checkpointer.last_bytes or None,
+    )
+
+
+def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: int) -> dict:
+    """What was run, where and how (config and machine)."""
+    t = cfg.trainer
+    return dict(
         strategy=cfg.strategy.name,
         launcher=cfg.launcher.name,
         rank_start=os.environ.get(RANK_START_ENV, "exec"),
         world_size=env.world_size,
-        backend=env.backend if strategy.needs_process_group else "none",
+        backend=env.backend if strategy.plan.needs_process_group else "none",
         device=str(env.device),
         device_name=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
         model=cfg.model.name,
@@ -321,35 +336,44 @@ def _metrics(
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         kernel_dispatch=kernel_dispatch(),
         norm=norm_of(cfg.model),
+        strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
+    )
+
+
+def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord) -> RunMetrics:
+    t, history = cfg.trainer, run.state.history
+    comm_per_step = run.counter.total_bytes / max(1, t.steps - run.state.first_step)
+    step_times = [a + b for a, b in zip(history["fwd_bwd"], history["optimizer"])]
+    ranks = gather_from_ranks(_rank_info(cfg, env, strategy, run, step_times))
+    extras = strategy.extra_metrics()
+    mesh = strategy.layout.metrics()
+    if mesh:
+        extras["mesh"] = _mesh_metrics(mesh, ranks)
+    nodes = cfg.launcher.get("nodes") or 1
+    nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
+    step_time = timed_median(step_times, t.warmup_steps)
+    return RunMetrics(
+        **_run_fields(cfg, env, strategy, run.num_params),
         losses=history["losses"],
         final_loss=history["losses"][-1],
         step_time_s=step_time,
         step_times_s=step_times,
         step_split_s={part: timed_median(history[part], t.warmup_steps) for part in ("fwd_bwd", "optimizer")},
         samples_per_s=t.global_batch / step_time,
-        eval_accuracy=accuracy,
-        final_param_checksum=checksum,
-        final_param_sha256=digest,
+        eval_accuracy=run.accuracy,
+        final_param_checksum=run.checksum,
+        final_param_sha256=run.digest,
         attempt=env.restart_count,
-        resumed_from_step=state.first_step if state.resumed else None,
-        resumed_from=str(state.resumed.path) if state.resumed else None,
-        resharded_from=state.resumed.resharded_from if state.resumed else None,
-        initialized_from=checkpointer.initialized_from,
-        world_size_history=_closed_ranges(state.history.get("world_size_history", []), t.steps),
-        checkpoint_every=t.checkpoint_every,
-        checkpoint_save_s=statistics.median(checkpointer.save_seconds) if checkpointer.save_seconds else None,
-        checkpoint_load_s=checkpointer.load_seconds,
-        checkpoint_bytes=checkpointer.last_bytes or None,
+        **_resume_fields(cfg, run),
         comm_bytes_per_step=comm_per_step,
-        comm_volume_psi=comm_per_step / (4 * num_params),
-        comm_theory_psi=strategy.comm_theory_psi,
+        comm_volume_psi=comm_per_step / (4 * run.num_params),
+        comm_theory_psi=strategy.plan.comm_theory_psi(cfg),
         ranks=ranks,
-        strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
         strategy_extras=extras,
         nodes=nodes,
         nproc_per_node=nproc_per_node,
-        inter_host_bytes_per_step=inter_host_bytes_per_step(ranks, nodes, nproc_per_node, strategy.mesh_dims()),
-        profile=profiler.run_record(step_times, t.warmup_steps) if profiler is not None else {},
+        inter_host_bytes_per_step=inter_host_bytes_per_step(ranks, nodes, nproc_per_node, mesh),
+        profile=run.profiler.run_record(step_times, t.warmup_steps) if run.profiler is not None else {},
     )
 
 

@@ -19,14 +19,14 @@ PLUGIN = '''
 """A throwaway strategy for the plugin test: one process, like single."""
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import Strategy
-from parallel_lab.strategies.replicated import ReplicatedModel
+from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
 
 
 @register("toy")
-class ToyStrategy(ReplicatedModel, Strategy):
-    single_process = True
-    needs_process_group = False
-    comm_theory_psi = 0.0
+class ToyStrategy(Strategy):
+    plan = OneProcessPlan
+    State = ReplicatedState
+    Memory = ReplicatedMemory
 '''
 YAML = """
 defaults:

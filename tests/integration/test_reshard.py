@@ -1,5 +1,5 @@
 """trainer.reshard=true: a checkpoint written by one strategy at one world size continues under
-another (checkpoint/full_state.py, Strategy.load_full_state).
+another (checkpoint/full_state.py, State.load_full).
 
 Exactness: the source checkpoint and the target's own checkpoint written right after loading are
 read back as full states (parameters, Adam's exp_avg / exp_avg_sq / step, loop state) and must be
@@ -298,8 +298,8 @@ def _deepspeed_own_merge(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 
     from deepspeed.utils import zero_to_fp32 as z
 
+    from parallel_lab.checkpoint.deepspeed_state import _deepspeed_model_states
     from parallel_lab.checkpoint.ds_reader import weights_only_load
-    from parallel_lab.checkpoint.full_state import _deepspeed_model_states
 
     def rank(f: Path) -> int:
         return int(re.search(r"rank_(\d+)", f.name)[1])

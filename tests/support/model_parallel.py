@@ -81,7 +81,7 @@ def assert_matches_reference(cfg: DictConfig, strategy: Strategy, metrics: RunMe
     everyone: list = [None] * env.world_size
     dist.all_gather_object(everyone, metrics.losses)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
-    full = strategy.full_parameters()
+    full = strategy.state.full_parameters()
     for (name, want), got in zip(ref.params.items(), full, strict=True):
         assert got.shape == want.shape, f"[{label}] {name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
     ref.assert_matches(metrics.losses, full, f"[{label}] rank {env.rank}")

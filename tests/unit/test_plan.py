@@ -171,7 +171,7 @@ def test_fsdp2_plan_equals_real_shards_at_1000_ranks():
     for rank in (0, 1, world - 1):
         with fake_world(rank, world):
             model = build_meta_model(cfg.model)
-            predicted = get_strategy_class("fsdp").predict_memory(cfg, model, rank)
+            predicted = get_strategy_class("fsdp").plan.predict_memory(cfg, model, rank)
             storage, held = fsdp2_shards(model, world)
         assert predicted["param_bytes"] == storage == predicted["grad_bytes"]
         assert predicted["optim_bytes"] == 8 * held  # Adam's moments: zeros_like the unpadded shard
@@ -196,7 +196,7 @@ def test_tp_plan_equals_real_dtensor_shards_at_256_ranks():
     for rank in (0, world - 1):
         with fake_world(rank, world):
             model = build_meta_model(cfg.model)
-            predicted = get_strategy_class("tp").predict_memory(cfg, model, rank)
+            predicted = get_strategy_class("tp").plan.predict_memory(cfg, model, rank)
             mesh = init_device_mesh("cpu", (world,))
             parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
             held = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
@@ -275,7 +275,7 @@ def test_zero_fp16_and_offload_are_planned():
         plans = {}
         for name, cfg in configs.items():
             cfg.strategy.stage, cfg.strategy.name = stage, f"zero{stage}"
-            plans[name] = [cls.predict_memory(cfg, model, r) for r in range(4)]
+            plans[name] = [cls.plan.predict_memory(cfg, model, r) for r in range(4)]
         assert plans["fp16"] == plans["bf16"] and all(plans["bf16"]), stage
         if stage:
             bf16, offload = plans["bf16"][0], plans["offload"][0]

@@ -117,7 +117,7 @@ def test_sharded_optimizer_and_split_layers_do_less_work():
 def test_pipeline_pays_its_bubble():
     compute = Compute(fixed_s=0.0, per_sample_s=0.001, per_param_s=0.0)
     pred, model = _predict("pp", compute, _fits(0.0, 1e12))
-    from parallel_lab.strategies.pp.strategy import _stage_module
+    from parallel_lab.strategies.pp.rules import _stage_module
 
     cfg = _cfg("pp")
     shares = stage_shares([_stage_module(cfg, model, s) for s in range(2)])

@@ -38,7 +38,7 @@ trades memory for traffic between hosts, which is why metrics.json counts both d
 bf16, gradients reduced in fp32) while the sharded parameters and Adam states stay fp32.
 
 The two torch APIs are two small classes, ``FSDP2`` (``v2.py``) and ``FSDP1`` (``v1.py``); this
-module holds what they share. Memory accounting (``memory_after_backward``, ``memory_after_step``)
+module holds what they share, and their rules live in ``rules.py``. Memory accounting (``FSDPMemory``)
 reads the real storages: the local shards of the DTensor parameters (FSDP2) or the FlatParameter
 shards (FSDP1), the gathered parameter buffers that are alive at the end of forward (the moment
 ``grad_op`` holds the most), the sharded gradients after backward and the optimizer's state
@@ -56,10 +56,12 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
-from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.memory import optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.fsdp.rules import FSDPPlan, shard_size
+from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.state import State
 
 DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
 
@@ -94,17 +96,125 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
 
 
+class FSDPState(State):
+    """torch Distributed Checkpoint, each rank writing its own shards."""
+
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.strategy._before_state_dict()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
+
+    def load(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from parallel_lab.checkpoint.dcp_reader import load_sharded
+
+        state = self._sharded_state()  # the shapes and shards to fill in
+        load_sharded(state, str(directory / DCP_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def load_resharded_natively(self, directory: Path, fmt: str) -> bool:
+        """A DCP checkpoint (FSDP1, FSDP2 or HSDP, any world size) is loaded by DCP itself: each rank
+        asks for its own shards of this run's layout and DCP reads the byte ranges that overlap
+        them (load-time resharding). The DCP folder name is this module's own."""
+        if fmt != "dcp" or not (directory / DCP_DIR).is_dir():
+            return False
+        self.load(directory)
+        return True
+
+    def load_full(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
+        """torch's own tool: ``set_state_dict`` with full (unsharded) state dicts keyed by the
+        single model's names; every rank holds the full state and keeps its shards of it (DCP's
+        load-time resharding does the same from a sharded checkpoint, but only FSDP can read that)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        self.strategy._before_state_dict()
+        model_state = dict(model_state)  # torch edits the dict it is given: every tensor, read now
+        if not optim_state:
+            # No Adam state (trainer.init_from without init_optimizer, a step-0 checkpoint): the
+            # optimizer is left alone. set_state_dict would first create Adam's state by a step with
+            # zero gradients (torch's _init_optim_state), leaving step=1 behind: the next update's
+            # bias correction would be step 2's, another training (caught by tests/integration/test_init_from.py).
+            set_model_state_dict(self.model, model_state, options=options)
+            return
+        # One param group over every parameter in the single model's order (setup's optimizer),
+        # named by fully qualified names as set_state_dict expects.
+        (group,) = self.optimizer.param_groups
+        names = [n for n in model_state if n in optim_state]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        optim = {"state": {n: dict(optim_state[n]) for n in names}, "param_groups": [{**hyper, "params": names}]}
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim, options=options
+        )
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        return self.strategy._gather_parameters()
+
+
+class FSDPMemory(Memory):
+    """The real storages: the local shards (FSDP2's DTensors, FSDP1's FlatParameter shards), the
+    gathered parameter buffers alive at the end of forward, the sharded gradients, Adam's state."""
+
+    def after_backward(self) -> dict[str, int]:
+        """Parameters (the shard, plus the gathered copies alive at the end of forward) and the
+        sharded gradients, which the optimizer step's zero_grad frees."""
+        grads = storage_bytes(self.strategy._grad_storages())
+        shard = storage_bytes(self.strategy._shard_storages())
+        peak = max(self.strategy._peak_param_bytes, storage_bytes(self.strategy._param_storages()))
+        if self.opts.sharding == "grad_op":
+            # The shard is what the optimizer updates (ZeRO's "master" copy); the gathered working
+            # copy is what forward/backward use. Both are alive between forward and backward.
+            return {"param_bytes": peak - shard, "master_param_bytes": shard, "grad_bytes": grads}
+        return {"param_bytes": peak, "master_param_bytes": 0, "grad_bytes": grads}
+
+    def after_step(self) -> dict[str, int]:
+        """The optimizer's per-parameter state of this rank's shards, created by the first step
+        (Adam's scalar step counters are left out)."""
+        state = self.optimizer.state.values()
+        return {
+            "optim_bytes": storage_bytes(
+                v for per_param in state for v in per_param.values() if torch.is_tensor(v) and v.dim() > 0
+            )
+        }
+
+    def analytic(self, num_params: int) -> dict[str, int]:
+        """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),
+        with N = world size (hybrid: the shard group's size): full and hybrid = ZeRO-3 (everything
+        /N); grad_op = ZeRO-2 (working parameters replicated, 4 bytes/param, during forward/backward;
+        the fp32 shard the optimizer updates, 4/N, is the paper's master copy; grads and optimizer
+        state /N); no_shard = DDP."""
+        n = shard_size(self.cfg)
+        k = optimizer_bytes_per_param(self.cfg.trainer)
+        # bf16 (MixedPrecisionPolicy): the working copy is gathered in bf16 (2 bytes/param); the
+        # shards, gradients (reduce_dtype fp32) and Adam state stay fp32.
+        w = 2 if self.opts.mixed_precision == "bf16" else 4
+        per = {  # bytes per parameter: (working params, master shard, grads, optimizer state)
+            "full": (4 / n, 0, 4 / n, k / n),
+            "hybrid": (4 / n, 0, 4 / n, k / n),
+            "grad_op": (w, 4 / n, 4 / n, k / n),
+            "no_shard": (4, 0, 4, k),
+        }[self.opts.sharding]
+        keys = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
+        return {key: int(b * num_params) for key, b in zip(keys, per)}
+
+
 @register("fsdp")
-class FSDPStrategy(Strategy):
+class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
     """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
 
     Options = FSDPOptions
-    syncs_batchnorm = True  # every rank reads its own samples, shard and replicate dimensions alike
-
-    @classmethod
-    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
-        """FSDP2 prefetches the next unit's all-gather and reduce-scatters each unit from its hook."""
-        return frozenset({"all_gather", "reduce_scatter"})
+    plan = FSDPPlan
+    State = FSDPState
+    Memory = FSDPMemory
+    Norm = SyncedNorm  # every rank reads its own samples, shard and replicate dimensions alike
 
     api_version: ClassVar[int | None] = None  # strategy.version a subclass implements
     _by_version: ClassVar[dict[int, type]] = {}  # filled as v1.py and v2.py define their class
@@ -120,65 +230,6 @@ class FSDPStrategy(Strategy):
         if cls is FSDPStrategy:  # the registry knows one name; the version picks the class
             cls = FSDPStrategy._by_version[cfg.strategy.version]
         return super().__new__(cls)
-
-    @classmethod
-    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.version not in (1, 2):
-            raise ConfigError(
-                f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
-            )
-        cls._check_hybrid(opts, cfg)
-
-    @classmethod
-    def _check_hybrid(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        """hybrid needs FSDP2 and the replicate degree of its mesh; replicate means nothing elsewhere."""
-        if opts.sharding != "hybrid":
-            if opts.replicate is not None:
-                raise ConfigError(
-                    f"strategy.replicate={opts.replicate} applies to strategy.sharding=hybrid only; "
-                    f"add strategy.sharding=hybrid or drop strategy.replicate"
-                )
-            return
-        if opts.version != 2:
-            raise ConfigError(
-                "strategy.sharding=hybrid needs strategy.version=2 (fully_shard on a 2-D mesh); "
-                "FSDP1's HYBRID_SHARD diverges on one node, see docs/facts.md"
-            )
-        world = cfg.world_size
-        example = next((r for r in range(2, world) if world % r == 0), None)
-        hint = (
-            f"e.g. strategy.replicate={example} ({example} x {world // example} = world_size={world})"
-            if example
-            else f"e.g. world_size=4 strategy.replicate=2 (world_size={world} has no split into replicas x shards)"
-        )
-        if opts.replicate is None:
-            raise ConfigError(
-                "strategy.sharding=hybrid needs the replicate degree of its replicate x shard mesh "
-                f"(replicas x shard group size = world_size); set strategy.replicate=<replicas>, {hint}"
-            )
-        if opts.replicate < 1 or world % opts.replicate:
-            raise ConfigError(
-                f"strategy.replicate={opts.replicate} does not divide world_size={world} "
-                f"(replicas x shard group size = world_size); {hint}"
-            )
-
-    @property
-    def comm_theory_psi(self) -> float:
-        # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
-        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
-        # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
-        # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
-        gather = 0.5 if self.opts.mixed_precision == "bf16" else 1.0
-        if self.opts.sharding == "hybrid":
-            return 2 * gather + 1.0 + 2.0 / self.shard_size
-        return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(self.opts.sharding, 2.0)
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks one copy of the model is sharded over: the world, or a shard group (hybrid)."""
-        if self.opts.sharding == "hybrid":
-            return self.env.world_size // self.opts.replicate
-        return self.env.world_size
 
     def __init__(self, cfg: DictConfig, env) -> None:
         super().__init__(cfg, env)
@@ -229,128 +280,5 @@ class FSDPStrategy(Strategy):
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)  # collective (all-gathers): every rank runs the same batches
 
-    # ----- checkpoints: torch Distributed Checkpoint, each rank writing its own shards -----
-    def _sharded_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        self._before_state_dict()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optim_state}
-
-    def save_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._sharded_state(), checkpoint_id=str(directory / DCP_DIR))
-
-    def load_checkpoint(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from parallel_lab.checkpoint.dcp_reader import load_sharded
-
-        state = self._sharded_state()  # the shapes and shards to fill in
-        load_sharded(state, str(directory / DCP_DIR))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-    def load_resharded_natively(self, directory: Path, fmt: str) -> bool:
-        """A DCP checkpoint (FSDP1, FSDP2 or HSDP, any world size) is loaded by DCP itself: each rank
-        asks for its own shards of this run's layout and DCP reads the byte ranges that overlap
-        them (load-time resharding). The DCP folder name is this module's own."""
-        if fmt != "dcp" or not (directory / DCP_DIR).is_dir():
-            return False
-        self.load_checkpoint(directory)
-        return True
-
-    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
-        """torch's own tool: ``set_state_dict`` with full (unsharded) state dicts keyed by the
-        single model's names; every rank holds the full state and keeps its shards of it (DCP's
-        load-time resharding does the same from a sharded checkpoint, but only FSDP can read that)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        self._before_state_dict()
-        model_state = dict(model_state)  # torch edits the dict it is given: every tensor, read now
-        if not optim_state:
-            # No Adam state (trainer.init_from without init_optimizer, a step-0 checkpoint): the
-            # optimizer is left alone. set_state_dict would first create Adam's state by a step with
-            # zero gradients (torch's _init_optim_state), leaving step=1 behind: the next update's
-            # bias correction would be step 2's, another training (caught by tests/integration/test_init_from.py).
-            set_model_state_dict(self.model, model_state, options=options)
-            return
-        # One param group over every parameter in the single model's order (setup's optimizer),
-        # named by fully qualified names as set_state_dict expects.
-        (group,) = self.optimizer.param_groups
-        names = [n for n in model_state if n in optim_state]
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        optim = {"state": {n: dict(optim_state[n]) for n in names}, "param_groups": [{**hyper, "params": names}]}
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim, options=options
-        )
-
-    def full_parameters(self) -> list[torch.Tensor]:
-        return self._gather_parameters()
-
-    # ----- memory -----
-    def memory_after_backward(self) -> dict[str, int]:
-        """Parameters (the shard, plus the gathered copies alive at the end of forward) and the
-        sharded gradients, which the optimizer step's zero_grad frees."""
-        grads = storage_bytes(self._grad_storages())
-        shard = storage_bytes(self._shard_storages())
-        peak = max(self._peak_param_bytes, storage_bytes(self._param_storages()))
-        if self.opts.sharding == "grad_op":
-            # The shard is what the optimizer updates (ZeRO's "master" copy); the gathered working
-            # copy is what forward/backward use. Both are alive between forward and backward.
-            return {"param_bytes": peak - shard, "master_param_bytes": shard, "grad_bytes": grads}
-        return {"param_bytes": peak, "master_param_bytes": 0, "grad_bytes": grads}
-
-    def memory_after_step(self) -> dict[str, int]:
-        """The optimizer's per-parameter state of this rank's shards, created by the first step
-        (Adam's scalar step counters are left out)."""
-        state = self.optimizer.state.values()
-        return {
-            "optim_bytes": storage_bytes(
-                v for per_param in state for v in per_param.values() if torch.is_tensor(v) and v.dim() > 0
-            )
-        }
-
-    def analytic_memory(self, num_params: int) -> dict[str, int]:
-        """ZeRO paper per-rank model states in fp32 (4 bytes/param weights, 4 grads, Adam 8),
-        with N = world size (hybrid: the shard group's size): full and hybrid = ZeRO-3 (everything
-        /N); grad_op = ZeRO-2 (working parameters replicated, 4 bytes/param, during forward/backward;
-        the fp32 shard the optimizer updates, 4/N, is the paper's master copy; grads and optimizer
-        state /N); no_shard = DDP."""
-        n = self.shard_size
-        k = optimizer_bytes_per_param(self.cfg.trainer)
-        # bf16 (MixedPrecisionPolicy): the working copy is gathered in bf16 (2 bytes/param); the
-        # shards, gradients (reduce_dtype fp32) and Adam state stay fp32.
-        w = 2 if self.opts.mixed_precision == "bf16" else 4
-        per = {  # bytes per parameter: (working params, master shard, grads, optimizer state)
-            "full": (4 / n, 0, 4 / n, k / n),
-            "hybrid": (4 / n, 0, 4 / n, k / n),
-            "grad_op": (w, 4 / n, 4 / n, k / n),
-            "no_shard": (4, 0, 4, k),
-        }[self.opts.sharding]
-        keys = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
-        return {key: int(b * num_params) for key, b in zip(keys, per)}
-
-    @classmethod
-    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
-        """FSDP2's per-parameter dim-0 shards with padding (``predict.py``); FSDP1's flat
-        parameters are not predicted."""
-        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_memory
-
-        return predict_fsdp2_memory(cfg, model, rank) if cfg.strategy.version == 2 else None
-
-    @classmethod
-    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
-        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
-
-        return predict_fsdp2_comm(cfg, model, rank) if cfg.strategy.version == 2 else None
-
     def extra_metrics(self) -> dict:
         return {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
-
-    def mesh_dims(self) -> dict[str, int] | None:
-        return {"replicate": self.opts.replicate, "shard": self.shard_size} if self.opts.sharding == "hybrid" else None
-
-    def teardown(self) -> None:
-        super().teardown()

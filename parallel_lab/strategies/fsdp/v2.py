@@ -4,12 +4,46 @@ from __future__ import annotations
 
 import torch
 
-from parallel_lab.strategies.fsdp.strategy import FSDPStrategy, fsdp_units
-from parallel_lab.strategies.mesh import build_mesh
+from parallel_lab.strategies.fsdp.strategy import FSDPState, FSDPStrategy, fsdp_units
+from parallel_lab.strategies.mesh import Mesh
+
+
+class FSDP2State(FSDPState):
+    @torch.no_grad()
+    def load_full(self, model_state, optim_state) -> None:
+        """One tensor at a time (``model_state``/``optim_state`` may read lazily, as a reshard's do):
+        each rank cuts its own shard of the full tensor with DTensor's own placement rules
+        (``distribute_tensor(src_data_rank=None)``: local slicing, no communication) and copies it
+        into the parameter's shard, or into Adam's state created as Adam creates it. At most one
+        full tensor is alive beside the sharded model; torch's ``set_state_dict`` with full state
+        dicts (FSDP1's path) needs all of them at once."""
+        from torch.distributed.tensor import distribute_tensor
+
+        self.strategy._before_state_dict()
+        params = dict(self.model.named_parameters())
+        for name, buffer in self.model.named_buffers():
+            buffer.copy_(model_state[name])
+
+        def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+            dt = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            return dt.to_local()
+
+        for name, param in params.items():
+            param.to_local().copy_(shard_of(param, model_state[name]))
+        if not optim_state:  # no Adam state: the optimizer starts afresh (see FSDPState.load_full)
+            return
+        for name, param in params.items():
+            saved = optim_state[name]
+            state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param)  # a DTensor laid out as the parameter, as Adam makes it
+                state[key].to_local().copy_(shard_of(param, saved[key]))
+            self.optimizer.state[param] = state
 
 
 class FSDP2(FSDPStrategy):
     api_version = 2
+    State = FSDP2State
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -18,7 +52,8 @@ class FSDP2(FSDPStrategy):
         n = self.env.world_size
         if self.opts.sharding == "hybrid":
             # HSDP: shard within each run of n/R consecutive ranks, replicate across the runs.
-            self._mesh = build_mesh(self.device.type, self.opts.replicate, n // self.opts.replicate, "shard", self.comm)
+            self.mesh = Mesh(self.layout, self.device.type, self.comm)
+            self._mesh = self.mesh.device_mesh
         elif self.opts.sharding == "no_shard":
             # HSDP with a shard group of 1: every parameter "shard" is the whole tensor, and the
             # gradient reduction over the replicate dimension is DDP's all-reduce.
@@ -33,37 +68,6 @@ class FSDP2(FSDPStrategy):
         for _, unit in fsdp_units(model):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
-
-    @torch.no_grad()
-    def load_full_state(self, model_state, optim_state) -> None:
-        """One tensor at a time (``model_state``/``optim_state`` may read lazily, as a reshard's do):
-        each rank cuts its own shard of the full tensor with DTensor's own placement rules
-        (``distribute_tensor(src_data_rank=None)``: local slicing, no communication) and copies it
-        into the parameter's shard, or into Adam's state created as Adam creates it. At most one
-        full tensor is alive beside the sharded model; torch's ``set_state_dict`` with full state
-        dicts (FSDP1's path) needs all of them at once."""
-        from torch.distributed.tensor import distribute_tensor
-
-        self._before_state_dict()
-        params = dict(self.model.named_parameters())
-        for name, buffer in self.model.named_buffers():
-            buffer.copy_(model_state[name])
-
-        def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-            dt = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-            return dt.to_local()
-
-        for name, param in params.items():
-            param.to_local().copy_(shard_of(param, model_state[name]))
-        if not optim_state:  # no Adam state: the optimizer starts afresh (see FSDPStrategy.load_full_state)
-            return
-        for name, param in params.items():
-            saved = optim_state[name]
-            state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros_like(param)  # a DTensor laid out as the parameter, as Adam makes it
-                state[key].to_local().copy_(shard_of(param, saved[key]))
-            self.optimizer.state[param] = state
 
     def clip_gradients(self) -> None:
         if self.cfg.trainer.grad_clip > 0:

@@ -46,28 +46,17 @@ from torch import nn
 
 from parallel_lab.choices import Choice, make_choice
 from parallel_lab.comm.counter import trace_label
-from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import (
-    SAMPLE_SHAPE,
-    ComputeShape,
-    OptimizerFactory,
-    SavedBytes,
-    Strategy,
-    StrategyOptions,
-)
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
-from parallel_lab.strategies.memory import (
-    analytic_state_bytes,
-    held_optimizer_bytes,
-    held_param_grad_bytes,
-    predicted_optimizer_bytes,
-)
-from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
-from parallel_lab.strategies.pp.plan import plan_stages, stage_shares
+from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
+from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
+from parallel_lab.strategies.pp.plan import plan_stages
+from parallel_lab.strategies.pp.rules import PPPlan, meta_model
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
-from parallel_lab.strategies.rank_shards import RankShardCheckpoint
+from parallel_lab.strategies.rank_shards import RankShardState
 
 
 class PipelineImpl(Choice):
@@ -95,83 +84,25 @@ class PPOptions(StrategyOptions):
     cuts: list[str] = field(default_factory=list)
 
 
-def _meta_model(cfg: DictConfig) -> nn.Sequential:
-    """The model's structure without weights (meta device): for planning and shape inference."""
-    from parallel_lab.models import build_meta_model
+class PPState(RankShardState):
+    """One file per stage; the stages' parameters gathered to every rank in model order."""
 
-    return build_meta_model(cfg.model)
-
-
-def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
-    """Stage ``rank % stages`` of the (meta) model, as setup cuts it."""
-    names = plan_stages(model, cfg.strategy.stages, list(cfg.strategy.cuts))[rank % cfg.strategy.stages]
-    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names))
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every stage's parameters, gathered to every rank in model order (stage order = rank order)."""
+        per_stage: list = [None] * self.env.world_size
+        dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
+        return [p for stage in per_stage[: self.opts.stages] for p in stage]
 
 
-@register("pp")
-class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
-    Options = PPOptions
-    degree_key = "stages"
-    ranks_differ = True  # each stage holds, stashes and sends its own part
+class PPMemory(HeldMemory):  # the model here is this stage only
+    def analytic(self, num_params: int) -> dict[str, int]:
+        """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
+        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
 
+
+class PPNorm(ReplicaNorm):
     @classmethod
-    def min_global_batch(cls, cfg: DictConfig) -> int:
-        return cfg.strategy.microbatches * cfg.trainer.grad_accum
-
-    @classmethod
-    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
-        """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
-        ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight)."""
-        p, m, t = cfg.strategy.stages, cfg.strategy.microbatches, cfg.trainer
-        shares = stage_shares([_stage_module(cfg, model, s) for s in range(p)])
-        return ComputeShape(
-            micro_batch=t.global_batch // t.grad_accum // m,
-            slots=t.grad_accum * (m + p - 1),
-            flop_share=max(shares),
-            calls_per_collective=m * t.grad_accum,
-            note=f"stage FLOP shares {', '.join(f'{s:.2f}' for s in shares)}",
-        )
-
-    @classmethod
-    def activation_bytes(
-        cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
-    ) -> tuple[int, int]:
-        """Stages stash micro-batches (gpipe: all m; 1f1b: at most p - s); only the last stage
-        computes the loss."""
-        p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages
-        mb = max(1, micro // m)
-        x = torch.empty(mb, *SAMPLE_SHAPE, device="meta")
-        with torch.no_grad():
-            for s in range(stage):
-                x = _stage_module(cfg, model, s)(x)
-        stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
-        last = stage == p - 1
-        return stash * saved(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
-
-    # ----- validation (parent) -----
-    @classmethod
-    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        for key in ("stages", "microbatches"):
-            if opts[key] < 1:
-                raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
-        plan_stages(_meta_model(cfg), opts.stages, list(opts.cuts))
-        check_degrees(cfg, opts.replicate, "stages", opts.stages, "pipeline stages, one per process")
-        t = cfg.trainer
-        per_step = t.global_batch // t.grad_accum
-        if t.global_batch % t.grad_accum == 0 and per_step % opts.microbatches:
-            raise ConfigError(
-                f"strategy.microbatches={opts.microbatches} does not divide the per-step micro-batch of {per_step} "
-                f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
-                f"use a divisor of {per_step}"
-            )
-        if opts.impl == "torch" and opts.schedule == "1f1b" and opts.microbatches < opts.stages:
-            raise ConfigError(
-                f"strategy.microbatches={opts.microbatches} < strategy.stages={opts.stages}: torch's Schedule1F1B "
-                f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
-            )
-
-    @classmethod
-    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
         """A stage runs its micro-batches one after another: no collective can normalise them together."""
         from parallel_lab.models import norm_of
 
@@ -182,18 +113,14 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
             "normalise over them together; use model.norm=batch (statistics per micro-batch, docs/batchnorm.md)"
         )
 
-    # ----- data placement: every stage sees the whole batch (only the ends use it) -----
-    @classmethod
-    def data_parallel_size(cls, cfg: DictConfig) -> int:
-        return cfg.world_size // cfg.strategy.stages
 
-    @property
-    def dp_rank(self) -> int:
-        return self.env.rank // self.opts.stages
-
-    @property
-    def dp_size(self) -> int:
-        return self.env.world_size // self.opts.stages
+@register("pp")
+class PipelineParallelStrategy(Strategy):
+    Options = PPOptions
+    plan = PPPlan
+    State = PPState
+    Memory = PPMemory
+    Norm = PPNorm
 
     @property
     def is_first(self) -> bool:
@@ -206,8 +133,10 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         p = self.opts.stages
-        self.stage = self.env.rank % p
-        self.group = self.build_replicas(p, "pp")  # this rank's pipeline (None: the world)
+        self.stage = self.layout.coords(self.env.rank)["pp"]
+        self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
+        self.group = self.mesh.group("pp")  # this rank's pipeline (None: the world)
+        self.replicate_group = self.mesh.group(REPLICATE)  # None: one pipeline
         self.stage_names = plan_stages(model, p, list(self.opts.cuts))
         mine = self.stage_names[self.stage]
         children = dict(model.named_children())
@@ -217,7 +146,7 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
         # Same child names as the full model, so parameter names match the single run's.
         self.model = nn.Sequential(OrderedDict((n, children[n]) for n in mine)).to(self.device)
         self.optimizer = make_optimizer(self.model.parameters())
-        meta = _meta_model(self.cfg)
+        meta = meta_model(self.cfg)
         self.meta_stages = [
             nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in names)) for names in self.stage_names
         ]
@@ -329,6 +258,14 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
         if self.is_last:  # undo the pre-scaling to report each micro-batch's mean loss
             self._losses = [x.detach() * (self.opts.microbatches * self._num_micro) for x in kwargs["losses"]]
 
+    def average_over_replicas(self) -> None:
+        """Data parallelism: stage s averages its gradients with stage s of the other pipelines."""
+        average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
+
+    def optimizer_step(self) -> None:
+        self.average_over_replicas()
+        super().optimizer_step()
+
     def clip_gradients(self) -> None:
         """Clip by the norm of the whole model's gradient: every stage's squares are summed."""
         if self.cfg.trainer.grad_clip > 0:
@@ -362,56 +299,6 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
         return counts
 
     # ----- proof -----
-    def full_parameters(self) -> list[torch.Tensor]:
-        """Every stage's parameters, gathered to every rank in model order (stage order = rank order)."""
-        per_stage: list = [None] * self.env.world_size
-        dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
-        return [p for stage in per_stage[: self.opts.stages] for p in stage]
-
-    def memory_after_backward(self) -> dict[str, int]:
-        return held_param_grad_bytes(self.model)  # the model here is this stage only
-
-    def memory_after_step(self) -> dict[str, int]:
-        return held_optimizer_bytes(self.optimizer)
-
-    def analytic_memory(self, num_params: int) -> dict[str, int]:
-        """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
-        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
-
-    @classmethod
-    def predict_buffer_bytes(cls, cfg: DictConfig, model: nn.Module, rank: int) -> int:
-        """The stage's BatchNorm buffers only."""
-        return sum(b.numel() * b.element_size() for b in _stage_module(cfg, model, rank).buffers())
-
-    @classmethod
-    def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
-        """The stage's blocks (``plan_stages``, the same cut setup makes), held whole with torch's
-        optimizer state (Adam: two moments and a 4-byte step tensor per parameter)."""
-        numels = [p.numel() for p in _stage_module(cfg, model, rank).parameters()]
-        return {
-            "param_bytes": 4 * sum(numels),
-            "grad_bytes": 4 * sum(numels),
-            "optim_bytes": predicted_optimizer_bytes(numels, cfg.trainer, step_counters=True),
-        }
-
-    @classmethod
-    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
-        """Per step, every micro-batch's activation goes forward across each boundary after this
-        stage and its gradient back across the one before it: isend of the whole step's batch."""
-        p, stage = cfg.strategy.stages, rank % cfg.strategy.stages
-        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // (cfg.strategy.get("replicate") or 1)
-        x = torch.empty(batch, 3, 32, 32, device="meta")
-        boundaries = []
-        with torch.no_grad():
-            for s in range(p):
-                boundaries.append(x.numel())  # this stage's input
-                x = _stage_module(cfg, model, s)(x)
-        sent = (boundaries[stage + 1] if stage < p - 1 else 0) + (boundaries[stage] if stage > 0 else 0)
-        comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
-        if (cfg.strategy.get("replicate") or 1) > 1:  # dp x pp: the stage's gradients all-reduced over replicas
-            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in _stage_module(cfg, model, rank).parameters())
-        return comm
-
     def extra_metrics(self) -> dict:
         p, m = self.opts.stages, self.opts.microbatches
         skip = self.cfg.trainer.warmup_steps * self.cfg.trainer.grad_accum
@@ -444,7 +331,7 @@ class PipelineParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strate
 
     def teardown(self) -> None:
         super().teardown()
-        self.schedule = self.pipe_stage = self.meta_stages = self.timer = None
+        self.schedule = self.pipe_stage = self.meta_stages = self.timer = self.replicate_group = None
 
 
 @contextlib.contextmanager

@@ -42,20 +42,15 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.choices import Choice
-from parallel_lab.errors import ConfigError
 from parallel_lab.strategies import register
-from parallel_lab.strategies.base import ComputeShape, OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
-from parallel_lab.strategies.memory import (
-    analytic_state_bytes,
-    held_optimizer_bytes,
-    held_param_grad_bytes,
-    local_tensor,
-    tensor_bytes,
-)
-from parallel_lab.strategies.mesh import DataParallelReplicas, check_degrees
-from parallel_lab.strategies.rank_shards import RankShardCheckpoint
+from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
+from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
+from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
+from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 
 
 class TensorImpl(Choice):
@@ -63,16 +58,6 @@ class TensorImpl(Choice):
 
     manual = "manual"
     dtensor = "dtensor"
-
-
-# (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
-TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
-    "cnn": [("fc1", "fc2")],
-    "resnet18": [(None, "fc")],
-}
-CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
-    "cnn": [("block1.0", "block2.0")],
-}
 
 
 @dataclass
@@ -86,57 +71,38 @@ class TPOptions(StrategyOptions):
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
 
 
-def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
-    return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
+class TPState(RankShardState):
+    """One file per rank; the split layers' shards gathered along their split dimension."""
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The split layers' chunk of this tp rank, as setup cut it (tp/layers.py ``_shard``)."""
+        if name not in self.strategy.shard_dims:
+            return full
+        return full.chunk(self.opts.tp, self.strategy.shard_dims[name])[self.strategy.tp_rank].contiguous()
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter in the single model's order and shape: shards are all-gathered and
+        concatenated along their split dimension."""
+        full = []
+        for name, p in self.model.named_parameters():
+            local = local_tensor(p.detach()).contiguous()
+            if name in self.strategy.shard_dims:
+                parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
+                dist.all_gather(parts, local, group=self.strategy.group)
+                local = torch.cat(parts, dim=self.strategy.shard_dims[name])
+            full.append(local)
+        return full
 
 
-@register("tp")
-class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy):
-    Options = TPOptions
-    degree_key = "tp"
+class TPMemory(HeldMemory):  # the split layers count their shard
+    def analytic(self, num_params: int) -> dict[str, int]:
+        """Textbook: the split layers' weights divided by tp, everything else whole."""
+        return analytic_state_bytes(self.strategy.analytic_numel, self.cfg.trainer)
 
+
+class TPNorm(ReplicaNorm):
     @classmethod
-    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
-        """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
-        from parallel_lab.strategies.tp.predict import tp_share
-
-        split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
-        share = tp_share(model, split, cfg.strategy.tp)
-        shape = super().compute_shape(cfg, model)
-        return ComputeShape(
-            shape.micro_batch, shape.slots, share, note=f"tp rank does {share:.2f} of the FLOPs on the whole batch"
-        )
-
-    # ----- validation (parent) -----
-    @classmethod
-    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.tp < 1:
-            raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
-        model_name = cfg.model.name
-        if model_name not in TP_PLANS:
-            raise ConfigError(
-                f"strategy=tp has no split plan for model={model_name}; use model={' or model='.join(TP_PLANS)}"
-            )
-        if opts.split_conv and model_name not in CONV_PLANS:
-            raise ConfigError(
-                f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; "
-                f"set strategy.split_conv=false"
-            )
-        if opts.split_conv and opts.impl != "manual":
-            raise ConfigError(
-                "strategy.split_conv=true needs strategy.impl=manual "
-                "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
-            )
-        for name, width, what in cls._split_widths(cfg, opts):
-            if width % opts.tp:
-                raise ConfigError(
-                    f"strategy.tp={opts.tp} does not divide the {width} {what} of {name}; "
-                    f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
-                )
-        check_degrees(cfg, opts.replicate, "tp", opts.tp, "tensor-parallel degree")
-
-    @classmethod
-    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
         """Every tp rank runs the whole batch through the replicated BatchNorm layers, so plain
         BatchNorm already matches single; syncing over strategy.replicate copies is not built here.
         A BatchNorm after block1's split conv would see a slice of its channels."""
@@ -155,38 +121,21 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
             )
         return None
 
-    @classmethod
-    def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
-        """(layer, width, which width) for every dimension the plan splits; built on the meta
-        device, so no memory is used and no weights are initialised."""
-        from parallel_lab.models import build_meta_model
 
-        model = build_meta_model(cfg.model)
-        widths = []
-        for column, row in split_plan(cfg.model.name, opts.split_conv):
-            if column is not None:
-                widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
-            widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
-        return widths
+@register("tp")
+class TensorParallelStrategy(Strategy):
+    Options = TPOptions
+    plan = TPPlan
+    State = TPState
+    Memory = TPMemory
+    Norm = TPNorm
 
-    # ----- data placement: every tp rank sees the whole batch -----
-    @classmethod
-    def data_parallel_size(cls, cfg: DictConfig) -> int:
-        return cfg.world_size // cfg.strategy.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.env.rank // self.opts.tp  # tp groups are runs of consecutive ranks
-
-    @property
-    def dp_size(self) -> int:
-        return self.env.world_size // self.opts.tp
-
-    # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
-        self.group = self.build_replicas(self.opts.tp, "tp")  # this rank's tp sub-group (None: the world)
-        self.tp_rank = self.env.rank % self.opts.tp
+        self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
+        self.group = self.mesh.group("tp")  # this rank's tp sub-group (None: the world)
+        self.replicate_group = self.mesh.group(REPLICATE)  # None: one replica
+        self.tp_rank = self.layout.coords(self.env.rank)["tp"]
         plan = split_plan(self.cfg.model.name, self.opts.split_conv)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
         self.analytic_numel = self._numel_per_rank(model)
@@ -227,10 +176,9 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if self.mesh2d is not None:
-            self.mesh = self.mesh2d["tp"]
-        else:
-            self.mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
+        self.tp_mesh = self.mesh.sub_mesh("tp")
+        if self.tp_mesh is None:  # a flat layout: the tp group is the world
+            self.tp_mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
         layer_plan = {}
         for column, row in plan:
             if column is not None:
@@ -238,7 +186,7 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
                 layer_plan[row] = RowwiseParallel()
             else:
                 layer_plan[row] = RowwiseParallel(input_layouts=Replicate())
-        parallelize_module(model, self.mesh, layer_plan)
+        parallelize_module(model, self.tp_mesh, layer_plan)
         return {
             name: p.placements[0].dim
             for name, p in model.named_parameters()
@@ -260,6 +208,14 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
             dist.all_reduce(counts, group=self.replicate_group)
         return counts
 
+    def average_over_replicas(self) -> None:
+        """Data parallelism: every replica saw its own global_batch / replicate samples."""
+        average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
+
+    def optimizer_step(self) -> None:
+        self.average_over_replicas()
+        super().optimizer_step()
+
     def clip_gradients(self) -> None:
         """Clip by the norm of the FULL gradient: shard norms are summed over the tp ranks,
         replicated parameters (identical on every rank) are counted once."""
@@ -274,49 +230,6 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
             self.group,
         )
 
-    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """The split layers' chunk of this tp rank, as setup cut it (tp/layers.py ``_shard``)."""
-        if name not in self.shard_dims:
-            return full
-        return full.chunk(self.opts.tp, self.shard_dims[name])[self.tp_rank].contiguous()
-
-    # ----- proof -----
-    def full_parameters(self) -> list[torch.Tensor]:
-        """Every parameter in the single model's order and shape: shards are all-gathered and
-        concatenated along their split dimension."""
-        full = []
-        for name, p in self.model.named_parameters():
-            local = local_tensor(p.detach()).contiguous()
-            if name in self.shard_dims:
-                parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
-                dist.all_gather(parts, local, group=self.group)
-                local = torch.cat(parts, dim=self.shard_dims[name])
-            full.append(local)
-        return full
-
-    def memory_after_backward(self) -> dict[str, int]:
-        return held_param_grad_bytes(self.model)  # the split layers count their shard
-
-    def memory_after_step(self) -> dict[str, int]:
-        return held_optimizer_bytes(self.optimizer)
-
-    def analytic_memory(self, num_params: int) -> dict[str, int]:
-        """Textbook: the split layers' weights divided by tp, everything else whole."""
-        return analytic_state_bytes(self.analytic_numel, self.cfg.trainer)
-
-    @classmethod
-    def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
-        """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
-        from parallel_lab.strategies.tp.predict import predict_tp_memory
-
-        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)
-
-    @classmethod
-    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
-        from parallel_lab.strategies.tp.predict import predict_tp_comm
-
-        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv))
-
     def extra_metrics(self) -> dict:
         return {
             "tp_degree": self.opts.tp,
@@ -329,4 +242,4 @@ class TensorParallelStrategy(DataParallelReplicas, RankShardCheckpoint, Strategy
 
     def teardown(self) -> None:
         super().teardown()
-        self.mesh = None
+        self.tp_mesh = self.replicate_group = None

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes per element of each precision, by every name DeepSpeed and strategy.precision give it.
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2}
 
 
 def micro_batch(cfg: DictConfig) -> int:
@@ -25,7 +26,7 @@ def micro_batch(cfg: DictConfig) -> int:
 def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
     """The DeepSpeed config for this run, every batch setting taken from ``trainer.*``."""
     t = cfg.trainer
-    bucket = int(opts.bucket_mb * 2**20 / PRECISION_BYTES[opts.precision])
+    bucket = int(opts.bucket_mb * 2**20 / DTYPE_BYTES[opts.precision])
     zero: dict = {
         "stage": opts.stage,
         "reduce_bucket_size": bucket,

@@ -44,10 +44,9 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.strategies.memory import optimizer_bytes_per_param
-from parallel_lab.strategies.zero.ds_config import PRECISION_BYTES
+from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES
 
 ALIGNMENT_PER_RANK = 2  # deepspeed stage_1_and_2: nccl_start_alignment_factor
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2}
 
 
 def flat_partition(numels: list[int], world: int) -> tuple[int, int]:
@@ -91,7 +90,7 @@ def zero_settings(cfg: DictConfig) -> dict | None:
 
         ds = apply_ds_auto(ds, (cfg.get("ds_auto") or {}).get("strategy.ds_config"))
     zero = ds.get("zero_optimization") or {}
-    w = PRECISION_BYTES[opts.precision]
+    w = DTYPE_BYTES[opts.precision]
     accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
     if accum is not None and DTYPE_BYTES.get(str(accum)) != w:
         return None

@@ -77,15 +77,15 @@ def checkpoint_round_trip(rank: int, world_size: int, config_path: str, broken: 
     folder = Path(cfg.run_dir) / "manual_ckpt"
     folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    first.save_checkpoint(folder)
+    first.state.save(folder)
     dist.barrier()
     first.teardown()
     second = make(cfg, env)
     from parallel_lab.models import build_model
     from parallel_lab.worker.train import optimizer_factory
 
-    second.setup(second.convert_batchnorm(build_model(cfg.model, cfg.trainer.seed + 1)), optimizer_factory(cfg.trainer))
-    second.load_checkpoint(folder)
+    second.setup(second.norm.convert(build_model(cfg.model, cfg.trainer.seed + 1)), optimizer_factory(cfg.trainer))
+    second.state.load(folder)
     loaded = {k: v.detach() for k, v in running_stats(second.model).items()}
     differ = [k for k in saved if k not in loaded or not torch.equal(saved[k], loaded[k])]
     per_rank: list = [None] * world_size  # pipeline stages: each checks its own layers (some hold none)
@@ -99,23 +99,26 @@ def checkpoint_round_trip(rank: int, world_size: int, config_path: str, broken: 
 # ----- deliberately broken variants: each must make one test fail -----
 def _not_converted(cls: type[Strategy]) -> type[Strategy]:
     """syncbatch requested, but the BatchNorm layers are left plain (never converted)."""
-    return type(f"NotConverted{cls.__name__}", (cls,), {"convert_batchnorm": lambda self, model: model})
+    norm = type("NotConverted", (cls.Norm,), {"convert": lambda self, model: model})
+    return type(f"NotConverted{cls.__name__}", (cls,), {"Norm": norm})
 
 
 def _no_running_stats_sync(cls: type[Strategy]) -> type[Strategy]:
     """Running statistics never made identical across the replicas (each keeps its own)."""
-    return type(f"NoStatsSync{cls.__name__}", (cls,), {"sync_running_stats": lambda self: None})
+    norm = type("NoStatsSync", (cls.Norm,), {"sync_running_stats": lambda self: None})
+    return type(f"NoStatsSync{cls.__name__}", (cls,), {"Norm": norm})
 
 
 def _drops_buffers(cls: type[Strategy]) -> type[Strategy]:
     """A checkpoint that saves and restores only the parameters: the buffers are lost."""
 
-    def load_checkpoint(self, directory):
+    def load(self, directory):
         keep = {k: v.clone() for k, v in self.model.state_dict().items() if k in _buffer_names(self.model)}
-        cls.load_checkpoint(self, directory)
+        cls.State.load(self, directory)
         self.model.load_state_dict(keep, strict=False)  # what a parameters-only save would leave
 
-    return type(f"DropsBuffers{cls.__name__}", (cls,), {"load_checkpoint": load_checkpoint})
+    state = type("DropsBuffers", (cls.State,), {"load": load})
+    return type(f"DropsBuffers{cls.__name__}", (cls,), {"State": state})
 
 
 def _buffer_names(model: torch.nn.Module) -> set[str]:

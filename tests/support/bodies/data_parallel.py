@@ -51,7 +51,7 @@ def train_configs(rank: int, world_size: int, config_paths: list[str], broadcast
         metrics = train(cfg, env, strategy)
         # Every replica must hold the same weights after training (a missed sync would split them):
         # the test of this configuration asserts it.
-        replicas_equal = _all_equal_across_ranks(param_checksum(strategy.full_parameters()))
+        replicas_equal = _all_equal_across_ranks(param_checksum(strategy.state.full_parameters()))
         strategy.teardown()
         del strategy
         gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive at destroy time
@@ -88,9 +88,9 @@ class SumsInsteadOfAveraging(ManualDDPStrategy):
 class SameShardOnEveryRank(ManualDDPStrategy):
     """Broken on purpose: a sampler bug, every rank reads data-parallel shard 0."""
 
-    @property
-    def dp_rank(self) -> int:
-        return 0
+    def __init__(self, cfg, env) -> None:
+        super().__init__(cfg, env)
+        self.dp_rank = 0
 
 
 BROKEN = {cls.__name__: cls for cls in (SkipsOneBucket, SumsInsteadOfAveraging, SameShardOnEveryRank)}

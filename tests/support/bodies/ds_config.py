@@ -87,7 +87,7 @@ def compare_with_deepspeed(rank: int, world_size: int, cases: list[list[str]], s
                 ours_scheduler.step()
             ours["loss"].append(loss.item())
             ours["lr"].append(_lr(strategy.optimizer))
-        same = all(torch.equal(a, b) for a, b in zip(their_params, strategy.full_parameters()))
+        same = all(torch.equal(a, b) for a, b in zip(their_params, strategy.state.full_parameters()))
         strategy.teardown()
         del strategy
         gc.collect()

@@ -13,7 +13,7 @@ from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.fsdp.strategy import fsdp_units
 from parallel_lab.strategies.fsdp.v2 import FSDP2
-from parallel_lab.strategies.mesh import build_mesh
+from parallel_lab.strategies.mesh import Mesh
 from parallel_lab.strategies.pp import PipelineParallelStrategy
 from parallel_lab.strategies.tp import TensorParallelStrategy
 from parallel_lab.worker.train import train
@@ -29,7 +29,7 @@ class HybridWithoutReplicaAverage(FSDP2):
     def _wrap(self, model):
         from torch.distributed.fsdp import fully_shard
 
-        self._mesh = build_mesh(self.device.type, self.opts.replicate, self.shard_size, "shard", self.comm)
+        self._mesh = Mesh(self.layout, self.device.type, self.comm).device_mesh
         for _, unit in fsdp_units(model):
             fully_shard(unit, mesh=self._mesh["shard"])
         return fully_shard(model, mesh=self._mesh["shard"])
@@ -57,7 +57,7 @@ def _train_one(overrides: list[str], variant: str, steps: int, global_batch: int
     metrics = train(cfg, env, strategy)
     ref = reference_for(steps, global_batch, cfg.trainer.grad_clip)
     label = " ".join([*overrides, variant]).strip()
-    verdict = ref.verdict(metrics.losses, strategy.full_parameters(), label, expect_pass=not variant)
+    verdict = ref.verdict(metrics.losses, strategy.state.full_parameters(), label, expect_pass=not variant)
     result = {
         "overrides": overrides,
         "variant": variant,

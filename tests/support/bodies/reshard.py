@@ -2,7 +2,7 @@
 
 Each rank sets up the target strategy, restores ``trainer.resume=<source>`` with
 ``trainer.reshard=true`` through the real Checkpointer (full state read offline, scattered by the
-strategy's ``load_full_state``), then saves a checkpoint in the target's own format without
+strategy's ``State.load_full``), then saves a checkpoint in the target's own format without
 training. The test reads both checkpoints back as full states and compares them bit for bit.
 ``broken`` plants a known bug in the full state on its way in, to show the comparison catches it."""
 
@@ -36,11 +36,11 @@ def reshard_and_save(rank: int, world_size: int, config_paths: list[str], broken
         strategy_cls = get_strategy_class(cfg.strategy.name)
         strategy_cls.init_distributed(env, cfg.dist_timeout_s)
         strategy = strategy_cls(cfg, env)
-        model = strategy.convert_batchnorm(build_model(cfg.model, cfg.trainer.seed))
+        model = strategy.norm.convert(build_model(cfg.model, cfg.trainer.seed))
         strategy.setup(model, optimizer_factory(cfg.trainer))
         if broken:
-            load = strategy.load_full_state
-            strategy.load_full_state = lambda params, optim: load(params, _break(optim, broken))
+            load = strategy.state.load_full
+            strategy.state.load_full = lambda params, optim: load(params, _break(optim, broken))
         checkpointer = Checkpointer(cfg, env, strategy)
         resumed = checkpointer.restore()
         checkpointer.save(resumed.step, resumed.batches_consumed, resumed.history)
@@ -57,13 +57,13 @@ def train_resharded(rank: int, world_size: int, config_paths: list[str], broken:
     for path in config_paths:
         cls = get_strategy_class(load_run_config(path).strategy.name)
         if broken:
-            load = cls.load_full_state
-            cls = type(f"Broken{cls.__name__}", (cls,), {"load_full_state": _broken_load(load, broken)})
+            state = type("BrokenState", (cls.State,), {"load_full": _broken_load(cls.State.load_full, broken)})
+            cls = type(f"Broken{cls.__name__}", (cls,), {"State": state})
         record_run(path, cls)
 
 
 def _broken_load(load, broken: str):
-    def load_full_state(self, params: dict, optim: dict) -> None:
+    def load_full(self, params: dict, optim: dict) -> None:
         load(self, params, _break(optim, broken))
 
-    return load_full_state
+    return load_full

@@ -1,0 +1,103 @@
+"""``fsdp``'s parent-side rules (``FSDPPlan``): its options (hybrid needs FSDP2 and a replicate
+degree), the mesh it lays out (HSDP: replicate x shard), what the ZeRO paper's formula says and
+what the planner predicts (``predict.py``)."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.mesh import MeshDims
+from parallel_lab.strategies.planning import PlanRules
+
+
+def shard_size(cfg: DictConfig) -> int:
+    """Ranks one copy of the model is sharded over: the world, or a shard group (hybrid)."""
+    if cfg.strategy.sharding == "hybrid":
+        return cfg.world_size // cfg.strategy.replicate
+    return cfg.world_size
+
+
+class FSDPPlan(PlanRules):
+    @classmethod
+    def dims(cls, cfg: DictConfig) -> MeshDims:
+        """hybrid: a replicate x shard mesh (both laid out, whatever their sizes: FSDP2 needs the
+        2-D mesh); no_shard: replicas; full and grad_op: one shard group of the whole world."""
+        opts = cfg.strategy
+        if opts.sharding == "hybrid":
+            return MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
+        if opts.sharding == "no_shard":
+            return MeshDims(replicate=cfg.world_size)
+        return MeshDims(shard=cfg.world_size)
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """FSDP2 prefetches the next unit's all-gather and reduce-scatters each unit from its hook."""
+        return frozenset({"all_gather", "reduce_scatter"})
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.version not in (1, 2):
+            raise ConfigError(
+                f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
+            )
+        cls._check_hybrid(opts, cfg)
+
+    @classmethod
+    def _check_hybrid(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """hybrid needs FSDP2 and the replicate degree of its mesh; replicate means nothing elsewhere."""
+        if opts.sharding != "hybrid":
+            if opts.replicate is not None:
+                raise ConfigError(
+                    f"strategy.replicate={opts.replicate} applies to strategy.sharding=hybrid only; "
+                    f"add strategy.sharding=hybrid or drop strategy.replicate"
+                )
+            return
+        if opts.version != 2:
+            raise ConfigError(
+                "strategy.sharding=hybrid needs strategy.version=2 (fully_shard on a 2-D mesh); "
+                "FSDP1's HYBRID_SHARD diverges on one node, see docs/facts.md"
+            )
+        world = cfg.world_size
+        example = next((r for r in range(2, world) if world % r == 0), None)
+        hint = (
+            f"e.g. strategy.replicate={example} ({example} x {world // example} = world_size={world})"
+            if example
+            else f"e.g. world_size=4 strategy.replicate=2 (world_size={world} has no split into replicas x shards)"
+        )
+        if opts.replicate is None:
+            raise ConfigError(
+                "strategy.sharding=hybrid needs the replicate degree of its replicate x shard mesh "
+                f"(replicas x shard group size = world_size); set strategy.replicate=<replicas>, {hint}"
+            )
+        if opts.replicate < 1 or world % opts.replicate:
+            raise ConfigError(
+                f"strategy.replicate={opts.replicate} does not divide world_size={world} "
+                f"(replicas x shard group size = world_size); {hint}"
+            )
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
+        # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
+        # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
+        # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
+        gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
+        if cfg.strategy.sharding == "hybrid":
+            return 2 * gather + 1.0 + 2.0 / shard_size(cfg)
+        return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+        """FSDP2's per-parameter dim-0 shards with padding (``predict.py``); FSDP1's flat
+        parameters are not predicted."""
+        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_memory
+
+        return predict_fsdp2_memory(cfg, model, rank) if cfg.strategy.version == 2 else None
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
+
+        return predict_fsdp2_comm(cfg, model, rank) if cfg.strategy.version == 2 else None

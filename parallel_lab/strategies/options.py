@@ -1,0 +1,33 @@
+"""A strategy's options (``strategy.<key>``): the dataclass every strategy's ``Options`` extends, and
+their validation against it (the parent, before any process starts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from parallel_lab.choices import choice_error
+from parallel_lab.errors import ConfigError, one_line
+
+
+@dataclass
+class StrategyOptions:
+    """Options every strategy yaml has. Subclasses add their own fields (``strategy.<key>``)."""
+
+    name: str = "?"  # the registered name (strategy=<name>), set by the yaml
+
+
+def validate_options(strategy_cls: type, cfg: DictConfig) -> DictConfig:
+    """Type-check ``cfg.strategy`` against ``strategy_cls.Options`` (unknown keys are errors), then
+    the strategy's own rules (``PlanRules.check_options``); the validated options."""
+    try:
+        schema = OmegaConf.structured(strategy_cls.Options)
+        # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
+        merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
+    except OmegaConfBaseException as exc:
+        message = choice_error(exc, prefix="strategy.")
+        raise ConfigError(message or f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
+    strategy_cls.plan.check_options(merged, cfg)
+    return merged

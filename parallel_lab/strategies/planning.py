@@ -1,0 +1,119 @@
+"""``PlanRules``: what the parent knows of a strategy before any process starts, from its config
+alone (nothing runs): the rules its options must keep, the mesh it lays the world out on, and what
+the planner (``parallel_lab.plan``) predicts of it. Every method is a classmethod of ``cfg``; a
+strategy names its rules in ``Strategy.plan`` and keeps them beside it (e.g. ``zero/plan.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+from parallel_lab.strategies.mesh import MeshDims
+
+# The planner's counter of the bytes autograd saves for backward in one forward of a module (batch,
+# sample shape, whether the loss is computed there), in the run's compute precision: handed to
+# activation_bytes (strategies sit below plan/ and cannot import it).
+SavedBytes = Callable[[torch.nn.Module, int, tuple, bool], int]
+SAMPLE_SHAPE = (3, 32, 32)  # one CIFAR image
+
+
+@dataclass(frozen=True)
+class ComputeShape:
+    """How one rank's share of a step's compute is laid out (``PlanRules.compute_shape``); the planner
+    times it as ``slots`` forward+backward passes of ``micro_batch`` samples, each ``flop_share`` of
+    the whole model's FLOPs."""
+
+    micro_batch: int  # samples per forward+backward pass on this rank
+    slots: int  # passes one after another per step (pipeline: its schedule's slots, bubble included)
+    flop_share: float = 1.0  # the part of the model's FLOPs this rank computes per pass
+    calls_per_collective: int | None = None  # calls of each collective per step, when not one per step
+    note: str | None = None  # what the planner shows beside the prediction
+
+
+class PlanRules:
+    """Defaults: one process per data-parallel rank, the whole model on each, nothing predicted."""
+
+    single_process: ClassVar[bool] = False  # True: the run always uses exactly one process
+    needs_process_group: ClassVar[bool] = True
+    degree_key: ClassVar[str | None] = None  # strategy.<key> that, times strategy.replicate, makes the world
+    ranks_differ: ClassVar[bool] = False  # True: ranks hold and send different things, each is planned
+    # Ways this strategy all-reduces gradients that ``bench allreduce`` times side by side:
+    # label -> strategy.* overrides ({} for strategies that do not all-reduce gradients).
+    allreduce_variants: ClassVar[dict[str, list[str]]] = {}
+
+    # ----- validation and layout -----
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """Strategy-specific rules on the type-checked options; raise ConfigError with a one-line fix."""
+
+    @classmethod
+    def dims(cls, cfg: DictConfig) -> MeshDims:
+        """How the world is laid out (``strategies/mesh.py``): by default every rank a data-parallel replica."""
+        return MeshDims(replicate=cfg.world_size)
+
+    @classmethod
+    def data_parallel_size(cls, cfg: DictConfig) -> int:
+        """How many ways the global batch is split."""
+        return cls.dims(cfg).data_parallel_size
+
+    # ----- the planner's rules -----
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float | None:
+        """Per-step communication volume per rank in units of Ψ fp32 parameter bytes, as the ZeRO
+        paper derives it (2 for an all-reduce of the gradients, 3 for ZeRO-3); None: no formula applies."""
+        return None
+
+    @classmethod
+    def min_global_batch(cls, cfg: DictConfig) -> int:
+        """The smallest global batch this layout can split (the planner's weak scaling keeps to it)."""
+        return 1
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: torch.nn.Module) -> ComputeShape:
+        """Each data-parallel rank runs the whole model on its share of the batch, once per micro-batch."""
+        t = cfg.trainer
+        return ComputeShape(
+            micro_batch=t.global_batch // (cls.data_parallel_size(cfg) * t.grad_accum), slots=t.grad_accum
+        )
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """(bytes autograd saves for backward on this rank, the micro-batch they are for)."""
+        return saved(model, micro, SAMPLE_SHAPE, True), micro
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """Collectives (the counter's names, comm/counter.py) this strategy issues while backward still
+        computes: the planner's lower bound hides them behind backward. None by default."""
+        return frozenset()
+
+    @classmethod
+    def comm_impl(cls, cfg: DictConfig) -> str:
+        """Whose collectives carry the traffic, for the planner's alpha-beta fits: ``gloo``
+        (torch.distributed) or ``hand`` (comm/collectives.py)."""
+        return "gloo"
+
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
+        """The bytes of model state rank ``rank`` will report (the keys of ``Memory.after_backward``
+        and ``Memory.after_step``), predicted from the model's shapes (meta device) by following what
+        this strategy's implementation allocates: flat buffers, padding, shards. None: no prediction.
+        ``cfg`` is validated; its world_size may exceed this machine's (the planner's scale mode)."""
+        return None
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        """Bytes per step this rank issues, by collective, counted as ``comm/counter.py`` counts
+        them (an all-reduce of B bytes is 2B). None: no prediction."""
+        return None
+
+    @classmethod
+    def predict_buffer_bytes(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> int:
+        """The buffer bytes rank ``rank`` will hold, from the meta model: every rank holds every
+        buffer whole (no strategy here shards them); pipeline stages override."""
+        return sum(b.numel() * b.element_size() for b in model.buffers())

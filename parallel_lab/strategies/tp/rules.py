@@ -1,0 +1,110 @@
+"""``tp``'s parent-side rules (``TPPlan``): what it splits of each model, the options it refuses,
+the (replicate, tp) mesh it lays out, and what the planner predicts (``predict.py``)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+from torch import nn
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.mesh import MeshDims, check_degrees
+from parallel_lab.strategies.planning import ComputeShape, PlanRules
+
+# (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
+TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
+    "cnn": [("fc1", "fc2")],
+    "resnet18": [(None, "fc")],
+}
+CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
+    "cnn": [("block1.0", "block2.0")],
+}
+
+
+def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
+    return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
+
+
+def tp_dims(opts: DictConfig) -> MeshDims:
+    """strategy.replicate copies of a tp group of strategy.tp consecutive ranks; the tp group is
+    laid out even at tp=1 (f and g talk over it, never over the world)."""
+    return MeshDims(replicate=opts.replicate, tp=opts.tp, named=("tp",))
+
+
+class TPPlan(PlanRules):
+    degree_key = "tp"
+
+    @classmethod
+    def dims(cls, cfg: DictConfig) -> MeshDims:
+        return tp_dims(cfg.strategy)
+
+    @classmethod
+    def data_parallel_size(cls, cfg: DictConfig) -> int:
+        """Every tp rank sees its replica's whole batch (= strategy.replicate once the degrees
+        check; the planner asks before setting them)."""
+        return cfg.world_size // cfg.strategy.tp
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.tp < 1:
+            raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        model_name = cfg.model.name
+        if model_name not in TP_PLANS:
+            raise ConfigError(
+                f"strategy=tp has no split plan for model={model_name}; use model={' or model='.join(TP_PLANS)}"
+            )
+        if opts.split_conv and model_name not in CONV_PLANS:
+            raise ConfigError(
+                f"strategy.split_conv=true is only defined for model={', '.join(CONV_PLANS)}; "
+                f"set strategy.split_conv=false"
+            )
+        if opts.split_conv and opts.impl != "manual":
+            raise ConfigError(
+                "strategy.split_conv=true needs strategy.impl=manual "
+                "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
+            )
+        for name, width, what in cls._split_widths(cfg, opts):
+            if width % opts.tp:
+                raise ConfigError(
+                    f"strategy.tp={opts.tp} does not divide the {width} {what} of {name}; "
+                    f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
+                )
+        check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})
+
+    @classmethod
+    def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
+        """(layer, width, which width) for every dimension the plan splits; built on the meta
+        device, so no memory is used and no weights are initialised."""
+        from parallel_lab.models import build_meta_model
+
+        model = build_meta_model(cfg.model)
+        widths = []
+        for column, row in split_plan(cfg.model.name, opts.split_conv):
+            if column is not None:
+                widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
+            widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
+        return widths
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
+        """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
+        from parallel_lab.strategies.tp.predict import tp_share
+
+        split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
+        share = tp_share(model, split, cfg.strategy.tp)
+        shape = super().compute_shape(cfg, model)
+        return ComputeShape(
+            shape.micro_batch, shape.slots, share, note=f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        )
+
+    @classmethod
+    def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
+        """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
+        from parallel_lab.strategies.tp.predict import predict_tp_memory
+
+        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
+        from parallel_lab.strategies.tp.predict import predict_tp_comm
+
+        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv))
