@@ -10,6 +10,7 @@ skips the all-reduce on every micro-batch but the last.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,15 @@ class DDPMemory(ReplicatedMemory):
         return report
 
 
+# torch 2.13 names the switch forward_sync_buffers (broadcast_buffers defaults to None there);
+# older torch (2.11 on the GPU image docs/gpu.md used) knows only broadcast_buffers.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 @register("ddp")
 class DDPStrategy(Bf16Compute, Strategy):
     Options = DDPOptions
@@ -86,7 +96,7 @@ class DDPStrategy(Bf16Compute, Strategy):
             # BatchNorm's running statistics: DDP would broadcast rank 0's before every forward, from
             # C++ (uncounted), leaving each rank its own after the last step; the loop's
             # Norm.sync_running_stats copies them after every step instead (batchnorm.py, docs/batchnorm.md).
-            forward_sync_buffers=False,
+            **NO_BUFFER_SYNC,
         )
         # DDP's built-in reducer all-reduces from C++, invisible to the Python-level counter
         # (parallel_lab.comm.counter). The stock average-then-all-reduce hook does the same work

@@ -28,5 +28,6 @@ def jitter_gradients(params, generator: torch.Generator) -> None:
             if p.grad is None:
                 continue
             step = float(torch.finfo(p.grad.dtype).eps) * p.grad.abs().max()
-            signs = torch.randint(0, 2, p.grad.shape, generator=generator).to(p.grad.dtype) * 2 - 1
+            # Drawn on the CPU generator, then moved: the same signs whatever device the gradient is on.
+            signs = torch.randint(0, 2, p.grad.shape, generator=generator).to(p.grad.device, p.grad.dtype) * 2 - 1
             p.grad.add_(signs * step)
