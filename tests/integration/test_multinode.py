@@ -67,6 +67,7 @@ def run_across(hosts, tmp_path, *overrides: str) -> dict:
     return {**load_metrics(tmp_path / "run"), "run_dir": str(tmp_path / "run")}
 
 
+@pytest.mark.floats  # parity verdicts
 @pytest.mark.parametrize(
     "launcher, strategy, reaches",
     [
@@ -165,6 +166,7 @@ def slurm(tmp_path_factory, packages):
     assert cluster.alive() == [], "a Slurm daemon outlived the tests"
 
 
+@pytest.mark.floats  # a parity verdict
 def test_slurm_srun_and_sbatch_train_like_one_process(slurm, tmp_path, reference):
     """launcher=slurm: srun on 2 nodes x 1 task; then the sbatch template on the same config.yaml."""
     run_dir = tmp_path / "run"
