@@ -13,6 +13,7 @@ from parallel_lab.comm.shm import TRANSPORT_ENV
 from tests.support.bodies.collectives import check_all
 
 
+@pytest.mark.floats  # float reductions to 1e-6 of gloo's
 @pytest.mark.parametrize(
     "world_size, transport",
     [

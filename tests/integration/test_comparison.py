@@ -9,6 +9,8 @@ from parallel_lab.report.parity import ENVELOPE_MULTIPLE, noise_reruns
 from tests.support.cli import run_cli
 
 
+# Not marker floats: the report's verdicts are judge_runs on single and ddp runs, which the parity tests
+# judge again under the foreign dispatch; the sweep and rendering move no float (docs/testing.md).
 def test_small_sweep_writes_a_proven_report_with_a_failed_row(tmp_path):
     # world_size=3 cannot split global_batch=20: those sweep points fail as bad config and must
     # appear as failed rows, while the rest of the report still renders.

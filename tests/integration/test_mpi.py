@@ -273,6 +273,7 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
 # ---- MPI as the training transport: manual_ddp strategy.allreduce=mpi -------------------------------
 
 
+@pytest.mark.floats  # a parity verdict
 @pytest.mark.slow
 def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, tmp_path):
     """The gradient buckets averaged by MPI's Allreduce on zero-copy numpy views, under mpiexec: the

@@ -67,6 +67,9 @@ def run_across(hosts, tmp_path, *overrides: str) -> dict:
     return {**load_metrics(tmp_path / "run"), "run_dir": str(tmp_path / "run")}
 
 
+# Not marker floats: the trainings judged here, ddp and zero2 at world 2 on the cnn, are judged under the
+# foreign dispatch by test_spine.py (ddp) and test_sharded.py (zero2, this reference); hosts and launchers
+# move no float (docs/testing.md).
 @pytest.mark.parametrize(
     "launcher, strategy, reaches",
     [
@@ -165,6 +168,7 @@ def slurm(tmp_path_factory, packages):
     assert cluster.alive() == [], "a Slurm daemon outlived the tests"
 
 
+# Not marker floats: the same ddp training as above (docs/testing.md).
 def test_slurm_srun_and_sbatch_train_like_one_process(slurm, tmp_path, reference):
     """launcher=slurm: srun on 2 nodes x 1 task; then the sbatch template on the same config.yaml."""
     run_dir = tmp_path / "run"

@@ -250,6 +250,7 @@ def judge_pairs(same_training, runs: dict) -> None:
         print(f"{s} -> {t}:", ", ".join(f"{n} {c.ratio:.2g}x" for n, c in verdict.checks().items()))
 
 
+@pytest.mark.floats  # parity verdicts against the unresharded run
 @pytest.mark.slow
 def test_resharded_pair_is_the_same_training(tmp_path, sources, same_training):
     """zero3@2 for 2 steps, resharded into ddp@1 for 2 more: parity with single for 4 straight;

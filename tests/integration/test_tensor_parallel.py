@@ -19,6 +19,7 @@ def reference():
     return cnn_reference()
 
 
+@pytest.mark.floats  # tolerances against dense layers
 @pytest.mark.slow
 def test_f_and_g_forward_and_backward_match_dense():
     """copy_to_tp (f) and reduce_from_tp (g), and the Column/RowParallel modules built on them

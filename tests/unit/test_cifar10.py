@@ -22,6 +22,7 @@ def cfg_for(root: Path, md5: str | None):
     return OmegaConf.create({"name": "cifar10", "root": str(root), "download": False, "md5": md5})
 
 
+@pytest.mark.floats  # a normalised pixel to 1e-5
 def test_loader_reads_the_tarball(tmp_path):
     path = build_tarball(tmp_path)
     train, test = load_cifar10(cfg_for(tmp_path, md5_of(path)))
