@@ -165,7 +165,7 @@ def _read_dcp(path: Path) -> tuple[LazyState, dict]:
     folder = path / "dcp"
     try:
         metadata = WeightsOnlyFileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every failure; one line is what the user needs
+    except Exception as exc:  # DCP wraps every failure; one line is what the user needs
         raise _bad(path, f"has unreadable {folder.name}/ files ({type(exc).__name__})") from None
     model_meta: dict[str, TensorMeta] = {}
     adam_meta: dict[str, dict[str, TensorMeta]] = {}
@@ -184,7 +184,7 @@ def _read_dcp(path: Path) -> tuple[LazyState, dict]:
     def read(fqn: str) -> torch.Tensor:
         try:
             return read_tensor(folder, fqn, metadata)
-        except Exception as exc:  # noqa: BLE001 - as above
+        except Exception as exc:  # as above
             raise _bad(path, f"has unreadable {folder.name}/ files ({type(exc).__name__})") from None
 
     return (
@@ -209,7 +209,7 @@ def read_dcp_folder(folder: Path, path: Path) -> dict:
         _load_state_dict(
             state, storage_reader=WeightsOnlyFileSystemReader(str(folder)), planner=Planner(), no_dist=True
         )
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every failure; one line is what the user needs
+    except Exception as exc:  # DCP wraps every failure; one line is what the user needs
         raise _bad(path, f"has unreadable {folder.name}/ files ({type(exc).__name__})") from None
     return state
 

@@ -74,7 +74,7 @@ def _load(file: Path, mmap: bool = False) -> dict:
     claims is a one-line CheckpointError. mmap=True maps the tensors' bytes without reading them."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types; each is one line
+    except Exception as exc:  # unpickling errors come in many types; each is one line
         raise _bad(file.parent, f"has an unreadable {file.name} ({type(exc).__name__})") from None
 
 

@@ -147,7 +147,7 @@ def read_outside(path: str | Path, model_cfg: DictConfig, with_optimizer: bool) 
         params, optim = _read(path, kind, model_cfg, names)
     except CheckpointError as exc:
         raise _error(path, f"cannot be read as a {kind} checkpoint ({str(exc).split(';')[0]})") from None
-    except Exception as exc:  # noqa: BLE001 - unpickling and format errors come in many types; one line each
+    except Exception as exc:  # unpickling and format errors come in many types; one line each
         raise _error(path, f"is not a readable {kind} checkpoint ({_one_line(exc)})") from None
     known = set(model.state_dict())
     params = {k: v for k, v in _rename(params, known).items() if k in known}

@@ -101,7 +101,7 @@ def check_overrides_compose(argv: list[str]) -> None:
     overrides = [a for a in known.overrides if not a.lstrip("+~").startswith("hydra")]
     try:
         variants = _sweep_variants(overrides)
-    except Exception as exc:  # noqa: BLE001 - a syntax error in an override is one line too
+    except Exception as exc:  # a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
     configs = [compose_config(variant, with_hydra=True) for variant in variants]
     if len(configs) == 1 and not known.multirun and configs[0].hydra.mode != RunMode.MULTIRUN:
@@ -131,7 +131,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
-    except Exception as exc:  # noqa: BLE001 - every Hydra/OmegaConf error becomes one line
+    except Exception as exc:  # every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None
 
 

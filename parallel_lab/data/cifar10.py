@@ -82,7 +82,7 @@ def tarball_images(cfg: DictConfig) -> int:
 def download(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")
-    urllib.request.urlretrieve(URL, partial)  # noqa: S310 - fixed https URL
+    urllib.request.urlretrieve(URL, partial)  # fixed https URL
     partial.rename(path)
 
 

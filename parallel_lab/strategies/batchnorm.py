@@ -64,7 +64,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch-normalise x over the samples of every rank of group (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):  # noqa: D102
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):
         dims = [0, *range(2, x.dim())]
         count = x.numel() // x.shape[1]
         dtype, x = x.dtype, x.float()  # statistics in fp32 whatever the compute dtype (bf16 loses counts)
@@ -86,7 +86,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return out.to(dtype)
 
     @staticmethod
-    def backward(ctx, dy):  # noqa: D102
+    def backward(ctx, dy):
         xhat, weight, invstd = ctx.saved_tensors
         shape = [1, -1] + [1] * (dy.dim() - 2)
         dtype, dy = dy.dtype, dy.float()

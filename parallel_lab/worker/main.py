@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     record_pid(Path(args.config).resolve().parent, read_rank(os.environ)[0])
     try:
         run_worker(args.config)
-    except BaseException as exc:  # noqa: BLE001 - every failure must end this rank, loudly, now
+    except BaseException as exc:  # every failure must end this rank, loudly, now
         rank = read_rank(os.environ)[0]
         run_dir = Path(args.config).resolve().parent
         report_failure(run_dir, rank, exc)

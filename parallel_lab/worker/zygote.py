@@ -96,7 +96,7 @@ def context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
-    pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - changes when it was (re)started
+    pid = forkserver._forkserver._forkserver_pid  # changes when it was (re)started
     if pid != _zygote.pid:
         _zygote.env, _zygote.pid = dict(os.environ), pid
     return ctx
@@ -109,7 +109,7 @@ def can_fork(device: str, env: dict[str, str]) -> bool:
         return False
     context()
     if _import_time_env(env) != _import_time_env(_zygote.env) and hasattr(forkserver._forkserver, "_stop"):
-        forkserver._forkserver._stop()  # noqa: SLF001 - ends it; the next context() starts one afresh
+        forkserver._forkserver._stop()  # ends it; the next context() starts one afresh
         context()
     return _import_time_env(env) == _import_time_env(_zygote.env)
 

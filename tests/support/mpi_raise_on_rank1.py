@@ -10,9 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mpi_examples"))
 
-import numpy as np  # noqa: E402
-from common import abort_on_exception  # noqa: E402  the hook every mpi_example installs
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from common import abort_on_exception  # the hook every mpi_example installs
+from mpi4py import MPI
 
 if "--no-hook" not in sys.argv:
     abort_on_exception()

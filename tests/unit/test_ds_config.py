@@ -200,7 +200,7 @@ def test_hf_auto_warmup_is_hfs_rule_on_this_runs_warmup_steps(tmp_path):
     assert given.ds_auto["strategy.ds_config"]["scheduler.params.warmup_num_steps"].value == 7
 
 
-def ZERO3_AT(path: str) -> tuple[str, ...]:  # noqa: N802 - reads as the ZERO3 overrides with the file
+def ZERO3_AT(path: str) -> tuple[str, ...]:  # reads as the ZERO3 overrides with the file
     return tuple(o.replace("{path}", path) for o in ZERO3)
 
 

@@ -106,7 +106,7 @@ def deepspeed_view(key: str, path: str, data: dict, dp_size: int, defaults: dict
         raise ConfigError(fit(f"{key}={path} is refused by DeepSpeed: {problem}", key, path))
     try:
         return _quietly(lambda: _AtWorldSize(dict(data)))
-    except Exception as exc:  # noqa: BLE001 - whatever DeepSpeed raises is the user's file
+    except Exception as exc:  # whatever DeepSpeed raises is the user's file
         raise ConfigError(deepspeed_refusal(key, path, data, exc)) from None
 
 
@@ -367,7 +367,7 @@ def check_scheduler(trainer: DictConfig) -> None:
     optimizer = optimizer_factory(trainer)([torch.nn.Parameter(torch.zeros(1))])
     try:
         _quietly(lambda: make_scheduler(trainer, optimizer))
-    except Exception as exc:  # noqa: BLE001 - the class's own complaint, in one line
+    except Exception as exc:  # the class's own complaint, in one line
         message, fix = " ".join(str(exc).split()) or type(exc).__name__, "; fix the params"
         head = f"trainer.lr_scheduler={name}{where} refuses trainer.lr_scheduler_params: "
         if where and len(head + message + fix) > MAX_LINE:  # one line under 300 characters

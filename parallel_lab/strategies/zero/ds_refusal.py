@@ -141,7 +141,7 @@ def _collect(data: dict, exc: BaseException) -> list[dict]:
     for prefix, parse, model in sections:
         try:
             parse(data)
-        except Exception as err:  # noqa: BLE001 - a ValidationError, or DeepSpeed's own check
+        except Exception as err:  # a ValidationError, or DeepSpeed's own check
             if hasattr(err, "errors") and callable(err.errors):
                 if str(err) != str(exc):  # DeepSpeed stopped at its first section: the others too
                     print_verbose(prefix or "monitor", "(section)", err)
