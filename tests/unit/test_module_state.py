@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.unit.test_layers import modules  # one walk of the package, shared with the layer check
+
 PACKAGE = Path(__file__).resolve().parents[2] / "parallel_lab"
 
 # (module, name) -> why this state lives in the module. Keep it short: a new entry needs a reason
@@ -41,16 +43,6 @@ MUTATORS = {
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault",
     "add", "discard", "sort", "reverse", "__setitem__", "__delitem__",
 }  # fmt: skip
-
-
-def module_files(package: Path = PACKAGE) -> dict[str, Path]:
-    found = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
-    return found
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -156,13 +148,13 @@ def violations(files: dict[str, Path]) -> list[str]:
 
 
 def test_no_module_state_steers_control_flow() -> None:
-    bad = violations(module_files())
+    bad = violations(modules())
     assert not bad, "module-level state outside ALLOWED in tests/unit/test_module_state.py:\n" + "\n".join(bad)
 
 
 def test_the_allow_list_is_current() -> None:
     """Every entry still names state that exists and is changed: a removed one leaves the list."""
-    _, changed = findings(module_files())
+    _, changed = findings(modules())
     stale = sorted(set(ALLOWED) - set(changed))
     assert not stale, f"ALLOWED names state no function changes any more: {stale}"
 
@@ -190,13 +182,13 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
     for kind, source in PLANTED.items():
         (package / f"{kind}.py").write_text(source)
     (package / "local.py").write_text("_cache = {}\n\ndef f():\n    _cache = {}\n    _cache['a'] = 1\n")
-    bad = violations(module_files(package))
+    bad = violations(modules(package))
     for kind in PLANTED:
         assert any(f"parallel_lab/{kind}.py" in line for line in bad), (kind, bad)
     assert not any("local.py" in line for line in bad), bad
 
 
 if __name__ == "__main__":
-    for (module, name), lines in sorted(findings(module_files())[1].items()):
+    for (module, name), lines in sorted(findings(modules())[1].items()):
         print(f"{module}.{name}: {'allowed' if (module, name) in ALLOWED else 'NOT ALLOWED'} ({', '.join(lines)})")
-    print("\n".join(findings(module_files())[0]))
+    print("\n".join(findings(modules())[0]))
