@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
 from parallel_lab.strategies.precision import Bf16Compute
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import Norm
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
 
 

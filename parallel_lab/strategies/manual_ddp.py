@@ -37,9 +37,9 @@ from parallel_lab.comm import collectives, shm
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import WAIT_LABEL
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
 
 MB = 1024 * 1024

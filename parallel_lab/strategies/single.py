@@ -4,9 +4,9 @@
 from dataclasses import dataclass
 
 from parallel_lab.choices import Precision
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import Strategy, StrategyOptions
 from parallel_lab.strategies.precision import Bf16Compute
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
 
 

@@ -116,12 +116,11 @@ def dynamic_targets(module: str, arg: ast.expr, known: dict) -> list[str] | None
     return sorted(m for m in known if m.rsplit(".", 1)[0] == parent and m != parent)
 
 
-def import_graph(package: Path = PACKAGE, discovery: bool = True) -> dict[str, set[str]]:
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the package's modules it imports, at module level, inside functions, or through
-    importlib (DYNAMIC_IMPORTS: every module of the packages listed). ``discovery=False`` leaves
-    out a package root's imports of its own modules by computed name (``strategies/__init__.py``
-    imports every module of the registry, each of which imports the root for ``register``: that
-    circle is the registry's shape, and runs only after the root has finished importing)."""
+    importlib (DYNAMIC_IMPORTS: every module of the packages listed). A discovery loop is an import
+    of every module it can reach: ``strategies/__init__.py`` imports each strategy module, which is
+    why they import ``register`` from ``strategies/registry.py`` and not from the package root."""
     known = modules(package)
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in known.items():
@@ -130,8 +129,6 @@ def import_graph(package: Path = PACKAGE, discovery: bool = True) -> dict[str, s
                 graph[module].update(_targets(module, node, path.name == "__init__.py", known))
             elif (arg := _dynamic_call(node)) is not None:
                 found = dynamic_targets(module, arg, known)
-                if found and not discovery and path.name == "__init__.py" and isinstance(arg, ast.JoinedStr):
-                    found = [m for m in found if m.rsplit(".", 1)[0] != module]
                 if found is None:
                     packages = DYNAMIC_IMPORTS.get((module, ast.unparse(arg)), ((), ""))[0]
                     found = [m for m in known if package_of(m) in packages]
@@ -307,7 +304,7 @@ def test_imports_run_one_way() -> None:
 
 
 def test_no_import_circles() -> None:
-    found = circles(import_graph(discovery=False))
+    found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 

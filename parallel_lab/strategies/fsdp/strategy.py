@@ -56,11 +56,11 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
 from parallel_lab.strategies.fsdp.rules import FSDPPlan, shard_size
 from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.state import State
 
 DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints

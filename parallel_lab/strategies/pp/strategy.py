@@ -47,7 +47,6 @@ from torch import nn
 from parallel_lab.choices import Choice, make_choice
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.protocol import IDLE_LABEL
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
@@ -57,6 +56,7 @@ from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.rules import PPPlan, meta_model
 from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
 from parallel_lab.strategies.rank_shards import RankShardState
+from parallel_lab.strategies.registry import register
 
 
 class PipelineImpl(Choice):

@@ -42,13 +42,13 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.choices import Choice
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.rank_shards import RankShardState
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 

@@ -60,9 +60,9 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
-from parallel_lab.strategies import register
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.zero.ds_config import build_ds_config
 from parallel_lab.strategies.zero.memory import ZeroMemory
 from parallel_lab.strategies.zero.rules import STAGES, ZeroPlan, zero_name, zero_stage
