@@ -1,4 +1,4 @@
-"""``python -m parallel_lab.bench zero_paper [--model resnet18] [--width 26] [--nd 1,4,16,64,256,1024]``
+"""``python -m parallel_lab.bench zero_paper [--model vit|resnet18|cnn] [--shape dim=4096,depth=37,...] [--width W] [--nd 1,4,...]``
 
 The ZeRO paper's Table 1 (Rajbhandari et al., arXiv 1910.02054): per-device model-state memory of
 a Ψ = 7.5 B model trained with mixed-precision Adam (K = 12: fp32 master 4 + momentum 4 + variance
@@ -7,9 +7,12 @@ Nd = 1 ... 1024 data-parallel devices, columns baseline (16Ψ), Pos (4Ψ + 12Ψ/
 (2Ψ + 14Ψ/Nd) and Pos+g+p (16Ψ/Nd) -- beside
 
 - the planner's prediction of DeepSpeed 0.19.8's real buffers (``strategies/zero/predict.py``,
-  checked to the byte against real runs) for a model of this toolkit scaled with ``model.width``
-  to about 7.5 B parameters (resnet18 width 26: 7,542,900,362), fp16, stages 0-3 = the four
-  columns; the rank holding the most; model states only; scaled to exactly Ψ = 7.5 B;
+  checked to the byte against real runs) for a model of this toolkit built at about 7.5 B
+  parameters on the meta device, fp16, stages 0-3 = the four columns; the rank holding the most;
+  model states only; scaled to exactly Ψ = 7.5 B. By default the paper's kind of model, a
+  transformer: the vit at hidden 4096, 37 layers, 32 heads, MLP 4 x hidden, 64 patches
+  (7,451,515,402 parameters; its largest tensor, an MLP weight, is 0.9% of Ψ). ``--model resnet18
+  --width 26`` (7,542,900,362) keeps the CNN table, where one tensor is 21% of Ψ;
 - DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs`` for stage 2,
   ``estimate_zero3_model_states_mem_needs`` for stage 3, GPU column without offload, as
   ``bench ds_estimate`` calls them; DeepSpeed has none for stages 0 and 1), at Ψ = 7.5 B.
@@ -48,27 +51,40 @@ def paper_round(gb: float) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-def scaled_model(name: str, width: float):
+# The default model: a 7.5 B transformer shaped as Megatron's GPT models of that size (hidden 4096,
+# MLP 4 x hidden, 32 heads of 128), with 37 layers of 12h² + 13h parameters each (201 M) to reach Ψ.
+# A CIFAR image in 4 x 4 patches gives 64 tokens (the vit has no vocabulary: its "embedding" is the
+# patch projection, 3 x 4 x 4 x hidden, and 64 positions).
+VIT_7B = {"dim": 4096, "depth": 37, "heads": 32, "mlp_ratio": 4.0, "patch": 4}
+DEFAULT_SHAPES = {"vit": VIT_7B, "resnet18": {"width": 26.0}, "cnn": {"width": 180.0}}
+Shape = tuple[tuple[str, float], ...]  # model.<key>=value pairs, hashable for the composed-config cache
+
+
+def model_keys(name: str, shape: Shape) -> dict:
+    return {"name": name, "num_classes": 10, **dict(shape)}
+
+
+def scaled_model(name: str, shape: Shape):
     """(meta model, its parameter count, its largest layer's parameters as DeepSpeed counts them)."""
     from omegaconf import OmegaConf
 
     from parallel_lab.models import build_meta_model
 
-    model = build_meta_model(OmegaConf.create({"name": name, "num_classes": 10, "width": width}))
+    model = build_meta_model(OmegaConf.create(model_keys(name, shape)))
     params = sum(p.numel() for p in model.parameters())
     # deepspeed.runtime.zero.stage3.model_to_params (its data_ptr() dedup does not work on the meta device)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return model, params, largest
 
 
-def plan_cfg(name: str, width: float, stage: int, nd: int, precision: str = "fp16"):
+def plan_cfg(name: str, shape: Shape, stage: int, nd: int, precision: str = "fp16"):
     """The config a run would have (strategy=zero<stage>, fp16 = the paper's mixed precision,
     world_size=nd), as the planner reads it (plain values: the prediction is evaluated for every rank)."""
     from omegaconf import OmegaConf
 
     from parallel_lab.plan.predict import Values
 
-    cfg = Values.of(OmegaConf.to_container(_base_cfg(name, width), resolve=True))
+    cfg = Values.of(OmegaConf.to_container(_base_cfg(name, shape), resolve=True))
     cfg.strategy.update(name=zero_name(stage), stage=stage, precision=precision)  # bf16: fp16's layout
     cfg.world_size = nd
     cfg.trainer.global_batch = nd  # one sample per device: the batch plays no part in model states
@@ -76,19 +92,19 @@ def plan_cfg(name: str, width: float, stage: int, nd: int, precision: str = "fp1
 
 
 @functools.cache
-def _base_cfg(name: str, width: float):
+def _base_cfg(name: str, shape: Shape):
     """ZeRO stage 0 composed once per model (Hydra's compose is the slow part; the ZeRO options are
     one class, so plan_cfg sets the stage); callers only read it."""
     from parallel_lab.config import compose_config
 
-    return compose_config([f"strategy={zero_name(0)}", f"model={name}", f"model.width={width}"])
+    return compose_config([f"strategy={zero_name(0)}", f"model={name}", *(f"model.{k}={v}" for k, v in shape)])
 
 
-def plan_bytes(model, name: str, width: float, stage: int, nd: int, precision: str = "fp16") -> tuple[int, int]:
+def plan_bytes(model, name: str, shape: Shape, stage: int, nd: int, precision: str = "fp16") -> tuple[int, int]:
     """(model-state bytes of the rank holding the most, of the rank holding the least)."""
     from parallel_lab.strategies.zero.predict import predict_zero_memory
 
-    cfg = plan_cfg(name, width, stage, nd, precision)
+    cfg = plan_cfg(name, shape, stage, nd, precision)
     ranks = range(nd) if stage == 2 else [0]  # only stage 2's ranks differ (its partition boundaries)
     totals = []
     for rank in ranks:
@@ -119,13 +135,13 @@ def deepspeed_bytes(stage: int, nd: int, psi: float, largest: float) -> float | 
     return float(estimate_zero3_model_states_mem_needs(int(psi), int(largest), nd, 1, cpu_offload=False)[1])
 
 
-def rows(name: str, width: float, nds: tuple[int, ...]) -> tuple[list[dict], dict]:
-    model, params, largest = scaled_model(name, width)
+def rows(name: str, shape: Shape, nds: tuple[int, ...]) -> tuple[list[dict], dict]:
+    model, params, largest = scaled_model(name, shape)
     scale = PSI / params
     out = []
     for nd in nds:
         for stage in range(4):
-            most, least = plan_bytes(model, name, width, stage, nd)
+            most, least = plan_bytes(model, name, shape, stage, nd)
             ds = deepspeed_bytes(stage, nd, PSI, largest * scale)
             out.append(
                 {
@@ -151,7 +167,7 @@ def _pct(x: float | None, paper: float) -> str:
     return "—" if x is None else f"{100 * (x - paper) / paper:+.2f}%"
 
 
-def explain(info: dict, name: str, width: float) -> str:
+def explain(info: dict, name: str, shape: Shape) -> str:
     psi, big = info["params"], info["largest_param"]
     return f"""What each difference is (GB = 1e9 bytes; the plan's and DeepSpeed's numbers for Ψ = 7.5 B exactly):
 
@@ -164,9 +180,10 @@ def explain(info: dict, name: str, width: float) -> str:
 - Plan, stage 2: DeepSpeed 0.19.8 keeps the *whole* 16-bit gradient of every parameter that
   overlaps a rank's partition, not only the part inside it (measured on real runs: docs/plan.md).
   Once partitions are smaller than the largest parameter ({big:,} of {psi:,} elements,
-  {100 * big / psi:.0f}% of {name} width {width:g}), the rank whose partition lies inside it holds
+  {100 * big / psi:.2g}% of the {name}'s Ψ), the rank whose partition lies inside it holds
   all of its gradient, 2 x {big * PSI / psi / GB:.3g} G elements = {2 * big * PSI / psi / GB:.3g} GB,
-  where the paper counts 2Ψ/Nd. The ranks differ: the one holding the least is shown after "/".
+  where the paper counts 2Ψ/Nd; a partition straddling the boundary of two such parameters holds
+  both. The ranks differ: the one holding the least is shown after "/".
   How large this is depends on the model's largest tensor, not on Ψ.
 - Plan, stage 3: each parameter is padded to a multiple of Nd before it is split (at most
   Nd - 1 elements per parameter tensor): bytes, not GB.
@@ -183,19 +200,49 @@ def explain(info: dict, name: str, width: float) -> str:
   (25 MiB per rank here, `comm_buffer_bytes`), temporary buffers and fragmentation."""
 
 
+def parse_shape(name: str, text: str | None, width: float | None) -> Shape:
+    """DEFAULT_SHAPES[name], then --width, then --shape's key=value pairs (model.<key> of the config)."""
+    shape = dict(DEFAULT_SHAPES[name])
+    if width is not None:
+        shape["width"] = width
+    for pair in filter(None, (text or "").split(",")):
+        key, _, value = pair.partition("=")
+        shape[key.strip()] = float(value) if "." in value else int(value)
+    return tuple(sorted(shape.items()))
+
+
+def describe(name: str, shape: Shape, params: int) -> str:
+    """The model as a reader compares it with the paper's: a transformer by its hidden size, layers,
+    heads and sequence; a CNN by its width multiplier."""
+    keys = dict(shape)
+    if name != "vit":
+        return f"{name} width {keys.get('width', 1.0):g} ({params:,} parameters)"
+    from parallel_lab.models.vit import DEFAULTS, IMAGE
+
+    s = {**DEFAULTS, **keys}
+    hidden = round(s["dim"] * keys.get("width", 1.0))
+    return (
+        f"a transformer (model=vit): hidden {hidden}, {s['depth']} layers, {s['heads']} heads of "
+        f"{hidden // s['heads']}, MLP {round(hidden * s['mlp_ratio'])}, {(IMAGE // s['patch']) ** 2} patches of "
+        f"{s['patch']}x{s['patch']} (no vocabulary) = {params:,} parameters"
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench zero_paper")
-    parser.add_argument("--model", default="resnet18", help="the toolkit model scaled to ~7.5 B parameters")
-    parser.add_argument("--width", type=float, default=26.0, help="model.width (resnet18 26: 7.54 B parameters)")
+    parser.add_argument("--model", default="vit", choices=sorted(DEFAULT_SHAPES), help="the toolkit model at ~7.5 B")
+    parser.add_argument("--shape", help="model.<key>=value pairs over the default shape, e.g. depth=36,heads=16")
+    parser.add_argument("--width", type=float, help="model.width (the CNN table: --model resnet18, width 26)")
     parser.add_argument("--nd", default=",".join(map(str, ND)), help="data-parallel degrees, comma-separated")
     args = parser.parse_args(argv)
     nds = tuple(int(n) for n in args.nd.split(","))
-    table, info = rows(args.model, args.width, nds)
+    shape = parse_shape(args.model, args.shape, args.width)
+    table, info = rows(args.model, shape, nds)
     by = {(r["nd"], r["stage"]): r for r in table}
     print(
         f"ZeRO paper Table 1 (arXiv 1910.02054): per-device model states, Ψ = 7.5 B, K = 12 (mixed-precision Adam), "
-        f"GB = 1e9.\nPlan: DeepSpeed 0.19.8's buffers as the planner predicts them for {args.model} width "
-        f"{args.width:g} ({info['params']:,} parameters), fp16, scaled by 7.5e9 / {info['params']:,}.\n"
+        f"GB = 1e9.\nPlan: DeepSpeed 0.19.8's buffers as the planner predicts them for "
+        f"{describe(args.model, shape, info['params'])}, fp16, scaled by 7.5e9 / {info['params']:,}.\n"
     )
     print("Paper, as published:\n")
     print("| Nd | baseline (16Ψ) | Pos (4Ψ+12Ψ/Nd) | Pos+g (2Ψ+14Ψ/Nd) | Pos+g+p (16Ψ/Nd) |")
@@ -211,7 +258,7 @@ def main(argv: list[str]) -> int:
             f"| {r['nd']} | {COLUMNS[r['stage']]} | {r['stage']} | {_gb(r['paper'])} | {plan} "
             f"| {_pct(r['plan'], r['paper'])} | {_gb(r['deepspeed'])} | {_pct(r['deepspeed'], r['paper'])} |"
         )
-    print("\n" + explain(info, args.model, args.width) + "\n")
+    print("\n" + explain(info, args.model, shape) + "\n")
     worst = max(table, key=lambda r: abs(r["plan"] - r["paper"]) / r["paper"])
     err = 100 * abs(worst["plan"] - worst["paper"]) / worst["paper"]
     print(f"max |plan − paper| / paper: {err:.2f}% (stage {worst['stage']}, Nd {worst['nd']})")
