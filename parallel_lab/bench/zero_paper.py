@@ -1,4 +1,4 @@
-"""``python -m parallel_lab.bench zero_paper [--model vit|resnet18|cnn] [--shape dim=4096,depth=37,...] [--width W] [--nd 1,4,...]``
+"""``python -m parallel_lab.bench zero_paper [--model vit|resnet18|cnn] [--shape k=v,...] [--width W] [--nd ...]``
 
 The ZeRO paper's Table 1 (Rajbhandari et al., arXiv 1910.02054): per-device model-state memory of
 a Ψ = 7.5 B model trained with mixed-precision Adam (K = 12: fp32 master 4 + momentum 4 + variance
