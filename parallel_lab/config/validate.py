@@ -116,6 +116,18 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
+def _check_recompute(cfg: DictConfig) -> None:
+    """trainer.recompute recomputes transformer blocks: a model without them has nothing to recompute."""
+    from parallel_lab.models import MODELS
+
+    mode = getattr(cfg.trainer.recompute, "value", cfg.trainer.recompute)
+    if mode != "none" and not getattr(MODELS[cfg.model.name], "recomputable", False):
+        raise ConfigError(
+            f"trainer.recompute={mode} needs a model with transformer blocks (model={cfg.model.name} has none); "
+            "use model=vit or trainer.recompute=none"
+        )
+
+
 def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     """What a run and the planner (``parallel_lab.plan``) both check, whatever the machine: the
     strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
@@ -124,6 +136,7 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     from parallel_lab.strategies.options import validate_options
 
     validate_model_config(cfg.model)
+    _check_recompute(cfg)
     cfg.strategy = validate_options(strategy_cls, cfg)
     refusal = strategy_cls.Norm.refusal(
         cfg, strategy_cls.plan.single_process
