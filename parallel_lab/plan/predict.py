@@ -77,21 +77,32 @@ def saved_activation_bytes(
     return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)[0]
 
 
-def recompute_peak_bytes(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32), loss: bool = True,
-                         dtype: torch.dtype = torch.float32, weight_copies: bool = False, recompute: str = "none") -> int:
+def recompute_peak_bytes(
+    module: nn.Module,
+    batch: int,
+    sample_shape: tuple = (3, 32, 32),
+    loss: bool = True,
+    dtype: torch.dtype = torch.float32,
+    weight_copies: bool = False,
+    recompute: str = "none",
+) -> int:
     """The largest recomputed region's own saved bytes in that forward (storages the forward keeps
     anyway left out): what backward holds on top of ``saved_activation_bytes`` while it recomputes
     one region. 0 without recompute."""
     return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)[1]
 
 
-def _saved_hook(into: dict[int, int], params: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
-    """A hook that records every saved non-parameter storage's bytes in ``into``, saving it as is."""
+def _saved_hook(into: dict[int, int], params: set[int], alive: list) -> torch.autograd.graph.saved_tensors_hooks:
+    """A hook that records every saved non-parameter storage's bytes in ``into``, saving it as is.
+    ``alive`` keeps each storage referenced until the count is done: a storage freed early (a
+    checkpoint's inputs, once the planner's region hook took its region's saves) would hand its
+    address, the key here, to a later one."""
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in params:
             into[storage._cdata] = storage.nbytes()
+            alive.append(storage)
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -114,10 +125,11 @@ def _count_saved(
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: dict[int, int] = {}
     regions: list[dict[int, int]] = []  # per recomputed region: what it saves when it runs (in backward)
+    alive: list = []
     x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
-    with recomputing(module, recompute) as setting, _saved_hook(seen, params):
+    with recomputing(module, recompute) as setting, _saved_hook(seen, params, alive):
         if setting is not None:  # a region's own saves, counted here instead of by the checkpoint
-            setting.around = lambda: _saved_hook(regions.append({}) or regions[-1], params)
+            setting.around = lambda: _saved_hook(regions.append({}) or regions[-1], params, alive)
         try:
             out = _forward(module, x, dtype, weight_copies)
         finally:
@@ -205,7 +217,13 @@ class SavedBytesCache:
         return self._bytes[key]
 
     def saved(
-        self, module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype, weight_copies: bool,
+        self,
+        module: nn.Module,
+        batch: int,
+        sample_shape: tuple,
+        loss: bool,
+        dtype,
+        weight_copies: bool,
         recompute: str = "none",
     ) -> int:
         return self.counted(module, batch, sample_shape, loss, dtype, weight_copies, recompute)[0]
