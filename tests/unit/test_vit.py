@@ -1,8 +1,9 @@
 """model=vit in-process: its layout, the same weights for the same seed, the attention against
 torch's own, the config's one-line refusals, its FLOPs against the hand formula, and the planner's
 count of saved activations against what autograd saves in a real forward (whole model, a
-data-parallel rank's micro-batch and each pipeline stage). Training under the strategies:
-tests/integration/test_vit.py."""
+data-parallel rank's micro-batch and each pipeline stage), and trainer.recompute (the same
+training bit for bit, the forward's dropout masks on recompute, the planned bytes per mode).
+Training under the strategies: tests/integration/test_vit.py and test_recompute.py."""
 
 from __future__ import annotations
 
