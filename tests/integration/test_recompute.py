@@ -79,9 +79,17 @@ def test_every_strategy_and_mode_trains_bit_for_bit_as_none(tmp_path):
             assert_same_training(runs, strategy, mode)
 
 
-@pytest.mark.parametrize("model", ["cnn", "resnet18"])
-def test_recompute_on_a_model_without_blocks_is_refused_in_the_parent(tmp_path, model):
+REFUSED = {
+    "cnn": (("model=cnn", "trainer.recompute=full"), ("trainer.recompute=full", "model=cnn has none")),
+    "resnet18": (("model=resnet18", "trainer.recompute=selective"), ("trainer.recompute=selective", "resnet18 has")),
+    "unknown-mode": (("model=vit", "trainer.recompute=partial"), ("recompute=partial", "none, selective or full")),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_bad_recompute_is_refused_in_the_parent(tmp_path, case):
+    overrides, named = REFUSED[case]
     run_dir = tmp_path / "run"
-    result = run_cli(run_dir, f"model={model}", "trainer.recompute=full", check=False, timeout=120)
-    assert_one_clean_line(result, run_dir, ("trainer.recompute=full", f"model={model} has none"))
+    result = run_cli(run_dir, *overrides, check=False, timeout=120)
+    assert_one_clean_line(result, run_dir, named)
     assert result.returncode == 2 and not run_dir.exists()
