@@ -250,10 +250,10 @@ def test_each_mode_recomputes_its_regions_in_backward():
 
 
 @pytest.mark.floats
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_draws_the_forwards_masks_when_other_forwards_ran_in_between(mode):
+def test_recompute_draws_the_forwards_masks_when_other_forwards_ran_in_between(mode="full"):
     """A pipeline's 1F1B runs micro-batch 2's forward before micro-batch 1's backward: the recomputed
-    region must draw micro-batch 1's masks (models/dropout.py keys them by the batch in flight)."""
+    region must draw micro-batch 1's masks (models/dropout.py keys them by the batch in flight).
+    full: every dropout site of the blocks, the attention core's (selective's region) among them."""
     grads = {}
     for m in ("none", mode):
         model = build_model(vit_cfg(dropout=0.3, depth=2), 0)
