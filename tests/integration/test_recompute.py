@@ -36,11 +36,27 @@ EXTRA = {
 }
 
 
-def _train(root: Path, cases: dict[str, tuple[str, ...]]) -> dict[tuple[str, str], dict]:
-    """(strategy, mode) -> metrics of every case, all trained in turn on ONE set of 2 real gloo ranks."""
+# bf16 (extra): the module cast (fsdp, zero3) recomputes in bf16 too; ddp's per-forward weight
+# copies only selectively (full is refused, below).
+BF16 = {"fsdp": "strategy.mixed_precision=bf16", "zero3": "strategy.precision=bf16", "ddp": "strategy.precision=bf16"}
+EXTRA_BF16 = {"fsdp": MODES, "zero3": MODES, "ddp": ("none", "selective")}
+
+
+def _train(
+    root: Path, cases: dict[str, tuple[str, ...]], extra: dict[str, str] | None = None
+) -> dict[tuple[str, str], dict]:
+    """(strategy, mode) -> metrics of every case, all trained in turn on ONE set of 2 real gloo ranks
+    (extra: more overrides, by strategy)."""
     names = [(s, m) for s, modes in cases.items() for m in modes]
     paths = [
-        write_config(root / f"{s}-{m}.yaml", f"strategy={s}", *RUN, f"trainer.recompute={m}", "trainer.eval_batches=0")
+        write_config(
+            root / f"{s}-{m}.yaml",
+            f"strategy={s}",
+            *RUN,
+            f"trainer.recompute={m}",
+            "trainer.eval_batches=0",
+            *([extra[s]] if extra and s in extra else []),
+        )
         for s, m in names
     ]
     run_ranks(train_and_record, world_size=2, timeout=600, env=ENV, config_paths=paths)
@@ -77,11 +93,20 @@ def test_every_strategy_and_mode_trains_bit_for_bit_as_none(tmp_path):
     for strategy, modes in EXTRA.items():
         for mode in modes[1:]:
             assert_same_training(runs, strategy, mode)
+    (tmp_path / "bf16").mkdir()
+    bf16 = _train(tmp_path / "bf16", EXTRA_BF16, BF16)
+    for strategy, modes in EXTRA_BF16.items():
+        for mode in modes[1:]:
+            assert_same_training(bf16, strategy, mode)
 
 
 REFUSED = {
     "cnn": (("model=cnn", "trainer.recompute=full"), ("trainer.recompute=full", "model=cnn has none")),
     "resnet18": (("model=resnet18", "trainer.recompute=selective"), ("trainer.recompute=selective", "resnet18 has")),
+    "full-on-bf16-weight-copies": (
+        ("model=vit", "strategy=ddp", "strategy.precision=bf16", "trainer.recompute=full"),
+        ("trainer.recompute=full", "strategy=ddp's per-forward bf16 weight copies"),
+    ),
     "unknown-mode": (("model=vit", "trainer.recompute=partial"), ("recompute=partial", "none, selective or full")),
 }
 
