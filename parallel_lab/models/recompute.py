@@ -19,7 +19,7 @@ non-reentrant one). ``deepspeed.checkpointing.checkpoint`` has that signature.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -47,7 +47,9 @@ class Recompute:
     def __init__(self, mode: str = NONE, keys: Any = None, checkpoint: Checkpoint = torch_checkpoint) -> None:
         self.keys = keys
         self.checkpoint = checkpoint
-        self.around: Callable[[], AbstractContextManager] | None = None  # entered around each region's forward
+        # Entered around each region's forward run (not its recomputation): the planner's count of
+        # what a region saves (plan/predict.py). None in training.
+        self.around: Callable[[], AbstractContextManager] | None = None
         self.set_mode(mode)
 
     def set_mode(self, mode: str) -> None:
@@ -67,7 +69,7 @@ class Recompute:
         def region(*inputs: torch.Tensor) -> torch.Tensor:
             if first[0]:  # the forward itself
                 first[0] = False
-                with self.around() if self.around is not None else _nothing():
+                with self.around() if self.around is not None else nullcontext():
                     return function(*inputs)
             return self._replay(keys, function, *inputs)
 
@@ -81,11 +83,6 @@ class Recompute:
             return function(*inputs)
         finally:
             self.keys.keys = current
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def setting_of(model: nn.Module) -> Recompute | None:
