@@ -168,6 +168,7 @@ class RunMetrics(_Record):
     # empty: each library chose from the CPU). With cpu_capability, what decided the floats (docs/facts.md).
     kernel_dispatch: dict[str, str] = field(default_factory=dict)
     norm: str = "group"  # model.norm: group | batch | syncbatch (docs/batchnorm.md)
+    recompute: str = "none"  # trainer.recompute: none | selective | full (models/recompute.py)
     # BatchNorm models only ({} otherwise; parallel_lab/worker/train.py batchnorm_record): layers,
     # synced, samples (how many samples each training forward normalised over), the running
     # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.

@@ -97,6 +97,14 @@ class FaultAt(Choice):
     checkpoint = "checkpoint"
 
 
+Recompute = make_choice(
+    "Recompute",
+    ("none", "selective", "full"),  # models/recompute.py MODES (models/ cannot import config/)
+    "trainer.recompute: which activations the model recomputes in backward instead of keeping.",
+    __name__,
+)
+
+
 @dataclass
 class TrainerConfig:
     steps: int = ranged(20, 1)
@@ -120,6 +128,10 @@ class TrainerConfig:
     # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, zero*:
     # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
     precision: Precision = Precision.fp32
+    # Activation recomputation (models/recompute.py, docs/vit.md): none | selective (each block's
+    # attention core: scores, softmax, dropout, weighted sum) | full (each transformer block, only
+    # its input kept). Models with blocks only (vit); the same losses and weights as none, bit for bit.
+    recompute: Recompute = Recompute.none
     grad_clip: float = ranged(
         0.0, 0, note=" (0 = off)"
     )  # 0 = off, for every strategy (DeepSpeed's own default of 1.0 is overridden)

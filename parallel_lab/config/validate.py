@@ -116,6 +116,27 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
+def _check_recompute(cfg: DictConfig, strategy_cls: type) -> None:
+    """trainer.recompute recomputes transformer blocks: a model without them has nothing to recompute.
+    full under single/ddp's bf16 (a bf16 copy of every weight per forward, through
+    torch.func.functional_call): the recomputation runs after the copies are swapped back out,
+    so it would compute with the fp32 weights (docs/vit.md, known gaps)."""
+    from parallel_lab.models import MODELS
+    from parallel_lab.strategies.precision import Bf16Compute
+
+    mode = getattr(cfg.trainer.recompute, "value", cfg.trainer.recompute)
+    if mode != "none" and not getattr(MODELS[cfg.model.name], "recomputable", False):
+        raise ConfigError(
+            f"trainer.recompute={mode} needs a model with transformer blocks (model={cfg.model.name} has none); "
+            "use model=vit or trainer.recompute=none"
+        )
+    if mode == "full" and issubclass(strategy_cls, Bf16Compute) and cfg.strategy.get("precision") == "bf16":
+        raise ConfigError(
+            f"trainer.recompute=full cannot recompute strategy={cfg.strategy.name}'s per-forward bf16 weight "
+            "copies; use trainer.recompute=selective, or strategy.precision=fp32"
+        )
+
+
 def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     """What a run and the planner (``parallel_lab.plan``) both check, whatever the machine: the
     strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
@@ -124,6 +145,7 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     from parallel_lab.strategies.options import validate_options
 
     validate_model_config(cfg.model)
+    _check_recompute(cfg, strategy_cls)
     cfg.strategy = validate_options(strategy_cls, cfg)
     refusal = strategy_cls.Norm.refusal(
         cfg, strategy_cls.plan.single_process

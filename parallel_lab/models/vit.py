@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.models.dropout import SampleDropout, SampleKeys
+from parallel_lab.models.recompute import FULL, SELECTIVE, Recompute
 
 # The vit's sizes: the one home of their defaults (config/schema.py ModelConfig leaves them null).
 DEFAULTS = {"patch": 4, "dim": 64, "depth": 4, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
@@ -61,24 +62,29 @@ class PatchEmbedding(nn.Module):
 
 
 class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, tokens, head_dim): no parameters."""
+    """softmax(q k^T / sqrt(head_dim)) v on (batch, heads, tokens, head_dim): no parameters.
+    Recomputed in backward under trainer.recompute=selective (models/recompute.py)."""
 
-    def __init__(self, head_dim: int, drop: Dropout = nn.Identity) -> None:
+    def __init__(self, head_dim: int, drop: Dropout = nn.Identity, recompute: Recompute | None = None) -> None:
         super().__init__()
         self.scale = 1.0 / math.sqrt(head_dim)
         self.drop = drop()
+        self.recompute = recompute or Recompute()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.recompute.run(SELECTIVE, self.attend, q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
         return torch.matmul(self.drop(scores.softmax(dim=-1)), v)
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, drop: Dropout) -> None:
+    def __init__(self, dim: int, heads: int, drop: Dropout, recompute: Recompute) -> None:
         super().__init__()
         self.heads = heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.core = AttentionCore(dim // heads, drop)
+        self.core = AttentionCore(dim // heads, drop, recompute)
         self.proj = nn.Linear(dim, dim)
         self.drop = drop()
 
@@ -105,16 +111,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x))."""
+    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)). Recomputed whole in backward under
+    trainer.recompute=full (only its input kept), its attention core alone under selective."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, drop: Dropout) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int, drop: Dropout, recompute: Recompute) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, drop)
+        self.attn = Attention(dim, heads, drop, recompute)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, hidden, drop)
+        self.recompute = recompute  # shared by the model's blocks: a plain attribute, no state_dict key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.recompute.run(FULL, self.compute, x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
@@ -142,6 +153,7 @@ class ViT(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch at the default sizes, for the memory
     # check before a run (config/resources.py); tests/unit/test_resources.py recounts them.
     activation_bytes_per_sample = 1_082_160
+    recomputable = True  # has blocks for trainer.recompute (config/validate.py refuses it elsewhere)
 
     def __init__(
         self,
@@ -155,14 +167,17 @@ class ViT(nn.Sequential):
         mlp_ratio: float = DEFAULTS["mlp_ratio"],
         dropout: float = DEFAULTS["dropout"],
         seed: int = 0,
+        recompute: str = "none",
     ) -> None:
-        """seed: of the dropout masks (models/dropout.py), build_model's seed."""
+        """seed: of the dropout masks (models/dropout.py), build_model's seed. recompute: none |
+        selective | full (models/recompute.py; set_recompute changes it after the build)."""
         super().__init__()
         del norm  # LayerNorm always: validate_model_config refuses batch/syncbatch for the vit
         dim = scaled_dim(dim, heads, width)
         keys = SampleKeys(seed) if dropout > 0 else None
         drop = dropouts(dropout, keys)
+        setting = Recompute(recompute, keys)
         self.add_module("embed", PatchEmbedding(dim, patch, drop, keys))
         for i in range(depth):
-            self.add_module(f"block{i}", Block(dim, heads, round(dim * mlp_ratio), drop))
+            self.add_module(f"block{i}", Block(dim, heads, round(dim * mlp_ratio), drop, setting))
         self.add_module("head", Head(dim, num_classes))

@@ -101,7 +101,7 @@ def run(overrides: list[str]) -> Path:
         f"Plan: model={cfg.model.name} (width {width:g}, {rows_params(rows)} parameters), "
         f"global batch {cfg.trainer.global_batch} at world_size={cfg.world_size}"
         + (" (each rank keeps its micro-batch at every world size)" if cfg.plan.world_sizes else "")
-        + f", optimizer {cfg.trainer.optimizer}; per rank, the rank holding "
+        + f", optimizer {cfg.trainer.optimizer}, recompute {cfg.trainer.recompute}; per rank, the rank holding "
         f"the most; device memory {human(device_bytes)} ({source})."
     )
     write_markdown(rows, out / "plan.md", header)

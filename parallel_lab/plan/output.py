@@ -64,6 +64,8 @@ def summary_row(plans: list[RankPlan], device_bytes: int) -> dict:
         "comm_buffer_bytes": state.get("comm_buffer_bytes", 0) if worst.state else None,
         "activation_bytes": worst.activation_bytes,
         "micro_batch": worst.micro_batch,
+        "recompute": worst.recompute,  # trainer.recompute (models/recompute.py)
+        "recompute_bytes": worst.recompute_bytes,
         "total_bytes": worst.total_bytes,
         "rank_spread": (max(states) - min(states)) / max(states) if states and max(states) else 0.0,
         "max_model_state_bytes": max(states) if states else None,  # over the ranks (the scaling plot)
@@ -99,15 +101,23 @@ def write_markdown(rows: list[dict], path: Path, header: str) -> None:
         comm = "" if r["comm_bytes_per_step"] is None else _mib(r["comm_bytes_per_step"]) + (f" ({ops})" if ops else "")
         cells = [r["strategy"], r["world"], r["rank"], mib(r["param_bytes"]), mib(r["master_param_bytes"]),
                  mib(r["grad_bytes"]), mib(r["optim_bytes"]), mib(r["comm_buffer_bytes"]),
-                 f"{mib(r['activation_bytes'])} ({r['micro_batch']})", mib(r["total_bytes"]),
+                 _activations_cell(r), mib(r["total_bytes"]),
                  f"{100 * r['rank_spread']:.2f}%", comm, r["fits"]]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
+def _activations_cell(r: dict) -> str:
+    """'1.03 (16)'; with trainer.recompute, the mode and the recomputed region's bytes: '0.09 (16) + 0.24 full'."""
+    cell = f"{_mib(r['activation_bytes'])} ({r['micro_batch']})"
+    mode = r.get("recompute", "none")
+    return cell if mode == "none" else f"{cell} + {_mib(r['recompute_bytes'])} {mode}"
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     keys = ["strategy", "world", "rank", "params", *MODEL_STATE, "comm_buffer_bytes", "activation_bytes",
-            "micro_batch", "total_bytes", "rank_spread", "comm_bytes_per_step", "fits"]  # fmt: skip
+            "micro_batch", "recompute", "recompute_bytes", "total_bytes", "rank_spread", "comm_bytes_per_step",
+            "fits"]  # fmt: skip
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()

@@ -29,8 +29,12 @@ class RankPlan:
     params: int  # parameters of the full model
     state: dict[str, int] | None  # predict_memory (None: the strategy brings no prediction)
     comm: dict[str, float] | None  # bytes per step by collective
-    activation_bytes: int
+    activation_bytes: int  # saved for backward at the end of the forward(s) (with recompute: the regions' inputs)
     micro_batch: int
+    recompute: str = "none"  # trainer.recompute
+    # With recompute: the largest region's own saved tensors, recomputed in backward and held while
+    # that one region's backward runs, on top of activation_bytes (0 without recompute).
+    recompute_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int | None:
@@ -42,7 +46,7 @@ class RankPlan:
         if self.state is None:
             return None
         extra = self.state.get("comm_buffer_bytes", 0) + self.state.get("buffer_bytes", 0)
-        return self.model_state_bytes + extra + self.activation_bytes
+        return self.model_state_bytes + extra + self.activation_bytes + self.recompute_bytes
 
     def to_json(self) -> dict:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
@@ -58,6 +62,7 @@ def saved_activation_bytes(
     loss: bool = True,
     dtype: torch.dtype = torch.float32,
     weight_copies: bool = False,
+    recompute: str = "none",
 ) -> int:
     """Bytes autograd saves for backward in one forward of ``batch`` samples, and the loss when
     ``loss`` (distinct storages, parameters left out): a meta-device forward, nothing allocated.
@@ -65,35 +70,83 @@ def saved_activation_bytes(
     gathered parameters are; the logits cast back to fp32 for the loss, as every strategy takes it);
     ``weight_copies``: on a 16-bit copy of every weight made per forward instead (single/ddp's
     ``strategies/precision.py``), whose saved copies count here: they live until backward like
-    activations. tests/unit/test_plan.py checks each against a real forward's saved tensors."""
-    return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies)
+    activations. ``recompute``: trainer.recompute, whose checkpointed regions save only their
+    inputs here (torch's non-reentrant checkpoint saves them through autograd's saved-tensor
+    machinery, so the same hook counts them). tests/unit/test_plan.py and tests/unit/test_vit.py
+    check each against a real forward's saved tensors."""
+    return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)[0]
 
 
-def _count_saved(
-    module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype: torch.dtype, weight_copies: bool
+def recompute_peak_bytes(
+    module: nn.Module,
+    batch: int,
+    sample_shape: tuple = (3, 32, 32),
+    loss: bool = True,
+    dtype: torch.dtype = torch.float32,
+    weight_copies: bool = False,
+    recompute: str = "none",
 ) -> int:
-    if dtype != torch.float32 and not weight_copies:
-        module = copy.deepcopy(module).to(dtype)  # meta: no memory
-    params = {p.untyped_storage()._cdata for p in module.parameters()}
-    seen: dict[int, int] = {}
+    """The largest recomputed region's own saved bytes in that forward (storages the forward keeps
+    anyway left out): what backward holds on top of ``saved_activation_bytes`` while it recomputes
+    one region. 0 without recompute."""
+    return _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)[1]
+
+
+def _saved_hook(into: dict[int, int], params: set[int], alive: list) -> torch.autograd.graph.saved_tensors_hooks:
+    """A hook that records every saved non-parameter storage's bytes in ``into``, saving it as is.
+    ``alive`` keeps each storage referenced until the count is done: a storage freed early (a
+    checkpoint's inputs, once the planner's region hook took its region's saves) would hand its
+    address, the key here, to a later one."""
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in params:
-            seen[storage._cdata] = storage.nbytes()
+            into[storage._cdata] = storage.nbytes()
+            alive.append(storage)
         return t
 
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _count_saved(
+    module: nn.Module,
+    batch: int,
+    sample_shape: tuple,
+    loss: bool,
+    dtype: torch.dtype,
+    weight_copies: bool,
+    recompute: str = "none",
+) -> tuple[int, int]:
+    """(bytes saved by the forward, the largest recomputed region's own saved bytes)."""
+    from parallel_lab.models.recompute import recomputing
+
+    if dtype != torch.float32 and not weight_copies:
+        module = copy.deepcopy(module).to(dtype)  # meta: no memory
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen: dict[int, int] = {}
+    regions: list[dict[int, int]] = []  # per recomputed region: what it saves when it runs (in backward)
+    alive: list = []
     x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if weight_copies and dtype != torch.float32:
-            copies = {name: p.to(dtype) for name, p in module.named_parameters()}
-            out = torch.func.functional_call(module, copies, (x,))
-        else:
-            out = module(x)
+    with recomputing(module, recompute) as setting, _saved_hook(seen, params, alive):
+        if setting is not None:  # a region's own saves, counted here instead of by the checkpoint
+            setting.around = lambda: _saved_hook(regions.append({}) or regions[-1], params, alive)
+        try:
+            out = _forward(module, x, dtype, weight_copies)
+        finally:
+            if setting is not None:
+                setting.around = None
         if loss:
             target = torch.zeros(batch, dtype=torch.long, device="meta")
             torch.nn.functional.cross_entropy(out.float() if dtype != torch.float32 else out, target)
-    return sum(seen.values())
+    transient = max((sum(n for s, n in r.items() if s not in seen) for r in regions), default=0)
+    return sum(seen.values()), transient
+
+
+def _forward(module: nn.Module, x: torch.Tensor, dtype: torch.dtype, weight_copies: bool) -> torch.Tensor:
+    if weight_copies and dtype != torch.float32:
+        copies = {name: p.to(dtype) for name, p in module.named_parameters()}
+        return torch.func.functional_call(module, copies, (x,))
+    return module(x)
 
 
 def compute_mode(cfg: DictConfig, strategy_cls: type) -> tuple[torch.dtype, bool]:
@@ -151,28 +204,53 @@ class SavedBytesCache:
     Python reuses an id once its object is gone."""
 
     def __init__(self) -> None:
-        self._bytes: dict[tuple, int] = {}
+        self._bytes: dict[tuple, tuple[int, int]] = {}
 
-    def saved(self, module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype, weight_copies: bool) -> int:
+    def counted(
+        self, module: nn.Module, batch: int, sample_shape: tuple, loss: bool, dtype, weight_copies: bool, recompute: str
+    ) -> tuple[int, int]:
+        """(saved bytes, the largest recomputed region's own saved bytes) of one forward."""
         # A pipeline stage is a new Sequential around the same blocks each time: key on the blocks.
-        key = (tuple(module.children()) or module, batch, tuple(sample_shape), loss, dtype, weight_copies)
+        key = (tuple(module.children()) or module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)
         if key not in self._bytes:
-            self._bytes[key] = saved_activation_bytes(module, batch, sample_shape, loss, dtype, weight_copies)
+            self._bytes[key] = _count_saved(module, batch, tuple(sample_shape), loss, dtype, weight_copies, recompute)
         return self._bytes[key]
+
+    def saved(
+        self,
+        module: nn.Module,
+        batch: int,
+        sample_shape: tuple,
+        loss: bool,
+        dtype,
+        weight_copies: bool,
+        recompute: str = "none",
+    ) -> int:
+        return self.counted(module, batch, sample_shape, loss, dtype, weight_copies, recompute)[0]
+
+
+def recompute_of(cfg: DictConfig) -> str:
+    """trainer.recompute as a plain string (none where the config predates it)."""
+    value = cfg.trainer.get("recompute", "none")
+    return getattr(value, "value", value)
 
 
 def _activations(
     cfg: DictConfig, strategy_cls: type, model: nn.Module, rank: int, micro: int, cache: SavedBytesCache
-) -> tuple[int, int]:
-    """(activation bytes, micro-batch) of this rank, as the strategy lays its forwards out."""
+) -> tuple[int, int, int]:
+    """(activation bytes, micro-batch, recompute bytes) of this rank, as the strategy lays its
+    forwards out. Recompute bytes: the largest region any of its forwards recomputes (backward
+    recomputes one region at a time, whatever the number of forwards stashed)."""
     dtype, copies = compute_mode(cfg, strategy_cls)
-    return strategy_cls.plan.activation_bytes(
-        cfg,
-        model,
-        rank,
-        micro,
-        lambda module, batch, shape, loss: cache.saved(module, batch, shape, loss, dtype, copies),
-    )
+    mode, peaks = recompute_of(cfg), [0]
+
+    def saved(module: nn.Module, batch: int, shape: tuple, loss: bool) -> int:
+        kept, transient = cache.counted(module, batch, shape, loss, dtype, copies, mode)
+        peaks[0] = max(peaks[0], transient)
+        return kept
+
+    activations, mb = strategy_cls.plan.activation_bytes(cfg, model, rank, micro, saved)
+    return activations, mb, peaks[0]
 
 
 class Values(dict):
@@ -210,7 +288,7 @@ def plan_world(
     bn_comm = batchnorm_comm(cfg, strategy_cls, model)
     plans = []
     for rank in range(cfg.world_size):
-        activations, mb = shared or _activations(cfg, strategy_cls, model, rank, micro, cache)
+        activations, mb, recomputed = shared or _activations(cfg, strategy_cls, model, rank, micro, cache)
         state = strategy_cls.plan.predict_memory(cfg, model, rank)
         if state is not None:
             state = {**state, "buffer_bytes": strategy_cls.plan.predict_buffer_bytes(cfg, model, rank)}
@@ -224,6 +302,8 @@ def plan_world(
                 comm=_with_batchnorm(strategy_cls.plan.predict_comm(cfg, model, rank) if differ else comm, bn_comm),
                 activation_bytes=activations,
                 micro_batch=mb,
+                recompute=recompute_of(cfg),
+                recompute_bytes=recomputed,
             )
         )
     return plans

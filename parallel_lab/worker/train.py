@@ -21,6 +21,7 @@ from parallel_lab.comm.dist_env import DistEnv
 from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params, norm_of
+from parallel_lab.models.recompute import set_recompute
 from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.plan.predict import predicted_metrics
 from parallel_lab.protocol import (
@@ -182,6 +183,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     return the run's metrics (complete on rank 0)."""
     t = cfg.trainer
     model = build_model(cfg.model, t.seed)
+    set_recompute(model, t.get("recompute", "none"))  # models/recompute.py: kept by every strategy's setup
     param_names = [name for name, _ in model.named_parameters()]  # state.full_parameters() keeps this order
     if t.ulp_jitter_seed is not None:  # a noise-floor rerun of the baseline (parallel_lab/report/parity.py)
         jitter_one_ulp(model, t.ulp_jitter_seed)
@@ -336,6 +338,7 @@ def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: i
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         kernel_dispatch=kernel_dispatch(),
         norm=norm_of(cfg.model),
+        recompute=str(t.get("recompute", "none")),
         strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
     )
 
