@@ -276,7 +276,7 @@ class PipelineParallelStrategy(Strategy):
         mine = {
             "idle_s": max(total - busy, 0.0),
             # the median step's: a step in which another process took this core is one outlier
-            "idle_fraction": statistics.median(max(t - b, 0.0) / t for t, b, _ in kept) if kept else 0.0,
+            "idle_fractions": [max(t - b, 0.0) / t for t, b, _ in kept],
             "recv_wait_s": wait if self.loop is not None else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
             "params": sum(q.numel() for q in self.model.parameters()),
@@ -301,7 +301,8 @@ class PipelineParallelStrategy(Strategy):
             "pp_bubble_fraction_theory": bubble_fraction(str(o.schedule), m, p, v),
             # Measured over the steps after warm-up: step time minus time in this stage's compute.
             "pp_idle_s": [st["idle_s"] for st in stages],
-            "pp_idle_fraction": [st["idle_fraction"] for st in stages],
+            "pp_idle_fraction": [statistics.median(st["idle_fractions"] or [0.0]) for st in stages],
+            "pp_idle_fraction_steps": [st["idle_fractions"] for st in stages],  # each train_step after warm-up
             "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
