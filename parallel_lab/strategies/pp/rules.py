@@ -183,13 +183,15 @@ class PPPlan(PlanRules):
         p, m, v = o.stages, o.microbatches, o.get("virtual_stages", 1)
         shares = stage_shares(chunk_modules(cfg, model))
         names = chunk_names(cfg, model)
+        times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(
             micro_batch=t.global_batch // t.grad_accum // m,
             slots=t.grad_accum * (v * m + p - 1),
             flop_share=max(shares),
             calls_per_collective=m * t.grad_accum,
             note=f"{o.balance} cut {' | '.join(','.join(c) for c in names)}; chunk FLOP shares "
-            + ", ".join(f"{s:.2f}" for s in shares),
+            + ", ".join(f"{s:.2f}" for s in shares)
+            + times,
         )
 
     @classmethod
