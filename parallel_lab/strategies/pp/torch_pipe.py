@@ -25,13 +25,14 @@ TORCH_SCHEDULES = {
 MULTI = ("interleaved_1f1b", "zero_bubble")  # schedules that take a list of stages
 
 
-class Contiguous(nn.Module):
-    """torch's stages isend their output as it is, and gloo sends only contiguous tensors: the
-    vit's tokens come out of the embed's transpose in another memory layout, which every later
-    elementwise op keeps. (The copy saves nothing for backward.)"""
+class OwnOutput(nn.Module):
+    """A chunk's output as a contiguous tensor of its own: torch's stages isend it as it is, and
+    gloo sends only contiguous tensors (the vit's tokens keep the embed's transposed layout through
+    every elementwise op); zero bubble's input-gradient pass detaches it in place, which a view
+    (the cnn's Flatten) refuses. The copy saves nothing for backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous()
+        return x.clone(memory_format=torch.contiguous_format)
 
 
 def torch_schedule(pipe, loss_fn):
@@ -42,7 +43,7 @@ def torch_schedule(pipe, loss_fn):
     n = o.stages * o.virtual_stages
     stages = []
     for chunk, g in zip(pipe.chunks, pipe.chunk_ids):
-        module = nn.Sequential(chunk, Contiguous()) if g < n - 1 else chunk
+        module = nn.Sequential(chunk, OwnOutput()) if g < n - 1 else chunk
         stage = pipelining.PipelineStage(module, g, n, pipe.device, group=pipe.group)
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage, name, pipe.busy.timed(getattr(stage, name)))
