@@ -194,7 +194,7 @@ class PipelineParallelStrategy(Strategy):
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
         self.recv_wait, self.num_micro, self.losses = 0.0, num_micro, []
         self.busy.seconds = 0.0
-        self.saved.peak = self.saved.held
+        self.saved.peak = held_before = self.saved.held
         start = time.perf_counter()
         with self.saved.hooks():
             if self.loop is not None:
@@ -208,7 +208,7 @@ class PipelineParallelStrategy(Strategy):
             with trace_label(f"{IDLE_LABEL}flush"):
                 dist.barrier(group=self.group)
         self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait))
-        self.activation_peak = self.saved.peak - self.saved.held
+        self.activation_peak = self.saved.peak - held_before
         # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
         has_loss = bool(self.losses)
         return torch.stack(self.losses).mean() if has_loss else torch.zeros((), device=self.device)
