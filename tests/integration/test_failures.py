@@ -308,7 +308,7 @@ CATALOGUE = {
     ),
     "pp-schedule-unknown": (
         ["strategy=pp", "strategy.schedule=zb"],
-        ("strategy.schedule=zb", "use strategy.schedule=gpipe or 1f1b"),
+        ("strategy.schedule=zb", "use strategy.schedule=gpipe, 1f1b, interleaved_1f1b or zero_bubble"),
     ),
     "pp-impl-unknown": (
         ["strategy=pp", "strategy.impl=dtensor"],
@@ -354,6 +354,14 @@ CATALOGUE = {
     "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
     "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
     "pp-stages": (["strategy=pp", "world_size=6", "strategy.stages=6"], ("strategy.stages=6", "5 cuttable blocks")),
+    "pp-virtual-stages": (
+        ["strategy=pp", "model=vit", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=4"],
+        ("strategy.stages=2 x strategy.virtual_stages=4", "6 cuttable blocks"),
+    ),
+    "pp-schedule-impl": (
+        ["strategy=pp", "strategy.schedule=zero_bubble"],
+        ("strategy.schedule=zero_bubble", "strategy.impl=manual", "use strategy.impl=torch"),
+    ),
     "pp-microbatches": (
         ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
         ("strategy.microbatches=3", "32"),

@@ -46,6 +46,16 @@ TWO_STAGES = _matrix(2) | {
         "trainer.grad_accum=2",
     ],
     "manual-cut_fc1-grad_clip": ["strategy.impl=manual", "strategy.cuts=[fc1]", "trainer.grad_clip=0.05"],
+    # 4 chunks of the cnn's 5 blocks, 2 per rank (non-contiguous: the gather reorders them)
+    "manual-interleaved-v2-m4": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+    "torch-interleaved-v2-m2": [
+        "strategy.impl=torch",
+        "strategy.schedule=interleaved_1f1b",
+        "strategy.virtual_stages=2",
+        "strategy.microbatches=2",
+    ],
+    "torch-zero_bubble-v2-m4": ["strategy.impl=torch", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2"],
+    "manual-balance_params": ["strategy.balance=params"],
 }
 THREE_STAGES = _matrix(3)
 

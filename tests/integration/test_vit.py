@@ -66,15 +66,8 @@ def test_every_data_parallel_strategy_draws_singles_dropout_masks(cli, dropout_r
 
 @pytest.mark.extra
 @pytest.mark.slow
-def test_pp_with_dropout_draws_other_masks_after_the_first_stage(cli, dropout_reference):
-    """A later stage never sees the pixels that key the masks (models/dropout.py): not single's training."""
-    metrics = cli("strategy=pp", DROPOUT, *RUN)
-    assert not dropout_reference.verdict(metrics["losses"], _params(metrics), "vit pp dropout", False).passed
-
-
-def _params(metrics: dict) -> dict:
-    from pathlib import Path
-
-    from parallel_lab.protocol import load_final_params
-
-    return load_final_params(Path(metrics["run_dir"]))
+@pytest.mark.parity
+def test_pp_with_dropout_trains_the_vit_as_single_does(cli, dropout_reference):
+    """Every stage keys its micro-batches from the pixels (strategies/pp/manual.py); the schedules
+    in one set of ranks: tests/integration/test_pp_vit.py."""
+    check_row(cli("strategy=pp", DROPOUT, *RUN), dropout_reference)

@@ -1,8 +1,12 @@
-"""How the model is cut into pipeline stages: contiguous runs of its top-level blocks."""
+"""How the model is cut into pipeline chunks: contiguous runs of its top-level blocks, balanced by
+``strategy.balance`` (each block's parameters, FLOPs or measured time). With
+``strategy.virtual_stages=v`` the model is cut into stages x v chunks and rank s holds chunks
+s, s + p, s + 2p, ... (interleaved, arXiv 2104.04473); v = 1: one chunk (stage) per rank."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -24,11 +28,24 @@ def cuttable_blocks(model: nn.Sequential) -> list[list[str]]:
     return blocks
 
 
-def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
-    """Block indices where stages 2..p start, minimising the largest stage's parameter count
-    (exhaustive: models here have fewer than ten blocks)."""
+def block_costs(model: nn.Sequential, balance: str, block_times: Sequence[float] = ()) -> list[float]:
+    """Each cuttable block's cost under ``balance``: params (its parameter count), flops (its
+    forward FLOPs, models/flops.py: backward is about twice forward for every layer, so the same
+    split) or time (``block_times``, measured forward+backward seconds, pp/timing.py)."""
+    blocks = cuttable_blocks(model)
+    if balance == "time":
+        return [float(t) for t in block_times]
+    if balance == "params":
+        return [float(sum(p.numel() for n in b for p in model.get_submodule(n).parameters())) for b in blocks]
+    flops = layer_flops(model, 1)
+    return [sum(f for name, f in flops.items() if name.split(".")[0] in b) for b in blocks]
+
+
+def balanced_cuts(sizes: Sequence[float], parts: int) -> list[int]:
+    """Block indices where parts 2..n start, minimising the largest part's cost (exhaustive:
+    models here have few blocks; the first best in lexicographic order, so every rank agrees)."""
     best, best_cost = [], None
-    for cuts in itertools.combinations(range(1, len(sizes)), stages - 1):
+    for cuts in itertools.combinations(range(1, len(sizes)), parts - 1):
         bounds = (0, *cuts, len(sizes))
         cost = max(sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:]))
         if best_cost is None or cost < best_cost:
@@ -40,33 +57,53 @@ def block_label(block: list[str]) -> str:
     return "+".join(block)
 
 
-def plan_stages(model: nn.Sequential, stages: int, cuts: list[str]) -> list[list[str]]:
-    """Child names of each stage, in model order. Raises ConfigError for an impossible cut."""
-    blocks = cuttable_blocks(model)
-    if stages > len(blocks):
+def _given_cuts(starts: list[str], cuts: list[str], parts: int, what: str) -> list[int]:
+    if len(cuts) != parts - 1:
+        raise ConfigError(f"strategy.cuts={list(cuts)} must name {parts - 1} blocks for {what} (or be [])")
+    bad = [c for c in cuts if c not in starts[1:]]
+    if bad:
         raise ConfigError(
-            f"strategy.stages={stages} is more than the {len(blocks)} cuttable blocks of this model "
-            f"({', '.join(block_label(b) for b in blocks)}); use strategy.stages<={len(blocks)}"
+            f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}"
         )
-    starts = [b[0] for b in blocks]
+    index = [starts.index(c) for c in cuts]
+    if index != sorted(set(index)):
+        raise ConfigError(f"strategy.cuts={list(cuts)} must be in model order without repeats")
+    return index
+
+
+def plan_stages(
+    model: nn.Sequential, stages: int, cuts: list[str], costs: Sequence[float] | None = None, virtual: int = 1
+) -> list[list[str]]:
+    """Child names of each of the stages x virtual chunks, in model order (chunk c on rank c % stages).
+    ``costs``: per cuttable block (``block_costs``); None: by parameter count. Raises ConfigError
+    for an impossible cut."""
+    blocks = cuttable_blocks(model)
+    parts = stages * virtual
+    what = f"strategy.stages={stages}" + (f" x strategy.virtual_stages={virtual}" if virtual > 1 else "")
+    if parts > len(blocks):
+        fix = f"strategy.stages x strategy.virtual_stages<={len(blocks)}" if virtual > 1 else ""
+        raise ConfigError(
+            f"{what} is more than the {len(blocks)} cuttable blocks of this model "
+            f"({', '.join(block_label(b) for b in blocks)}); use {fix or f'strategy.stages<={len(blocks)}'}"
+        )
     if cuts:
-        if len(cuts) != stages - 1:
-            raise ConfigError(
-                f"strategy.cuts={list(cuts)} must name {stages - 1} blocks for strategy.stages={stages} (or be [])"
-            )
-        bad = [c for c in cuts if c not in starts[1:]]
-        if bad:
-            raise ConfigError(
-                f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}"
-            )
-        index = [starts.index(c) for c in cuts]
-        if index != sorted(set(index)):
-            raise ConfigError(f"strategy.cuts={list(cuts)} must be in model order without repeats")
+        index = _given_cuts([b[0] for b in blocks], list(cuts), parts, what)
     else:
-        sizes = [sum(p.numel() for n in b for p in model.get_submodule(n).parameters()) for b in blocks]
-        index = balanced_cuts(sizes, stages)
+        index = balanced_cuts(costs if costs is not None else block_costs(model, "params"), parts)
     bounds = (0, *index, len(blocks))
     return [[name for b in blocks[a:e] for name in b] for a, e in zip(bounds, bounds[1:])]
+
+
+def chunk_plan(opts, model: nn.Sequential) -> list[list[str]]:
+    """The cut a run makes from its validated ``strategy`` options: every chunk, in model order."""
+    costs = block_costs(model, opts.balance, list(opts.block_times))
+    return plan_stages(model, opts.stages, list(opts.cuts), costs, opts.get("virtual_stages", 1))
+
+
+def rank_chunks(opts, rank: int) -> list[int]:
+    """The global chunk indices rank ``rank`` holds, in model order."""
+    p, v = opts.stages, opts.get("virtual_stages", 1)
+    return [c * p + rank % p for c in range(v)]
 
 
 def stage_shares(stages: list[nn.Module]) -> list[float]:

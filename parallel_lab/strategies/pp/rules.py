@@ -1,8 +1,10 @@
 """``pp``'s parent-side rules (``PPPlan``): the options it refuses, the (replicate, pp) mesh it lays
-out, and what the planner predicts of each stage (the cut is ``plan.py``'s, the same setup makes)."""
+out, and what the planner predicts of each rank (the cut is ``plan.py``'s, the same setup makes;
+the schedule's order is ``schedules.py``'s, the same the manual loop runs)."""
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -13,7 +15,15 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.memory import predicted_optimizer_bytes
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
-from parallel_lab.strategies.pp.plan import plan_stages, stage_shares
+from parallel_lab.strategies.pp.plan import block_costs, cuttable_blocks, plan_stages, rank_chunks, stage_shares
+from parallel_lab.strategies.pp.schedules import INTERLEAVED, peak_in_flight, rank_orders
+
+# What each strategy.impl runs (pp/strategy.py PipelineImpl); a pair (schedules, balances) per impl.
+BALANCES = ("params", "flops", "time")
+IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "manual": (("gpipe", "1f1b", "interleaved_1f1b"), BALANCES),
+    "torch": (("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), BALANCES),
+}
 
 
 def meta_model(cfg: DictConfig) -> nn.Sequential:
@@ -23,16 +33,109 @@ def meta_model(cfg: DictConfig) -> nn.Sequential:
     return build_meta_model(cfg.model)
 
 
+@functools.lru_cache(maxsize=32)
+def _cut(model: nn.Sequential, stages: int, virtual: int, cuts: tuple, balance: str, times: tuple) -> tuple:
+    """plan_stages of these options, once per planning (the planner asks for every rank)."""
+    costs = block_costs(model, balance, times)
+    return tuple(tuple(c) for c in plan_stages(model, stages, list(cuts), costs, virtual))
+
+
+def chunk_names(cfg: DictConfig, model: nn.Sequential) -> list[list[str]]:
+    """Every chunk's child names, in model order: the cut setup makes (``plan.chunk_plan``)."""
+    o = cfg.strategy
+    key = (o.stages, o.get("virtual_stages", 1), tuple(o.cuts), str(o.balance), tuple(o.block_times))
+    return [list(c) for c in _cut(model, *key)]
+
+
+def chunk_modules(cfg: DictConfig, model: nn.Sequential) -> list[nn.Sequential]:
+    return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names)) for names in chunk_names(cfg, model)]
+
+
+def rank_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
+    """Every block rank ``rank`` holds (its chunks), in model order."""
+    names = chunk_names(cfg, model)
+    mine = [n for c in rank_chunks(cfg.strategy, rank) for n in names[c]]
+    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in mine))
+
+
 def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
-    """Stage ``rank % stages`` of the (meta) model, as setup cuts it."""
-    names = plan_stages(model, cfg.strategy.stages, list(cfg.strategy.cuts))[rank % cfg.strategy.stages]
-    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names))
+    return rank_module(cfg, model, rank)  # the name tests/unit/test_plantime.py uses
+
+
+def chunk_inputs(cfg: DictConfig, model: nn.Sequential, batch: int) -> list[torch.Size]:
+    """The input shape of every chunk and, last, the model's output (meta forward: no compute)."""
+    x = torch.empty(batch, *SAMPLE_SHAPE, device="meta")
+    shapes = []
+    with torch.no_grad():
+        for chunk in chunk_modules(cfg, model):
+            shapes.append(x.shape)
+            x = chunk(x)
+    return [*shapes, x.shape]
 
 
 def pp_dims(opts: DictConfig) -> MeshDims:
     """strategy.replicate pipelines of strategy.stages consecutive ranks; the pipeline's group is
     laid out even at one stage (its sends stay inside it)."""
     return MeshDims(replicate=opts.replicate, pp=opts.stages, named=("pp",))
+
+
+def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
+    """The schedule, balance and virtual stages this impl runs; one line naming the fix."""
+    impl, schedule, v = str(opts.impl), str(opts.schedule), opts.virtual_stages
+    schedules, balances = IMPLS.get(impl, ((), ()))
+    if schedule not in schedules:
+        have = [i for i, (s, _) in IMPLS.items() if schedule in s]
+        fix = f"use strategy.impl={have[0]}" if have else f"choose strategy.schedule={'|'.join(schedules)}"
+        raise ConfigError(f"strategy.schedule={schedule} is not one strategy.impl={impl} runs; {fix}")
+    if str(opts.balance) not in balances:
+        raise ConfigError(
+            f"strategy.balance={opts.balance} is not one strategy.impl={impl} cuts by; use strategy.balance="
+            f"{'|'.join(balances)}"
+        )
+    if v > 1 and schedule not in INTERLEAVED:
+        raise ConfigError(
+            f"strategy.virtual_stages={v} needs an interleaved schedule (each rank several chunks); use "
+            f"strategy.schedule=interleaved_1f1b or strategy.virtual_stages=1"
+        )
+    p, m = opts.stages, opts.microbatches
+    if schedule in INTERLEAVED and p > 1 and m % p:
+        raise ConfigError(
+            f"strategy.microbatches={m} is not a multiple of strategy.stages={p}: interleaved 1F1B sends p "
+            "micro-batches through a chunk before the next (arXiv 2104.04473); use "
+            f"strategy.microbatches={p * max(1, m // p)}"
+        )
+    dropout = cfg.model.get("dropout") or 0
+    if impl == "torch" and dropout > 0:
+        raise ConfigError(
+            f"model.dropout={dropout} with strategy.impl=torch: torch's PipelineStage runs an extra forward "
+            "of the first micro-batch to infer shapes, which draws that micro-batch's dropout keys twice; "
+            "use strategy.impl=manual"
+        )
+    if impl == "torch" and schedule == "1f1b" and m < p:
+        raise ConfigError(
+            f"strategy.microbatches={m} < strategy.stages={p}: torch's Schedule1F1B "
+            f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
+        )
+
+
+def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
+    """balance=time: measure each block here, once, in the parent (pp/timing.py); times given
+    by hand must name every block."""
+    blocks = len(cuttable_blocks(meta_model(cfg)))
+    if opts.block_times and str(opts.balance) != "time":
+        raise ConfigError(
+            f"strategy.block_times is for strategy.balance=time (balance={opts.balance}); drop strategy.block_times"
+        )
+    if str(opts.balance) == "time" and not opts.cuts:
+        if not opts.block_times:
+            from parallel_lab.strategies.pp.timing import measure_block_times
+
+            opts.block_times = measure_block_times(cfg)
+        if len(opts.block_times) != blocks or min(opts.block_times) <= 0:
+            raise ConfigError(
+                f"strategy.block_times={list(opts.block_times)} must hold {blocks} positive seconds, one per block; "
+                "drop it to measure them (strategy.balance=time)"
+            )
 
 
 class PPPlan(PlanRules):
@@ -51,10 +154,10 @@ class PPPlan(PlanRules):
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        for key in ("stages", "microbatches"):
+        for key in ("stages", "microbatches", "virtual_stages"):
             if opts[key] < 1:
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
-        plan_stages(meta_model(cfg), opts.stages, list(opts.cuts))
+        check_schedule(opts, cfg)
         check_degrees(cfg, pp_dims(opts), {"pp": ("stages", "pipeline stages, one per process")})
         t = cfg.trainer
         per_step = t.global_batch // t.grad_accum
@@ -64,11 +167,8 @@ class PPPlan(PlanRules):
                 f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
                 f"use a divisor of {per_step}"
             )
-        if opts.impl == "torch" and opts.schedule == "1f1b" and opts.microbatches < opts.stages:
-            raise ConfigError(
-                f"strategy.microbatches={opts.microbatches} < strategy.stages={opts.stages}: torch's Schedule1F1B "
-                f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
-            )
+        plan_stages(meta_model(cfg), opts.stages, list(opts.cuts), None, opts.virtual_stages)  # the cut exists
+        check_balance(opts, cfg)
 
     @classmethod
     def min_global_batch(cls, cfg: DictConfig) -> int:
@@ -77,43 +177,50 @@ class PPPlan(PlanRules):
     @classmethod
     def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
         """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
-        ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight)."""
-        p, m, t = cfg.strategy.stages, cfg.strategy.microbatches, cfg.trainer
-        shares = stage_shares([_stage_module(cfg, model, s) for s in range(p)])
+        ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
+        Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473)."""
+        o, t = cfg.strategy, cfg.trainer
+        p, m, v = o.stages, o.microbatches, o.get("virtual_stages", 1)
+        shares = stage_shares(chunk_modules(cfg, model))
+        names = chunk_names(cfg, model)
+        times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(
             micro_batch=t.global_batch // t.grad_accum // m,
-            slots=t.grad_accum * (m + p - 1),
+            slots=t.grad_accum * (v * m + p - 1),
             flop_share=max(shares),
             calls_per_collective=m * t.grad_accum,
-            note=f"stage FLOP shares {', '.join(f'{s:.2f}' for s in shares)}",
+            note=f"{o.balance} cut {' | '.join(','.join(c) for c in names)}; chunk FLOP shares "
+            + ", ".join(f"{s:.2f}" for s in shares)
+            + times,
         )
 
     @classmethod
     def activation_bytes(
         cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
-        """Stages stash micro-batches (gpipe: all m; 1f1b: at most p - s); only the last stage
-        computes the loss."""
-        p, m, stage = cfg.strategy.stages, cfg.strategy.microbatches, rank % cfg.strategy.stages
+        """The most bytes the rank's schedule stashes at once (``peak_in_flight`` of its order: gpipe
+        all m micro-batches, 1f1b at most p - s, interleaved its warm-up's worth per chunk); only
+        the last chunk computes the loss. zero_bubble: counted as interleaved 1F1B (its weight
+        gradients keep some tensors longer: not verified)."""
+        o = cfg.strategy
+        p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), rank % o.stages
         mb = max(1, micro // m)
-        x = torch.empty(mb, *SAMPLE_SHAPE, device="meta")
-        with torch.no_grad():
-            for s in range(stage):
-                x = _stage_module(cfg, model, s)(x)
-        stash = m if cfg.strategy.schedule == "gpipe" else min(m, p - stage)
-        last = stage == p - 1
-        return stash * saved(_stage_module(cfg, model, stage), mb, tuple(x.shape[1:]), last), mb
+        shapes, chunks = chunk_inputs(cfg, model, mb), chunk_modules(cfg, model)
+        mine = rank_chunks(o, rank)
+        per_chunk = [saved(chunks[g], mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine]
+        schedule = str(o.schedule) if o.schedule != "zero_bubble" else "interleaved_1f1b"
+        return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk), mb
 
     @classmethod
     def predict_buffer_bytes(cls, cfg: DictConfig, model: nn.Module, rank: int) -> int:
         """The stage's BatchNorm buffers only."""
-        return sum(b.numel() * b.element_size() for b in _stage_module(cfg, model, rank).buffers())
+        return sum(b.numel() * b.element_size() for b in rank_module(cfg, model, rank).buffers())
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
-        """The stage's blocks (``plan_stages``, the same cut setup makes), held whole with torch's
+        """The rank's blocks (``plan_stages``, the same cut setup makes), held whole with torch's
         optimizer state (Adam: two moments and a 4-byte step tensor per parameter)."""
-        numels = [p.numel() for p in _stage_module(cfg, model, rank).parameters()]
+        numels = [p.numel() for p in rank_module(cfg, model, rank).parameters()]
         return {
             "param_bytes": 4 * sum(numels),
             "grad_bytes": 4 * sum(numels),
@@ -122,18 +229,16 @@ class PPPlan(PlanRules):
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
-        """Per step, every micro-batch's activation goes forward across each boundary after this
-        stage and its gradient back across the one before it: isend of the whole step's batch."""
-        p, stage = cfg.strategy.stages, rank % cfg.strategy.stages
-        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // (cfg.strategy.get("replicate") or 1)
-        x = torch.empty(batch, 3, 32, 32, device="meta")
-        boundaries = []
-        with torch.no_grad():
-            for s in range(p):
-                boundaries.append(x.numel())  # this stage's input
-                x = _stage_module(cfg, model, s)(x)
-        sent = (boundaries[stage + 1] if stage < p - 1 else 0) + (boundaries[stage] if stage > 0 else 0)
+        """Per step, every micro-batch's activation goes forward across each boundary after one of
+        this rank's chunks and its gradient back across the one before it: isend of the whole
+        step's batch."""
+        replicate = cfg.strategy.get("replicate") or 1
+        batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // replicate
+        sizes = [s.numel() for s in chunk_inputs(cfg, model, batch)]  # chunk g's input; sizes[-1]: the output
+        last = len(sizes) - 2
+        mine = rank_chunks(cfg.strategy, rank)
+        sent = sum((sizes[g + 1] if g < last else 0) + (sizes[g] if g > 0 else 0) for g in mine)
         comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
-        if (cfg.strategy.get("replicate") or 1) > 1:  # dp x pp: the stage's gradients all-reduced over replicas
-            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in _stage_module(cfg, model, rank).parameters())
+        if replicate > 1:  # dp x pp: the stage's gradients all-reduced over replicas
+            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in rank_module(cfg, model, rank).parameters())
         return comm

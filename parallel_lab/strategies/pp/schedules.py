@@ -1,63 +1,134 @@
-"""The order in which one stage runs its forwards (F) and backwards (B), and how its busy time is
-measured, the same way for both implementations."""
+"""The order in which one rank runs its forwards (F) and backwards (B), the bubble each schedule
+promises, and a play-out of the orders (what the planner and the tests take as the theory).
+
+An order is a list of ``(op, chunk, micro)``: op "F" or "B", ``chunk`` the rank's local model chunk
+(0 .. v-1; rank s holds the global chunks s, s+p, s+2p, ..., Narayanan et al. arXiv 2104.04473),
+``micro`` the micro-batch. gpipe and 1f1b hold one chunk per rank (v = 1)."""
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
-from torch import nn
+Op = tuple[str, int, int]
 
 
-def gpipe_order(m: int, p: int, s: int) -> list[tuple[str, int]]:
+def gpipe_order(m: int, p: int, s: int, v: int = 1) -> list[Op]:
     """GPipe: fill the pipe with every forward, then drain it with every backward."""
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
 
 
-def one_f_one_b_order(m: int, p: int, s: int) -> list[tuple[str, int]]:
+def one_f_one_b_order(m: int, p: int, s: int, v: int = 1) -> list[Op]:
     """1F1B: p-s-1 warm-up forwards, then one forward / one backward, then the last backwards.
     The oldest micro-batch is always the next to go backward, so at most p-s are in flight."""
     warmup = min(p - s - 1, m)
-    order = [("F", i) for i in range(warmup)]
+    order = [("F", 0, i) for i in range(warmup)]
     for k in range(m - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    return order + [("B", k) for k in range(m - warmup, m)]
+        order += [("F", 0, warmup + k), ("B", 0, k)]
+    return order + [("B", 0, k) for k in range(m - warmup, m)]
 
 
-SCHEDULES = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+def interleaved_order(m: int, p: int, s: int, v: int) -> list[Op]:
+    """Interleaved 1F1B (Megatron-LM, arXiv 2104.04473 section 2.2; m a multiple of p): the k-th
+    forward of a rank runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p, i.e. p
+    micro-batches through one chunk, then the same p through its next chunk; backwards walk the
+    chunks in reverse. (p - s - 1) * 2 + (v - 1) p warm-up forwards, then one forward / one
+    backward, then the remaining backwards."""
+    total = m * v
+
+    def op(kind: str, k: int) -> Op:
+        chunk = (k // p) % v
+        return kind, chunk if kind == "F" else v - 1 - chunk, (k // (p * v)) * p + k % p
+
+    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op("F", warmup + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
 
 
-class BusyTimer:
-    """Time a stage spends computing (forward and backward of its blocks), from hooks, so both
-    implementations measure idle time the same way: idle = step time - busy time.
+# The manual loop's schedules; zero_bubble runs only under strategy.impl=torch (no order here).
+SCHEDULES: dict[str, Callable[[int, int, int, int], list[Op]] | None] = {
+    "gpipe": gpipe_order,
+    "1f1b": one_f_one_b_order,
+    "interleaved_1f1b": interleaved_order,
+    "zero_bubble": None,
+}
+INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # the schedules that take strategy.virtual_stages > 1
 
-    Forward: between the module's forward pre-hook and forward hook. Backward: from the moment
-    the gradient of the stage's output arrives (a hook on the output tensor) to the last
-    accumulation into one of its parameters (the first layers' gradients come last)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.busy = 0.0
-        self.enabled = False
-        self._start: float | None = None
-        module.register_forward_pre_hook(lambda *_: self._begin())
-        module.register_forward_hook(self._after_forward)
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(lambda _: self._end(keep_open=True))
+def bubble_fraction(schedule: str, m: int, p: int, v: int = 1) -> float:
+    """The share of a step each rank idles with equal chunks: (p-1)/(m+p-1) for GPipe and 1F1B
+    (arXiv 1811.06965, 1806.03377), (p-1)/(v m+p-1) for interleaved 1F1B (2104.04473: the bubble
+    shrinks v-fold). Zero bubble (2401.10241) fills it with weight gradients: its fraction is
+    measured, not promised (returned as the interleaved one, its upper bound)."""
+    return (p - 1) / (v * m + p - 1) if schedule in INTERLEAVED else (p - 1) / (m + p - 1)
 
-    def _after_forward(self, module, inputs, output) -> None:
-        self._end()
-        if output.requires_grad:
-            output.register_hook(lambda grad: self._begin())
 
-    def _begin(self) -> None:
-        self._start = time.perf_counter()
+def rank_orders(schedule: str, m: int, p: int, v: int) -> list[list[Op]]:
+    order = SCHEDULES[schedule] or interleaved_order
+    return [order(m, p, s, v) for s in range(p)]
 
-    def _end(self, keep_open: bool = False) -> None:
-        if self._start is None or not self.enabled:
-            return
-        now = time.perf_counter()
-        self.busy += now - self._start
-        self._start = now if keep_open else None
+
+def play(orders: list[list[Op]], forward: Sequence[float], backward: Sequence[float]) -> tuple[float, list[float]]:
+    """Play the ranks' orders out, each op starting when its rank is free and its input is there
+    (F of global chunk g after F of g-1; B after B of g+1, or after its own F on the last chunk);
+    ``forward[g]``/``backward[g]``: one micro-batch through global chunk g. Returns (the step: the
+    last op's end, each rank's busy time). A cycle (a rank waiting on a rank that waits on it)
+    raises: the order would deadlock a real pipeline too."""
+    p = len(orders)
+    last = len(forward) - 1
+    done: dict[tuple[str, int, int], float] = {}
+    free, nxt, busy = [0.0] * p, [0] * p, [0.0] * p
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                op, chunk, i = orders[r][nxt[r]]
+                g = chunk * p + r
+                need = ("F", g - 1, i) if op == "F" else ("B", g + 1, i) if g < last else ("F", g, i)
+                if op == "F" and g == 0:
+                    need = None
+                if need is not None and need not in done:
+                    break
+                cost = forward[g] if op == "F" else backward[g]
+                start = max(free[r], done[need] if need else 0.0)
+                free[r] = done[(op, g, i)] = start + cost
+                busy[r] += cost
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the orders deadlock: ranks stop at {nxt}")
+    return max(free), busy
+
+
+def peak_in_flight(order: list[Op], chunk_bytes: Sequence[int]) -> int:
+    """The most bytes a rank's order holds for backward at once: each forward of local chunk c
+    stashes ``chunk_bytes[c]`` until that chunk's backward of the same micro-batch."""
+    held, peak = 0, 0
+    for op, chunk, _ in order:
+        held += chunk_bytes[chunk] if op == "F" else -chunk_bytes[chunk]
+        peak = max(peak, held)
+    return peak
+
+
+class Busy:
+    """A rank's compute time in its pipeline step: the manual loop and torch's stages time each
+    forward and backward call (its receives and sends outside), so both measure idle the same
+    way: idle = step time - busy."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
 
 
 def gpipe_step_time(forward: Sequence[float], backward: Sequence[float], m: int, handoff: float = 0.0) -> float:

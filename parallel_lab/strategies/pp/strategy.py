@@ -1,27 +1,27 @@
-"""``pp``: toy pipeline parallelism. GPipe (Huang et al., arXiv 1811.06965) and 1F1B (PipeDream,
-Narayanan et al., arXiv 1806.03377).
+"""``pp``: toy pipeline parallelism. GPipe (Huang et al., arXiv 1811.06965), 1F1B (PipeDream,
+Narayanan et al., arXiv 1806.03377), interleaved 1F1B (Narayanan et al., arXiv 2104.04473) and,
+under torch.distributed.pipelining, zero bubble (Qi et al., arXiv 2401.10241). docs/pp.md.
 
-The SAME model (an ``nn.Sequential`` of blocks) is cut into ``strategy.stages`` contiguous stages,
-one per process: rank s keeps only stage s (the other stages' weights are freed). Each step's batch
-is split into ``strategy.microbatches`` micro-batches that flow through the stages:
+The SAME model (an ``nn.Sequential`` of blocks) is cut into ``strategy.stages`` x
+``strategy.virtual_stages`` contiguous chunks (``plan.py``, balanced by ``strategy.balance``):
+rank s of a pipeline holds chunks s, s + p, ... and frees the other weights. Each step's batch is
+split into ``strategy.microbatches`` micro-batches that flow through the chunks:
 
-- forward: stage s receives micro-batch i's activation from s-1 (recv), runs its blocks, sends the
-  result to s+1 (send). The last stage computes the loss.
-- backward: the last stage starts from the loss; every other stage receives d(loss)/d(its output)
-  from s+1, back-propagates through its blocks and sends d(loss)/d(its input) to s-1.
+- forward: a chunk receives micro-batch i's activation from the chunk before it (recv), runs its
+  blocks, sends the result on (send). The last chunk computes the loss.
+- backward: the last chunk starts from the loss; every other receives d(loss)/d(its output),
+  back-propagates through its blocks and sends d(loss)/d(its input) back.
 
-Communication is point-to-point only: per micro-batch, one activation and one gradient tensor per
-stage boundary. The price is the *bubble*: with p stages and m micro-batches each stage idles for
-(p-1) of the m+p-1 time slots of a step, a fraction (p-1)/(m+p-1), whatever the schedule.
+Communication is point-to-point only. The price is the *bubble*: with p stages and m micro-batches
+each stage idles (p-1)/(m+p-1) of a step under GPipe and 1F1B, (p-1)/(v m+p-1) interleaved
+(``schedules.bubble_fraction``). Schedules (the order of one rank's forwards F and backwards B,
+``schedules.py``): ``gpipe`` stashes all m micro-batches, ``1f1b`` at most p-s on stage s,
+``interleaved_1f1b`` v chunks per rank, ``zero_bubble`` (torch only) splits backward into input and
+weight gradients and fills the bubble with the latter.
 
-Schedules (the order in which one stage runs its forwards F and backwards B):
-- ``gpipe``: all m forwards, then all m backwards. Simple; every stage stashes m activations.
-- ``1f1b``: a few warm-up forwards (p-s-1), then alternate one forward / one backward, then the
-  remaining backwards. Same bubble, but stage s stashes at most p-s activations instead of m.
-
-``strategy.impl=torch`` runs the same stages with torch.distributed.pipelining (``PipelineStage``,
-``ScheduleGPipe``, ``Schedule1F1B``). Evaluation, the loss report and the parameter gather are
-shared by both implementations.
+``strategy.impl=manual``: our isend/recv loop (``manual.py``); ``torch``: the same chunks as
+torch's ``PipelineStage``s under its schedule classes (``torch_pipe.py``). Evaluation, the loss
+report and the parameter gather are shared by both implementations.
 
 dp x pp: ``strategy.replicate=R`` pipelines on a (replicate, pp) mesh (``strategies/mesh.py``),
 R x stages = world_size. Pipeline r is ranks r*p .. r*p+p-1 and reads its own global_batch / R
@@ -34,7 +34,7 @@ by m * grad_accum before backward: the summed gradient is the gradient of the gl
 
 from __future__ import annotations
 
-import contextlib
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -52,23 +52,25 @@ from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
-from parallel_lab.strategies.pp.plan import plan_stages
-from parallel_lab.strategies.pp.rules import PPPlan, meta_model
-from parallel_lab.strategies.pp.schedules import SCHEDULES, BusyTimer
+from parallel_lab.strategies.pp.activations import SavedTracker
+from parallel_lab.strategies.pp.manual import ManualLoop
+from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
+from parallel_lab.strategies.pp.rules import BALANCES, PPPlan, chunk_modules, chunk_names, meta_model
+from parallel_lab.strategies.pp.schedules import SCHEDULES, Busy, bubble_fraction
+from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 
 
 class PipelineImpl(Choice):
-    """strategy.impl of pp: whose pipeline runs the stages."""
+    """strategy.impl of pp: whose pipeline runs the stages (pp/rules.py IMPLS: what each runs)."""
 
     manual = "manual"
     torch = "torch"
 
 
 Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
-
-BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its backward BACKWARD_TAG + i
+Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut evens out.", __name__)
 
 
 @dataclass
@@ -78,9 +80,15 @@ class PPOptions(StrategyOptions):
     stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
-    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b
+    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (impl=torch)
     impl: PipelineImpl = PipelineImpl.manual  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
-    # names of the blocks that start stages 2..p, e.g. [fc1]; [] = balance the stages by parameter count
+    # model chunks per rank (interleaved schedules): the model is cut into stages x virtual_stages chunks
+    virtual_stages: int = 1
+    # what the cut evens out per chunk: flops (forward FLOPs, models/flops.py) | params | time (measured)
+    balance: Balance = Balance["flops"]
+    # balance=time: each block's forward+backward seconds, measured in the parent when left [] (pp/timing.py)
+    block_times: list[float] = field(default_factory=list)
+    # names of the blocks that start chunks 2..p*v, e.g. [fc1]; [] = cut by strategy.balance
     cuts: list[str] = field(default_factory=list)
 
 
@@ -88,10 +96,14 @@ class PPState(RankShardState):
     """One file per stage; the stages' parameters gathered to every rank in model order."""
 
     def full_parameters(self) -> list[torch.Tensor]:
-        """Every stage's parameters, gathered to every rank in model order (stage order = rank order)."""
+        """Every stage's parameters, gathered to every rank in model order (an interleaved rank's
+        chunks are not contiguous: ordered by name, in the full model's order)."""
         per_stage: list = [None] * self.env.world_size
-        dist.all_gather_object(per_stage, [p.detach().cpu() for p in self.model.parameters()])
-        return [p for stage in per_stage[: self.opts.stages] for p in stage]
+        named = [(n, p.detach().cpu()) for n, p in self.model.named_parameters()]
+        dist.all_gather_object(per_stage, named)
+        pairs = [pair for stage in per_stage[: self.opts.stages] for pair in stage]
+        order = self.strategy.chunk_order
+        return [p for _, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0]))]
 
 
 class PPMemory(HeldMemory):  # the model here is this stage only
@@ -122,141 +134,98 @@ class PipelineParallelStrategy(Strategy):
     Memory = PPMemory
     Norm = PPNorm
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.opts.stages - 1
-
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
-        p = self.opts.stages
         self.stage = self.layout.coords(self.env.rank)["pp"]
         self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
         self.group = self.mesh.group("pp")  # this rank's pipeline (None: the world)
         self.replicate_group = self.mesh.group(REPLICATE)  # None: one pipeline
-        self.stage_names = plan_stages(model, p, list(self.opts.cuts))
-        mine = self.stage_names[self.stage]
-        children = dict(model.named_children())
-        for name, child in children.items():
-            if name not in mine:
-                child.to("meta")  # free the weights of the other stages: this rank holds only its own
-        # Same child names as the full model, so parameter names match the single run's.
-        self.model = nn.Sequential(OrderedDict((n, children[n]) for n in mine)).to(self.device)
-        self.optimizer = make_optimizer(self.model.parameters())
         meta = meta_model(self.cfg)
-        self.meta_stages = [
-            nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in names)) for names in self.stage_names
-        ]
-        self.shapes: dict[tuple, torch.Size] = {}
-        self.timer = BusyTimer(self.model)
-        self.records: list[tuple[float, float, float]] = []  # per train_step: (total, busy, recv wait)
-        self.max_inflight = 0
-        self.schedule = self._torch_schedule() if self.opts.impl == "torch" else None
-
-    def _torch_schedule(self):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        self.pipe_stage = PipelineStage(self.model, self.stage, self.opts.stages, self.device, group=self.group)
-        # scale_grads=False: torch would divide ALL accumulated gradients by m after each step,
-        # which breaks gradient accumulation; our loss is pre-scaled instead (see module docstring).
-        return classes[self.opts.schedule](
-            self.pipe_stage, n_microbatches=self.opts.microbatches, loss_fn=self._torch_loss, scale_grads=False
+        self.chunk_names = chunk_names(self.cfg, meta)  # the planner's cut (balance, cuts), every chunk
+        self.chunk_ids = rank_chunks(self.opts, self.stage)
+        self.meta_chunks = chunk_modules(self.cfg, meta)
+        children = dict(model.named_children())
+        mine = [[children[n] for n in self.chunk_names[g]] for g in self.chunk_ids]
+        for name, child in children.items():
+            if all(child is not c for chunk in mine for c in chunk):
+                child.to("meta")  # free the weights of the other stages: this rank holds only its own
+        self.model, self.chunks = self.build_stage(
+            [[(n, children[n]) for n in self.chunk_names[g]] for g in self.chunk_ids], self.group
         )
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.shapes: dict[tuple, torch.Size] = {}
+        self.busy, self.recv_wait, self.losses = Busy(), 0.0, []
+        self.records: list[tuple[float, float, float]] = []  # per train_step: (total, busy, recv wait)
+        self.saved = SavedTracker(self.model.parameters())
+        self.activation_peak = 0
+        self.loop = ManualLoop(self) if self.opts.impl == "manual" else None
+        self.schedule = torch_schedule(self, self._torch_loss)[0] if self.loop is None else None
 
-    def _boundary_shape(self, stage: int, sample_shape: torch.Size, batch: int) -> torch.Size:
-        """Shape of stage `stage`'s output for a batch (inferred on the meta device: no compute)."""
-        key = (stage, tuple(sample_shape), batch)
+    def build_stage(
+        self, chunks: list[list[tuple[str, nn.Module]]], group
+    ) -> tuple[nn.Sequential, list[nn.Sequential]]:
+        """This rank's stage from its chunks' (name, module) pairs and its pipeline's group: the
+        modules it holds in model order (same child names as the full model, so parameter names
+        match the single run's) and each chunk as a Sequential of the same modules. The one place a
+        stage is made: a split of its layers (tensor parallel) goes here."""
+        del group  # the stage's modules need no group yet; a tensor-parallel split of them will
+        held = sorted((pair for chunk in chunks for pair in chunk), key=lambda pair: self.chunk_order(pair[0]))
+        model = nn.Sequential(OrderedDict(held)).to(self.device)
+        return model, [nn.Sequential(OrderedDict(chunk)) for chunk in chunks]
+
+    def chunk_order(self, name: str) -> int:
+        return [n for names in self.chunk_names for n in names].index(name)
+
+    def chunk_input_shape(self, g: int, like: torch.Tensor) -> torch.Size:
+        """Shape of global chunk g's input for a batch shaped like ``like`` (meta: no compute)."""
+        key = (g, tuple(like.shape))
         if key not in self.shapes:
-            x = torch.empty((batch, *sample_shape), device="meta")
-            for module in self.meta_stages[: stage + 1]:
-                x = module(x)
+            x = torch.empty(like.shape, device="meta")
+            with torch.no_grad():
+                for module in self.meta_chunks[:g]:
+                    x = module(x)
             self.shapes[key] = x.shape
         return self.shapes[key]
 
-    # ----- point-to-point helpers (manual impl) -----
-    def _recv(self, shape: torch.Size, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, device=self.device)
-        start = time.perf_counter()
-        # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
-        # idle (the pipeline bubble), not as communication (worker/timeline.py).
-        with trace_label(f"{IDLE_LABEL}recv"):
-            dist.recv(buf, src=src, tag=tag, group=self.group)  # src: a global rank
-        self._recv_wait += time.perf_counter() - start  # idle: waiting for the neighbour
-        return buf
-
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        # Non-blocking: a stage never waits for its neighbour to take the data, so two stages
-        # sending to each other at once (1F1B's steady state) cannot deadlock.
-        self._pending.append((dist.isend(tensor.contiguous(), dst=dst, tag=tag, group=self.group), tensor))
+    def rank_of(self, g: int) -> int:
+        return self.env.rank - self.stage + g % self.opts.stages
 
     # ----- training -----
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
-        self._recv_wait, self._num_micro, self._losses = 0.0, num_micro, []
-        self.timer.busy, self.timer.enabled = 0.0, True
+        self.recv_wait, self.num_micro, self.losses = 0.0, num_micro, []
+        self.busy.seconds = 0.0
+        self.saved.peak = held_before = self.saved.held
         start = time.perf_counter()
-        if self.schedule is None:
-            self._manual_step(inputs, targets)
-        else:
-            self._torch_step(inputs, targets)
-        self.timer.enabled = False
-        self.records.append((time.perf_counter() - start, self.timer.busy, self._recv_wait))
-        # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
-        return torch.stack(self._losses).mean() if self.is_last else torch.zeros((), device=self.device)
-
-    def _manual_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        m, p, s = self.opts.microbatches, self.opts.stages, self.stage
-        xs, ys = inputs.chunk(m), targets.chunk(m)
-        self._pending, stash = [], {}
-        for op, i in SCHEDULES[self.opts.schedule](m, p, s):
-            if op == "F":
-                stash[i] = self._forward(i, xs[i], ys[i])
-                self.max_inflight = max(self.max_inflight, len(stash))
+        with self.saved.hooks():
+            if self.loop is not None:
+                self.loop.step(inputs, targets, num_micro)
             else:
-                self._backward(i, *stash.pop(i))
-        # gloo completes a send when the neighbour has received it: waiting here is waiting for
-        # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
-        with trace_label(f"{IDLE_LABEL}send"):
-            for work, _ in self._pending:
-                work.wait()
-        self._pending = []
-
-    def _forward(self, i: int, x: torch.Tensor, y: torch.Tensor):
-        if not self.is_first:
-            shape = self._boundary_shape(self.stage - 1, x.shape[1:], len(x))
-            x = self._recv(shape, src=self.env.rank - 1, tag=i).requires_grad_()
-        out = self.model(x)
-        if self.is_last:
-            loss = self.loss_fn(out, y)
-            self._losses.append(loss.detach())
-            return x, loss
-        self._send(out.detach(), dst=self.env.rank + 1, tag=i)
-        return x, out
-
-    def _backward(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.is_last:
-            # out is micro-batch i's mean loss: scale so the summed gradient is the global mean's.
-            (out / (self.opts.microbatches * self._num_micro)).backward()
-        else:
-            grad = self._recv(out.shape, src=self.env.rank + 1, tag=BACKWARD_TAG + i)
-            out.backward(grad)
-        if not self.is_first:
-            self._send(x.grad, dst=self.env.rank - 1, tag=BACKWARD_TAG + i)
+                self._torch_step(inputs, targets)
+        if self.opts.stages > 1:
+            # The flush: the pipeline's step ends when its last op anywhere is done; every stage
+            # waits for it here (as before any optimizer step), so each stage's step is the
+            # pipeline's and its idle the schedule's bubble, wherever in the step it falls.
+            with trace_label(f"{IDLE_LABEL}flush"):
+                dist.barrier(group=self.group)
+        self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait))
+        self.activation_peak = self.saved.peak - held_before
+        # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
+        has_loss = bool(self.losses)
+        return torch.stack(self.losses).mean() if has_loss else torch.zeros((), device=self.device)
 
     def _torch_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Called by torch per micro-batch (and once on placeholder tensors while it infers shapes).
-        return self.loss_fn(out, target) / (self.opts.microbatches * self._num_micro)
+        return self.loss_fn(out, target) / (self.opts.microbatches * self.num_micro)
 
     def _torch_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": []} if self.is_last else {}
-        with _torch_waits_traced_as_idle():
+        n = self.opts.stages * self.opts.virtual_stages
+        first, last = 0 in self.chunk_ids, n - 1 in self.chunk_ids
+        args = (inputs,) if first else ()
+        kwargs = {"target": targets, "losses": []} if last else {}
+        with torch_waits_traced_as_idle():
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        if self.is_last:  # undo the pre-scaling to report each micro-batch's mean loss
-            self._losses = [x.detach() * (self.opts.microbatches * self._num_micro) for x in kwargs["losses"]]
+        if last:  # undo the pre-scaling to report each micro-batch's mean loss
+            self.losses = [x.detach() * (self.opts.microbatches * self.num_micro) for x in kwargs["losses"]]
 
     def average_over_replicas(self) -> None:
         """Data parallelism: stage s averages its gradients with stage s of the other pipelines."""
@@ -279,20 +248,19 @@ class PipelineParallelStrategy(Strategy):
         dist.all_reduce(loss)
         return float(loss / self.opts.replicate)
 
-    # ----- evaluation: one forward of the whole batch through the stages -----
+    # ----- evaluation: one forward of the whole batch through the chunks, in model order -----
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """Logits on the last stage, None elsewhere (every stage must call this together)."""
-        x = inputs
-        if not self.is_first:
-            shape = self._boundary_shape(self.stage - 1, inputs.shape[1:], len(inputs))
-            x = torch.empty(shape, device=self.device)
-            dist.recv(x, src=self.env.rank - 1, group=self.group)
-        out = self.model(x)
-        if self.is_last:
-            return out
-        dist.send(out.contiguous(), dst=self.env.rank + 1, group=self.group)
-        return None
+        """Logits on the rank of the last chunk, None elsewhere (every stage must call this together)."""
+        n, x = self.opts.stages * self.opts.virtual_stages, inputs
+        for chunk, g in zip(self.chunks, self.chunk_ids):
+            if g > 0 and self.rank_of(g - 1) != self.env.rank:
+                x = torch.empty(self.chunk_input_shape(g, inputs), device=self.device)
+                dist.recv(x, src=self.rank_of(g - 1), group=self.group)
+            x = chunk(x)
+            if g < n - 1 and self.rank_of(g + 1) != self.env.rank:
+                dist.send(x.contiguous(), dst=self.rank_of(g + 1), group=self.group)
+        return x if n - 1 in self.chunk_ids else None
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(counts)  # only the last stages counted (each its pipeline's shard); the rest hold 0
@@ -300,16 +268,20 @@ class PipelineParallelStrategy(Strategy):
 
     # ----- proof -----
     def extra_metrics(self) -> dict:
-        p, m = self.opts.stages, self.opts.microbatches
+        o = self.opts
+        p, m, v = o.stages, o.microbatches, o.virtual_stages
         skip = self.cfg.trainer.warmup_steps * self.cfg.trainer.grad_accum
         kept = self.records[skip:] if len(self.records) > skip else self.records
         total, busy, wait = (sum(r[i] for r in kept) for i in range(3))
         mine = {
             "idle_s": max(total - busy, 0.0),
-            "idle_fraction": max(total - busy, 0.0) / total if total else 0.0,
-            "recv_wait_s": wait if self.schedule is None else None,
-            "max_inflight": self.max_inflight if self.schedule is None else None,
+            # the median step's: a step in which another process took this core is one outlier
+            "idle_fractions": [max(t - b, 0.0) / t for t, b, _ in kept],
+            "recv_wait_s": wait if self.loop is not None else None,
+            "max_inflight": self.loop.max_inflight if self.loop is not None else None,
             "params": sum(q.numel() for q in self.model.parameters()),
+            "layers": list(self.model._modules),
+            "activation_peak": self.activation_peak,
         }
         stages: list = [None] * self.env.world_size
         dist.all_gather_object(stages, mine)
@@ -317,43 +289,26 @@ class PipelineParallelStrategy(Strategy):
         return {
             "pp_stages": p,
             "pp_microbatches": m,
-            "pp_schedule": self.opts.schedule,
-            "pp_impl": self.opts.impl,
-            "pp_stage_layers": self.stage_names,
+            "pp_virtual_stages": v,
+            "pp_schedule": str(o.schedule),
+            "pp_impl": str(o.impl),
+            "pp_balance": str(o.balance),
+            "pp_block_costs": block_costs(meta_model(self.cfg), str(o.balance), list(o.block_times)),
+            "pp_block_times_s": list(o.block_times) or None,  # balance=time: measured in the parent
+            "pp_chunk_layers": self.chunk_names,
+            "pp_stage_layers": [st["layers"] for st in stages],
             "pp_stage_params": [st["params"] for st in stages],
-            "pp_bubble_fraction_theory": (p - 1) / (m + p - 1),
+            "pp_bubble_fraction_theory": bubble_fraction(str(o.schedule), m, p, v),
             # Measured over the steps after warm-up: step time minus time in this stage's compute.
             "pp_idle_s": [st["idle_s"] for st in stages],
-            "pp_idle_fraction": [st["idle_fraction"] for st in stages],
+            "pp_idle_fraction": [statistics.median(st["idle_fractions"] or [0.0]) for st in stages],
+            "pp_idle_fraction_steps": [st["idle_fractions"] for st in stages],  # each train_step after warm-up
             "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
+            # bytes autograd held for backward at the step's peak (pp/activations.py), last step
+            "pp_activation_peak_bytes": [st["activation_peak"] for st in stages],
         }
 
     def teardown(self) -> None:
         super().teardown()
-        self.schedule = self.pipe_stage = self.meta_stages = self.timer = self.replicate_group = None
-
-
-@contextlib.contextmanager
-def _torch_waits_traced_as_idle():
-    """torch.distributed.pipelining blocks on its stage-to-stage messages in one module function,
-    ``schedules._wait_batch_p2p``; wrapped here so the trace labels those waits idle (the bubble),
-    as the manual loop's ``_recv`` does, instead of exposed communication. Only while this
-    strategy's step runs; a torch without that function is left as it is (the waits then count
-    as communication)."""
-    from torch.distributed.pipelining import schedules
-
-    original = getattr(schedules, "_wait_batch_p2p", None)
-    if original is None:
-        yield
-        return
-
-    def wait(work):
-        with trace_label(f"{IDLE_LABEL}p2p"):
-            return original(work)
-
-    schedules._wait_batch_p2p = wait
-    try:
-        yield
-    finally:
-        schedules._wait_batch_p2p = original
+        self.schedule = self.loop = self.meta_chunks = self.chunks = self.saved = self.replicate_group = None

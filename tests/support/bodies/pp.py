@@ -25,7 +25,12 @@ def strategy_matrix_body(
         idle = metrics.strategy_extras["pp_idle_fraction"]
         assert len(idle) == p and all(0.0 <= f <= 1.0 for f in idle), f"{overrides}: idle fractions {idle}"
         if strategy.opts.impl == "manual":
-            expected = [m if strategy.opts.schedule == "gpipe" else min(p - s, m) for s in range(p)]
+            from parallel_lab.strategies.pp.schedules import peak_in_flight, rank_orders
+
+            orders = rank_orders(str(strategy.opts.schedule), m, p, strategy.opts.virtual_stages)
+            expected = [peak_in_flight(order, [1] * strategy.opts.virtual_stages) for order in orders]
+            if strategy.opts.virtual_stages == 1:  # the schedules' promise, not only the order's count
+                assert expected == [m if strategy.opts.schedule == "gpipe" else min(p - s, m) for s in range(p)]
             inflight = metrics.strategy_extras["pp_max_inflight_microbatches"]
             assert inflight == expected, f"{overrides}: stashed micro-batches {inflight}, schedule promises {expected}"
 

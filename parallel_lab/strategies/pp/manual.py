@@ -1,0 +1,129 @@
+"""``strategy.impl=manual``: the pipeline loop with our own isend/recv, one order per rank from
+``schedules.py`` (gpipe, 1f1b, interleaved_1f1b), any number of chunks per rank.
+
+Global chunk g lives on pipeline rank g % p; its input comes from chunk g - 1, its output goes to
+chunk g + 1 (with v > 1 the last rank sends back to the first). Tags: the forward tensor entering
+chunk g for micro-batch i is ``g m + i``, the gradient leaving it ``BACKWARD_TAG + g m + i``.
+
+Dropout (models/dropout.py): a sample's masks are keyed by its pixels, which only the ``embed``
+layer sees. Every rank of a pipeline reads the pipeline's whole batch (the last needs the targets),
+so a rank without the first chunk keys each micro-batch from its own copy of the pixels, once per
+micro-batch as single's ``embed`` does (the same occurrence counts), and every chunk after the
+first runs with its micro-batch's keys."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from parallel_lab.comm.counter import trace_label
+from parallel_lab.models.dropout import SampleDropout
+from parallel_lab.protocol import IDLE_LABEL
+from parallel_lab.strategies.pp.schedules import SCHEDULES
+
+BACKWARD_TAG = 1 << 20
+
+
+class ManualLoop:
+    """Runs one rank's order; ``pipe`` is the strategy (its chunks, group, options and timers)."""
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+        o = pipe.opts
+        self.m, self.p, self.n = o.microbatches, o.stages, o.stages * o.virtual_stages
+        self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
+        self.base = pipe.env.rank - pipe.stage  # the pipeline's first global rank
+        self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
+        self.max_inflight = 0
+
+    def rank_of(self, g: int) -> int:
+        return self.base + g % self.p
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> None:
+        pipe = self.pipe
+        # Micro-batches in storages of their own: what a stage holds for backward is its micro-batch,
+        # not a view keeping the whole batch (the activations the planner counts).
+        self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
+        self.num_micro, self.pending, self.local, self.micro_keys = num_micro, [], {}, {}
+        stash = {}
+        for op, c, i in self.order:
+            g = pipe.chunk_ids[c]
+            if op == "F":
+                stash[(c, i)] = self.forward(c, g, i)
+                self.max_inflight = max(self.max_inflight, len(stash))
+            else:
+                self.backward(g, i, *stash.pop((c, i)))
+        # gloo completes a send when the neighbour has received it: waiting here is waiting for
+        # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
+        with trace_label(f"{IDLE_LABEL}send"):
+            for work, _ in self.pending:
+                work.wait()
+        self.pending = []
+
+    # ----- point to point (a chunk whose neighbour is on this rank hands over in memory) -----
+    def recv(self, shape: torch.Size, g_from: int, tag: int) -> torch.Tensor:
+        if self.rank_of(g_from) == self.pipe.env.rank:
+            return self.local.pop(tag)
+        buf = torch.empty(shape, device=self.pipe.device)
+        start = time.perf_counter()
+        # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
+        # idle (the pipeline bubble), not as communication (worker/timeline.py).
+        with trace_label(f"{IDLE_LABEL}recv"):
+            dist.recv(buf, src=self.rank_of(g_from), tag=tag, group=self.pipe.group)
+        self.pipe.recv_wait += time.perf_counter() - start
+        return buf
+
+    def send(self, tensor: torch.Tensor, g_to: int, tag: int) -> None:
+        if self.rank_of(g_to) == self.pipe.env.rank:
+            self.local[tag] = tensor.detach().clone()
+            return
+        # Non-blocking: a stage never waits for its neighbour to take the data, so two stages
+        # sending to each other at once (1F1B's steady state) cannot deadlock.
+        work = dist.isend(tensor.contiguous(), dst=self.rank_of(g_to), tag=tag, group=self.pipe.group)
+        self.pending.append((work, tensor))
+
+    # ----- dropout's per-sample keys -----
+    def use_keys(self, g: int, i: int) -> None:
+        if self.keys is None or g == 0:
+            return  # chunk 0's embed keys the micro-batch itself
+        if i not in self.micro_keys:  # a rank without chunk 0: key the micro-batch from its pixels
+            self.keys.set(self.xs[i])
+            self.micro_keys[i] = self.keys.keys
+        self.keys.keys = self.micro_keys[i]
+
+    # ----- one op -----
+    def forward(self, c: int, g: int, i: int):
+        pipe, m = self.pipe, self.m
+        if g == 0:
+            x = self.xs[i]
+        else:
+            shape = pipe.chunk_input_shape(g, self.xs[i])
+            x = self.recv(shape, g - 1, tag=g * m + i).requires_grad_()
+        self.use_keys(g, i)
+        start = time.perf_counter()
+        out = pipe.chunks[c](x)
+        if g == 0 and self.keys is not None:
+            self.micro_keys[i] = self.keys.keys  # what the embed set, for this rank's later chunks
+        if g == self.n - 1:
+            out = pipe.loss_fn(out, self.ys[i])
+            pipe.losses.append(out.detach())
+        pipe.busy.seconds += time.perf_counter() - start
+        if g < self.n - 1:
+            self.send(out.detach(), g + 1, tag=(g + 1) * m + i)
+        return x, out
+
+    def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        tag = BACKWARD_TAG + g * self.m + i
+        if g == self.n - 1:
+            # out is micro-batch i's mean loss: scale so the summed gradient is the global mean's.
+            start = time.perf_counter()
+            (out / (self.m * self.num_micro)).backward()
+        else:
+            grad = self.recv(out.shape, g + 1, tag=tag)
+            start = time.perf_counter()
+            out.backward(grad)
+        self.pipe.busy.seconds += time.perf_counter() - start
+        if g > 0:
+            self.send(x.grad, g - 1, tag=tag - self.m)

@@ -1,0 +1,143 @@
+"""Pipelines on model=vit (equal blocks) on real ranks, several configurations in one set of 2
+ranks: with dropout each trains as single does (every stage draws single's per-sample masks), the
+bytes autograd held at the step's peak are the planner's per rank (1F1B below GPipe), a cut by
+hand-given block times is the ranks' cut; and (extra) the measured idle of every stage is the
+schedule's bubble. The orders and formulas in-process: tests/unit/test_pipeline_parallel.py."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support.reference import parity_reference
+
+STEPS, BATCH = 5, 16  # tests/integration/test_vit.py's: the same dropout reference
+RUN = ("model=vit", "model.dropout=0.1", "data.size=4096", "trainer.eval_batches=0")
+CONFIGS = {
+    "gpipe": ["strategy.schedule=gpipe"],
+    "1f1b": ["strategy.schedule=1f1b"],
+    "interleaved": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+}
+# block3 alone costs more than the rest together: the only best cut puts it with the head
+TIME_GIVEN = {"time-given": ["strategy.balance=time", "strategy.block_times=[1,1,1,1,10,1]"]}
+
+
+def pp_vit_body(rank: int, world_size: int, configs: dict, steps: int, global_batch: int, run: list, out: str) -> None:
+    """Train each configuration in turn through the real loop; rank 0 saves the gathered final
+    parameters; print one JSON line: id -> (losses, strategy_extras, resolved strategy options)."""
+    from omegaconf import OmegaConf
+
+    from tests.support.model_parallel import train_configuration
+
+    results = {}
+    for name, overrides in configs.items():
+        base = ["strategy=pp", f"world_size={world_size}", f"strategy.stages={world_size}", *run]
+        cfg, strategy, metrics = train_configuration(steps, global_batch, *base, *overrides)
+        params = strategy.state.full_parameters()  # collective
+        if rank == 0:  # in the single model's order
+            torch.save(params, Path(out) / f"{name}.pt")
+        results[name] = {
+            "losses": metrics.losses,
+            "extras": metrics.strategy_extras,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        }
+        strategy.teardown()
+        dist.barrier()
+    print(json.dumps(results))
+
+
+def run_pp_vit(configs: dict, tmp: Path, steps: int = STEPS, global_batch: int = BATCH, run=RUN) -> dict:
+    from parallel_lab.cli.run import run_ranks
+
+    kwargs = dict(configs=configs, steps=steps, global_batch=global_batch, run=list(run), out=str(tmp))
+    outputs = run_ranks(pp_vit_body, 2, timeout=400, **kwargs)
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, Path]:
+    tmp = tmp_path_factory.mktemp("pp_vit")
+    return run_pp_vit(CONFIGS, tmp), tmp
+
+
+def planned_activations(config: dict) -> list[int]:
+    """The planner's activation bytes per rank for the run's own resolved config."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = OmegaConf.create(config)
+    return [p.activation_bytes for p in plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))]
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_pp_with_dropout_trains_the_vit_as_single_does(runs, config):
+    """Every stage keys its micro-batches from the pixels (pp/manual.py): single's masks."""
+    results, tmp = runs
+    reference = parity_reference("vit_dropout", steps=STEPS, global_batch=BATCH)
+    params = torch.load(tmp / f"{config}.pt", weights_only=True)
+    verdict = reference.verdict(results[config]["losses"], params, f"vit pp {config} dropout")
+    assert verdict.passed, f"{config}: not single's training: {verdict.reason()}"
+
+
+@pytest.mark.slow
+def test_measured_activation_peaks_are_the_plans_and_1f1b_holds_less(runs):
+    results, _ = runs
+    measured = {name: r["extras"]["pp_activation_peak_bytes"] for name, r in results.items()}
+    for name, r in results.items():
+        assert measured[name] == planned_activations(r["config"]), name
+    assert all(a < b for a, b in zip(measured["1f1b"], measured["gpipe"])), measured
+    print("activation peaks (bytes per rank):", json.dumps(measured))
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+def test_time_balance_cuts_where_the_block_times_say(runs, tmp_path):
+    """The ranks cut by the times config.yaml holds (the parent's measurement, or these by hand).
+    Default suite: tests/unit/test_pipeline_parallel.py
+    test_time_balance_is_measured_once_in_the_parent_and_cuts_by_it."""
+    extras = run_pp_vit(TIME_GIVEN, tmp_path)["time-given"]["extras"]
+    assert extras["pp_stage_layers"] == [["embed", "block0", "block1", "block2"], ["block3", "head"]]
+    assert extras["pp_block_times_s"] == [1, 1, 1, 1, 10, 1] and extras["pp_balance"] == "time"
+    flops_cut = [["embed", "block0", "block1"], ["block2", "block3", "head"]]
+    assert runs[0]["gpipe"]["extras"]["pp_stage_layers"] == flops_cut
+
+
+# ----- the bubble, measured (extra: timing on a shared machine) -----
+IDLE_RUN = ("model=vit", "data.size=2048", "trainer.eval_batches=0", "trainer.warmup_steps=2")
+IDLE_CONFIGS = {
+    "gpipe": ["strategy.schedule=gpipe"],
+    "1f1b": ["strategy.schedule=1f1b"],
+    "interleaved": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+}
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+def test_every_stage_idles_the_schedules_bubble(tmp_path):
+    """Each stage's idle share of its step (step minus its timed forward and backward calls, the
+    median step after warm-up; every stage's step ends at the pipeline's flush) is within 0.05 of
+    (p-1)/(m+p-1) (gpipe, 1f1b) or (p-1)/(v m+p-1) (interleaved): vit depth 4, 2 stages, m = 4
+    micro-batches of 64. The default suite keeps the formula alive with the played-out orders
+    (tests/unit/test_pipeline_parallel.py test_orders_played_out_idle_the_formula). Measured on
+    the shared 2-core machine (load average 7-9): gpipe held in 3 of 5 runs, 1f1b in 3 of 5,
+    interleaved in 0 of 5 (idle 0.20-0.30), so this test failed every time there (docs/pp.md)."""
+    results = run_pp_vit(IDLE_CONFIGS, tmp_path, steps=8, global_batch=256, run=IDLE_RUN)
+    table = {}
+    for name, r in results.items():
+        e = r["extras"]
+        table[name] = ([round(f, 3) for f in e["pp_idle_fraction"]], round(e["pp_bubble_fraction_theory"], 3))
+    print("idle per stage vs formula:", json.dumps(table))
+    for name, (idle, theory) in table.items():
+        assert all(abs(f - theory) <= 0.05 for f in idle), (name, idle, theory)
+    assert statistics.mean(table["interleaved"][0]) < statistics.mean(table["1f1b"][0])
