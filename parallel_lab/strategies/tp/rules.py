@@ -8,19 +8,26 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
-from parallel_lab.strategies.planning import ComputeShape, PlanRules
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
+# vit: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``).
 TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("fc1", "fc2")],
     "resnet18": [(None, "fc")],
+    "vit": [],
 }
 CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("block1.0", "block2.0")],
 }
 
 
-def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
+def split_plan(model_name: str, split_conv: bool, model: nn.Module) -> list[tuple[str | None, str]]:
+    """(column, row) pairs of ``model`` (the vit's come from its blocks)."""
+    if model_name == "vit":
+        from parallel_lab.strategies.tp.megatron import vit_plan
+
+        return vit_plan(model)
     return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
 
 
@@ -62,6 +69,8 @@ class TPPlan(PlanRules):
                 "strategy.split_conv=true needs strategy.impl=manual "
                 "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
             )
+        if model_name == "vit" or opts.sequence_parallel:
+            cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):
             if width % opts.tp:
                 raise ConfigError(
@@ -71,6 +80,41 @@ class TPPlan(PlanRules):
         check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})
 
     @classmethod
+    def _check_vit(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """Megatron's split needs whole heads per rank; sequence parallelism needs the vit, tp > 1
+        and whole tokens per rank; DTensor's SP regions hand DTensors to the per-sample dropout."""
+        from parallel_lab.models import vit_sizes
+        from parallel_lab.models.vit import IMAGE
+
+        if opts.sequence_parallel and cfg.model.name != "vit":
+            raise ConfigError(
+                f"strategy.sequence_parallel=true shards the vit's tokens, model={cfg.model.name} has none; "
+                "use model=vit or strategy.sequence_parallel=false"
+            )
+        if opts.sequence_parallel and opts.tp < 2:
+            raise ConfigError(
+                f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={opts.tp}); "
+                "use strategy.tp=2 or strategy.sequence_parallel=false"
+            )
+        sizes = vit_sizes(cfg.model)
+        if sizes["heads"] % opts.tp:
+            raise ConfigError(
+                f"strategy.tp={opts.tp} does not divide model.heads={sizes['heads']} (each rank holds whole heads); "
+                f"use a strategy.tp that divides {sizes['heads']}"
+            )
+        tokens = (IMAGE // sizes["patch"]) ** 2
+        if opts.sequence_parallel and tokens % opts.tp:
+            raise ConfigError(
+                f"strategy.tp={opts.tp} does not divide the {tokens} tokens of model.patch={sizes['patch']} "
+                f"(strategy.sequence_parallel=true); use a strategy.tp that divides {tokens}"
+            )
+        if opts.sequence_parallel and opts.impl == "dtensor" and sizes["dropout"] > 0:
+            raise ConfigError(
+                f"model.dropout={sizes['dropout']} with strategy.impl=dtensor strategy.sequence_parallel=true: "
+                "the per-sample dropout after attn.proj/mlp.fc2 would get a DTensor; use strategy.impl=manual"
+            )
+
+    @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
         """(layer, width, which width) for every dimension the plan splits; built on the meta
         device, so no memory is used and no weights are initialised."""
@@ -78,7 +122,7 @@ class TPPlan(PlanRules):
 
         model = build_meta_model(cfg.model)
         widths = []
-        for column, row in split_plan(cfg.model.name, opts.split_conv):
+        for column, row in split_plan(cfg.model.name, opts.split_conv, model):
             if column is not None:
                 widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
             widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
@@ -89,7 +133,8 @@ class TPPlan(PlanRules):
         """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
         from parallel_lab.strategies.tp.predict import tp_share
 
-        split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
+        plan = split_plan(cfg.model.name, cfg.strategy.split_conv, model)
+        split = [layer for pair in plan for layer in pair if layer]
         share = tp_share(model, split, cfg.strategy.tp)
         shape = super().compute_shape(cfg, model)
         return ComputeShape(
@@ -101,10 +146,26 @@ class TPPlan(PlanRules):
         """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
         from parallel_lab.strategies.tp.predict import predict_tp_memory
 
-        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)
+        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model), rank)
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """vit: what this rank's split model saves, counted on a meta copy split as the run splits
+        it (heads/t, hidden/t; under SP the token regions /t); other models: the whole model's."""
+        if cfg.model.name != "vit" or cfg.strategy.tp < 2:
+            return super().activation_bytes(cfg, model, rank, micro, saved)
+        from parallel_lab.strategies.tp.predict import split_meta_vit
+
+        return saved(split_meta_vit(cfg, model, rank), micro, SAMPLE_SHAPE, True), micro
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
         from parallel_lab.strategies.tp.predict import predict_tp_comm
 
-        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv))
+        if cfg.model.name == "vit":
+            from parallel_lab.strategies.tp.predict import predict_vit_comm
+
+            return predict_vit_comm(cfg, model)
+        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model))
