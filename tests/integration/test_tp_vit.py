@@ -13,15 +13,15 @@ from tests.support.bodies.tp_vit import tp_vit_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
 
 STEPS, BATCH = 3, 16
-DEFAULT = {  # one set of ranks for the default suite
-    "manual": ["strategy.impl=manual"],
+DEFAULT = {  # one set of ranks for the default suite: SP, per-rank dropout masks, both impls
     "manual-sp-dropout": ["strategy.impl=manual", "strategy.sequence_parallel=true", "model.dropout=0.1"],
-    "dtensor-sp": ["strategy.impl=dtensor", "strategy.sequence_parallel=true"],
+    "dtensor-dropout": ["strategy.impl=dtensor", "model.dropout=0.1"],
 }
 EXTRA = {
+    "manual": ["strategy.impl=manual"],
     "manual-sp": ["strategy.impl=manual", "strategy.sequence_parallel=true"],
+    "dtensor-sp": ["strategy.impl=dtensor", "strategy.sequence_parallel=true"],
     "dtensor": ["strategy.impl=dtensor"],
-    "dtensor-dropout": ["strategy.impl=dtensor", "model.dropout=0.1"],
     "manual-dropout": ["strategy.impl=manual", "model.dropout=0.1"],
     "manual-sp-grad_accum": ["strategy.impl=manual", "strategy.sequence_parallel=true", "trainer.grad_accum=2"],
     "dtensor-sp-grad_accum": ["strategy.impl=dtensor", "strategy.sequence_parallel=true", "trainer.grad_accum=2"],

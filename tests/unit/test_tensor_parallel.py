@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.model_parallel import assert_one_line_config_error
+from tests.support.model_parallel import assert_one_line_config_error, compose_config
 
 
 @pytest.mark.parametrize(
@@ -15,7 +15,44 @@ from tests.support.model_parallel import assert_one_line_config_error
         (["strategy.tp=4", "world_size=2"], ["strategy.tp=4", "world_size=2"]),
         (["strategy.impl=megatron"], ["strategy.impl=megatron"]),
         (["strategy.impl=dtensor", "strategy.split_conv=true"], ["strategy.split_conv=true"]),
+        # the vit's Megatron split (tp/megatron.py): whole heads, whole hidden features, whole tokens
+        (["model=vit", "model.heads=2", "strategy.tp=4", "world_size=4"], ["strategy.tp=4", "model.heads=2"]),
+        (["model=vit", "model.heads=3", "model.dim=48", "strategy.tp=2"], ["strategy.tp=2", "model.heads=3"]),
+        (["model=vit", "model.mlp_ratio=1.5", "model.dim=34", "model.heads=2"], ["51", "mlp.fc1"]),
+        (["model=vit", "strategy.sequence_parallel=true", "strategy.tp=1", "world_size=1"], ["strategy.tp=1"]),
+        (["strategy.sequence_parallel=true"], ["model=cnn", "strategy.sequence_parallel=false"]),
+        (
+            ["model=vit", "model.patch=32", "strategy.sequence_parallel=true", "strategy.tp=2"],
+            ["1 tokens", "model.patch=32"],
+        ),
+        (
+            ["model=vit", "model.dropout=0.1", "strategy.impl=dtensor", "strategy.sequence_parallel=true"],
+            ["strategy.impl=manual", "DTensor"],
+        ),
     ],
 )
 def test_tp_bad_input_is_one_config_error(overrides, named):
     assert_one_line_config_error("tp", overrides, named)
+
+
+def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
+    """The planner's activations (a meta copy split as the run splits it; tests/integration/
+    test_tp_vit.py checks them against a real forward): the LayerNorm/residual/dropout regions
+    hold tokens/tp, so sequence parallelism saves less than plain tp, which saves less than one
+    whole model; and its communication equals plain tp's plus the embedding's gather, the pool
+    and the LayerNorm gradient sums."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    def plan(*overrides):
+        cfg = compose_config("model=vit", "world_size=2", "trainer.global_batch=8", *overrides)
+        return plan_world(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model))[0]
+
+    single, tp, sp = plan("strategy=single", "world_size=1"), plan("strategy=tp"), plan(
+        "strategy=tp", "strategy.sequence_parallel=true"
+    )
+    assert sp.activation_bytes < tp.activation_bytes < single.activation_bytes
+    a = 8 * 64 * 64 * 4  # one (batch, tokens, dim) fp32 activation
+    assert tp.comm == {"all_reduce": 4 * 2 * 2 * 2 * a}
+    assert sp.comm["all_gather_single"] + sp.comm["reduce_scatter_single"] == tp.comm["all_reduce"] + a

@@ -68,16 +68,16 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     if cfg.strategy.impl == "manual":  # DTensor's saved tensors are DTensors: not counted here
         strategy.model.train()
         measured_activations = saved_bytes_of_a_real_forward(strategy.model, plan.micro_batch)
-    dropout = cfg.model.dropout or 0.0
-    ref = parity_reference(
-        "vit_dropout" if dropout else "vit",
-        steps=cfg.trainer.steps,
-        global_batch=cfg.trainer.global_batch,
-        threads=1,
-        data_size=DATA_SIZE,
-    )
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
-    ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+    if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
+        ref = parity_reference(
+            "vit_dropout" if cfg.model.dropout else "vit",
+            steps=cfg.trainer.steps,
+            global_batch=cfg.trainer.global_batch,
+            threads=1,
+            data_size=DATA_SIZE,
+        )
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
     row = metrics.ranks[rank]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
