@@ -49,8 +49,10 @@ def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
         cfg = compose_config("model=vit", "world_size=2", "trainer.global_batch=8", *overrides)
         return plan_world(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model))[0]
 
-    single, tp, sp = plan("strategy=single", "world_size=1"), plan("strategy=tp"), plan(
-        "strategy=tp", "strategy.sequence_parallel=true"
+    single, tp, sp = (
+        plan("strategy=single", "world_size=1"),
+        plan("strategy=tp"),
+        plan("strategy=tp", "strategy.sequence_parallel=true"),
     )
     assert sp.activation_bytes < tp.activation_bytes < single.activation_bytes
     a = 8 * 64 * 64 * 4  # one (batch, tokens, dim) fp32 activation

@@ -48,7 +48,8 @@ def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
     if not x.is_meta:
         dist.all_gather_single(out, x.contiguous(), group=group)
-    return out.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1)  # one copy: (.., size, local, ..) -> (.., size*local, ..)
+    # one copy: (size, .., local, ..) -> (.., size * local, ..)
+    return out.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Megatron's split of the vit's transformer blocks (Shoeybi et al., arXiv 1909.08053, sec. 3),
 with optional sequence parallelism (Korthikanti et al., arXiv 2205.05198, sec. 4.2.2).
 
-``split_transformer(model, tp, sequence_parallel)`` is the one entry point (the strategy's, and a
+``split_transformer(model, tp, sequence_parallel)`` (``tp/split.py``) is the one entry point (the strategy's, and a
 pipeline stage's later: it splits whatever ``block*`` children the module has, and an ``embed`` /
 ``head`` only where present). ``tp`` is a ``TPGroup`` (this project's f/g functions,
 ``strategy.impl=manual``) or a 1-D ``DeviceMesh`` (torch.distributed.tensor.parallel,
@@ -74,13 +74,8 @@ def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
     return [(f"{b}.{c}", f"{b}.{ROWS[c == 'mlp.fc1']}") for b in blocks(model) for c in COLUMNS]
 
 
-def split_transformer(model: nn.Module, tp, sequence_parallel: bool) -> dict[str, int]:
-    """Split ``model``'s blocks in place over ``tp`` (a ``TPGroup``: manual; a 1-D DeviceMesh:
-    dtensor); return {parameter name: dimension it is split along} of the sharded parameters."""
-    if not isinstance(tp, TPGroup):
-        from parallel_lab.strategies.tp.megatron_dtensor import split_transformer_dtensor
-
-        return split_transformer_dtensor(model, tp, sequence_parallel)
+def split_transformer_manual(model: nn.Module, tp: TPGroup, sequence_parallel: bool) -> dict[str, int]:
+    """``tp/split.py``'s ``split_transformer`` with this project's f/g functions."""
     shard_dims: dict[str, int] = {}
     for block in blocks(model):
         shard_dims.update(_split_block(model, block, tp, sequence_parallel))

@@ -49,7 +49,7 @@ def _block_plan(sequence_parallel: bool) -> dict:
 
 
 def split_transformer_dtensor(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, int]:
-    """``megatron.split_transformer`` on a 1-D DeviceMesh; {sharded parameter: its split dim}."""
+    """``split.split_transformer`` on a 1-D DeviceMesh; {sharded parameter: its split dim}."""
     plan = _block_plan(sequence_parallel)
     # The heads' and hidden features' dropouts see this rank's local slice (the layers return
     # local tensors): they draw the whole sample's mask and keep their slice, as in the manual split.

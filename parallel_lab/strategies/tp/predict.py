@@ -103,7 +103,8 @@ def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
     meta device its collectives only shape their outputs): the planner counts what it saves."""
     import copy
 
-    from parallel_lab.strategies.tp.megatron import TPGroup, split_transformer
+    from parallel_lab.strategies.tp.megatron import TPGroup
+    from parallel_lab.strategies.tp.split import split_transformer
 
     tp = cfg.strategy.tp
     split = copy.deepcopy(model)
@@ -112,7 +113,7 @@ def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
 
 
 def vit_comm_formula(
-    batch: int, tokens: int, dim: int, depth: int, tp: int, sequence_parallel: bool, impl: str, elem: int = 4
+    batch: int, tokens: int, dim: int, depth: int, sequence_parallel: bool, impl: str, elem: int = 4
 ) -> dict[str, float]:
     """Bytes per micro-batch one tp rank issues (comm/counter.py's units: an all-reduce of B bytes
     counts 2B; an all-gather its output, a reduce-scatter its input), tp > 1.
@@ -125,9 +126,13 @@ def vit_comm_formula(
     act = batch * tokens * dim * elem  # one (batch, tokens, dim) activation
     if not sequence_parallel:
         return {"all_reduce": depth * 2 * 2 * 2.0 * act}  # blocks x directions x sublayers x counted 2B
-    gather, scatter = ("all_gather_single", "reduce_scatter_single") if impl == "manual" else (
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
+    gather, scatter = (
+        ("all_gather_single", "reduce_scatter_single")
+        if impl == "manual"
+        else (
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        )
     )
     comm = {gather: depth * 2 * 2 * act + act, scatter: depth * 2 * 2.0 * act}  # + embed's backward gather
     if impl == "manual":
@@ -162,16 +167,11 @@ def predict_vit_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     tokens = (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2
     batch = cfg.trainer.global_batch // accum // replicate
     sp = bool(s.get("sequence_parallel"))
-    comm = {op: n * accum for op, n in vit_comm_formula(batch, tokens, dim, depth, tp, sp, s.impl).items()}
+    comm = {op: n * accum for op, n in vit_comm_formula(batch, tokens, dim, depth, sp, s.impl).items()}
     if sp:
         comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sequence_parallel_grad_numel(dim, depth, s.impl)
     if replicate > 1:
-        plan = [pair for pair in _vit_pairs(model)]
-        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(_sharded_numels(model, plan, tp, 0))
+        from parallel_lab.strategies.tp.megatron import vit_plan
+
+        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(_sharded_numels(model, vit_plan(model), tp, 0))
     return comm
-
-
-def _vit_pairs(model: nn.Module):
-    from parallel_lab.strategies.tp.megatron import vit_plan
-
-    return vit_plan(model)

@@ -50,8 +50,9 @@ from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
-from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params, split_transformer
+from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
+from parallel_lab.strategies.tp.split import split_transformer
 
 
 class TensorImpl(Choice):
