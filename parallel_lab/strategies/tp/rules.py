@@ -37,6 +37,37 @@ def tp_dims(opts: DictConfig) -> MeshDims:
     return MeshDims(replicate=opts.replicate, tp=opts.tp, named=("tp",))
 
 
+def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
+    """Megatron's split needs whole heads and hidden features per rank; sequence parallelism whole
+    tokens; DTensor's SP regions would hand DTensors to the per-sample dropout (also fsdp's 2-D)."""
+    from parallel_lab.models import build_meta_model, vit_sizes
+    from parallel_lab.models.vit import IMAGE
+
+    sizes = vit_sizes(cfg.model)
+    if sizes["heads"] % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide model.heads={sizes['heads']} (each rank holds whole heads); "
+            f"use a strategy.tp that divides {sizes['heads']}"
+        )
+    hidden = build_meta_model(cfg.model).block0.mlp.fc1.out_features
+    if hidden % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide the {hidden} output features of mlp.fc1 (the MLP's hidden width); "
+            f"use a strategy.tp that divides {hidden}"
+        )
+    tokens = (IMAGE // sizes["patch"]) ** 2
+    if sequence_parallel and tokens % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide the {tokens} tokens of model.patch={sizes['patch']} "
+            f"(strategy.sequence_parallel=true); use a strategy.tp that divides {tokens}"
+        )
+    if sequence_parallel and impl == "dtensor" and sizes["dropout"] > 0:
+        raise ConfigError(
+            f"model.dropout={sizes['dropout']} with strategy.impl=dtensor strategy.sequence_parallel=true: "
+            "the per-sample dropout after attn.proj/mlp.fc2 would get a DTensor; use strategy.impl=manual"
+        )
+
+
 class TPPlan(PlanRules):
     degree_key = "tp"
 
@@ -81,11 +112,6 @@ class TPPlan(PlanRules):
 
     @classmethod
     def _check_vit(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        """Megatron's split needs whole heads per rank; sequence parallelism needs the vit, tp > 1
-        and whole tokens per rank; DTensor's SP regions hand DTensors to the per-sample dropout."""
-        from parallel_lab.models import vit_sizes
-        from parallel_lab.models.vit import IMAGE
-
         if opts.sequence_parallel and cfg.model.name != "vit":
             raise ConfigError(
                 f"strategy.sequence_parallel=true shards the vit's tokens, model={cfg.model.name} has none; "
@@ -96,23 +122,7 @@ class TPPlan(PlanRules):
                 f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={opts.tp}); "
                 "use strategy.tp=2 or strategy.sequence_parallel=false"
             )
-        sizes = vit_sizes(cfg.model)
-        if sizes["heads"] % opts.tp:
-            raise ConfigError(
-                f"strategy.tp={opts.tp} does not divide model.heads={sizes['heads']} (each rank holds whole heads); "
-                f"use a strategy.tp that divides {sizes['heads']}"
-            )
-        tokens = (IMAGE // sizes["patch"]) ** 2
-        if opts.sequence_parallel and tokens % opts.tp:
-            raise ConfigError(
-                f"strategy.tp={opts.tp} does not divide the {tokens} tokens of model.patch={sizes['patch']} "
-                f"(strategy.sequence_parallel=true); use a strategy.tp that divides {tokens}"
-            )
-        if opts.sequence_parallel and opts.impl == "dtensor" and sizes["dropout"] > 0:
-            raise ConfigError(
-                f"model.dropout={sizes['dropout']} with strategy.impl=dtensor strategy.sequence_parallel=true: "
-                "the per-sample dropout after attn.proj/mlp.fc2 would get a DTensor; use strategy.impl=manual"
-            )
+        check_vit_split(cfg, opts.tp, opts.sequence_parallel, opts.impl)
 
     @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
