@@ -52,3 +52,26 @@ def test_tp_vit_is_singles_training_with_the_megatron_bytes(default_results, con
 def test_tp_vit_more_configurations(extra_results, config):
     """The rest of the matrix; test_tp_vit_is_singles_training_with_the_megatron_bytes keeps the claim in make test."""
     assert_every_rank_passed(extra_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
+    """torchtitan's 2-D layout, strategy=fsdp strategy.tp=2 at world 4 (slow on 2 cores: extra;
+    tests/unit/test_tensor_parallel.py::test_fsdp_tp_lays_out_one_shard_x_tp_mesh keeps the layout
+    and its refusals in make test, and the split itself is the dtensor one judged above)."""
+    from parallel_lab.models import build_meta_model
+    from tests.support.model_parallel import compose_config
+    from tests.support.reference import parity_reference
+
+    steps, batch = 5, 16
+    m = cli(
+        "model=vit", "strategy=fsdp", "strategy.tp=2", "world_size=4",
+        f"trainer.steps={steps}", f"trainer.global_batch={batch}", "trainer.eval_batches=0",
+    )  # fmt: skip
+    parity_reference("vit", steps=steps, global_batch=batch).assert_run_matches(m, "vit fsdp x tp")
+    assert m["strategy_extras"]["mesh"]["dims"] == {"shard": 2, "tp": 2}
+    # fully_shard halves everything, Megatron's split halves the blocks' Linears again: < a half each
+    full = 4 * sum(p.numel() for p in build_meta_model(compose_config("model=vit").model).parameters())
+    assert all(r["param_bytes"] < full / 2 for r in m["ranks"]), [r["param_bytes"] for r in m["ranks"]]

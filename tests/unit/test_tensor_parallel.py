@@ -58,3 +58,22 @@ def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
     a = 8 * 64 * 64 * 4  # one (batch, tokens, dim) fp32 activation
     assert tp.comm == {"all_reduce": 4 * 2 * 2 * 2 * a}
     assert sp.comm["all_gather_single"] + sp.comm["reduce_scatter_single"] == tp.comm["all_reduce"] + a
+
+
+def test_fsdp_tp_lays_out_one_shard_x_tp_mesh():
+    """strategy=fsdp strategy.tp=2 at world 4: one (shard 2, tp 2) mesh; the tp ranks of a
+    data-parallel rank read the same samples. Refused in one line: another model, another
+    sharding, heads the degree does not divide. Trained: tests/integration/test_tp_vit.py (extra)."""
+    from parallel_lab.strategies.fsdp.rules import FSDPPlan
+
+    cfg = compose_config("model=vit", "strategy=fsdp", "strategy.tp=2", "world_size=4")
+    dims = FSDPPlan.dims(cfg)
+    assert (dims.shard, dims.tp, dims.replicate) == (2, 2, 1)
+    assert [dims.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert FSDPPlan.data_parallel_size(cfg) == 2
+    for overrides, named in (
+        (["model=cnn"], ["model=vit", "strategy.tp=1"]),
+        (["model=vit", "strategy.sharding=grad_op"], ["strategy.sharding=full"]),
+        (["model=vit", "model.heads=3", "model.dim=48"], ["model.heads=3"]),
+    ):
+        assert_one_line_config_error("fsdp", ["strategy.tp=2", "world_size=4", *overrides], named)
