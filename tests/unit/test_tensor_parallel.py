@@ -77,3 +77,14 @@ def test_fsdp_tp_lays_out_one_shard_x_tp_mesh():
         (["model=vit", "model.heads=3", "model.dim=48"], ["model.heads=3"]),
     ):
         assert_one_line_config_error("fsdp", ["strategy.tp=2", "world_size=4", *overrides], named)
+
+
+def test_the_command_line_refuses_sequence_parallel_without_tp_with_exit_2(tmp_path):
+    """In the parent (in-process), one line, exit 2, no run folder."""
+    from tests.support.cli import assert_one_clean_line, run_cli
+
+    run_dir = tmp_path / "run"
+    overrides = ("model=vit", "strategy=tp", "strategy.tp=1", "world_size=1", "strategy.sequence_parallel=true")
+    result = run_cli(run_dir, *overrides, check=False, timeout=120)
+    assert_one_clean_line(result, run_dir, "strategy.sequence_parallel=true needs strategy.tp > 1")
+    assert result.returncode == 2 and not run_dir.exists()
