@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims
-from parallel_lab.strategies.planning import PlanRules
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, PlanRules, SavedBytes
 
 
 def shard_size(cfg: DictConfig) -> int:
@@ -114,6 +114,18 @@ class FSDPPlan(PlanRules):
         if cfg.strategy.sharding == "hybrid":
             return 2 * gather + 1.0 + 2.0 / shard_size(cfg)
         return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; not checked
+        against a real 2-D forward); otherwise the whole model's."""
+        if cfg.strategy.get("tp", 1) == 1:
+            return super().activation_bytes(cfg, model, rank, micro, saved)
+        from parallel_lab.strategies.tp.predict import split_meta_vit
+
+        return saved(split_meta_vit(cfg, model, rank), micro, SAMPLE_SHAPE, True), micro
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:

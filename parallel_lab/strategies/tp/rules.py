@@ -145,11 +145,16 @@ class TPPlan(PlanRules):
 
         plan = split_plan(cfg.model.name, cfg.strategy.split_conv, model)
         split = [layer for pair in plan for layer in pair if layer]
+        calls = None
+        if cfg.model.name == "vit":  # each rank's attention core runs on its heads only
+            from parallel_lab.strategies.tp.megatron import blocks
+
+            split += [f"{b}.attn.core" for b in blocks(model)]
+            calls = 4 * len(blocks(model)) * cfg.trainer.grad_accum  # 2 per block each way (SP: of each kind)
         share = tp_share(model, split, cfg.strategy.tp)
         shape = super().compute_shape(cfg, model)
-        return ComputeShape(
-            shape.micro_batch, shape.slots, share, note=f"tp rank does {share:.2f} of the FLOPs on the whole batch"
-        )
+        note = f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        return ComputeShape(shape.micro_batch, shape.slots, share, calls, note)
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
