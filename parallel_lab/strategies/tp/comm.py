@@ -148,3 +148,22 @@ def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group, size: int) -> t
 def scatter_to_sequence(x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
     """A replicated tensor's tokens of this rank; the ranks' gradients gathered back in backward."""
     return _ScatterToSequence.apply(x, dim, group, rank, size)
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    """All-gather along ``dim`` forward for a replicated consumer; backward keeps this rank's chunk
+    of the (identical on every rank) gradient: no communication."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.size = dim, rank, size
+        return _all_gather(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size, ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
+def gather_to_replicated(x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+    """The sequence-sharded tokens, whole on every rank, for a replicated module (DTensor's head)."""
+    return _GatherToReplicated.apply(x, dim, group, rank, size)

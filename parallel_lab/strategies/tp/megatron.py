@@ -42,6 +42,7 @@ from torch import nn
 from parallel_lab.strategies.tp.comm import (
     copy_to_tp,
     gather_from_sequence,
+    gather_to_replicated,
     reduce_from_tp,
     scatter_to_sequence,
 )
@@ -74,8 +75,12 @@ def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
     return [(f"{b}.{c}", f"{b}.{ROWS[c == 'mlp.fc1']}") for b in blocks(model) for c in COLUMNS]
 
 
-def split_transformer_manual(model: nn.Module, tp: TPGroup, sequence_parallel: bool) -> dict[str, int]:
-    """``tp/split.py``'s ``split_transformer`` with this project's f/g functions."""
+def split_transformer_manual(
+    model: nn.Module, tp: TPGroup, sequence_parallel: bool, gather_head: bool = False
+) -> dict[str, int]:
+    """``tp/split.py``'s ``split_transformer`` with this project's f/g functions. gather_head: the
+    SP head gets all tokens gathered (as the dtensor split does; the planner's count of it)
+    instead of pooling its own tokens."""
     shard_dims: dict[str, int] = {}
     for block in blocks(model):
         shard_dims.update(_split_block(model, block, tp, sequence_parallel))
@@ -84,7 +89,11 @@ def split_transformer_manual(model: nn.Module, tp: TPGroup, sequence_parallel: b
             model.embed.register_forward_hook(
                 lambda _m, _a, out: scatter_to_sequence(out, TOKENS, tp.group, tp.rank, tp.size)
             )
-        if hasattr(model, "head"):
+        if hasattr(model, "head") and gather_head:
+            model.head.register_forward_pre_hook(
+                lambda _m, args: (gather_to_replicated(args[0], TOKENS, tp.group, tp.rank, tp.size),)
+            )
+        elif hasattr(model, "head"):
             replace_module(model, "head", SequenceParallelHead(model.head, tp))
     return shard_dims
 

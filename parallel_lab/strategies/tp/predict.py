@@ -100,15 +100,16 @@ def tp_share(model: nn.Module, split_layers: list[str], degree: int) -> float:
 # ----- the vit's Megatron split (tp/megatron.py) -----
 def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
     """A meta copy of the vit split as tp rank ``rank % tp`` splits it (the manual split; on the
-    meta device its collectives only shape their outputs): the planner counts what it saves."""
+    meta device its collectives only shape their outputs): the planner counts what it saves.
+    dtensor's SP head normalises all tokens gathered, the manual one its own: gather_head."""
     import copy
 
-    from parallel_lab.strategies.tp.megatron import TPGroup
-    from parallel_lab.strategies.tp.split import split_transformer
+    from parallel_lab.strategies.tp.megatron import TPGroup, split_transformer_manual
 
-    tp = cfg.strategy.tp
+    tp, sp = cfg.strategy.tp, bool(cfg.strategy.get("sequence_parallel"))
     split = copy.deepcopy(model)
-    split_transformer(split, TPGroup(None, rank % tp, tp), bool(cfg.strategy.get("sequence_parallel")))
+    dtensor = cfg.strategy.get("impl", "dtensor") == "dtensor"  # fsdp's 2-D layout splits with DTensor
+    split_transformer_manual(split, TPGroup(None, rank % tp, tp), sp, gather_head=dtensor)
     return split
 
 
