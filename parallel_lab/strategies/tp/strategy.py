@@ -21,6 +21,9 @@ What is split, per model (``TP_PLANS``):
 - resnet18: only the head ``fc`` (512->10), row-parallel on its 512 input features, fed by the
   replicated pooled features (each rank slices them; f sums the slices' gradients back). 97% of
   ResNet-18's weights are convolutions and stay replicated: this is a toy split of the head.
+- vit: Megatron's split of every block (q/k/v and fc1 column, proj and fc2 row; 2 all-reduces per
+  block each way), optionally with sequence parallelism (``strategy.sequence_parallel``):
+  ``tp/megatron.py``, ``tp/megatron_dtensor.py``, entry point ``tp/split.py``, docs/tp.md.
 
 ``strategy.impl=dtensor`` does the same split with torch.distributed.tensor.parallel
 (``ColwiseParallel``/``RowwiseParallel`` on a 1-D DeviceMesh), where DTensor inserts the same two
