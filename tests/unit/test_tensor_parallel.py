@@ -86,3 +86,24 @@ def test_the_command_line_refuses_sequence_parallel_without_tp_with_exit_2(tmp_p
     result = run_cli(run_dir, *overrides, check=False, timeout=120)
     assert_one_clean_line(result, run_dir, "strategy.sequence_parallel=true needs strategy.tp > 1")
     assert result.returncode == 2 and not run_dir.exists()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_each_rank_plans_only_its_slice_of_the_dropout_masks(sp):
+    """model.dropout=0.1 adds, per rank: the embedding's whole bool mask; per block the attention
+    core's mask and dropped probabilities (1 + 4 bytes) for its heads/tp, mlp.drop1's mask for its
+    hidden/tp, and the two output dropouts' masks, whole or (SP) for tokens/tp: the planner's count
+    (equal to a real forward: tests/integration/test_tp_vit.py) holds slices, not views of whole masks."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    def planned(*overrides):
+        cfg = compose_config("model=vit", "strategy=tp", "world_size=2", "trainer.global_batch=8", *overrides)
+        return plan_world(cfg, get_strategy_class("tp"), build_meta_model(cfg.model))[0].activation_bytes
+
+    b, s, d, heads, hidden, t, depth = 8, 64, 64, 4, 128, 2, 4
+    on = f"strategy.sequence_parallel={str(sp).lower()}"
+    outputs = b * s * d // (t if sp else 1)
+    want = b * s * d + depth * (5 * b * heads // t * s * s + b * s * hidden // t + 2 * outputs)
+    assert planned(on, "model.dropout=0.1") - planned(on) == want
