@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.model_parallel import assert_one_line_config_error
+from tests.support.model_parallel import assert_one_line_config_error, compose_config
 
 
 @pytest.mark.parametrize(
@@ -15,7 +15,95 @@ from tests.support.model_parallel import assert_one_line_config_error
         (["strategy.tp=4", "world_size=2"], ["strategy.tp=4", "world_size=2"]),
         (["strategy.impl=megatron"], ["strategy.impl=megatron"]),
         (["strategy.impl=dtensor", "strategy.split_conv=true"], ["strategy.split_conv=true"]),
+        # the vit's Megatron split (tp/megatron.py): whole heads, whole hidden features, whole tokens
+        (["model=vit", "model.heads=2", "strategy.tp=4", "world_size=4"], ["strategy.tp=4", "model.heads=2"]),
+        (["model=vit", "model.heads=3", "model.dim=48", "strategy.tp=2"], ["strategy.tp=2", "model.heads=3"]),
+        (["model=vit", "model.mlp_ratio=1.5", "model.dim=34", "model.heads=2"], ["51", "mlp.fc1"]),
+        (["model=vit", "strategy.sequence_parallel=true", "strategy.tp=1", "world_size=1"], ["strategy.tp=1"]),
+        (["strategy.sequence_parallel=true"], ["model=cnn", "strategy.sequence_parallel=false"]),
+        (
+            ["model=vit", "model.patch=32", "strategy.sequence_parallel=true", "strategy.tp=2"],
+            ["1 tokens", "model.patch=32"],
+        ),
+        (
+            ["model=vit", "model.dropout=0.1", "strategy.impl=dtensor", "strategy.sequence_parallel=true"],
+            ["strategy.impl=manual", "DTensor"],
+        ),
     ],
 )
 def test_tp_bad_input_is_one_config_error(overrides, named):
     assert_one_line_config_error("tp", overrides, named)
+
+
+def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
+    """The planner's activations (a meta copy split as the run splits it; tests/integration/
+    test_tp_vit.py checks them against a real forward): under sequence parallelism each LayerNorm
+    (2 per block, the head's) saves its input and its mean and rstd for tokens/tp only; the column
+    layers still save the gathered input, so that is the whole difference. Its communication equals
+    plain tp's plus the embedding's gather, the pool and the LayerNorm gradient sums."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    def plan(*overrides):
+        cfg = compose_config("model=vit", "world_size=2", "trainer.global_batch=8", *overrides)
+        return plan_world(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model))[0]
+
+    tp, sp = plan("strategy=tp"), plan("strategy=tp", "strategy.sequence_parallel=true")
+    batch, tokens, dim, norms = 8, 64, 64, 2 * 4 + 1
+    per_norm = 4 * (batch * tokens * dim + 2 * batch * tokens)  # input, mean, rstd (fp32)
+    assert tp.activation_bytes - sp.activation_bytes == norms * per_norm // 2
+    a = 8 * 64 * 64 * 4  # one (batch, tokens, dim) fp32 activation
+    assert tp.comm == {"all_reduce": 4 * 2 * 2 * 2 * a}
+    assert sp.comm["all_gather_single"] + sp.comm["reduce_scatter_single"] == tp.comm["all_reduce"] + a
+
+
+def test_fsdp_tp_lays_out_one_shard_x_tp_mesh():
+    """strategy=fsdp strategy.tp=2 at world 4: one (shard 2, tp 2) mesh; the tp ranks of a
+    data-parallel rank read the same samples. Refused in one line: another model, another
+    sharding, heads the degree does not divide. Trained: tests/integration/test_tp_vit.py (extra)."""
+    from parallel_lab.strategies.fsdp.rules import FSDPPlan
+
+    cfg = compose_config("model=vit", "strategy=fsdp", "strategy.tp=2", "world_size=4")
+    dims = FSDPPlan.dims(cfg)
+    assert (dims.shard, dims.tp, dims.replicate) == (2, 2, 1)
+    assert [dims.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert FSDPPlan.data_parallel_size(cfg) == 2
+    for overrides, named in (
+        (["model=cnn"], ["model=vit", "strategy.tp=1"]),
+        (["model=vit", "strategy.sharding=grad_op"], ["strategy.sharding=full"]),
+        (["model=vit", "model.heads=3", "model.dim=48"], ["model.heads=3"]),
+    ):
+        assert_one_line_config_error("fsdp", ["strategy.tp=2", "world_size=4", *overrides], named)
+
+
+def test_the_command_line_refuses_sequence_parallel_without_tp_with_exit_2(tmp_path):
+    """In the parent (in-process), one line, exit 2, no run folder."""
+    from tests.support.cli import assert_one_clean_line, run_cli
+
+    run_dir = tmp_path / "run"
+    overrides = ("model=vit", "strategy=tp", "strategy.tp=1", "world_size=1", "strategy.sequence_parallel=true")
+    result = run_cli(run_dir, *overrides, check=False, timeout=120)
+    assert_one_clean_line(result, run_dir, "strategy.sequence_parallel=true needs strategy.tp > 1")
+    assert result.returncode == 2 and not run_dir.exists()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_each_rank_plans_only_its_slice_of_the_dropout_masks(sp):
+    """model.dropout=0.1 adds, per rank: the embedding's whole bool mask; per block the attention
+    core's mask and dropped probabilities (1 + 4 bytes) for its heads/tp, mlp.drop1's mask for its
+    hidden/tp, and the two output dropouts' masks, whole or (SP) for tokens/tp: the planner's count
+    (equal to a real forward: tests/integration/test_tp_vit.py) holds slices, not views of whole masks."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    def planned(*overrides):
+        cfg = compose_config("model=vit", "strategy=tp", "world_size=2", "trainer.global_batch=8", *overrides)
+        return plan_world(cfg, get_strategy_class("tp"), build_meta_model(cfg.model))[0].activation_bytes
+
+    b, s, d, heads, hidden, t, depth = 8, 64, 64, 4, 128, 2, 4
+    on = f"strategy.sequence_parallel={str(sp).lower()}"
+    outputs = b * s * d // (t if sp else 1)
+    want = b * s * d + depth * (5 * b * heads // t * s * s + b * s * hidden // t + 2 * outputs)
+    assert planned(on, "model.dropout=0.1") - planned(on) == want

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims
-from parallel_lab.strategies.planning import PlanRules
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, PlanRules, SavedBytes
 
 
 def shard_size(cfg: DictConfig) -> int:
@@ -25,6 +25,8 @@ class FSDPPlan(PlanRules):
         """hybrid: a replicate x shard mesh (both laid out, whatever their sizes: FSDP2 needs the
         2-D mesh); no_shard: replicas; full and grad_op: one shard group of the whole world."""
         opts = cfg.strategy
+        if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp
+            return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, named=("shard", "tp"))
         if opts.sharding == "hybrid":
             return MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
         if opts.sharding == "no_shard":
@@ -43,6 +45,31 @@ class FSDPPlan(PlanRules):
                 f"strategy.version={opts.version} is unknown; use strategy.version=2 (fully_shard) or 1 (FSDP1 wrapper)"
             )
         cls._check_hybrid(opts, cfg)
+        if opts.tp != 1:
+            cls._check_tp(opts, cfg)
+
+    @classmethod
+    def _check_tp(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """2-D FSDP2 x TP: the vit's Megatron split (its own rules, tp/rules.py) under full sharding."""
+        from parallel_lab.strategies.tp.rules import check_vit_split
+
+        if opts.tp < 1 or cfg.world_size % opts.tp:
+            raise ConfigError(
+                f"strategy.tp={opts.tp} must be >= 1 and divide world_size={cfg.world_size}; e.g. strategy.tp=2"
+            )
+        wanted = {
+            "model": (cfg.model.name, "vit"),
+            "strategy.version": (opts.version, 2),
+            "strategy.sharding": (opts.sharding, "full"),
+            "strategy.mixed_precision": (opts.mixed_precision, "fp32"),
+        }
+        for key, (got, want) in wanted.items():
+            if got != want:
+                raise ConfigError(
+                    f"strategy.tp={opts.tp} (2-D FSDP2 x TP) needs {key}={want}, got {key}={got}; "
+                    f"set {key}={want} or strategy.tp=1"
+                )
+        check_vit_split(cfg, opts.tp, sequence_parallel=False, impl="dtensor")
 
     @classmethod
     def _check_hybrid(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -89,15 +116,31 @@ class FSDPPlan(PlanRules):
         return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
 
     @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; not checked
+        against a real 2-D forward); otherwise the whole model's."""
+        if cfg.strategy.get("tp", 1) == 1:
+            return super().activation_bytes(cfg, model, rank, micro, saved)
+        from parallel_lab.strategies.tp.predict import split_meta_vit
+
+        return saved(split_meta_vit(cfg, model, rank), micro, SAMPLE_SHAPE, True), micro
+
+    @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
         """FSDP2's per-parameter dim-0 shards with padding (``predict.py``); FSDP1's flat
         parameters are not predicted."""
         from parallel_lab.strategies.fsdp.predict import predict_fsdp2_memory
 
+        if cfg.strategy.get("tp", 1) > 1:
+            return None  # 2-D FSDP2 x TP: not predicted
         return predict_fsdp2_memory(cfg, model, rank) if cfg.strategy.version == 2 else None
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
         from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
 
+        if cfg.strategy.get("tp", 1) > 1:
+            return None  # 2-D FSDP2 x TP: not predicted
         return predict_fsdp2_comm(cfg, model, rank) if cfg.strategy.version == 2 else None

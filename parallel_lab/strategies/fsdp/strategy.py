@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
@@ -89,6 +90,10 @@ class FSDPOptions(StrategyOptions):
     replicate: Optional[int] = None
     # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
     mixed_precision: Precision = Precision.fp32
+    # 2-D FSDP2 x TP (torchtitan's; model=vit, version 2, sharding=full, fp32): each run of tp
+    # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
+    # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
+    tp: int = 1
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -275,6 +280,15 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
             self._peak_param_bytes = storage_bytes(self._param_storages())
         (loss / num_micro).backward()
         return loss.detach()
+
+    def global_mean_loss(self, local_mean: torch.Tensor) -> float:
+        """With strategy.tp > 1 the tp ranks of a data-parallel rank share one loss: the world's
+        mean is the mean over the data-parallel ranks."""
+        if self.opts.tp == 1:
+            return super().global_mean_loss(local_mean)
+        local_mean = local_mean.detach().clone()
+        dist.all_reduce(local_mean)
+        return float(local_mean / self.env.world_size)
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:

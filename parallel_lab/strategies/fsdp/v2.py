@@ -50,6 +50,8 @@ class FSDP2(FSDPStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         n = self.env.world_size
+        if self.opts.tp > 1:
+            return self._wrap_2d(model)
         if self.opts.sharding == "hybrid":
             # HSDP: shard within each run of n/R consecutive ranks, replicate across the runs.
             self.mesh = Mesh(self.layout, self.device.type, self.comm)
@@ -68,6 +70,20 @@ class FSDP2(FSDPStrategy):
         for _, unit in fsdp_units(model):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
+
+    def _wrap_2d(self, model: torch.nn.Module) -> torch.nn.Module:
+        """torchtitan's 2-D layout: Megatron's split inside each tp group (DTensor on the mesh's tp
+        dim), then fully_shard over its data-parallel (shard) dim: parameters become 2-D DTensors."""
+        from torch.distributed.fsdp import fully_shard
+
+        from parallel_lab.strategies.tp.split import split_transformer
+
+        self.mesh = Mesh(self.layout, self.device.type, self.comm)
+        self._mesh = self.mesh.device_mesh
+        split_transformer(model, self._mesh["tp"], sequence_parallel=False)
+        for _, unit in fsdp_units(model):
+            fully_shard(unit, mesh=self._mesh["shard"])
+        return fully_shard(model, mesh=self._mesh["shard"])
 
     def clip_gradients(self) -> None:
         if self.cfg.trainer.grad_clip > 0:

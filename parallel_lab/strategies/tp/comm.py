@@ -13,6 +13,21 @@ other's transpose, which is why the paper calls them conjugate:
 
 Both take the process group of the tensor-parallel ranks, so a later dp x tp layout can pass the
 tp sub-group instead of the world.
+
+Sequence parallelism (Korthikanti et al., arXiv 2205.05198, sec. 4.2.2) shards the regions between
+the split layers (LayerNorm, residual, dropout) along the tokens dimension and replaces each
+all-reduce by its two halves, the same bytes on the wire:
+
+- ``gather_from_sequence`` (the paper's *g*): all-gather along the tokens forward (entering the
+  column-parallel region, which needs every token), reduce-scatter of the gradient backward;
+- ``reduce_scatter_to_sequence`` (the paper's *g-bar*): reduce-scatter of the row-parallel partial
+  sums forward (each rank keeps the completed sum of its own tokens), all-gather backward;
+- ``scatter_to_sequence``: take this rank's tokens of a replicated tensor (no communication),
+  all-gather the gradient backward (the embedding's output entering the sharded region).
+
+On the meta device (the planner's forward) every function only shapes its output: no process
+group is needed, and autograd saves nothing in them either way, so the planner's count of saved
+tensors is the real one.
 """
 
 from __future__ import annotations
@@ -23,8 +38,27 @@ import torch.distributed as dist
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     tensor = tensor.contiguous().clone()  # never reduce in place into a tensor autograd saved
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    if not tensor.is_meta:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim`` (rank order)."""
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
+    if not x.is_meta:
+        dist.all_gather_single(out, x.contiguous(), group=group)
+    # one copy: (size, .., local, ..) -> (.., size * local, ..)
+    return out.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim``."""
+    parts = x.unflatten(dim, (size, -1)).movedim(dim, 0).contiguous()  # chunk r first, as the collective cuts
+    out = parts.new_empty(parts.shape[1:])
+    if not x.is_meta:
+        dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group)
+    return out
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -60,3 +94,76 @@ def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Leave the tensor-parallel region (Megatron's g)."""
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """SP's g: all-gather along ``dim`` forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return _all_gather(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.size), None, None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """SP's g-bar: reduce-scatter along ``dim`` forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return _reduce_scatter(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """This rank's chunk along ``dim`` forward (no communication), all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return x.chunk(size, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.size), None, None, None, None
+
+
+def gather_from_sequence(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Enter the column-parallel region from the sequence-parallel one (all-gather the tokens)."""
+    return _GatherFromSequence.apply(x, dim, group, size)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Leave the row-parallel region into the sequence-parallel one (reduce-scatter the partial sums)."""
+    return _ReduceScatterToSequence.apply(x, dim, group, size)
+
+
+def scatter_to_sequence(x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+    """A replicated tensor's tokens of this rank; the ranks' gradients gathered back in backward."""
+    return _ScatterToSequence.apply(x, dim, group, rank, size)
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    """All-gather along ``dim`` forward for a replicated consumer; backward keeps this rank's chunk
+    of the (identical on every rank) gradient: no communication."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.size = dim, rank, size
+        return _all_gather(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size, ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
+def gather_to_replicated(x: torch.Tensor, dim: int, group, rank: int, size: int) -> torch.Tensor:
+    """The sequence-sharded tokens, whole on every rank, for a replicated module (DTensor's head)."""
+    return _GatherToReplicated.apply(x, dim, group, rank, size)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp, reduce_scatter_to_sequence
 
 
 def _functional(layer: nn.Module):
@@ -34,26 +34,33 @@ class ColumnParallel(nn.Module):
     """Output features (Linear) or output channels (Conv2d) split across the tp ranks.
     Parameters keep the dense layer's names (``weight``, ``bias``) so checkpoints line up."""
 
-    def __init__(self, layer: nn.Module, group, rank: int, size: int) -> None:
+    def __init__(self, layer: nn.Module, group, rank: int, size: int, entered: bool = False) -> None:
+        """entered: the input already passed the region's entry (f or SP's all-gather) once for
+        several column layers (the vit's q, k, v share one), so this layer communicates nothing."""
         super().__init__()
         self.fn = _functional(layer)
-        self.group = group
+        self.group, self.entered = group, entered
         self.weight = _shard(layer.weight, 0, rank, size)
         self.bias = _shard(layer.bias, 0, rank, size) if layer.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # f: the whole input is used here; in backward the ranks' partial input-gradients are summed.
-        return self.fn(copy_to_tp(x, self.group), self.weight, self.bias)
+        return self.fn(x if self.entered else copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class RowParallel(nn.Module):
     """Input features/channels split across the tp ranks; output = all-reduce of partial sums."""
 
-    def __init__(self, layer: nn.Module, group, rank: int, size: int, input_is_split: bool) -> None:
+    def __init__(
+        self, layer: nn.Module, group, rank: int, size: int, input_is_split: bool, sequence_parallel: bool = False
+    ) -> None:
+        """sequence_parallel: leave into a region sharded along the tokens (dim 1): reduce-scatter
+        the partial sums instead of all-reducing them; the bias is then added to this rank's tokens."""
         super().__init__()
         self.fn = _functional(layer)
         self.group, self.rank, self.size = group, rank, size
-        self.input_is_split = input_is_split
+        self.input_is_split, self.sequence_parallel = input_is_split, sequence_parallel
+        self.in_features = getattr(layer, "in_features", None)  # the dense width (the vit reads head_dim from it)
         self.weight = _shard(layer.weight, 1, rank, size)
         # The bias is added once, after the sum, so it stays whole (replicated) on every rank.
         self.bias = nn.Parameter(layer.bias.detach().clone()) if layer.bias is not None else None
@@ -63,9 +70,14 @@ class RowParallel(nn.Module):
             # Replicated input (no column layer before us): take our slice of the features. f sums
             # the zero-padded slice gradients in backward, giving the whole input gradient.
             x = copy_to_tp(x, self.group).chunk(self.size, dim=1)[self.rank]
-        y = reduce_from_tp(self.fn(x, self.weight, None), self.group)  # g
+        partial = self.fn(x, self.weight, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(partial, 1, self.group, self.size)  # g-bar
+        else:
+            y = reduce_from_tp(partial, self.group)  # g
         if self.bias is not None:
-            y = y + self.bias.reshape(1, -1, *([1] * (y.dim() - 2)))
+            # Linear: features are the last dim (any leading dims); Conv2d: channels are dim 1.
+            y = y + (self.bias if self.in_features is not None else self.bias.reshape(1, -1, 1, 1))
         return y
 
 

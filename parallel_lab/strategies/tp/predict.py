@@ -95,3 +95,84 @@ def tp_share(model: nn.Module, split_layers: list[str], degree: int) -> float:
     flops = layer_flops(model, 1)
     split = sum(f for name, f in flops.items() if name in split_layers)
     return (sum(flops.values()) - split + split / degree) / sum(flops.values())
+
+
+# ----- the vit's Megatron split (tp/megatron.py) -----
+def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
+    """A meta copy of the vit split as tp rank ``rank % tp`` splits it (the manual split; on the
+    meta device its collectives only shape their outputs): the planner counts what it saves.
+    dtensor's SP head normalises all tokens gathered, the manual one its own: gather_head."""
+    import copy
+
+    from parallel_lab.strategies.tp.megatron import TPGroup, split_transformer_manual
+
+    tp, sp = cfg.strategy.tp, bool(cfg.strategy.get("sequence_parallel"))
+    split = copy.deepcopy(model)
+    dtensor = cfg.strategy.get("impl", "dtensor") == "dtensor"  # fsdp's 2-D layout splits with DTensor
+    split_transformer_manual(split, TPGroup(None, rank % tp, tp), sp, gather_head=dtensor)
+    return split
+
+
+def vit_comm_formula(
+    batch: int, tokens: int, dim: int, depth: int, sequence_parallel: bool, impl: str, elem: int = 4
+) -> dict[str, float]:
+    """Bytes per micro-batch one tp rank issues (comm/counter.py's units: an all-reduce of B bytes
+    counts 2B; an all-gather its output, a reduce-scatter its input), tp > 1.
+
+    Megatron: per block and direction, 2 all-reduces of (batch, tokens, dim): the payload
+    2 x batch x tokens x dim x elem bytes, counted 4 x batch x tokens x dim x elem.
+    SP: each all-reduce is one all-gather + one reduce-scatter of the same tensor (the same count);
+    plus the embedding's output gradient all-gathered backward, and the head's pool all-reduced
+    forward (manual: the (batch, dim) token sums) or its input all-gathered forward (dtensor)."""
+    act = batch * tokens * dim * elem  # one (batch, tokens, dim) activation
+    if not sequence_parallel:
+        return {"all_reduce": depth * 2 * 2 * 2.0 * act}  # blocks x directions x sublayers x counted 2B
+    gather, scatter = (
+        ("all_gather_single", "reduce_scatter_single")
+        if impl == "manual"
+        else (
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        )
+    )
+    comm = {gather: depth * 2 * 2 * act + act, scatter: depth * 2 * 2.0 * act}  # + embed's backward gather
+    if impl == "manual":
+        comm["all_reduce"] = 2.0 * batch * dim * elem  # the head's pool
+    else:
+        comm[gather] += act  # the head's input gathered
+    return comm
+
+
+def sequence_parallel_grad_numel(dim: int, depth: int, impl: str) -> int:
+    """Elements of the weights whose gradient is a sum over the tp ranks under SP, all-reduced once
+    per step: per block 2 LayerNorms (weight, bias); manual also the 2 row layers' biases (added to
+    this rank's tokens) and the head's LayerNorm (on its tokens). DTensor computes the row biases'
+    gradients from the all-gathered gradient, and its head sees every token."""
+    return depth * 6 * dim + 2 * dim if impl == "manual" else depth * 4 * dim
+
+
+def predict_vit_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
+    """Per step: ``vit_comm_formula`` per micro-batch, the SP weights' gradient sums once per step
+    and, with replicas, the data-parallel gradient average."""
+    from parallel_lab.models import vit_sizes
+    from parallel_lab.models.vit import IMAGE
+    from parallel_lab.strategies.tp.megatron import blocks
+
+    s, tp, accum = cfg.strategy, cfg.strategy.tp, cfg.trainer.grad_accum
+    if cfg.world_size < 2:
+        return {}
+    replicate = s.get("replicate") or 1
+    if tp < 2:
+        return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
+    depth, dim = len(blocks(model)), model.embed.pos.shape[-1]
+    tokens = (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2
+    batch = cfg.trainer.global_batch // accum // replicate
+    sp = bool(s.get("sequence_parallel"))
+    comm = {op: n * accum for op, n in vit_comm_formula(batch, tokens, dim, depth, sp, s.impl).items()}
+    if sp:
+        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sequence_parallel_grad_numel(dim, depth, s.impl)
+    if replicate > 1:
+        from parallel_lab.strategies.tp.megatron import vit_plan
+
+        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(_sharded_numels(model, vit_plan(model), tp, 0))
+    return comm

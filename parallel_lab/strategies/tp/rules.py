@@ -8,19 +8,26 @@ from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
-from parallel_lab.strategies.planning import ComputeShape, PlanRules
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
+# vit: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``).
 TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("fc1", "fc2")],
     "resnet18": [(None, "fc")],
+    "vit": [],
 }
 CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("block1.0", "block2.0")],
 }
 
 
-def split_plan(model_name: str, split_conv: bool) -> list[tuple[str | None, str]]:
+def split_plan(model_name: str, split_conv: bool, model: nn.Module) -> list[tuple[str | None, str]]:
+    """(column, row) pairs of ``model`` (the vit's come from its blocks)."""
+    if model_name == "vit":
+        from parallel_lab.strategies.tp.megatron import vit_plan
+
+        return vit_plan(model)
     return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
 
 
@@ -28,6 +35,37 @@ def tp_dims(opts: DictConfig) -> MeshDims:
     """strategy.replicate copies of a tp group of strategy.tp consecutive ranks; the tp group is
     laid out even at tp=1 (f and g talk over it, never over the world)."""
     return MeshDims(replicate=opts.replicate, tp=opts.tp, named=("tp",))
+
+
+def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
+    """Megatron's split needs whole heads and hidden features per rank; sequence parallelism whole
+    tokens; DTensor's SP regions would hand DTensors to the per-sample dropout (also fsdp's 2-D)."""
+    from parallel_lab.models import build_meta_model, vit_sizes
+    from parallel_lab.models.vit import IMAGE
+
+    sizes = vit_sizes(cfg.model)
+    if sizes["heads"] % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide model.heads={sizes['heads']} (each rank holds whole heads); "
+            f"use a strategy.tp that divides {sizes['heads']}"
+        )
+    hidden = build_meta_model(cfg.model).block0.mlp.fc1.out_features
+    if hidden % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide the {hidden} output features of mlp.fc1 (the MLP's hidden width); "
+            f"use a strategy.tp that divides {hidden}"
+        )
+    tokens = (IMAGE // sizes["patch"]) ** 2
+    if sequence_parallel and tokens % tp:
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide the {tokens} tokens of model.patch={sizes['patch']} "
+            f"(strategy.sequence_parallel=true); use a strategy.tp that divides {tokens}"
+        )
+    if sequence_parallel and impl == "dtensor" and sizes["dropout"] > 0:
+        raise ConfigError(
+            f"model.dropout={sizes['dropout']} with strategy.impl=dtensor strategy.sequence_parallel=true: "
+            "the per-sample dropout after attn.proj/mlp.fc2 would get a DTensor; use strategy.impl=manual"
+        )
 
 
 class TPPlan(PlanRules):
@@ -62,6 +100,8 @@ class TPPlan(PlanRules):
                 "strategy.split_conv=true needs strategy.impl=manual "
                 "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
             )
+        if model_name == "vit" or opts.sequence_parallel:
+            cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):
             if width % opts.tp:
                 raise ConfigError(
@@ -71,6 +111,20 @@ class TPPlan(PlanRules):
         check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})
 
     @classmethod
+    def _check_vit(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.sequence_parallel and cfg.model.name != "vit":
+            raise ConfigError(
+                f"strategy.sequence_parallel=true shards the vit's tokens, model={cfg.model.name} has none; "
+                "use model=vit or strategy.sequence_parallel=false"
+            )
+        if opts.sequence_parallel and opts.tp < 2:
+            raise ConfigError(
+                f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={opts.tp}); "
+                "use strategy.tp=2 or strategy.sequence_parallel=false"
+            )
+        check_vit_split(cfg, opts.tp, opts.sequence_parallel, opts.impl)
+
+    @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
         """(layer, width, which width) for every dimension the plan splits; built on the meta
         device, so no memory is used and no weights are initialised."""
@@ -78,7 +132,7 @@ class TPPlan(PlanRules):
 
         model = build_meta_model(cfg.model)
         widths = []
-        for column, row in split_plan(cfg.model.name, opts.split_conv):
+        for column, row in split_plan(cfg.model.name, opts.split_conv, model):
             if column is not None:
                 widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
             widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
@@ -89,22 +143,44 @@ class TPPlan(PlanRules):
         """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
         from parallel_lab.strategies.tp.predict import tp_share
 
-        split = [layer for pair in split_plan(cfg.model.name, cfg.strategy.split_conv) for layer in pair if layer]
+        plan = split_plan(cfg.model.name, cfg.strategy.split_conv, model)
+        split = [layer for pair in plan for layer in pair if layer]
+        calls = None
+        if cfg.model.name == "vit":  # each rank's attention core runs on its heads only
+            from parallel_lab.strategies.tp.megatron import blocks
+
+            split += [f"{b}.attn.core" for b in blocks(model)]
+            calls = 4 * len(blocks(model)) * cfg.trainer.grad_accum  # 2 per block each way (SP: of each kind)
         share = tp_share(model, split, cfg.strategy.tp)
         shape = super().compute_shape(cfg, model)
-        return ComputeShape(
-            shape.micro_batch, shape.slots, share, note=f"tp rank does {share:.2f} of the FLOPs on the whole batch"
-        )
+        note = f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        return ComputeShape(shape.micro_batch, shape.slots, share, calls, note)
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
         """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
         from parallel_lab.strategies.tp.predict import predict_tp_memory
 
-        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)
+        return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model), rank)
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """vit: what this rank's split model saves, counted on a meta copy split as the run splits
+        it (heads/t, hidden/t; under SP the token regions /t); other models: the whole model's."""
+        if cfg.model.name != "vit" or cfg.strategy.tp < 2:
+            return super().activation_bytes(cfg, model, rank, micro, saved)
+        from parallel_lab.strategies.tp.predict import split_meta_vit
+
+        return saved(split_meta_vit(cfg, model, rank), micro, SAMPLE_SHAPE, True), micro
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
         from parallel_lab.strategies.tp.predict import predict_tp_comm
 
-        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv))
+        if cfg.model.name == "vit":
+            from parallel_lab.strategies.tp.predict import predict_vit_comm
+
+            return predict_vit_comm(cfg, model)
+        return predict_tp_comm(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model))

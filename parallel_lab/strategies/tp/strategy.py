@@ -21,6 +21,9 @@ What is split, per model (``TP_PLANS``):
 - resnet18: only the head ``fc`` (512->10), row-parallel on its 512 input features, fed by the
   replicated pooled features (each rank slices them; f sums the slices' gradients back). 97% of
   ResNet-18's weights are convolutions and stay replicated: this is a toy split of the head.
+- vit: Megatron's split of every block (q/k/v and fc1 column, proj and fc2 row; 2 all-reduces per
+  block each way), optionally with sequence parallelism (``strategy.sequence_parallel``):
+  ``tp/megatron.py``, ``tp/megatron_dtensor.py``, entry point ``tp/split.py``, docs/tp.md.
 
 ``strategy.impl=dtensor`` does the same split with torch.distributed.tensor.parallel
 (``ColwiseParallel``/``RowwiseParallel`` on a 1-D DeviceMesh), where DTensor inserts the same two
@@ -50,7 +53,9 @@ from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
+from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
+from parallel_lab.strategies.tp.split import split_transformer
 
 
 class TensorImpl(Choice):
@@ -69,6 +74,9 @@ class TPOptions(StrategyOptions):
     # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
     impl: TensorImpl = TensorImpl.manual
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
+    # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
+    # tokens/tp of the tokens; each all-reduce becomes an all-gather + a reduce-scatter (tp/megatron.py)
+    sequence_parallel: bool = False
 
 
 class TPState(RankShardState):
@@ -136,10 +144,13 @@ class TensorParallelStrategy(Strategy):
         self.group = self.mesh.group("tp")  # this rank's tp sub-group (None: the world)
         self.replicate_group = self.mesh.group(REPLICATE)  # None: one replica
         self.tp_rank = self.layout.coords(self.env.rank)["tp"]
-        plan = split_plan(self.cfg.model.name, self.opts.split_conv)
+        plan = split_plan(self.cfg.model.name, self.opts.split_conv, model)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
         self.analytic_numel = self._numel_per_rank(model)
-        if self.opts.impl == "manual":
+        self.sp_params: list[nn.Parameter] = []  # manual SP: gradients of a slice of the tokens, summed
+        if self.cfg.model.name == "vit":
+            self.shard_dims = self._split_vit(model)
+        elif self.opts.impl == "manual":
             self.shard_dims = self._split_manual(model, plan)
         else:
             self.shard_dims = self._split_dtensor(model, plan)
@@ -157,6 +168,24 @@ class TensorParallelStrategy(Strategy):
                 split += layer.bias.numel()
         return sum(p.numel() for p in model.parameters()) - split + split // self.opts.tp
 
+    def _split_vit(self, model: nn.Module) -> dict[str, int]:
+        """Megatron's split of every block (tp/megatron.py), with the tp group or its 1-D mesh."""
+        sp = self.opts.sequence_parallel
+        if self.opts.impl == "manual":
+            shard_dims = split_transformer(model, TPGroup(self.group, self.tp_rank, self.opts.tp), sp)
+            params = dict(model.named_parameters())
+            self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
+            return shard_dims
+        return split_transformer(model, self._tp_mesh(), sp)
+
+    def _tp_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.tp_mesh = self.mesh.sub_mesh("tp")
+        if self.tp_mesh is None:  # a flat layout: the tp group is the world
+            self.tp_mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
+        return self.tp_mesh
+
     def _split_manual(self, model: nn.Module, plan) -> dict[str, int]:
         """Swap each planned layer for its parallel version; return {param name: split dim}."""
         shard_dims = {}
@@ -172,13 +201,10 @@ class TensorParallelStrategy(Strategy):
         return {n: d for n, d in shard_dims.items() if n in dict(model.named_parameters())}
 
     def _split_dtensor(self, model: nn.Module, plan) -> dict[str, int]:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        self.tp_mesh = self.mesh.sub_mesh("tp")
-        if self.tp_mesh is None:  # a flat layout: the tp group is the world
-            self.tp_mesh = init_device_mesh(self.device.type, (self.opts.tp,), mesh_dim_names=("tp",))
+        self._tp_mesh()
         layer_plan = {}
         for column, row in plan:
             if column is not None:
@@ -194,6 +220,39 @@ class TensorParallelStrategy(Strategy):
         }
 
     # ----- training -----
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, num_micro: int) -> torch.Tensor:
+        """dtensor: DTensor's functional collectives are recorded in the counter while the step runs."""
+        if self.opts.impl != "dtensor":
+            return super().train_step(inputs, targets, micro, num_micro)
+        from parallel_lab.strategies.tp.megatron_dtensor import CountFunctional
+
+        with CountFunctional(self.comm, self.group):
+            return super().train_step(inputs, targets, micro, num_micro)
+
+    def sum_sequence_parallel_grads(self) -> None:
+        """SP: the LayerNorms (and, manual, the row biases) saw this rank's tokens only; their whole
+        gradient is the sum over the tp ranks. Manual: one all-reduce of them all, flattened;
+        dtensor: DTensor leaves them Partial, each is redistributed to Replicate (before clipping
+        reads them; Adam would otherwise all-reduce them at every use)."""
+        if self.opts.impl == "dtensor":
+            from torch.distributed.tensor import Partial
+
+            from parallel_lab.strategies.tp.megatron_dtensor import CountFunctional
+
+            with CountFunctional(self.comm, self.group):
+                for p in self.model.parameters():
+                    if p.grad is not None and any(isinstance(x, Partial) for x in getattr(p.grad, "placements", ())):
+                        p.grad = p.grad.redistribute(placements=p.placements)
+            return
+        grads = [p.grad for p in self.sp_params if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """A tp group shares one loss: the mean over the replicas' losses."""
         if self.replicate_group is not None:
@@ -213,6 +272,7 @@ class TensorParallelStrategy(Strategy):
         average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
 
     def optimizer_step(self) -> None:
+        self.sum_sequence_parallel_grads()
         self.average_over_replicas()
         super().optimizer_step()
 
