@@ -64,6 +64,10 @@ class PPPlan(PlanRules):
                 f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
                 f"use a divisor of {per_step}"
             )
+        if opts.impl == "deepspeed":
+            from parallel_lab.strategies.pp.ds_pipe import check_deepspeed_pipe
+
+            check_deepspeed_pipe(opts, cfg)
         if opts.impl == "torch" and opts.schedule == "1f1b" and opts.microbatches < opts.stages:
             raise ConfigError(
                 f"strategy.microbatches={opts.microbatches} < strategy.stages={opts.stages}: torch's Schedule1F1B "

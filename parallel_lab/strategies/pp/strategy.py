@@ -64,6 +64,7 @@ class PipelineImpl(Choice):
 
     manual = "manual"
     torch = "torch"
+    deepspeed = "deepspeed"  # DeepSpeed's PipelineEngine (pp/ds_pipe.py)
 
 
 Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
@@ -79,7 +80,8 @@ class PPOptions(StrategyOptions):
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
     schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b
-    impl: PipelineImpl = PipelineImpl.manual  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
+    # manual (our send/recv loop) | torch (torch.distributed.pipelining) | deepspeed (deepspeed.pipe)
+    impl: PipelineImpl = PipelineImpl.manual
     # names of the blocks that start stages 2..p, e.g. [fc1]; [] = balance the stages by parameter count
     cuts: list[str] = field(default_factory=list)
 
@@ -121,6 +123,13 @@ class PipelineParallelStrategy(Strategy):
     State = PPState
     Memory = PPMemory
     Norm = PPNorm
+
+    def __new__(cls, cfg: DictConfig, env):
+        if cls is PipelineParallelStrategy and cfg.strategy.impl == "deepspeed":
+            from parallel_lab.strategies.pp.ds_pipe import DeepSpeedPipelineStrategy
+
+            cls = DeepSpeedPipelineStrategy
+        return super().__new__(cls)
 
     @property
     def is_first(self) -> bool:

@@ -58,6 +58,7 @@ class TensorImpl(Choice):
 
     manual = "manual"
     dtensor = "dtensor"
+    deepspeed = "deepspeed"  # DeepSpeed's AutoTP training (tp/ds_autotp.py)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class TPOptions(StrategyOptions):
 
     tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
     replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
-    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel) | deepspeed (AutoTP)
     impl: TensorImpl = TensorImpl.manual
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
 
@@ -129,6 +130,13 @@ class TensorParallelStrategy(Strategy):
     State = TPState
     Memory = TPMemory
     Norm = TPNorm
+
+    def __new__(cls, cfg: DictConfig, env):
+        if cls is TensorParallelStrategy and cfg.strategy.impl == "deepspeed":
+            from parallel_lab.strategies.tp.ds_autotp import DeepSpeedTensorParallelStrategy
+
+            cls = DeepSpeedTensorParallelStrategy
+        return super().__new__(cls)
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)

@@ -1,0 +1,184 @@
+"""``strategy=tp strategy.impl=deepspeed``: DeepSpeed's AutoTP training (DeepSpeed config
+``tensor_parallel.autotp_size`` with a ``partition_config`` of layer patterns) on the toolkit's model.
+
+``deepspeed.initialize`` swaps each matched ``nn.Linear`` in place for its ``LinearLayer``
+(column-parallel: output features split, the input's gradient all-reduced in backward) or
+``LinearAllreduce`` (row-parallel: input features split, the output all-reduced in forward, the
+bias added after it), the same Megatron split as the manual impl (tp/strategy.py). The layers:
+``DS_TP_SPECS`` (vit: each block's q, k, v and fc1 column, proj and fc2 row; cnn: fc1 column,
+fc2 row). The engine runs at ZeRO stage 0 with the toolkit's torch optimizer as its client
+optimizer; ``gradient_clipping`` is 0 and the tp strategy's own clip (the full gradient's norm,
+shard norms summed over the tp ranks) runs between backward and ``engine.step()``.
+
+Measured on CPU/gloo with DeepSpeed 0.19.8 (docs/facts.md): AutoTP training runs there; the
+config's batch check counts every rank as data-parallel (``train_batch_size`` must be micro x
+accumulation x world size, not x the data-parallel size), and the replaced row-parallel layer has
+no ``in_features`` (the vit's attention reads it): both handled here.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.base import OptimizerFactory
+from parallel_lab.strategies.memory import chunk_rows, predicted_optimizer_bytes
+from parallel_lab.strategies.mesh import REPLICATE, Mesh
+from parallel_lab.strategies.tp.strategy import TensorParallelStrategy
+
+# model -> (column-parallel Linear names, row-parallel Linear names), as regexes over module names
+DS_TP_SPECS: dict[str, tuple[str, str]] = {
+    "vit": (r"block\d+\.attn\.[qkv]|block\d+\.mlp\.fc1", r"block\d+\.attn\.proj|block\d+\.mlp\.fc2"),
+    "cnn": (r"fc1", r"fc2"),
+}
+
+
+def split_layers(model: nn.Module, model_name: str) -> dict[str, str]:
+    """Linear name -> "column" | "row", model order."""
+    import re
+
+    column, row = DS_TP_SPECS[model_name]
+    kinds = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and re.fullmatch(column, name):
+            kinds[name] = "column"
+        elif isinstance(module, nn.Linear) and re.fullmatch(row, name):
+            kinds[name] = "row"
+    return kinds
+
+
+def autotp_ds_config(cfg: DictConfig) -> dict:
+    t = cfg.trainer
+    column, row = DS_TP_SPECS[cfg.model.name]
+    micro = t.global_batch // t.grad_accum  # every tp rank sees the whole batch (one replica)
+    return {
+        # DeepSpeed's batch check counts all ranks as data-parallel (docs/facts.md)
+        "train_batch_size": micro * t.grad_accum * cfg.world_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": 0.0,  # the tp strategy's clip runs before engine.step() instead
+        "zero_optimization": {"stage": 0},
+        "zero_allow_untested_optimizer": True,
+        "tensor_parallel": {
+            "autotp_size": cfg.strategy.tp,
+            "partition_config": {
+                "use_default_specs": False,
+                "layer_specs": [
+                    {"patterns": [rf"^(.*\.)?({column})\.weight$"], "partition_type": "column"},
+                    {"patterns": [rf"^(.*\.)?({row})\.weight$"], "partition_type": "row"},
+                ],
+            },
+        },
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTensorParallelStrategy(TensorParallelStrategy):
+    """tp with ``strategy.impl=deepspeed`` (chosen by ``TensorParallelStrategy.__new__``)."""
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
+        from parallel_lab.strategies.zero.strategy import ZeroStrategy, import_deepspeed
+
+        ZeroStrategy.init_distributed(self.env, self.cfg.dist_timeout_s)  # adopts the group: deepspeed.comm on it
+        deepspeed = import_deepspeed()
+        model = model.to(self.device)
+        self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
+        self.group = self.mesh.group("tp")
+        self.replicate_group = self.mesh.group(REPLICATE)
+        self.tp_rank = self.layout.coords(self.env.rank)["tp"]
+        self.split_kinds = split_layers(model, self.cfg.model.name)
+        self.analytic_numel = sum(_held_numels(model, self.split_kinds, self.opts.tp, 0))
+        in_features = {n: model.get_submodule(n).in_features for n in self.split_kinds}
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=make_optimizer(model.parameters()), config=autotp_ds_config(self.cfg)
+        )
+        for name, full in in_features.items():  # the model reads it (vit attention); the replacement lacks it
+            setattr(model.get_submodule(name), "in_features", full)
+        dims = {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1}}
+        self.shard_dims = {
+            f"{layer}.{kind}": dim for layer, split in self.split_kinds.items() for kind, dim in dims[split].items()
+        }
+        self.model, self.optimizer = model, self.engine.optimizer  # ZeRO stage 0: the client torch optimizer
+
+    def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
+        loss = self.loss_fn(self.engine(inputs), targets)
+        self.engine.backward(loss)  # divides by gradient_accumulation_steps
+        if micro < num_micro - 1:
+            self.engine.step()  # off the boundary DeepSpeed only counts the micro-batch
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.clip_gradients()
+        self.engine.step()
+
+    def teardown(self) -> None:
+        if getattr(self, "engine", None) is not None and hasattr(self.engine, "destroy"):
+            self.engine.destroy()
+        self.engine = None
+        super().teardown()
+
+
+def _held_numels(model: nn.Module, kinds: dict[str, str], tp: int, rank: int) -> list[int]:
+    """Element count of every parameter tp rank ``rank`` holds (DeepSpeed splits even widths as
+    torch.chunk does), model order."""
+    numels = []
+    for name, p in model.named_parameters():
+        layer, _, kind = name.rpartition(".")
+        split = kinds.get(layer)
+        dim = 0 if split == "column" else 1 if split == "row" and kind == "weight" else None
+        if dim is None:
+            numels.append(p.numel())
+        else:
+            numels.append(p.numel() // p.shape[dim] * chunk_rows(p.shape[dim], tp, rank)[0])
+    return numels
+
+
+def predict_autotp_memory(cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
+    """This rank's slices plus everything replicated, torch Adam's state for exactly those tensors."""
+    numels = _held_numels(model, split_layers(model, cfg.model.name), cfg.strategy.tp, rank % cfg.strategy.tp)
+    return {
+        "param_bytes": 4 * sum(numels),
+        "grad_bytes": 4 * sum(numels),
+        "optim_bytes": predicted_optimizer_bytes(numels, cfg.trainer, step_counters=True),
+    }
+
+
+def check_deepspeed_tp(opts: DictConfig, cfg: DictConfig) -> None:
+    """The parent's refusals for ``strategy.impl=deepspeed`` (ConfigError, one line)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(
+            "strategy.impl=deepspeed needs DeepSpeed, which is not installed; pip install deepspeed (make installs "
+            "it), or use strategy.impl=manual"
+        )
+    if cfg.model.name not in DS_TP_SPECS:
+        raise ConfigError(
+            f"strategy=tp strategy.impl=deepspeed has no AutoTP layer specs for model={cfg.model.name}; "
+            f"use model={' or model='.join(DS_TP_SPECS)}"
+        )
+    if opts.replicate != 1:
+        raise ConfigError(
+            f"strategy.replicate={opts.replicate} with strategy.impl=deepspeed: dp x tp over DeepSpeed's own groups "
+            f"is not built here; use strategy.replicate=1 or strategy.impl=manual"
+        )
+    if opts.split_conv:
+        raise ConfigError("strategy.split_conv=true needs strategy.impl=manual (AutoTP splits nn.Linear only)")
+    from parallel_lab.models import build_meta_model
+
+    model = build_meta_model(cfg.model)
+    for name, kind in split_layers(model, cfg.model.name).items():
+        width = model.get_submodule(name).weight.shape[0 if kind == "column" else 1]
+        if width % opts.tp:
+            raise ConfigError(
+                f"strategy.tp={opts.tp} does not divide the {width} features {name} splits; "
+                f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
+            )
+    if cfg.world_size != opts.tp:
+        raise ConfigError(
+            f"strategy.tp={opts.tp} must equal world_size={cfg.world_size} with strategy.impl=deepspeed; "
+            f"set strategy.tp={cfg.world_size}"
+        )
