@@ -1,0 +1,130 @@
+"""DeepSpeed's own parallelism on model=vit, each row judged against the independent single-process
+reference (tests/support/reference.py, the report's parity criterion) and the planner's exact
+per-rank model-state bytes: ``strategy=pp strategy.impl=deepspeed`` (deepspeed.pipe's
+PipelineEngine, pp/ds_pipe.py) and ``strategy=tp strategy.impl=deepspeed`` (AutoTP training,
+tp/ds_autotp.py); and DeepSpeed's activation checkpointing (zero/ds_checkpointing.py) on a vit
+block against the same block without recomputation."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from parallel_lab.cli.run import run_ranks
+from parallel_lab.errors import ConfigError
+from tests.support.checks import assert_plan_matches
+from tests.support.model_parallel import compose_config
+from tests.support.reference import parity_reference
+
+STEPS, BATCH = 5, 16
+RUN = ("model=vit", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer.eval_batches=0")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return parity_reference("vit", steps=STEPS, global_batch=BATCH)
+
+
+def check_row(metrics: dict, reference, label: str) -> None:
+    assert metrics["model"] == "vit" and len(metrics["losses"]) == STEPS
+    reference.assert_run_matches(metrics, label)
+    assert_plan_matches(metrics, tolerance=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_deepspeed_pipeline_trains_the_vit_as_single_does(cli, reference):
+    """Two stages, 4 micro-batches (DeepSpeed's gradient_accumulation_steps), each stage holding
+    exactly its blocks' weights, gradients and Adam state."""
+    m = cli("strategy=pp", "strategy.impl=deepspeed", *RUN)
+    check_row(m, reference, "vit pp deepspeed")
+    extras = m["strategy_extras"]
+    assert extras["pp_impl"] == "deepspeed" and extras["pp_ds_config"]["gradient_accumulation_steps"] == 4
+    assert extras["pp_stage_layers"] == [["embed", "block0", "block1"], ["block2", "block3", "head"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_deepspeed_autotp_trains_the_vit_as_single_does(cli, reference):
+    """AutoTP splits q, k, v, fc1 by output features and proj, fc2 by input features: each rank
+    holds half of those weights, and the gathered model is single's."""
+    m = cli("strategy=tp", "strategy.impl=deepspeed", *RUN)
+    check_row(m, reference, "vit tp deepspeed")
+    split = m["strategy_extras"]["tp_split_layers"]
+    assert sorted(set(split.values())) == ["column", "row"] and len(split) == 6 * 4  # 6 Linears per block
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("strategy=pp", "strategy.impl=deepspeed", "strategy.microbatches=2", "trainer.grad_accum=2"),
+        ("strategy=pp", "strategy.impl=deepspeed", "strategy.microbatches=1"),
+        ("strategy=tp", "strategy.impl=deepspeed", "trainer.grad_accum=2"),
+    ],
+)
+def test_deepspeed_parallel_with_accumulation(cli, reference, overrides):
+    """grad_accum chunks held until DeepSpeed's train_batch (pp) or its accumulation boundary (tp).
+    The default-suite tests above keep the claim alive at grad_accum=1."""
+    check_row(cli(*overrides, *RUN), reference, " ".join(overrides))
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("strategy", ["pp", "tp"])
+def test_deepspeed_parallel_clips_as_single_does(cli, strategy):
+    """trainer.grad_clip: DeepSpeed's gradient_clipping over the pipeline (pp), the tp strategy's
+    own clip before engine.step() (tp). The unclipped default-suite rows keep the rest alive."""
+    clipped = parity_reference("vit", steps=STEPS, global_batch=BATCH, grad_clip=0.05)
+    m = cli(f"strategy={strategy}", "strategy.impl=deepspeed", "trainer.grad_clip=0.05", *RUN)
+    clipped.assert_run_matches(m, f"vit {strategy} deepspeed clipped")
+
+
+def test_deepspeed_tp_refusals_name_the_value_and_the_fix():
+    with pytest.raises(ConfigError, match="strategy.replicate=2 with strategy.impl=deepspeed"):
+        compose_config("strategy=tp", "strategy.impl=deepspeed", "model=vit", "world_size=4", "strategy.replicate=2")
+    with pytest.raises(ConfigError, match="no AutoTP layer specs for model=resnet18"):
+        compose_config("strategy=tp", "strategy.impl=deepspeed", "model=resnet18", "world_size=2")
+
+
+@pytest.mark.floats  # bits against the same block without recomputation, computed in the body
+def test_ds_checkpoint_recomputes_a_vit_block_bit_for_bit():
+    """DeepSpeed's checkpoint (configured from the ds_config's activation_checkpointing section)
+    on a vit block with torch-RNG dropout, on 2 real ranks with deepspeed.comm up: the same output
+    and the same gradients, bit for bit, as the plain block (its RNG state restored for the rerun)."""
+    assert _last_line(run_ranks(checkpointed_block_matches_plain, 2, timeout=120)) == []
+
+
+def checkpointed_block_matches_plain(rank: int, world_size: int) -> None:
+    """Body: prints the names of the tensors that differ (none: a pass)."""
+    from parallel_lab.models.vit import Block
+    from parallel_lab.strategies.zero.ds_checkpointing import ds_checkpoint_function
+    from parallel_lab.strategies.zero.strategy import import_deepspeed
+
+    import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    checkpoint = ds_checkpoint_function({"activation_checkpointing": {"partition_activations": False}})
+    torch.manual_seed(rank)
+    plain = Block(64, 4, 128, lambda: torch.nn.Dropout(0.1))
+    recomputed = copy.deepcopy(plain)
+    x = torch.randn(4, 64, 64)
+    results = []
+    for module, run in ((plain, lambda t: plain(t)), (recomputed, lambda t: checkpoint(recomputed, t))):
+        torch.manual_seed(1234)  # the same dropout masks in both forwards
+        inp = x.clone().requires_grad_()
+        out = run(inp)
+        torch.rand(3)  # RNG moves between forward and backward: the recomputation must not see it
+        out.square().sum().backward()
+        results.append({"output": out.detach(), "input grad": inp.grad, **dict(module.named_parameters())})
+        results[-1].update({n: p.grad for n, p in module.named_parameters()})
+    differ = [name for name, t in results[0].items() if not torch.equal(t, results[1][name])]
+    print(json.dumps(differ))
+
+
+def _last_line(outputs: list[str]):
+    return json.loads(outputs[0].strip().splitlines()[-1])
