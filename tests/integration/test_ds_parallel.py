@@ -19,8 +19,9 @@ from tests.support.checks import assert_plan_matches
 from tests.support.model_parallel import compose_config
 from tests.support.reference import parity_reference
 
-STEPS, BATCH = 5, 16
+STEPS, BATCH = 5, 16  # tests/integration/test_vit.py's runs: its references are shared (lru_cache)
 RUN = ("model=vit", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer.eval_batches=0")
+SHORT = ("model=vit", "world_size=2", "trainer.steps=3", "trainer.global_batch=8", "trainer.eval_batches=0")
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +29,25 @@ def reference():
     return parity_reference("vit", steps=STEPS, global_batch=BATCH)
 
 
+@pytest.fixture(scope="module")
+def short_reference():
+    """3 steps of 8 samples: a third of the cost of the 5 x 16 reference, for the default suite."""
+    return parity_reference("vit", steps=3, global_batch=8)
+
+
 def check_row(metrics: dict, reference, label: str) -> None:
-    assert metrics["model"] == "vit" and len(metrics["losses"]) == STEPS
+    assert metrics["model"] == "vit" and len(metrics["losses"]) == len(reference.losses)
     reference.assert_run_matches(metrics, label)
     assert_plan_matches(metrics, tolerance=0.0)
 
 
 @pytest.mark.slow
 @pytest.mark.parity
-def test_deepspeed_pipeline_trains_the_vit_as_single_does(cli, reference):
+def test_deepspeed_pipeline_trains_the_vit_as_single_does(cli, short_reference):
     """Two stages, 4 micro-batches (DeepSpeed's gradient_accumulation_steps), each stage holding
     exactly its blocks' weights, gradients and Adam state."""
-    m = cli("strategy=pp", "strategy.impl=deepspeed", *RUN)
-    check_row(m, reference, "vit pp deepspeed")
+    m = cli("strategy=pp", "strategy.impl=deepspeed", *SHORT)
+    check_row(m, short_reference, "vit pp deepspeed")
     extras = m["strategy_extras"]
     assert extras["pp_impl"] == "deepspeed" and extras["pp_ds_config"]["gradient_accumulation_steps"] == 4
     assert extras["pp_stage_layers"] == [["embed", "block0", "block1"], ["block2", "block3", "head"]]
@@ -48,11 +55,11 @@ def test_deepspeed_pipeline_trains_the_vit_as_single_does(cli, reference):
 
 @pytest.mark.slow
 @pytest.mark.parity
-def test_deepspeed_autotp_trains_the_vit_as_single_does(cli, reference):
+def test_deepspeed_autotp_trains_the_vit_as_single_does(cli, short_reference):
     """AutoTP splits q, k, v, fc1 by output features and proj, fc2 by input features: each rank
-    holds half of those weights, and the gathered model is single's."""
-    m = cli("strategy=tp", "strategy.impl=deepspeed", *RUN)
-    check_row(m, reference, "vit tp deepspeed")
+    holds half of those weights and the gathered model is single's."""
+    m = cli("strategy=tp", "strategy.impl=deepspeed", *SHORT)
+    check_row(m, short_reference, "vit tp deepspeed")
     split = m["strategy_extras"]["tp_split_layers"]
     assert sorted(set(split.values())) == ["column", "row"] and len(split) == 6 * 4  # 6 Linears per block
 
@@ -63,15 +70,20 @@ def test_deepspeed_autotp_trains_the_vit_as_single_does(cli, reference):
 @pytest.mark.parametrize(
     "overrides",
     [
+        ("strategy=pp", "strategy.impl=deepspeed"),
         ("strategy=pp", "strategy.impl=deepspeed", "strategy.microbatches=2", "trainer.grad_accum=2"),
         ("strategy=pp", "strategy.impl=deepspeed", "strategy.microbatches=1"),
+        ("strategy=pp", "strategy.impl=deepspeed", "world_size=4", "strategy.replicate=2"),
+        ("strategy=tp", "strategy.impl=deepspeed"),
         ("strategy=tp", "strategy.impl=deepspeed", "trainer.grad_accum=2"),
     ],
 )
-def test_deepspeed_parallel_with_accumulation(cli, reference, overrides):
-    """grad_accum chunks held until DeepSpeed's train_batch (pp) or its accumulation boundary (tp).
-    The default-suite tests above keep the claim alive at grad_accum=1."""
-    check_row(cli(*overrides, *RUN), reference, " ".join(overrides))
+def test_deepspeed_parallel_matrix(cli, reference, overrides):
+    """More of the same: accumulation (pp holds the chunks until DeepSpeed's train_batch), one
+    micro-batch, dp x pp on 4 ranks, tp without dropout. The two default-suite rows above keep the
+    claim alive."""
+    run = [o for o in RUN if not any(o.split("=")[0] == x.split("=")[0] for x in overrides)]
+    check_row(cli(*run, *overrides), reference, " ".join(overrides))
 
 
 @pytest.mark.extra
@@ -82,8 +94,7 @@ def test_deepspeed_parallel_clips_as_single_does(cli, strategy):
     """trainer.grad_clip: DeepSpeed's gradient_clipping over the pipeline (pp), the tp strategy's
     own clip before engine.step() (tp). The unclipped default-suite rows keep the rest alive."""
     clipped = parity_reference("vit", steps=STEPS, global_batch=BATCH, grad_clip=0.05)
-    m = cli(f"strategy={strategy}", "strategy.impl=deepspeed", "trainer.grad_clip=0.05", *RUN)
-    clipped.assert_run_matches(m, f"vit {strategy} deepspeed clipped")
+    check_row(cli(f"strategy={strategy}", "strategy.impl=deepspeed", "trainer.grad_clip=0.05", *RUN), clipped, strategy)
 
 
 def test_deepspeed_tp_refusals_name_the_value_and_the_fix():
@@ -91,6 +102,8 @@ def test_deepspeed_tp_refusals_name_the_value_and_the_fix():
         compose_config("strategy=tp", "strategy.impl=deepspeed", "model=vit", "world_size=4", "strategy.replicate=2")
     with pytest.raises(ConfigError, match="no AutoTP layer specs for model=resnet18"):
         compose_config("strategy=tp", "strategy.impl=deepspeed", "model=resnet18", "world_size=2")
+    with pytest.raises(ConfigError, match="model.dropout=0.1 with strategy=tp strategy.impl=deepspeed"):
+        compose_config("strategy=tp", "strategy.impl=deepspeed", "model=vit", "world_size=2", "model.dropout=0.1")
 
 
 @pytest.mark.floats  # bits against the same block without recomputation, computed in the body

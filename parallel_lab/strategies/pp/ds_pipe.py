@@ -102,7 +102,9 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         self.optimizer = self.engine.optimizer  # the client torch optimizer itself at ZeRO stage 0
         self._measure_before_step()
         meta = meta_model(self.cfg)
-        self.meta_stages = [nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in ns)) for ns in self.stage_names]
+        self.meta_stages = [
+            nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in ns)) for ns in self.stage_names
+        ]
         self.shapes, self.records, self.max_inflight = {}, [], 0
         self.timer = BusyTimer(pipe)  # DeepSpeed calls the PipelineModule, not self.model
         self.schedule, self.chunks, self.held_before_step, self.last_loss = None, [], {}, None

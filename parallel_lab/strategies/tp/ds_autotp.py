@@ -165,6 +165,12 @@ def check_deepspeed_tp(opts: DictConfig, cfg: DictConfig) -> None:
             f"strategy.replicate={opts.replicate} with strategy.impl=deepspeed: dp x tp over DeepSpeed's own groups "
             f"is not built here; use strategy.replicate=1 or strategy.impl=manual"
         )
+    if cfg.model.get("dropout"):
+        raise ConfigError(
+            f"model.dropout={cfg.model.dropout} with strategy=tp strategy.impl=deepspeed: each rank would draw the "
+            f"masks of its slice of the split layers' outputs, not single's (measured, docs/facts.md); set "
+            f"model.dropout=0"
+        )
     if opts.split_conv:
         raise ConfigError("strategy.split_conv=true needs strategy.impl=manual (AutoTP splits nn.Linear only)")
     from parallel_lab.models import build_meta_model
