@@ -32,26 +32,11 @@ from torch import nn
 from parallel_lab.strategies.base import OptimizerFactory
 from parallel_lab.strategies.memory import held_param_grad_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh
+from parallel_lab.strategies.pp.ds_rules import pipe_ds_config
 from parallel_lab.strategies.pp.plan import plan_stages
 from parallel_lab.strategies.pp.rules import meta_model
 from parallel_lab.strategies.pp.schedules import BusyTimer
-from parallel_lab.strategies.pp.strategy import PipelineParallelStrategy, PPMemory
-
-
-def pipe_ds_config(cfg) -> dict:
-    """The DeepSpeed config of a pipeline run, every batch setting from ``trainer.*``."""
-    t, opts = cfg.trainer, cfg.strategy
-    accumulation = opts.microbatches * t.grad_accum
-    return {
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": t.global_batch // (opts.replicate * accumulation),
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": float(t.grad_clip),  # DeepSpeed clips at 1.0 unless told (docs/facts.md)
-        "zero_optimization": {"stage": 0},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
+from parallel_lab.strategies.pp.strategy import IMPLS, PipelineParallelStrategy, PPMemory
 
 
 class DSPipeMemory(PPMemory):
@@ -190,14 +175,4 @@ def _fixed_cut_module():
     return FixedCutPipelineModule
 
 
-def check_deepspeed_pipe(opts, cfg) -> None:
-    """The parent's refusals for ``strategy.impl=deepspeed`` (ConfigError, one line)."""
-    import importlib.util
-
-    from parallel_lab.errors import ConfigError
-
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(
-            "strategy.impl=deepspeed needs DeepSpeed, which is not installed; pip install deepspeed (make installs "
-            "it), or use strategy.impl=manual"
-        )
+IMPLS["deepspeed"] = DeepSpeedPipelineStrategy

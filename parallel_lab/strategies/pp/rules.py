@@ -65,7 +65,7 @@ class PPPlan(PlanRules):
                 f"use a divisor of {per_step}"
             )
         if opts.impl == "deepspeed":
-            from parallel_lab.strategies.pp.ds_pipe import check_deepspeed_pipe
+            from parallel_lab.strategies.pp.ds_rules import check_deepspeed_pipe
 
             check_deepspeed_pipe(opts, cfg)
         if opts.impl == "torch" and opts.schedule == "1f1b" and opts.microbatches < opts.stages:

@@ -69,6 +69,7 @@ class PipelineImpl(Choice):
 
 Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
 
+IMPLS: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by pp/ds_pipe.py)
 BACKWARD_TAG = 1 << 20  # p2p tags: forward of micro-batch i uses tag i, its backward BACKWARD_TAG + i
 
 
@@ -125,11 +126,8 @@ class PipelineParallelStrategy(Strategy):
     Norm = PPNorm
 
     def __new__(cls, cfg: DictConfig, env):
-        if cls is PipelineParallelStrategy and cfg.strategy.impl == "deepspeed":
-            from parallel_lab.strategies.pp.ds_pipe import DeepSpeedPipelineStrategy
-
-            cls = DeepSpeedPipelineStrategy
-        return super().__new__(cls)
+        """strategy.impl's own subclass where it has one (IMPLS: deepspeed, pp/ds_pipe.py)."""
+        return super().__new__(IMPLS.get(cfg.strategy.impl, cls) if cls is PipelineParallelStrategy else cls)
 
     @property
     def is_first(self) -> bool:

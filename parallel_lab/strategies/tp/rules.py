@@ -48,7 +48,7 @@ class TPPlan(PlanRules):
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
         if opts.impl == "deepspeed":  # AutoTP's own layer specs and refusals (tp/ds_autotp.py)
-            from parallel_lab.strategies.tp.ds_autotp import check_deepspeed_tp
+            from parallel_lab.strategies.tp.ds_rules import check_deepspeed_tp
 
             return check_deepspeed_tp(opts, cfg)
         model_name = cfg.model.name
@@ -108,7 +108,7 @@ class TPPlan(PlanRules):
         from parallel_lab.strategies.tp.predict import predict_tp_memory
 
         if cfg.strategy.impl == "deepspeed":
-            from parallel_lab.strategies.tp.ds_autotp import predict_autotp_memory
+            from parallel_lab.strategies.tp.ds_rules import predict_autotp_memory
 
             return predict_autotp_memory(cfg, model, rank)
         return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv), rank)

@@ -52,6 +52,8 @@ from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 
+IMPLS: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by tp/ds_autotp.py)
+
 
 class TensorImpl(Choice):
     """strategy.impl of tp: whose layers split the weights."""
@@ -132,11 +134,8 @@ class TensorParallelStrategy(Strategy):
     Norm = TPNorm
 
     def __new__(cls, cfg: DictConfig, env):
-        if cls is TensorParallelStrategy and cfg.strategy.impl == "deepspeed":
-            from parallel_lab.strategies.tp.ds_autotp import DeepSpeedTensorParallelStrategy
-
-            cls = DeepSpeedTensorParallelStrategy
-        return super().__new__(cls)
+        """strategy.impl's own subclass where it has one (IMPLS: deepspeed, tp/ds_autotp.py)."""
+        return super().__new__(IMPLS.get(cfg.strategy.impl, cls) if cls is TensorParallelStrategy else cls)
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
