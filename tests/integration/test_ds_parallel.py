@@ -91,7 +91,7 @@ def test_deepspeed_parallel_matrix(cli, reference, overrides):
 @pytest.mark.parity
 @pytest.mark.parametrize("strategy", ["pp", "tp"])
 def test_deepspeed_parallel_clips_as_single_does(cli, strategy):
-    """trainer.grad_clip: DeepSpeed's gradient_clipping over the pipeline (pp), the tp strategy's
+    """trainer.grad_clip: the pp strategy's clip inside train_batch (pp), the tp strategy's
     own clip before engine.step() (tp). The unclipped default-suite rows keep the rest alive."""
     clipped = parity_reference("vit", steps=STEPS, global_batch=BATCH, grad_clip=0.05)
     check_row(cli(f"strategy={strategy}", "strategy.impl=deepspeed", "trainer.grad_clip=0.05", *RUN), clipped, strategy)

@@ -10,7 +10,9 @@ send/recv between neighbours, divides each micro-batch's loss by that count, all
 stages' gradients over the data-parallel replicas and steps the optimizer. The optimizer is the
 toolkit's torch optimizer, passed as the client optimizer at ZeRO stage 0 (so the update rule,
 memory accounting and checkpoints are those of every other pp run; docs/deepspeed_parallel.md
-says why not ZeRO-1). ``gradient_clipping`` is ``trainer.grad_clip`` (DeepSpeed's default is 1.0).
+says why not ZeRO-1). DeepSpeed's ``gradient_clipping`` is off: its norm would leave out every
+stage but the first (docs/facts.md); the pp strategy's clip (squares summed over the stages)
+runs inside ``train_batch``, after the replicas' reduction, just before the optimizer step.
 
 The training loop calls ``train_step`` once per ``trainer.grad_accum`` chunk: the chunks are held
 and the whole optimizer step runs at the last one; the loss reported is DeepSpeed's mean over the
@@ -96,12 +98,13 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
 
     def _measure_before_step(self) -> None:
         """Wrap this engine's optimizer-step instruction (the engine binds the map's functions to
-        itself as it runs its schedule): memory is read just before it."""
+        itself as it runs its schedule): memory is read and the gradients clipped just before it."""
         key = _optimizer_step_instruction()
         original = self.engine._INSTRUCTION_MAP[key]
 
         def step(engine, **kwargs):
             self.held_before_step = held_param_grad_bytes(self.model)
+            self.clip_gradients()  # pp's: trainer.grad_clip over the whole pipeline's gradient
             return original(engine, **kwargs)
 
         self.engine._INSTRUCTION_MAP = {**self.engine._INSTRUCTION_MAP, key: step}
@@ -121,10 +124,7 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         return self.last_loss
 
     def optimizer_step(self) -> None:
-        """Nothing left: ``train_batch`` clipped (gradient_clipping), reduced over the replicas and stepped."""
-
-    def clip_gradients(self) -> None:
-        """DeepSpeed clips inside ``train_batch`` at ``gradient_clipping`` = trainer.grad_clip."""
+        """Nothing left: ``train_batch`` reduced over the replicas, clipped and stepped."""
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """DeepSpeed's loss of the step: the mean over its micro-batches, averaged over the replicas

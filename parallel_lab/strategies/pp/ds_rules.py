@@ -14,7 +14,9 @@ def pipe_ds_config(cfg: DictConfig) -> dict:
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.global_batch // (opts.replicate * accumulation),
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": float(t.grad_clip),  # DeepSpeed clips at 1.0 unless told (docs/facts.md)
+        # Off (DeepSpeed's default is 1.0): its clip would leave later stages' gradients out of the
+        # norm (docs/facts.md); ds_pipe.py runs the pp strategy's own clip before the optimizer step.
+        "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 0},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
