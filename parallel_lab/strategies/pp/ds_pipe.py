@@ -94,7 +94,8 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         ]
         self.shapes, self.records, self.max_inflight = {}, [], 0
         self.timer = BusyTimer(pipe)  # DeepSpeed calls the PipelineModule, not self.model
-        self.schedule, self.chunks, self.held_before_step, self.last_loss = None, [], {}, None
+        self.chunks, self.held_before_step, self.last_loss = [], {}, None
+        self.schedule = "deepspeed"  # not None: extra_metrics reports the manual loop's own fields as null
 
     def _measure_before_step(self) -> None:
         """Wrap this engine's optimizer-step instruction (the engine binds the map's functions to
@@ -132,7 +133,6 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         return float(self.last_loss)
 
     def extra_metrics(self) -> dict:
-        self.schedule = "deepspeed"  # not the manual loop: the manual-only fields are null
         extras = super().extra_metrics()
         extras.update(pp_schedule="deepspeed TrainSchedule (1F1B order)", pp_ds_config=pipe_ds_config(self.cfg))
         return extras
