@@ -80,8 +80,9 @@ def test_deepspeed_autotp_trains_the_vit_as_single_does(cli, short_reference):
 )
 def test_deepspeed_parallel_matrix(cli, reference, overrides):
     """More of the same: accumulation (pp holds the chunks until DeepSpeed's train_batch), one
-    micro-batch, dp x pp on 4 ranks, tp without dropout. The two default-suite rows above keep the
-    claim alive."""
+    micro-batch, dp x pp on 4 ranks, tp, at 5 x 16. In the default suite:
+    test_deepspeed_pipeline_trains_the_vit_as_single_does and
+    test_deepspeed_autotp_trains_the_vit_as_single_does."""
     run = [o for o in RUN if not any(o.split("=")[0] == x.split("=")[0] for x in overrides)]
     check_row(cli(*run, *overrides), reference, " ".join(overrides))
 
@@ -92,7 +93,8 @@ def test_deepspeed_parallel_matrix(cli, reference, overrides):
 @pytest.mark.parametrize("strategy", ["pp", "tp"])
 def test_deepspeed_parallel_clips_as_single_does(cli, strategy):
     """trainer.grad_clip: the pp strategy's clip inside train_batch (pp), the tp strategy's
-    own clip before engine.step() (tp). The unclipped default-suite rows keep the rest alive."""
+    own clip before engine.step() (tp). In the default suite, unclipped:
+    test_deepspeed_pipeline_trains_the_vit_as_single_does, test_deepspeed_autotp_trains_the_vit_as_single_does."""
     clipped = parity_reference("vit", steps=STEPS, global_batch=BATCH, grad_clip=0.05)
     check_row(cli(f"strategy={strategy}", "strategy.impl=deepspeed", "trainer.grad_clip=0.05", *RUN), clipped, strategy)
 
@@ -148,7 +150,8 @@ def _last_line(outputs: list[str]):
 @pytest.mark.floats  # two runs of this test on the same CPU, compared with each other
 def test_deepspeed_pipeline_trains_bit_for_bit_as_the_manual_pipeline(cli):
     """DeepSpeed's TrainSchedule sums the micro-batches' gradients in the manual loop's order: the
-    same final weights, bit for bit. The default-suite parity row keeps the claim against single alive."""
+    same final weights, bit for bit. In the default suite, against single:
+    test_deepspeed_pipeline_trains_the_vit_as_single_does."""
     ours, theirs = (cli("strategy=pp", f"strategy.impl={impl}", *RUN) for impl in ("manual", "deepspeed"))
     assert theirs["losses"] == ours["losses"]
     assert theirs["final_param_sha256"] == ours["final_param_sha256"]
