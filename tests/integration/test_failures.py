@@ -312,11 +312,11 @@ CATALOGUE = {
     ),
     "pp-impl-unknown": (
         ["strategy=pp", "strategy.impl=dtensor"],
-        ("strategy.impl=dtensor", "use strategy.impl=manual or torch"),
+        ("strategy.impl=dtensor", "use strategy.impl=manual, torch or deepspeed"),
     ),
     "tp-impl-unknown": (
         ["strategy=tp", "strategy.impl=torch"],
-        ("strategy.impl=torch", "use strategy.impl=manual or dtensor"),
+        ("strategy.impl=torch", "use strategy.impl=manual, dtensor or deepspeed"),
     ),
     "ds-config-batch": (ds_config_disagreeing, "train_batch_size=64"),
     "fsdp-hybrid": (["strategy=fsdp", "strategy.sharding=hybrid"], ("strategy.sharding=hybrid", "strategy.replicate=")),

@@ -23,6 +23,8 @@ BALANCES = ("params", "flops", "time")
 IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "manual": (("gpipe", "1f1b", "interleaved_1f1b"), BALANCES),
     "torch": (("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), BALANCES),
+    # deepspeed.pipe's engine runs its own TrainSchedule, a 1F1B order, on the cut plan_stages makes
+    "deepspeed": (("1f1b",), BALANCES),
 }
 
 
@@ -81,6 +83,10 @@ def pp_dims(opts: DictConfig) -> MeshDims:
 
 def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
     """The schedule, balance and virtual stages this impl runs; one line naming the fix."""
+    if str(opts.impl) == "deepspeed" and str(opts.schedule) == "gpipe":
+        # The default schedule, which DeepSpeed's engine cannot run: its TrainSchedule is 1F1B, and
+        # the resolved config.yaml says so (as balance=time's measured block_times are written there).
+        opts.schedule = "1f1b"
     impl, schedule, v = str(opts.impl), str(opts.schedule), opts.virtual_stages
     schedules, balances = IMPLS.get(impl, ((), ()))
     if schedule not in schedules:
@@ -169,6 +175,10 @@ class PPPlan(PlanRules):
             )
         plan_stages(meta_model(cfg), opts.stages, list(opts.cuts), None, opts.virtual_stages)  # the cut exists
         check_balance(opts, cfg)
+        if opts.impl == "deepspeed":
+            from parallel_lab.strategies.pp.ds_rules import check_deepspeed_pipe
+
+            check_deepspeed_pipe(opts, cfg)
 
     @classmethod
     def min_global_batch(cls, cfg: DictConfig) -> int:

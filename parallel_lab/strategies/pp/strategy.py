@@ -67,10 +67,12 @@ class PipelineImpl(Choice):
 
     manual = "manual"
     torch = "torch"
+    deepspeed = "deepspeed"  # DeepSpeed's PipelineEngine (pp/ds_pipe.py)
 
 
 Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
 Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut evens out.", __name__)
+SUBCLASSES: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by pp/ds_pipe.py)
 
 
 @dataclass
@@ -81,7 +83,8 @@ class PPOptions(StrategyOptions):
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
     schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (impl=torch)
-    impl: PipelineImpl = PipelineImpl.manual  # manual (our send/recv loop) | torch (torch.distributed.pipelining)
+    # manual (our send/recv loop) | torch (torch.distributed.pipelining) | deepspeed (deepspeed.pipe, 1f1b only)
+    impl: PipelineImpl = PipelineImpl.manual
     # model chunks per rank (interleaved schedules): the model is cut into stages x virtual_stages chunks
     virtual_stages: int = 1
     # what the cut evens out per chunk: flops (forward FLOPs, models/flops.py) | params | time (measured)
@@ -133,6 +136,18 @@ class PipelineParallelStrategy(Strategy):
     State = PPState
     Memory = PPMemory
     Norm = PPNorm
+
+    def __new__(cls, cfg: DictConfig, env):
+        """strategy.impl's own subclass where it has one (SUBCLASSES: deepspeed, pp/ds_pipe.py)."""
+        return super().__new__(SUBCLASSES.get(cfg.strategy.impl, cls) if cls is PipelineParallelStrategy else cls)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.opts.stages - 1
 
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:

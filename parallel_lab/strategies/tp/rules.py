@@ -85,6 +85,10 @@ class TPPlan(PlanRules):
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        if opts.impl == "deepspeed":  # AutoTP's own layer specs and refusals (tp/ds_autotp.py)
+            from parallel_lab.strategies.tp.ds_rules import check_deepspeed_tp
+
+            return check_deepspeed_tp(opts, cfg)
         model_name = cfg.model.name
         if model_name not in TP_PLANS:
             raise ConfigError(
@@ -143,6 +147,8 @@ class TPPlan(PlanRules):
         """A tp rank runs its replica's whole batch through the model, the split layers' FLOPs / tp."""
         from parallel_lab.strategies.tp.predict import tp_share
 
+        if cfg.strategy.impl == "deepspeed":
+            return super().compute_shape(cfg, model)
         plan = split_plan(cfg.model.name, cfg.strategy.split_conv, model)
         split = [layer for pair in plan for layer in pair if layer]
         calls = None
@@ -161,6 +167,10 @@ class TPPlan(PlanRules):
         """This rank's slices of the split layers plus everything replicated (``predict.py``)."""
         from parallel_lab.strategies.tp.predict import predict_tp_memory
 
+        if cfg.strategy.impl == "deepspeed":
+            from parallel_lab.strategies.tp.ds_rules import predict_autotp_memory
+
+            return predict_autotp_memory(cfg, model, rank)
         return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model), rank)
 
     @classmethod
@@ -179,6 +189,8 @@ class TPPlan(PlanRules):
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
         from parallel_lab.strategies.tp.predict import predict_tp_comm
 
+        if cfg.strategy.impl == "deepspeed":
+            return None  # AutoTP's collectives are not predicted here
         if cfg.model.name == "vit":
             from parallel_lab.strategies.tp.predict import predict_vit_comm
 

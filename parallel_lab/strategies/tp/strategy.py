@@ -57,12 +57,15 @@ from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_param
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 from parallel_lab.strategies.tp.split import split_transformer
 
+IMPLS: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by tp/ds_autotp.py)
+
 
 class TensorImpl(Choice):
     """strategy.impl of tp: whose layers split the weights."""
 
     manual = "manual"
     dtensor = "dtensor"
+    deepspeed = "deepspeed"  # DeepSpeed's AutoTP training (tp/ds_autotp.py)
 
 
 @dataclass
@@ -71,7 +74,7 @@ class TPOptions(StrategyOptions):
 
     tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
     replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
-    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel)
+    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel) | deepspeed (AutoTP)
     impl: TensorImpl = TensorImpl.manual
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
     # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
@@ -137,6 +140,10 @@ class TensorParallelStrategy(Strategy):
     State = TPState
     Memory = TPMemory
     Norm = TPNorm
+
+    def __new__(cls, cfg: DictConfig, env):
+        """strategy.impl's own subclass where it has one (IMPLS: deepspeed, tp/ds_autotp.py)."""
+        return super().__new__(IMPLS.get(cfg.strategy.impl, cls) if cls is TensorParallelStrategy else cls)
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
