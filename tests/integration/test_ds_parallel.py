@@ -110,33 +110,37 @@ def test_deepspeed_tp_refusals_name_the_value_and_the_fix():
 
 @pytest.mark.floats  # bits against the same block without recomputation, computed in the body
 def test_ds_checkpoint_recomputes_a_vit_block_bit_for_bit():
-    """DeepSpeed's checkpoint (configured from the ds_config's activation_checkpointing section)
-    on a vit block with torch-RNG dropout, on 2 real ranks with deepspeed.comm up: the same output
-    and the same gradients, bit for bit, as the plain block (its RNG state restored for the rerun)."""
+    """DeepSpeed's checkpoint (configured from the ds_config's activation_checkpointing section),
+    wired into the vit's recomputed blocks as the zero and DeepSpeed-pipeline strategies wire it, on
+    2 real ranks with deepspeed.comm up: the same output and gradients, bit for bit, as the model
+    without recomputation (dropout on: the recomputation draws the forward's masks)."""
     assert _last_line(run_ranks(checkpointed_block_matches_plain, 2, timeout=120)) == []
 
 
 def checkpointed_block_matches_plain(rank: int, world_size: int) -> None:
-    """Body: prints the names of the tensors that differ (none: a pass)."""
-    from parallel_lab.models.vit import Block
-    from parallel_lab.strategies.zero.ds_checkpointing import ds_checkpoint_function
-    from parallel_lab.strategies.zero.strategy import import_deepspeed
+    """Body: prints the names of the tensors that differ (none: a pass). The vit (per-sample
+    dropout on) with trainer.recompute=full through the zero strategies' wiring
+    (``use_deepspeed_checkpointing``: DeepSpeed's checkpoint in every block) against the same
+    model without recomputation."""
+    from parallel_lab.models.recompute import set_recompute
+    from parallel_lab.models.vit import ViT
+    from parallel_lab.strategies.zero.strategy import import_deepspeed, use_deepspeed_checkpointing
 
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    checkpoint = ds_checkpoint_function({"activation_checkpointing": {"partition_activations": False}})
     torch.manual_seed(rank)
-    plain = Block(64, 4, 128, lambda: torch.nn.Dropout(0.1))
+    plain = ViT(depth=2, dropout=0.1, seed=rank)
     recomputed = copy.deepcopy(plain)
-    x = torch.randn(4, 64, 64)
+    set_recompute(recomputed, "full")
+    use_deepspeed_checkpointing(recomputed, {"activation_checkpointing": {"partition_activations": False}})
+    assert recomputed.block0.recompute.checkpoint is not plain.block0.recompute.checkpoint
+    x = torch.randn(4, 3, 32, 32)
     results = []
-    for module, run in ((plain, lambda t: plain(t)), (recomputed, lambda t: checkpoint(recomputed, t))):
-        torch.manual_seed(1234)  # the same dropout masks in both forwards
-        inp = x.clone().requires_grad_()
-        out = run(inp)
+    for module in (plain, recomputed):
+        torch.manual_seed(1234)
+        out = module(x)
         torch.rand(3)  # RNG moves between forward and backward: the recomputation must not see it
         out.square().sum().backward()
-        results.append({"output": out.detach(), "input grad": inp.grad, **dict(module.named_parameters())})
-        results[-1].update({n: p.grad for n, p in module.named_parameters()})
+        results.append({"output": out.detach(), **{n: p.grad for n, p in module.named_parameters()}})
     differ = [name for name, t in results[0].items() if not torch.equal(t, results[1][name])]
     print(json.dumps(differ))
 

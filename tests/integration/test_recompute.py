@@ -20,8 +20,17 @@ STEPS, BATCH = 3, 16
 RUN = ("model=vit", "model.dropout=0.1", "world_size=2", f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}")
 ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))}
 MODES = ("none", "selective", "full")
-# make test: the data-parallel, sharded and pipeline families, one strategy each; the rest under extra.
-CASES = {"ddp": ("none", "selective"), "fsdp": ("none", "full"), "pp": ("none", "full")}
+# make test: the data-parallel, sharded, DeepSpeed (its own checkpoint function), pipeline and
+# tensor-parallel (sequence-parallel: its collectives rerun in the recomputation) families, one
+# strategy each; the rest under extra.
+CASES = {
+    "ddp": ("none", "selective"),
+    "fsdp": ("none", "full"),
+    "zero2": ("none", "full"),
+    "pp": ("none", "full"),
+    "tp": ("none", "selective"),
+}
+SP = {"tp": "strategy.sequence_parallel=true"}
 EXTRA = {
     "single": MODES,
     "dp": MODES,
@@ -33,6 +42,7 @@ EXTRA = {
     "zero2": MODES,
     "zero3": MODES,
     "pp": MODES,
+    "tp": MODES,
 }
 
 
@@ -65,7 +75,7 @@ def _train(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("recompute"), CASES)
+    return _train(tmp_path_factory.mktemp("recompute"), CASES, SP)
 
 
 def assert_same_training(runs: dict, strategy: str, mode: str) -> None:

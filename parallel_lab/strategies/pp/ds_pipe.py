@@ -53,7 +53,7 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
     Memory = DSPipeMemory
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
-        from parallel_lab.strategies.zero.strategy import ZeroStrategy, import_deepspeed
+        from parallel_lab.strategies.zero.strategy import ZeroStrategy, import_deepspeed, use_deepspeed_checkpointing
 
         ZeroStrategy.init_distributed(self.env, self.cfg.dist_timeout_s)  # adopts the group: deepspeed.comm on it
         deepspeed = import_deepspeed()
@@ -88,6 +88,7 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         self.engine, _, _, _ = deepspeed.initialize(
             model=pipe, optimizer=make_optimizer(self.model.parameters()), config=pipe_ds_config(self.cfg)
         )
+        use_deepspeed_checkpointing(model, pipe_ds_config(self.cfg))  # trainer.recompute's regions
         self.optimizer = self.engine.optimizer  # the client torch optimizer itself at ZeRO stage 0
         self._measure_before_step()
         self.shapes, self.records, self.loop = {}, [], None  # no manual loop: its own fields are null

@@ -83,7 +83,13 @@ class ZeroPlan(PlanRules):
             )
         if opts.bucket_mb <= 0:
             raise ConfigError(f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use e.g. strategy.bucket_mb=25")
-        build_ds_config(cfg, opts)  # the file was read and adopted by validate() (strategies/zero/ds_file.py)
+        ds_config = build_ds_config(cfg, opts)  # the file was read and adopted by validate() (zero/ds_file.py)
+        if str(cfg.trainer.get("recompute", "none")) != "none":
+            from parallel_lab.strategies.zero.ds_checkpointing import ds_checkpoint_refusal
+
+            refusal = ds_checkpoint_refusal(ds_config)  # activation_checkpointing options it cannot honour here
+            if refusal:
+                raise ConfigError(refusal)
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:

@@ -170,6 +170,7 @@ class ZeroStrategy(Strategy):
         self.model = self.engine
         self._undo_stage0_init_step()
         self.memory.watch(self.engine.optimizer)
+        use_deepspeed_checkpointing(model, self.ds_config)
 
     def _undo_stage0_init_step(self) -> None:
         """bf16/fp16 at stage 0: with ZeRO off and 16-bit gradients DeepSpeed wraps the client
@@ -232,3 +233,16 @@ class ZeroStrategy(Strategy):
             self.engine.destroy()  # releases stage-3 hooks and buffers
         self.engine = None
         super().teardown()
+
+
+def use_deepspeed_checkpointing(model: torch.nn.Module, ds_config: dict) -> None:
+    """trainer.recompute under DeepSpeed: the model's recomputed regions (models/recompute.py) run
+    through deepspeed.checkpointing.checkpoint, configured from the ds_config's
+    ``activation_checkpointing`` section, as a DeepSpeed user's model calls it. deepspeed.comm must
+    be up (it is, after deepspeed.initialize). Nothing changes where the mode is none."""
+    from parallel_lab.models.recompute import NONE, setting_of
+    from parallel_lab.strategies.zero.ds_checkpointing import ds_checkpoint_function
+
+    setting = setting_of(model)
+    if setting is not None and setting.mode != NONE:
+        setting.checkpoint = ds_checkpoint_function(ds_config)
