@@ -150,11 +150,13 @@ def interval_note(runs: list[Row]) -> str:
     steps = [interval(r, "step_ms") for r in runs if r.ok]
     if not steps:
         return ""
-    overs = sorted({f"{s.n} {s.over}" for s in steps})
-    levels = sorted({f"{s.level:.1%}" for s in steps})
+    overs = [
+        f"{n} {over} (holds the median {level:.1%})" if n > 1 else f"1 {over.rstrip('s')} (no interval)"
+        for n, over, level in sorted({(s.n, s.over, s.level) for s in steps})
+    ]
     return (
-        f"Times: median (95% interval) over {', '.join(overs)} per row; {METHOD}; the intervals' own "
-        f"coverage {', '.join(levels)} (below 95% only with fewer than 6 samples: the range). "
+        f"Times: median (interval) over {', '.join(overs)}: the {METHOD}, 95% from 6 samples on, "
+        "below that the range at its own level (docs/results.md). "
         "vs single: faster/slower only where the step-time intervals do not overlap. "
         "MFU: model FLOPs (forward ×3) per rank per second over the machine's own peak "
         "(python -m parallel_lab.bench peak) in the run's dtype with a rank's threads."

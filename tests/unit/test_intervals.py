@@ -146,6 +146,6 @@ def test_faster_only_where_the_intervals_separate(tmp_path: Path):
     assert cells["fsdp"]["vs single"] == cells["zero2"]["vs single"] == SAME  # medians above and below
     assert cells["zero1"]["vs single"].endswith("× slower")
     assert cells["ddp"]["step ms"] == "20.55 (20.20–20.90)"  # the median and its order statistics x(3), x(10) (96.1%)
-    assert "over 12 steps" in text
+    assert "over 12 steps (holds the median 96.1%)" in text
     # One sample has no interval: no verdict, however far apart the medians.
     assert verdict(median_ci([10.0]), median_ci(SLOW)) == ""
