@@ -17,7 +17,7 @@ from parallel_lab.report.rows import ROUNDS_DIR, precision_of
 from parallel_lab.report.table import DIFFERS, Row, baseline_key, is_baseline, load_runs
 from parallel_lab.report.timing import PEAK_FILE
 from parallel_lab.report.write import write_report
-from parallel_lab.worker.metrics import measure_peak
+from parallel_lab.worker.metrics import peaks_for
 
 NOISE_DIR = "noise_floor"
 RunOne = Callable[[DictConfig, Path], int]  # one run from its config (cli/main.py's run_one)
@@ -63,13 +63,13 @@ def run_noise_floor(runs: list[Row], sweep_dir: Path, run_one: RunOne) -> None:
 
 def measure_peaks(runs: list[Row], sweep_dir: Path) -> list[dict]:
     """The machine's peak GFLOP/s once per (device kind, compute dtype, threads per rank) of the
-    sweep's rows (worker/metrics.py measure_peak), kept in <sweep>/peak.json for a later render."""
+    sweep's rows (worker/metrics.py peaks_for), kept in <sweep>/peak.json for a later render."""
     wanted = {
         (r.metrics.device.split(":")[0], precision_of(r.metrics), r.metrics.threads)
         for r in runs
         if r.ok and not r.is_noise
     }
-    peaks = [measure_peak(dtype, threads, device) for device, dtype, threads in sorted(wanted)]
+    peaks = peaks_for(wanted)
     (sweep_dir / PEAK_FILE).write_text(json.dumps(peaks, indent=2) + "\n")
     return peaks
 
