@@ -36,7 +36,7 @@ def plot_comparison(runs: list[Row], out: Path) -> None:
     medians = [t.median for t in rates]
     errors = [[t.median - t.low for t in rates], [t.high - t.median for t in rates]]
     axes[0].bar(labels, medians, yerr=errors, capsize=4, color="tab:blue", ecolor="black")
-    axes[0].set_title("throughput (samples/s): median, 95% interval")
+    axes[0].set_title("throughput (samples/s): median and its interval")
     bottom = [0.0] * len(ok)
     for key, color in (("param_bytes", "tab:green"), ("grad_bytes", "tab:orange"), ("optim_bytes", "tab:red")):
         heights = [(max_rank(r, key) or 0) / MiB for r in ok]
