@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from parallel_lab.report.columns import MiB, max_rank
+from parallel_lab.report.intervals import Interval
 from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE
 from parallel_lab.report.rows import Row
 from parallel_lab.report.timing import interval
@@ -32,7 +33,7 @@ def plot_comparison(runs: list[Row], out: Path) -> None:
         return
     labels = [f"{r.metrics.strategy}\n{r.variant}\n×{r.metrics.world_size}".replace("\n\n", "\n") for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ok)), 4))
-    rates = [interval(r, "samples_per_s") for r in ok]
+    rates = [interval(r, "samples_per_s") or Interval(0.0, 0.0, 0.0, 0, 0.0) for r in ok]
     medians = [t.median for t in rates]
     errors = [[t.median - t.low for t in rates], [t.high - t.median for t in rates]]
     axes[0].bar(labels, medians, yerr=errors, capsize=4, color="tab:blue", ecolor="black")

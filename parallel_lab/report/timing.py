@@ -75,7 +75,8 @@ def interval(run: Row, name: str) -> Interval | None:
         if name == "step_ms":
             run.timing[name] = step_ms(run)
         elif name == "samples_per_s":  # global_batch / step time: the step's interval, inverted
-            run.timing[name] = interval(run, "step_ms").map(lambda ms: run.metrics.global_batch / ms * 1000)
+            step = interval(run, "step_ms")
+            run.timing[name] = step and step.map(lambda ms: run.metrics.global_batch / ms * 1000)
         else:
             run.timing[name] = profile_part(run, name)
     return run.timing[name]
@@ -96,7 +97,7 @@ def add_timing(runs: list[Row], peaks: list[dict] | None = None) -> None:
     GFLOP/s per rank, and, where peaks are given, its peak (what MFU divides by)."""
     for run in (r for r in runs if r.ok):
         m, step = run.metrics, interval(run, "step_ms")
-        if m.model_flops_per_step:
+        if m.model_flops_per_step and step is not None:
             run.gflops_per_rank = m.model_flops_per_step / m.world_size / (step.median / 1000) / 1e9
         if peaks is not None:
             run.peak = _find_peak(m, peaks)
@@ -117,9 +118,9 @@ def mfu(run: Row) -> float | None:
 def timing_json(run: Row) -> dict:
     """What comparison.json's row adds: samples_per_s_ci95 and step_ms_ci95 as [low, high], the
     medians, how the intervals were taken, the verdict, FLOPs and MFU."""
-    if not run.ok:
-        return {}
     step, samples = interval(run, "step_ms"), interval(run, "samples_per_s")
+    if step is None:  # a failed run, or one that timed no step
+        return {}
     parts = {key: interval(run, key) for key in PROFILE_PARTS}
     return {
         "samples_per_s": samples.median,  # over rounds where there were several (each round's: round_step_s)
@@ -147,7 +148,7 @@ def read_peaks(dirs: list[Path]) -> list[dict]:
 
 def interval_note(runs: list[Row]) -> str:
     """The table's footnote on its intervals: the method, what the samples were, the level."""
-    steps = [interval(r, "step_ms") for r in runs if r.ok]
+    steps = [s for s in (interval(r, "step_ms") for r in runs if r.ok) if s is not None]
     if not steps:
         return ""
     overs = [
