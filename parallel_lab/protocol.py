@@ -184,6 +184,12 @@ class RunMetrics(_Record):
     # [{from_step, to_step, world_size, strategy}]: steps [from, to) trained at that world (one range
     # unless an elastic run, launcher.min_nodes, lost or regained hosts, or a reshard changed it)
     world_size_history: list = field(default_factory=list)
+    # {"start": {...}, "end": {...}} of rank 0: the 1/5/15-minute load averages and the CPUs' mean
+    # clock in MHz (None where the machine does not say): parallel_lab/worker/metrics.py machine_state
+    machine: dict[str, Any] = field(default_factory=dict)
+    # the model FLOPs of one step on the global batch (forward x 3; worker/metrics.py model_flops_per_step)
+    model_flops_per_step: Optional[float] = None
+    warmup_steps: Optional[int] = None  # steps left out of the timing (None: a record from before it was kept)
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

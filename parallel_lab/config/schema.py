@@ -139,6 +139,10 @@ class TrainerConfig:
     # Steps left out of the timing medians; a DeepSpeed file's "warmup_num_steps": "auto" takes it as
     # HF's Trainer takes its warmup_steps (strategies/zero/ds_auto.py)
     warmup_steps: int = ranged(2, 0)
+    # A sweep's timing rounds: every strategy runs this many times, round r in the order rotated to
+    # start at strategy r mod n, and each time figure is the median over rounds with its 95%
+    # interval (cli/sweep.py, report/timing.py). 1 = one run each, the interval over its steps.
+    rounds: int = ranged(1, 1)
     # true: a torch.profiler trace of profile_steps steps right after the warm-up, on every rank, in
     # <run_dir>/traces/rank<k>.json, and where each step's time went in metrics.json's ranks[k].time_ms
     # (docs/profiling.md). false: no profiler, no trace, nothing paid.

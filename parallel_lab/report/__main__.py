@@ -9,6 +9,7 @@ from pathlib import Path
 
 from parallel_lab.protocol import METRICS_FILE
 from parallel_lab.report.rows import load_runs
+from parallel_lab.report.timing import read_peaks
 from parallel_lab.report.write import write_report
 
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(write_report(runs, args.out or args.dirs[0]), end="")
+    # MFU needs this machine's peak as the sweep measured it (peak.json); without one it stays blank
+    print(write_report(runs, args.out or args.dirs[0], read_peaks(args.dirs)), end="")
     return 0
 
 

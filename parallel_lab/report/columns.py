@@ -6,6 +6,7 @@ profiled time). The rows and their parity: ``rows.py``; the md table and the fil
 from __future__ import annotations
 
 from parallel_lab.protocol import RunMetrics
+from parallel_lab.report import timing
 from parallel_lab.report.rows import Row
 
 MiB = 1024 * 1024
@@ -183,6 +184,41 @@ def _theory_psi(m: RunMetrics) -> float | None:
 CUDA_ALLOC, CUDA_RESERVED = _rank_mib("cuda_max_allocated_bytes"), _rank_mib("cuda_max_reserved_bytes")
 MODEL_STATE_MIB = {"measured": _state_mib(""), "plan": _state_mib("predicted_"), "paper": _state_mib("analytic_")}
 
+
+def _interval(name: str, part: str):
+    """One timing interval's median, low or high end (report/timing.py); blank where there is none."""
+
+    def read(run: Row) -> float | None:
+        interval = timing.interval(run, name)
+        return None if interval is None else getattr(interval, part)
+
+    return read
+
+
+# The time figures: the median (over rounds, or the run's steps) and its 95% interval's ends.
+TIME_COLUMNS = [
+    ("samples/s", _interval("samples_per_s", "median")),
+    ("samples/s ci95 low", _interval("samples_per_s", "low")),
+    ("samples/s ci95 high", _interval("samples_per_s", "high")),
+    ("step ms", _interval("step_ms", "median")),
+    ("step ms ci95 low", _interval("step_ms", "low")),
+    ("step ms ci95 high", _interval("step_ms", "high")),
+    ("time samples", _interval("step_ms", "n")),
+    ("time samples over", _interval("step_ms", "over")),
+    ("vs single", lambda r: r.vs_baseline or None),
+    ("model GFLOP/step", finished_only(lambda m: m.model_flops_per_step and m.model_flops_per_step / 1e9)),
+    ("GFLOP/s per rank", lambda r: r.gflops_per_rank),
+    ("peak GFLOP/s", lambda r: r.peak and r.peak["peak_gflops"]),
+    ("MFU", timing.mfu),
+    ("load avg start", finished_only(lambda m: (m.machine.get("start") or {}).get("loadavg", [None])[0])),
+    ("load avg end", finished_only(lambda m: (m.machine.get("end") or {}).get("loadavg", [None])[0])),
+]
+PROFILE_INTERVALS = [  # the profiled parts' medians and intervals (the means above add up to the step)
+    (f"{key.replace('_', ' ')} ms median{suffix}", _interval(key, part))
+    for key in timing.PROFILE_PARTS
+    for suffix, part in (("", "median"), (" ci95 low", "low"), (" ci95 high", "high"))
+]
+
 # comparison.csv: every column, one value per cell, as measured (no rounding).
 COLUMNS = [  # (header, how to read it from a row)
     ("strategy", strategy_label),
@@ -192,8 +228,7 @@ COLUMNS = [  # (header, how to read it from a row)
     ("procs per node", finished_only(lambda m: m.nproc_per_node)),
     ("model", lambda r: r.record.model),
     ("params", finished_only(lambda m: m.params)),
-    ("samples/s", finished_only(lambda m: m.samples_per_s)),
-    ("step ms", finished_only(lambda m: 1000 * m.step_time_s)),
+    *TIME_COLUMNS,
     ("fwd+bwd ms", finished_only(lambda m: 1000 * m.step_split_s["fwd_bwd"])),
     ("opt ms", finished_only(lambda m: 1000 * m.step_split_s["optimizer"])),
     ("peak RSS MiB", _rank_mib("peak_rss_bytes")),
@@ -222,6 +257,7 @@ COLUMNS = [  # (header, how to read it from a row)
         for suffix, part in (("", "value"), (" ×env", "ratio"))
     ),
     *PROFILE_COLUMNS,
+    *PROFILE_INTERVALS,
     ("parity", lambda r: r.parity),
     ("error", lambda r: r.failure.error if r.failure else None),
 ]

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from parallel_lab.report.columns import MiB, max_rank
+from parallel_lab.report.intervals import Interval
 from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE
 from parallel_lab.report.rows import Row
+from parallel_lab.report.timing import interval
 from parallel_lab.worker import timeline
 from parallel_lab.worker.profile import trace_files
 
@@ -31,8 +33,11 @@ def plot_comparison(runs: list[Row], out: Path) -> None:
         return
     labels = [f"{r.metrics.strategy}\n{r.variant}\n×{r.metrics.world_size}".replace("\n\n", "\n") for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ok)), 4))
-    axes[0].bar(labels, [r.metrics.samples_per_s for r in ok], color="tab:blue")
-    axes[0].set_title("throughput (samples/s)")
+    rates = [interval(r, "samples_per_s") or Interval(0.0, 0.0, 0.0, 0, 0.0) for r in ok]
+    medians = [t.median for t in rates]
+    errors = [[t.median - t.low for t in rates], [t.high - t.median for t in rates]]
+    axes[0].bar(labels, medians, yerr=errors, capsize=4, color="tab:blue", ecolor="black")
+    axes[0].set_title("throughput (samples/s): median and its interval")
     bottom = [0.0] * len(ok)
     for key, color in (("param_bytes", "tab:green"), ("grad_bytes", "tab:orange"), ("optim_bytes", "tab:red")):
         heights = [(max_rank(r, key) or 0) / MiB for r in ok]

@@ -26,6 +26,11 @@ class Row:
     parity_checks: dict = field(default_factory=dict)
     dloss_per_step: list[float] | None = None
     noise_envelope_per_step: list[float] | None = None
+    rounds: list[RunMetrics] = field(default_factory=list)  # the same run's later rounds (trainer.rounds)
+    timing: dict = field(default_factory=dict)  # name -> intervals.Interval (report/timing.py add_timing)
+    vs_baseline: str = ""  # faster / slower / same within noise than its `single` (timing.py)
+    gflops_per_rank: float | None = None  # model FLOPs per rank per second, in GFLOP/s
+    peak: dict | None = None  # the machine's measured peak for this row's dtype and threads
 
     @property
     def record(self) -> RunMetrics | FailedRun:
@@ -40,9 +45,10 @@ class Row:
         """A noise-floor rerun of the baseline (report/parity.py)."""
         return self.ok and (self.metrics.noise_rerun or self.metrics.ulp_jitter_seed) is not None
 
-    def to_json(self) -> dict:
-        """comparison.json: the record's fields, where it lives, and the verdict with its evidence."""
-        out = {**self.record.to_json(), "run_dir": self.run_dir, "parity": self.parity}
+    def to_json(self, timing: dict | None = None) -> dict:
+        """comparison.json: the record's fields, where it lives, the verdict with its evidence, and
+        ``timing`` (report/timing.py timing_json: the intervals, FLOPs and MFU)."""
+        out = {**self.record.to_json(), "run_dir": self.run_dir, "parity": self.parity, **(timing or {})}
         if self.parity_checks:
             out.update(
                 dloss_per_step=self.dloss_per_step,
@@ -52,11 +58,34 @@ class Row:
         return out
 
 
+ROUNDS_DIR = "rounds"  # <sweep>/rounds/r<k>/<run folder>: round k of a sweep's run (trainer.rounds)
+
+
+def _round_of(path: Path, top: Path) -> tuple[int, str] | None:
+    """(k, the run folder's name) for a metrics.json of a later round, None for any other run."""
+    parts = path.parent.relative_to(top).parts
+    if len(parts) >= 3 and parts[-3] == ROUNDS_DIR and re.fullmatch(r"r\d+", parts[-2]):
+        return int(parts[-2][1:]), parts[-1]
+    return None
+
+
 def load_runs(dirs: list[Path]) -> list[Row]:
-    runs = []
+    """The runs under the folders, sorted (noise-floor reruns last); a run's later rounds are no
+    rows of their own but the ``rounds`` of the row whose folder has their name."""
+    runs, later = [], []
     for top in dirs:
-        runs += [Row(str(path.parent), metrics=RunMetrics.read(path)) for path in sorted(top.rglob(METRICS_FILE))]
+        for path in sorted(top.rglob(METRICS_FILE)):
+            round_of = _round_of(path, top)
+            if round_of:
+                later.append((round_of, top, RunMetrics.read(path)))
+            else:
+                runs.append(Row(str(path.parent), metrics=RunMetrics.read(path)))
         runs += [Row(str(path.parent), failure=FailedRun.read(path)) for path in sorted(top.rglob(FAILED_FILE))]
+    by_folder = {(Path(r.run_dir).parent, Path(r.run_dir).name): r for r in runs}
+    for (_, name), top, metrics in sorted(later, key=lambda item: item[0][0]):
+        owner = by_folder.get((top, name))
+        if owner is not None:
+            owner.rounds.append(metrics)
     return sorted(runs, key=lambda r: (r.is_noise, _natural(r.run_dir)))
 
 

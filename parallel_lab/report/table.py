@@ -36,6 +36,7 @@ from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE, FLOOR_ULP
 
 # What the callers of the comparison (cli/, tests) use lives in rows.py; named here too, where they import it from.
 from parallel_lab.report.rows import DIFFERS, Row, add_parity, baseline_key, is_baseline, load_runs  # noqa: F401
+from parallel_lab.report.timing import add_timing, interval, interval_note, mfu, timing_json
 
 NOISE_HINT = (
     "run the comparison as a sweep that includes strategy=single (python -m parallel_lab -m "
@@ -51,13 +52,38 @@ def _md_strategy(run: Row) -> str:
     return f"{label} [{norm_cell(m)}]" if run.ok and m.norm not in (None, "group") else label
 
 
-def _exposed_comm(m: RunMetrics) -> str | None:
-    """'exposed / total comm ms (overlap %)' of the profiled steps (worker/timeline.py)."""
-    t = rank_mean_time_ms(m)
-    if t is None:
+def _exposed_comm(run: Row) -> str | None:
+    """'exposed / total comm ms (overlap %)' of the profiled steps (worker/timeline.py): medians
+    with their intervals, the overlap from the medians."""
+    exposed, comm = interval(run, "exposed_comm"), interval(run, "comm")
+    if exposed is None or comm is None:
         return None
-    overlap = overlap_pct(t)
-    return f"{_num(t['exposed_comm'])} / {_num(t['comm'])}" + ("" if overlap is None else f" ({_num(overlap)}%)")
+    overlap = overlap_pct({"exposed_comm": exposed.median, "comm": comm.median})
+    return f"{_with_interval(exposed)} / {_with_interval(comm)}" + ("" if overlap is None else f" ({_num(overlap)}%)")
+
+
+def _with_interval(value) -> str:
+    """'30.99 (30.51–31.60)': a median and its 95% interval (intervals.py); the median alone
+    where one sample gave no interval."""
+    if value.n < 2:
+        return _num(value.median)
+    return f"{_num(value.median)} ({_num(value.low)}–{_num(value.high)})"
+
+
+def _time_cell(name: str):
+    def read(run: Row) -> str | None:
+        value = interval(run, name)
+        return None if value is None else _with_interval(value)
+
+    return read
+
+
+def _flops_cell(run: Row) -> str | None:
+    """'12.34 (6.1%)': model GFLOP/s per rank and the MFU against the measured peak ('?' without one)."""
+    if run.gflops_per_rank is None:
+        return None
+    share = mfu(run)
+    return f"{_num(run.gflops_per_rank)} ({'?' if share is None else _num(100 * share) + '%'})"
 
 
 DIGITS = 4  # significant digits of every number in comparison.md
@@ -128,15 +154,17 @@ def _evidence(run: Row) -> str | None:
     return f"{label} {_num(check['value'])} ({_num(check['ratio'])}×)"
 
 
-# comparison.md: what a reader compares, at most 14 columns; a column with a `shown` test appears
+# comparison.md: what a reader compares, at most 16 columns; a column with a `shown` test appears
 # only when some row passes it (CUDA memory: a GPU ran; the mesh; the hosts: more than one).
 MD_COLUMNS = [  # (header, how to read it from a row, shown)
     ("strategy", _md_strategy, None),
     ("launcher", READ["launcher"], None),
     ("world (nodes×procs)", _world_cell, None),
     ("mesh (comm MiB/step per dim)", finished_only(_mesh_cell), READ["mesh"]),
-    ("samples/s", READ["samples/s"], None),
-    ("step ms", READ["step ms"], None),
+    ("samples/s", _time_cell("samples_per_s"), None),
+    ("step ms", _time_cell("step_ms"), None),
+    ("vs single", READ["vs single"], None),
+    ("GFLOP/s/rank (MFU)", _flops_cell, None),
     ("peak RSS MiB", READ["peak RSS MiB"], None),
     ("CUDA alloc/reserved MiB", _joined(CUDA_ALLOC, CUDA_RESERVED), lambda r: CUDA_ALLOC(r) is not None),
     ("model state MiB meas/plan/paper", _joined(*MODEL_STATE_MIB.values()), None),
@@ -144,7 +172,7 @@ MD_COLUMNS = [  # (header, how to read it from a row, shown)
     ("inter-host MiB/step", READ["inter-host MiB/step"], lambda r: r.ok and (r.metrics.nodes or 1) > 1),
     (
         "exposed / comm ms (overlap)",
-        finished_only(_exposed_comm),
+        _exposed_comm,
         lambda r: r.ok and rank_mean_time_ms(r.metrics) is not None,
     ),
     ("parity", READ["parity"], None),
@@ -160,6 +188,7 @@ def md_columns(runs: list[Row]) -> list[tuple]:
 def csv_rows(runs: list[Row]) -> list[list]:
     """Every column of every row, the values as read (comparison.csv)."""
     mark_variants(runs)
+    add_timing(runs)
     return [[get(run) for _, get in COLUMNS] for run in runs]
 
 
@@ -190,15 +219,19 @@ def criterion_line(runs: list[Row]) -> str:
 def markdown(runs: list[Row]) -> str:
     escape = lambda text: text.replace("|", "\\|")  # noqa: E731  ("max |Δθ|" must not split its column)
     mark_variants(runs)
+    add_timing(runs)
     columns = md_columns(runs)
     lines = ["| " + " | ".join(escape(h) for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(escape(_cell(read(run))) for _, read, _ in columns) + " |" for run in runs]
-    return "\n".join(lines) + "\n\n" + criterion_line(runs) + "\n"
+    note = interval_note(runs)
+    return "\n".join(lines) + "\n\n" + (note + "\n\n" if note else "") + criterion_line(runs) + "\n"
 
 
-def write_tables(runs: list[Row], out: Path) -> str:
-    """comparison.md, .csv and .json in out (the parity of every row judged first); returns the md."""
+def write_tables(runs: list[Row], out: Path, peaks: list[dict] | None = None) -> str:
+    """comparison.md, .csv and .json in out (the parity of every row judged first, its MFU against
+    the peaks: worker/metrics.py measure_peak); returns the md."""
     add_parity(runs)
+    add_timing(runs, peaks)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(runs)
     (out / "comparison.md").write_text(text)
@@ -206,7 +239,7 @@ def write_tables(runs: list[Row], out: Path) -> str:
         writer = csv.writer(f)
         writer.writerow([h for h, _ in COLUMNS])
         writer.writerows(csv_rows(runs))
-    (out / "comparison.json").write_text(json.dumps([run.to_json() for run in runs], indent=2) + "\n")
+    (out / "comparison.json").write_text(json.dumps([run.to_json(timing_json(run)) for run in runs], indent=2) + "\n")
     return text
 
 

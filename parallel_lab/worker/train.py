@@ -38,6 +38,8 @@ from parallel_lab.worker.faults import maybe_inject_fault
 from parallel_lab.worker.metrics import (
     device_memory,
     gather_from_ranks,
+    machine_state,
+    model_flops_per_step,
     param_checksum,
     param_sha256,
     peak_rss_bytes,
@@ -182,6 +184,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     """Run cfg.trainer.steps optimizer steps (resuming from a checkpoint if there is one);
     return the run's metrics (complete on rank 0)."""
     t = cfg.trainer
+    machine = {"start": machine_state()}  # the load the run started under (metrics.json's machine)
     model = build_model(cfg.model, t.seed)
     set_recompute(model, t.get("recompute", "none"))  # models/recompute.py: kept by every strategy's setup
     param_names = [name for name, _ in model.named_parameters()]  # state.full_parameters() keeps this order
@@ -216,6 +219,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     run = RunRecord(state, checkpointer, counter, profiler, memory, num_params, accuracy, checksum, digest)
     metrics = _metrics(cfg, env, strategy, run)
     metrics.batchnorm = batchnorm_record(cfg, strategy, probe, metrics.ranks)
+    metrics.machine = {**machine, "end": machine_state()}
     return metrics
 
 
@@ -332,6 +336,8 @@ def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: i
         lr=t.lr,
         grad_accum=t.grad_accum,
         steps=t.steps,
+        warmup_steps=t.warmup_steps,
+        model_flops_per_step=model_flops_per_step(cfg.model, t.global_batch),
         threads=t.threads,
         ulp_jitter_seed=t.ulp_jitter_seed,
         noise_rerun=t.noise_rerun,

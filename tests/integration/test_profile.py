@@ -10,6 +10,7 @@ records no breakdown. The profiler's cost is printed, never asserted.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,15 @@ def test_report_draws_the_timeline(runs, tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert "exposed / comm ms (overlap)" in text
     assert "exposed comm ms (trace)" in (tmp_path / "comparison.csv").read_text()
+    # The profiled parts as medians with intervals over the traced steps (one round): with 2 steps,
+    # the range of the ranks' mean of each step, computed here from metrics.json's per-step parts.
+    rows = {r["run_dir"]: r for r in json.loads((tmp_path / "comparison.json").read_text())}
+    profiled = [d for d in dirs if "time_ms_steps" in load_metrics(Path(d))["ranks"][0]]  # -k alone: ddp only
+    assert dirs[0] in profiled
+    for run_dir in profiled:
+        ranks = load_metrics(Path(run_dir))["ranks"]
+        for key in ("compute", "comm", "exposed_comm"):
+            per_step = [sum(r["time_ms_steps"][i][key] for r in ranks) / len(ranks) for i in range(2)]
+            assert rows[run_dir][f"{key}_ms_ci95"] == pytest.approx([min(per_step), max(per_step)]), key
+    ddp_row = next(line for line in text.splitlines() if line.startswith("| ddp"))
+    assert ddp_row.split(" | ")[-3].count("–") == 2, ddp_row  # exposed (low–high) / comm (low–high)

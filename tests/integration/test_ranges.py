@@ -36,6 +36,7 @@ RANGE_CASES = {
     "grad-clip-negative": (["trainer.grad_clip=-1"], ("trainer.grad_clip=-1.0", ">= 0")),
     "seed-negative": (["trainer.seed=-1"], ("trainer.seed=-1", "in [0, 2^63)")),
     "warmup-steps-negative": (["trainer.warmup_steps=-1"], ("trainer.warmup_steps=-1", ">= 0")),
+    "rounds-0": (["trainer.rounds=0"], ("trainer.rounds=0", ">= 1")),
     # The case: it trained (profile=false never read it).
     "profile-steps-negative": (["trainer.profile_steps=-3"], ("trainer.profile_steps=-3", ">= 1")),
     "threads-per-rank-0": (["trainer.threads_per_rank=0"], ("trainer.threads_per_rank=0", ">= 1")),

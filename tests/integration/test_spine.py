@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,24 +161,25 @@ def significant_digits(number: str) -> int:
 
 
 def assert_md_shows_what_a_reader_compares(run_dirs: Path, csv_rows: list[dict]) -> None:
-    """comparison.md: at most 14 columns, CUDA memory only when a GPU ran, every measured number to
+    """comparison.md: at most 16 columns, CUDA memory only when a GPU ran, every measured number to
     4 significant digits (1000 and above: whole, grouped); comparison.csv: every column, unrounded."""
     from parallel_lab.protocol import FailedRun
     from parallel_lab.report.table import add_parity, load_runs, markdown
 
     lines = (run_dirs / "comparison.md").read_text().splitlines()
     header, rows = lines[0].strip("| ").split(" | "), [line for line in lines[2:] if line.startswith("| ")]
-    assert len(header) <= 14 and not any("CUDA" in h for h in header), header
+    assert len(header) <= 16 and not any("CUDA" in h for h in header), header
     assert len(csv_rows[0]) > len(header) and "CUDA alloc MiB" in csv_rows[0] and "final loss" in csv_rows[0]
     for line, raw in zip(rows, csv_rows):
         cells = dict(zip(header, line.strip("| ").split(" | ")))
         for column in ("samples/s", "step ms", "peak RSS MiB", "model state MiB meas/plan/paper"):
-            for number in cells[column].split(" / "):
+            for number in re.findall(r"[-\d.,e+]+", cells[column]):  # a median's interval: "30.99 (30.51–31.60)"
                 assert significant_digits(number) == 4 or "," in number, (column, cells[column])
         samples = float(raw["samples/s"])  # the csv keeps the measured value whole
-        assert samples != round(samples, 2) and abs(float(cells["samples/s"].replace(",", "")) - samples) < 1
+        median = cells["samples/s"].split(" (")[0]  # the md cell: median (interval)
+        assert samples != round(samples, 2) and abs(float(median.replace(",", "")) - samples) < 1
     # The same ddp run as a GPU on two hosts with a mesh records it, and a failed run: the columns
-    # those call for appear, and the widest table is still 14.
+    # those call for appear, and the widest table is still 16.
     twin = run_dirs / "gpu_twin"
     twin.mkdir()
     record = json.loads((run_dirs / "b" / "metrics.json").read_text())
@@ -195,7 +197,7 @@ def assert_md_shows_what_a_reader_compares(run_dirs: Path, csv_rows: list[dict])
     add_parity(runs)
     text = markdown(runs)
     header = text.splitlines()[0]
-    assert len(header.strip("| ").split(" | ")) == 14, header
+    assert len(header.strip("| ").split(" | ")) == 16, header
     shown_cells = ("| CUDA alloc/reserved MiB |", "| 3.000 / 4.000 |", "(2×1) | replicate 2 (1.000) × shard 1 (0) |")
     for shown in (*shown_cells, "| 1.000 / 4.000 (75.00%) |"):
         assert shown in text, (shown, text)
