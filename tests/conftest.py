@@ -20,3 +20,12 @@ def cli(tmp_path):
         return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of tests/support/dispatch.py ``dispatch``: make test's second pass."""
+    from tests.support.dispatch import listed
+
+    for item in items:
+        if listed(item.nodeid):
+            item.add_marker(pytest.mark.dispatch)
