@@ -43,19 +43,19 @@ BF16 = torch.bfloat16
 # (key, the paper's row, sequence parallel, trainer.recompute); "none" runs unsplit (t = 1 only)
 ROWS = (
     ("none", "no parallelism", False, "none"),
-    ("tp", "tensor parallel", False, "none"),
-    ("tp+sp", "tensor + sequence parallel", True, "none"),
-    ("tp+selective", "tp + selective recompute", False, "selective"),
-    ("tp+sp+selective", "tp + sp + selective recompute", True, "selective"),
+    ("tensor", "tensor parallel", False, "none"),
+    ("tensor+sp", "tensor + sequence parallel", True, "none"),
+    ("tensor+selective", "tp + selective recompute", False, "selective"),
+    ("tensor+sp+selective", "tp + sp + selective recompute", True, "selective"),
     ("full", "full recompute", False, "full"),
 )
 OPTIONS = {key: (sp, mode) for key, _, sp, mode in ROWS}
 FORMULA = {
     "none": "sbh(34 + 5as/h)",
-    "tp": "sbh(10 + 24/t + 5as/(ht))",
-    "tp+sp": "sbh(34/t + 5as/(ht))",
-    "tp+selective": "sbh(10 + 24/t)",
-    "tp+sp+selective": "sbh(34/t)",
+    "tensor": "sbh(10 + 24/t + 5as/(ht))",
+    "tensor+sp": "sbh(34/t + 5as/(ht))",
+    "tensor+selective": "sbh(10 + 24/t)",
+    "tensor+sp+selective": "sbh(34/t)",
     "full": "2sbh",
 }
 
@@ -65,10 +65,10 @@ def paper_bytes(row: str, t: int, a: int, s: int, h: int, b: int) -> float:
     att = 5 * a * s / h
     coefficient = {
         "none": 34 + att,
-        "tp": 10 + 24 / t + att / t,
-        "tp+sp": 34 / t + att / t,
-        "tp+selective": 10 + 24 / t,
-        "tp+sp+selective": 34 / t,
+        "tensor": 10 + 24 / t + att / t,
+        "tensor+sp": 34 / t + att / t,
+        "tensor+selective": 10 + 24 / t,
+        "tensor+sp+selective": 34 / t,
         "full": 2,
     }[row]
     return s * b * h * coefficient
@@ -184,7 +184,7 @@ def planned(keys: dict, batch: int, t: int, rank: int) -> dict[str, int]:
             continue
         model = _model(keys, meta=True)
         if t > 1:
-            cfg = OmegaConf.create({"strategy": {"tp": t, "sequence_parallel": sp, "impl": "manual"}})
+            cfg = OmegaConf.create({"strategy": dict(tp=t, sequence_parallel=sp, impl="manual")})
             model = split_meta_vit(cfg, model, rank)
         shape = (z["s"] // t if sp else z["s"], z["h"])
         out[row] = saved_activation_bytes(nn.Sequential(model.block0), batch, shape, False, BF16, recompute=mode)
@@ -308,7 +308,7 @@ def parse_keys(text: str | None) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench megatron_activations")
     parser.add_argument(
-        "--t", default="1,2,4", help="tensor-parallel degrees (t > 1: t processes; 4 is slow on 2 cores)"
+        "--t", default="1,2,4", help="tensor-parallel degrees (t > 1: t gloo processes, about 10 s each here)"
     )
     parser.add_argument("--shape", help="model.<key>=value pairs over the default, e.g. dim=512,heads=16,patch=2")
     parser.add_argument("--batch", type=int, default=BATCH)

@@ -31,15 +31,15 @@ def items(t: int, sp: bool, selective: bool) -> float:
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_the_formulas_are_the_papers_item_list(t):
     assert bench.paper_bytes("none", 1, A, S, H, B) == items(1, False, False)
-    assert bench.paper_bytes("tp", t, A, S, H, B) == pytest.approx(items(t, False, False))
-    assert bench.paper_bytes("tp+sp", t, A, S, H, B) == pytest.approx(items(t, True, False))
-    assert bench.paper_bytes("tp+selective", t, A, S, H, B) == pytest.approx(items(t, False, True))
-    assert bench.paper_bytes("tp+sp+selective", t, A, S, H, B) == pytest.approx(items(t, True, True))
+    assert bench.paper_bytes("tensor", t, A, S, H, B) == pytest.approx(items(t, False, False))
+    assert bench.paper_bytes("tensor+sp", t, A, S, H, B) == pytest.approx(items(t, True, False))
+    assert bench.paper_bytes("tensor+selective", t, A, S, H, B) == pytest.approx(items(t, False, True))
+    assert bench.paper_bytes("tensor+sp+selective", t, A, S, H, B) == pytest.approx(items(t, True, True))
     assert bench.paper_bytes("full", t, A, S, H, B) == 2 * S * B * H
 
 
 LAST = re.compile(
-    r"^max \|measured − paper\| / paper: \d+\.\d{2}% \((none|tp|tp\+sp|tp\+selective|tp\+sp\+selective|full), t=\d+\)$"
+    r"^max \|measured − paper\| / paper: \d+\.\d{2}% \((%s), t=\d+\)$" % "|".join(re.escape(r[0]) for r in bench.ROWS)
 )
 
 
@@ -49,14 +49,14 @@ def _entry(row: str, t: int, paper: float, measured: int, **extra) -> dict:
 
 
 def test_last_line_names_the_worst_row_and_the_checker_catches_each_kind_of_mismatch():
-    entries = [_entry("tp", 2, 100.0, 110), _entry("full", 4, 100.0, 150)]
+    entries = [_entry("tensor", 2, 100.0, 110), _entry("full", 4, 100.0, 150)]
     assert bench.last_line(entries) == "max |measured − paper| / paper: 50.00% (full, t=4)"
     assert LAST.match(bench.last_line(entries))
     assert bench.mismatches(entries) == []
     wrong = [
-        _entry("tp", 2, 100.0, 110, planned=111),
-        _entry("tp", 2, 100.0, 110, explained=109.0),
-        _entry("tp", 2, 100.0, 110, measured_min=108),
+        _entry("tensor", 2, 100.0, 110, planned=111),
+        _entry("tensor", 2, 100.0, 110, explained=109.0),
+        _entry("tensor", 2, 100.0, 110, measured_min=108),
     ]
     assert [len(bench.mismatches([e])) for e in wrong] == [1, 1, 1]
 
@@ -88,6 +88,6 @@ def test_at_t2_on_real_ranks_planned_equals_measured_and_sp_keeps_the_gathered_i
     by_row = {e["row"]: e for e in entries}
     sbh = S * B * H
     # SP keeps q/k/v's and fc1's all-gathered inputs: 2 x 2sbh x (1 - 1/2) above the paper's 34/t
-    sp_terms = dict(by_row["tp+sp"]["terms"])
+    sp_terms = dict(by_row["tensor+sp"]["terms"])
     assert sum(n for text, n in sp_terms.items() if text.startswith("SP:")) == 2 * sbh
-    assert by_row["tp+sp"]["measured"] < by_row["tp"]["measured"]  # still below tp without SP
+    assert by_row["tensor+sp"]["measured"] < by_row["tensor"]["measured"]  # still below tp without SP
