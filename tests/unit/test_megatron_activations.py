@@ -38,9 +38,8 @@ def test_the_formulas_are_the_papers_item_list(t):
     assert bench.paper_bytes("full", t, A, S, H, B) == 2 * S * B * H
 
 
-LAST = re.compile(
-    r"^max \|measured − paper\| / paper: \d+\.\d{2}% \((%s), t=\d+\)$" % "|".join(re.escape(r[0]) for r in bench.ROWS)
-)
+ROW_KEYS = "|".join(re.escape(row[0]) for row in bench.ROWS)
+LAST = re.compile(r"^max \|measured − paper\| / paper: \d+\.\d{2}% \((" + ROW_KEYS + r"), t=\d+\)$")
 
 
 def _entry(row: str, t: int, paper: float, measured: int, **extra) -> dict:
