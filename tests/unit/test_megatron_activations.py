@@ -90,3 +90,20 @@ def test_at_t2_on_real_ranks_planned_equals_measured_and_sp_keeps_the_gathered_i
     sp_terms = dict(by_row["tensor+sp"]["terms"])
     assert sum(n for text, n in sp_terms.items() if text.startswith("SP:")) == 2 * sbh
     assert by_row["tensor+sp"]["measured"] < by_row["tensor"]["measured"]  # still below tp without SP
+
+
+# ----- bench bubbles: its runs and last line (the runs themselves: tests/integration/test_bubbles.py) -----
+def test_bubbles_runs_every_schedule_and_its_last_line_names_the_farthest_stage():
+    from parallel_lab.bench import bubbles
+
+    runs = bubbles.configs(2, [2, 3, 4], 32)
+    assert sorted(runs) == sorted([*(f"{s}|{m}" for m in (2, 4) for s in bubbles.SCHEDULES), "1f1b|3", "gpipe|3"])
+    assert all(f"strategy.microbatches={k.rsplit('|')[1]}" in o for k, o in runs.items())
+    rows = [
+        {"schedule": "gpipe", "p": 2, "m": 4, "theory": 0.2, "idle": [0.21, 0.25], "load": [5.0, 5.1]},
+        {"schedule": "1f1b", "p": 4, "m": 8, "theory": 3 / 11, "idle": [0.2, 0.3], "load": [5.0, 5.1]},
+    ]
+    line = bubbles.last_line(rows)
+    assert line == "max |measured − formula| idle fraction: 0.073 (1f1b, p=4, m=8)"
+    assert re.match(r"^max \|measured − formula\| idle fraction: \d\.\d{3} \([\w =]+, p=\d+, m=\d+\)$", line)
+    assert bubbles.render(rows).count("\n") == len(rows) + 1
