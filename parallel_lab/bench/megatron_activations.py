@@ -17,7 +17,7 @@ the block cast to bf16 as ZeRO/FSDP's gathered parameters are -- split as strate
 
 - measured: the storages autograd saves in a real forward of the block on each rank (a
   saved-tensors hook, parameters left out), t = 1 in this process, t > 1 on t real gloo ranks
-  (``cli/run.py`` run_ranks; t = 4 runs 4 processes, slow on a 2-core machine);
+  (``cli/run.py`` run_ranks; about 10 s per degree on this 2-core machine, t = 4 included);
 - planned: the planner's count (``plan/predict.py`` saved_activation_bytes) of the same block split
   on the meta device (``tp/predict.py`` split_meta_vit).
 
