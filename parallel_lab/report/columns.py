@@ -197,12 +197,16 @@ def _planned_psi(run_dir: str, params: int) -> float | None:
         return None
     from omegaconf import OmegaConf
 
+    from parallel_lab.errors import ConfigError
     from parallel_lab.models import build_meta_model
     from parallel_lab.plan.predict import batchnorm_comm
     from parallel_lab.strategies import get_strategy_class
 
     cfg = OmegaConf.load(config)
-    strategy_cls, model = get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model)
+    try:  # a run of a plugin strategy this process did not load, or of a model it does not know
+        strategy_cls, model = get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model)
+    except ConfigError:
+        return None
     comm = strategy_cls.plan.predict_comm(cfg, model, 0)
     if comm is None:
         return None
