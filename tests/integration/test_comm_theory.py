@@ -1,5 +1,5 @@
-"""The comparison's ``comm Ψ meas/theory`` column for the model-parallel rows: a tp run on the vit
-(Megatron's split with sequence parallelism, 2 micro-batches) and a pp run (1F1B, 2 stages) on
+"""The comparison's ``comm Ψ meas/theory`` column for the model-parallel rows: tp runs on the vit
+(Megatron's split without and with sequence parallelism, 2 micro-batches) and a pp run (1F1B, 2 stages) on
 2 real gloo ranks show a theory (report/columns.py ``_theory_psi``: the planner's formula for rank
 0, Megatron's per block for tp) equal to what the run's communication counter measured."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 RUNS = {
-    "tp": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual", "strategy.sequence_parallel=true"],
+    "tp": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual"],
+    "tp_sp": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual", "strategy.sequence_parallel=true"],
     "pp": ["strategy=pp", "strategy.stages=2", "strategy.schedule=1f1b", "strategy.microbatches=2"],
 }
 
@@ -38,7 +39,7 @@ def comm_body(rank: int, world_size: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_tp_and_pp_rows_show_a_theory_equal_to_the_measurement(tmp_path):
+def test_tp_sp_and_pp_rows_show_a_theory_equal_to_the_measurement(tmp_path):
     from parallel_lab.cli.run import run_ranks
     from parallel_lab.report.columns import READ
     from parallel_lab.report.rows import load_runs
