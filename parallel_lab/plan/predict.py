@@ -9,6 +9,7 @@ micro-batch (a meta-device forward, so any size costs nothing) and the fit verdi
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -108,6 +109,22 @@ def _saved_hook(into: dict[int, int], params: set[int], alive: list) -> torch.au
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+def _cpu_layer_norm():
+    """A dispatch mode under which the meta device's LayerNorm returns its mean and rstd in the
+    input's dtype, as CPU's kernel does (torch._refs.native_layer_norm converts them on CPU only;
+    the meta kernel keeps CUDA's float32): a bf16 forward on CPU saves 2-byte statistics, not 4."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CpuLayerNorm(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.native_layer_norm.default:
+                return out[0], out[1].to(args[0].dtype), out[2].to(args[0].dtype)
+            return out
+
+    return CpuLayerNorm()
+
+
 def _count_saved(
     module: nn.Module,
     batch: int,
@@ -117,7 +134,8 @@ def _count_saved(
     weight_copies: bool,
     recompute: str = "none",
 ) -> tuple[int, int]:
-    """(bytes saved by the forward, the largest recomputed region's own saved bytes)."""
+    """(bytes saved by the forward, the largest recomputed region's own saved bytes), as a CPU run
+    saves them (``_cpu_layer_norm``; a CUDA run's bf16 LayerNorm statistics are 2 bytes more each)."""
     from parallel_lab.models.recompute import recomputing
 
     if dtype != torch.float32 and not weight_copies:
@@ -127,7 +145,8 @@ def _count_saved(
     regions: list[dict[int, int]] = []  # per recomputed region: what it saves when it runs (in backward)
     alive: list = []
     x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
-    with recomputing(module, recompute) as setting, _saved_hook(seen, params, alive):
+    cpu = _cpu_layer_norm() if dtype != torch.float32 else nullcontext()
+    with recomputing(module, recompute) as setting, _saved_hook(seen, params, alive), cpu:
         if setting is not None:  # a region's own saves, counted here instead of by the checkpoint
             setting.around = lambda: _saved_hook(regions.append({}) or regions[-1], params, alive)
         try:

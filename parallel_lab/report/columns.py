@@ -5,7 +5,10 @@ profiled time). The rows and their parity: ``rows.py``; the md table and the fil
 
 from __future__ import annotations
 
-from parallel_lab.protocol import RunMetrics
+import functools
+from pathlib import Path
+
+from parallel_lab.protocol import CONFIG_FILE, RunMetrics
 from parallel_lab.report import timing
 from parallel_lab.report.rows import Row
 
@@ -176,9 +179,39 @@ PROFILE_COLUMNS = [
 ]
 
 
-def _theory_psi(m: RunMetrics) -> float | None:
-    """The ZeRO paper's Ψ per step (a float even where json stored 2: one number format in md)."""
-    return None if m.comm_theory_psi is None else float(m.comm_theory_psi)
+def _theory_psi(run: Row) -> float | None:
+    """Ψ per step in theory (a float even where json stored 2: one number format in md): the ZeRO
+    paper's formula where the strategy has one (metrics.json's comm_theory_psi), else the planner's
+    formula for rank 0's bytes, the rank the run counted (``_planned_psi``)."""
+    m = run.metrics
+    return float(m.comm_theory_psi) if m.comm_theory_psi is not None else _planned_psi(run.run_dir, m.params)
+
+
+@functools.cache
+def _planned_psi(run_dir: str, params: int) -> float | None:
+    """Rank 0's ``predict_comm`` (+ BatchNorm's) for the run's config.yaml, in Ψ: Megatron's 4
+    all-reduces of (batch, tokens, hidden) per block per micro-batch for tp on the vit
+    (``tp/predict.py`` vit_comm_formula), a pipeline's activation and gradient at each of rank 0's
+    boundaries per micro-batch (``pp/rules.py``). None without config.yaml or a prediction."""
+    config = Path(run_dir) / CONFIG_FILE
+    if not config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    from parallel_lab.errors import ConfigError
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import batchnorm_comm
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = OmegaConf.load(config)
+    try:  # a run of a plugin strategy this process did not load, or of a model it does not know
+        strategy_cls, model = get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model)
+    except ConfigError:
+        return None
+    comm = strategy_cls.plan.predict_comm(cfg, model, 0)
+    if comm is None:
+        return None
+    return (sum(comm.values()) + sum(batchnorm_comm(cfg, strategy_cls, model).values())) / (4 * params)
 
 
 CUDA_ALLOC, CUDA_RESERVED = _rank_mib("cuda_max_allocated_bytes"), _rank_mib("cuda_max_reserved_bytes")
@@ -243,7 +276,7 @@ COLUMNS = [  # (header, how to read it from a row)
     *((f"plan error % {kind}", _plan_error(key)) for key, kind in STATE_KIND.items()),
     ("comm MiB/step", finished_only(lambda m: m.comm_bytes_per_step / MiB)),
     ("comm Ψ measured", finished_only(lambda m: m.comm_volume_psi)),
-    ("comm Ψ theory", finished_only(_theory_psi)),
+    ("comm Ψ theory", lambda run: _theory_psi(run) if run.ok else None),
     ("mesh", finished_only(_mesh)),
     ("comm MiB/step per mesh dim", finished_only(_mesh_comm)),
     ("inter-host MiB/step", finished_only(_inter_host_mib)),

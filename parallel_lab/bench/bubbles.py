@@ -1,0 +1,149 @@
+"""``python -m parallel_lab.bench bubbles [--p 2[,4]] [--m 2,4,8] [--micro-batch 32] [--steps 6]``
+
+Pipeline bubbles measured: the vit (depth 8, equal blocks) cut into compute-balanced stages
+(``strategy.balance=flops``) on p real gloo ranks, trained through the real loop for every
+schedule the pipeline strategy offers -- gpipe and 1f1b (manual), interleaved_1f1b with v = 2
+(manual), zero_bubble (``strategy.impl=torch``'s ScheduleInterleavedZeroBubble, v = 2) -- at m
+micro-batches. Each stage's measured idle share of its step (metrics.json's
+``pp_idle_fraction``: step minus the stage's timed forward and backward calls, the median step
+after warm-up; docs/pp.md "Idle: how it is measured") beside the formula (``pp_bubble_fraction_theory``):
+(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved; for zero bubble torch's schedule
+promises no number: the interleaved one is printed as its upper bound.
+
+Default: p = 2, m = 2, 4, 8, 6 steps (2 warm-up) of micro-batches of 32: about 2-4 minutes on the
+2-core machine. p = 4 (``--p 2,4``) puts 4 processes on 2 cores: slower and noisier still. The
+machine's load average is printed with every run: this is a shared machine, every hand-off waits
+for the receiving process to be scheduled, and the numbers are as noisy as that load makes them.
+The last line is the largest distance between a stage's measured idle share and the formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+SCHEDULES = {  # label -> strategy.* overrides
+    "gpipe": ["schedule=gpipe"],
+    "1f1b": ["schedule=1f1b"],
+    "interleaved_1f1b v=2": ["schedule=interleaved_1f1b", "virtual_stages=2"],
+    "zero_bubble v=2 impl=torch": ["schedule=zero_bubble", "virtual_stages=2", "impl=torch"],
+}
+RUN = ["model=vit", "model.depth=8", "trainer.eval_batches=0", "trainer.warmup_steps=2", "trainer.threads_per_rank=1"]
+
+
+def pipeline_name() -> str:
+    """The pipeline strategy's registered name (strategy=<name>)."""
+    from parallel_lab.strategies import get_strategy_class, registered_names
+    from parallel_lab.strategies.pp import PipelineParallelStrategy
+
+    return next(n for n in registered_names() if get_strategy_class(n) is PipelineParallelStrategy)
+
+
+def configs(p: int, ms: list[int], micro_batch: int) -> dict[str, list[str]]:
+    """'schedule, m' -> the overrides of that run (the interleaved schedules need m a multiple of p)."""
+    out = {}
+    for m in ms:
+        for label, options in SCHEDULES.items():
+            if "virtual_stages=2" in options and m % p:
+                continue
+            overrides = [f"strategy={pipeline_name()}", f"strategy.stages={p}", f"strategy.microbatches={m}"]
+            out[f"{label}|{m}"] = [*overrides, *(f"strategy.{o}" for o in options), *RUN]
+    return out
+
+
+def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch: int) -> None:
+    """run_ranks' body: train each run in turn; rank 0 prints one JSON line per run."""
+    import torch.distributed as dist
+
+    from parallel_lab import config
+    from parallel_lab.comm.dist_env import read_dist_env
+    from parallel_lab.strategies import get_strategy_class
+    from parallel_lab.worker.train import train
+
+    env = read_dist_env("cpu")
+    for key, overrides in runs.items():
+        m = int(key.rsplit("|", 1)[1])
+        load = os.getloadavg()[0]
+        cfg = config.validate(
+            config.compose_config(
+                [
+                    "trainer.progress=false",
+                    f"world_size={world_size}",
+                    f"trainer.steps={steps}",
+                    f"trainer.global_batch={m * micro_batch}",
+                    f"data.size={max(512, steps * m * micro_batch)}",
+                    *overrides,
+                ]
+            )
+        )
+        strategy = get_strategy_class(cfg.strategy.name)(cfg, env)
+        extras = train(cfg, env, strategy).strategy_extras
+        strategy.teardown()
+        dist.barrier()
+        if rank == 0:
+            idle, theory = extras["pp_idle_fraction"], extras["pp_bubble_fraction_theory"]
+            print(json.dumps({"run": key, "idle": idle, "theory": theory, "load": [load, os.getloadavg()[0]]}))
+
+
+def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
+    from parallel_lab.cli.run import run_ranks
+
+    runs = configs(p, ms, micro_batch)
+    out = run_ranks(bubbles_body, p, timeout=600 + 60 * len(runs), runs=runs, steps=steps, micro_batch=micro_batch)
+    rows = [json.loads(line) for line in out[0].splitlines() if line.startswith('{"run"')]
+    for row in rows:
+        row["schedule"], m = row.pop("run").rsplit("|", 1)
+        row["p"], row["m"] = p, int(m)
+    return rows
+
+
+def last_line(rows: list[dict]) -> str:
+    """The stage farthest from its formula, over every run."""
+    worst = max(rows, key=lambda r: max(abs(f - r["theory"]) for f in r["idle"]))
+    gap = max(abs(f - worst["theory"]) for f in worst["idle"])
+    return f"max |measured − formula| idle fraction: {gap:.3f} ({worst['schedule']}, p={worst['p']}, m={worst['m']})"
+
+
+def render(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | p | m | formula (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1) | measured idle per stage "
+        "| max |measured − formula| | load avg 1 min (before / after) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bound = " (upper bound)" if r["schedule"].startswith("zero_bubble") else ""
+        idle = " / ".join(f"{f:.3f}" for f in r["idle"])
+        gap = max(abs(f - r["theory"]) for f in r["idle"])
+        load = " / ".join(f"{x:.1f}" for x in r["load"])
+        lines.append(
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f}{bound} | {idle} | {gap:.3f} | {load} |"
+        )
+    return "\n".join(lines)
+
+
+NOTE = """
+Idle: each stage's step minus its own timed forward/backward calls, over its step (the flush
+barrier ends every stage's step together), the median of the steps after warm-up. Noise: this
+machine has 2 cores shared with other work (the load averages above); p ranks compete for them,
+every hand-off waits for the receiving process to be scheduled, and op times vary 2-4x from one
+micro-batch to the next under such load (docs/pp.md). Small m has long bubbles and few ops (close
+to the formula); large m has many short ops whose hand-off costs count as idle. The formulas
+themselves are checked exactly in tests/unit/test_pipeline_parallel.py (the orders played out)."""
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench bubbles", description=__doc__.splitlines()[0])
+    parser.add_argument("--p", default="2", help="pipeline stages, comma-separated (4: four processes on 2 cores)")
+    parser.add_argument("--m", default="2,4,8", help="micro-batches per step, comma-separated")
+    parser.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (2 warm-up)")
+    args = parser.parse_args(argv)
+    ms = [int(m) for m in args.m.split(",")]
+    print(f"vit depth 8 (dim 64), balance=flops, micro-batch {args.micro_batch}, {args.steps} steps per run")
+    print(f"machine load average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)\n")
+    rows = [row for p in (int(p) for p in args.p.split(",")) for row in measure(p, ms, args.micro_batch, args.steps)]
+    print(render(rows))
+    print(NOTE)
+    print(last_line(rows))
+    return 0
