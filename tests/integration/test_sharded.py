@@ -54,7 +54,8 @@ def assert_parity(metrics: dict, reference) -> None:
 
 # Every case trains in ONE set of 2 rank processes (tests/support/bodies/runs.py), through each
 # strategy's own init and the generic train loop, as a worker does; the command line and the real
-# launchers run ZeRO in test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2 below.
+# launchers run ZeRO in test_deepspeed_launcher_runs_run_ds_sh_as_users_type_it below (bash run_ds.sh
+# and mpirun: extra).
 ZERO_CASES = [("zero0", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero2", "cpu")]
 FSDP_CASES = [(2, "full"), (2, "grad_op"), (1, "full")]
 MEMORY_CASES = {
@@ -181,30 +182,49 @@ def _run_ds(tmp_path: Path, name: str, argv: list[str]) -> dict:
     return load_metrics(tmp_path / name)
 
 
-def test_deepspeed_launcher_and_mpirun_match_self_spawned_zero2(tmp_path):
-    """launch/run_ds.sh both ways a user starts it, and mpirun, give the self-spawned zero2 run's losses.
-
-    `deepspeed launch/run_ds.sh` (the launcher runs `python -u launch/run_ds.sh --local_rank=N` per rank:
-    the file's Python half) with Hydra overrides; `bash launch/run_ds.sh` (the bash half) with DeepSpeed's
-    own flags instead: --deepspeed --deepspeed_config <file whose stage is 2> and no strategy=."""
-    spawned, stderr = run_ok(tmp_path / "spawn", "strategy=zero2", *COMMON)
+@pytest.fixture(scope="module")
+def spawned_zero2(tmp_path_factory) -> dict:
+    """The self-spawned zero2 run every other way of starting it must reproduce."""
+    spawned, stderr = run_ok(tmp_path_factory.mktemp("spawn"), "strategy=zero2", *COMMON)
     assert "FutureWarning" not in stderr  # the known ZeRO noise is filtered
+    return spawned
+
+
+def _same_run(other: dict, spawned: dict) -> None:
+    assert other["strategy"] == "zero2" and other["world_size"] == 2
+    assert_losses_close(other["losses"], spawned["losses"], 1e-7)
+    assert other["final_param_checksum"] == pytest.approx(spawned["final_param_checksum"], rel=1e-9)
+
+
+def test_deepspeed_launcher_runs_run_ds_sh_as_users_type_it(tmp_path, spawned_zero2):
+    """`deepspeed launch/run_ds.sh strategy=zero2 ...` (the launcher runs `python -u launch/run_ds.sh
+    --local_rank=N` per rank: the file's Python half) with Hydra overrides gives the self-spawned
+    zero2 run's losses."""
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
     run_ds = str(ROOT / "launch" / "run_ds.sh")
     port = str(free_port())
     as_typed = [deepspeed, "--num_gpus", "2", "--master_port", port, run_ds, "strategy=zero2", *COMMON]
     by_ds = _run_ds(tmp_path, "deepspeed_run_ds", [*as_typed, "trainer.progress=false"])
+    _same_run(by_ds, spawned_zero2)
+    assert by_ds["launcher"] == "deepspeed"
+
+
+@pytest.mark.extra
+def test_bash_run_ds_and_mpirun_match_self_spawned_zero2(tmp_path, spawned_zero2):
+    """`bash launch/run_ds.sh` (the bash half) with DeepSpeed's own flags instead of Hydra's:
+    --deepspeed --deepspeed_config <file whose stage is 2> and no strategy=; and zero2 under
+    mpirun. make test keeps: test_deepspeed_launcher_runs_run_ds_sh_as_users_type_it (the typed
+    command), test_spine.py's ddp under mpirun and test_multinode.py's zero2 across two hosts."""
+    run_ds = str(ROOT / "launch" / "run_ds.sh")
     stage2 = tmp_path / "stage2.json"
     # gradient_clipping 0: DeepSpeed's default (1.0) would apply to a file that does not say
     stage2.write_text('{"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}')
     flags = ["--deepspeed", "--deepspeed_config", str(stage2)]
     by_bash = _run_ds(tmp_path, "bash_run_ds", ["bash", run_ds, *flags, "trainer.progress=false", *COMMON])
     mpi, _ = run_ok(tmp_path / "mpirun", "strategy=zero2", "launcher=mpirun", *COMMON)
-    for other in (by_ds, by_bash, mpi):
-        assert other["strategy"] == "zero2" and other["world_size"] == 2
-        assert_losses_close(other["losses"], spawned["losses"], 1e-7)
-        assert other["final_param_checksum"] == pytest.approx(spawned["final_param_checksum"], rel=1e-9)
-    assert mpi["launcher"] == "mpirun" and by_ds["launcher"] == by_bash["launcher"] == "deepspeed"
+    for other in (by_bash, mpi):
+        _same_run(other, spawned_zero2)
+    assert mpi["launcher"] == "mpirun" and by_bash["launcher"] == "deepspeed"
 
 
 @pytest.mark.parametrize(
