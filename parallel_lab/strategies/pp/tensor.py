@@ -58,11 +58,9 @@ def check_pp_tp(opts: DictConfig, cfg: DictConfig) -> None:
 
 
 def tp_coords(cfg: DictConfig, rank: int) -> tuple[int, int]:
-    """(tp rank, tp degree) of ``rank`` on the pp mesh."""
-    from parallel_lab.strategies.pp.rules import pp_dims
-
+    """(tp rank, tp degree) of ``rank`` on the pp mesh: tp is its innermost dimension (mesh.DIM_ORDER)."""
     tp = cfg.strategy.get("tp", 1)
-    return pp_dims(cfg.strategy).coords(rank)["tp"], tp
+    return rank % tp, tp
 
 
 def split_meta_stage(cfg: DictConfig, module: nn.Module, rank: int) -> nn.Module:
