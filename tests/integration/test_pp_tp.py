@@ -13,9 +13,21 @@ from tests.support.bodies.pp_tp import pp_tp_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
 
 STEPS, BATCH = 3, 16
-DEFAULT = {  # one set of 4 ranks: 1F1B with dropout and clipping; SP under GPipe
+# one run of 4 ranks (it runs twice in make test: parity): every part of pp x tp at once, SP's
+# token-sliced sends and gradient sums, dropout's sliced masks, clipping over tp and pp, 1F1B
+DEFAULT = {
+    "1f1b-sp-dropout-clip": [
+        "strategy.schedule=1f1b", "strategy.sequence_parallel=true", "model.dropout=0.1", "trainer.grad_clip=0.05",
+    ],
+}  # fmt: skip
+WORLD4_EXTRA = {
     "1f1b-dropout-clip": ["strategy.schedule=1f1b", "model.dropout=0.1", "trainer.grad_clip=0.05"],
     "sp-gpipe": ["strategy.sequence_parallel=true"],
+    "interleaved-sp": [
+        "strategy.schedule=interleaved_1f1b",
+        "strategy.virtual_stages=2",
+        "strategy.sequence_parallel=true",
+    ],
 }
 EXTRA = {  # world 8: 2 pipelines of 2 stages x tp 2
     "replicate-1f1b-dropout-clip": [
@@ -35,6 +47,21 @@ def default_results() -> dict[str, list]:
 @pytest.mark.parametrize("config", list(DEFAULT))
 def test_two_stages_x_tp2_is_singles_training_with_the_planned_state(default_results, config):
     assert_every_rank_passed(default_results, config)
+
+
+@pytest.fixture(scope="module")
+def world4_extra_results() -> dict[str, list]:
+    return run_configurations(pp_tp_body, WORLD4_EXTRA, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(WORLD4_EXTRA))
+def test_two_stages_x_tp2_more_configurations(world4_extra_results, config):
+    """Without SP, SP alone, interleaved; test_two_stages_x_tp2_is_singles_training_with_the_planned_state
+    keeps the claim in make test."""
+    assert_every_rank_passed(world4_extra_results, config)
 
 
 @pytest.mark.extra
