@@ -235,3 +235,20 @@ def _stage(model, names):
     from collections import OrderedDict
 
     return torch.nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names))
+
+
+def test_tp_inside_stages_halves_the_split_layers_flops_in_the_step_time_shape():
+    """The slowest stage's FLOP share under pp 2 x tp 2, derived here from the whole model's layer
+    FLOPs: its blocks' Linears and attention cores halved, the embedding whole."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.flops import layer_flops
+    from parallel_lab.strategies.pp.rules import PPPlan
+    from tests.support.model_parallel import compose_config
+
+    cfg = compose_config("strategy=pp", "model=vit", "strategy.tp=2", "world_size=4", "trainer.global_batch=16")
+    model = build_meta_model(cfg.model)
+    flops = layer_flops(model, 1)
+    stage0 = [n for n in flops if n.split(".")[0] in ("embed", "block0", "block1")]
+    split = sum(flops[n] for n in stage0 if n.startswith("block"))
+    want = (sum(flops[n] for n in stage0) - split / 2) / sum(flops.values())
+    assert PPPlan.compute_shape(cfg, model).flop_share == pytest.approx(want, rel=1e-12)

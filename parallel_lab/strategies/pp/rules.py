@@ -17,7 +17,13 @@ from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.pp.plan import block_costs, cuttable_blocks, plan_stages, rank_chunks, stage_shares
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, peak_in_flight, rank_orders
-from parallel_lab.strategies.pp.tensor import boundary_shape, check_pp_tp, split_meta_stage, stage_tp_comm
+from parallel_lab.strategies.pp.tensor import (
+    boundary_shape,
+    check_pp_tp,
+    split_meta_stage,
+    stage_tp_comm,
+    tp_flop_fraction,
+)
 
 # What each strategy.impl runs (pp/strategy.py PipelineImpl); a pair (schedules, balances) per impl.
 BALANCES = ("params", "flops", "time")
@@ -200,10 +206,15 @@ class PPPlan(PlanRules):
     def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
         """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
         ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
-        Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473)."""
+        Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473).
+        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py)."""
         o, t = cfg.strategy, cfg.trainer
-        p, m, v = o.stages, o.microbatches, o.get("virtual_stages", 1)
-        shares = stage_shares(chunk_modules(cfg, model))
+        p, m, v, tp = o.stages, o.microbatches, o.get("virtual_stages", 1), o.get("tp", 1)
+        chunks = chunk_modules(cfg, model)
+        shares = stage_shares(chunks)
+        if tp > 1:
+            inputs = chunk_inputs(cfg, model, 1)
+            shares = [s * tp_flop_fraction(c, tuple(inputs[g][1:]), tp) for g, (s, c) in enumerate(zip(shares, chunks))]
         names = chunk_names(cfg, model)
         times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(

@@ -159,3 +159,16 @@ def stage_tp_comm(cfg: DictConfig, stage: nn.Module, tokens_shape: torch.Size, a
     if hasattr(stage, "head"):
         comm["all_reduce"] += accum * 2.0 * 4 * tokens_shape[0] * tokens_shape[-1]
     return {op: n for op, n in comm.items() if n}
+
+
+def tp_flop_fraction(chunk: nn.Module, input_shape: tuple, tp: int) -> float:
+    """The part of ``chunk``'s forward FLOPs a tp rank computes: its blocks' split Linears and
+    attention cores (heads / tp) divided by tp, embed and head whole (as tp/predict.py ``tp_share``)."""
+    from parallel_lab.models.flops import layer_flops
+    from parallel_lab.strategies.tp.megatron import blocks, vit_plan
+
+    flops = layer_flops(chunk, 1, input_shape)
+    split_names = {n for pair in vit_plan(chunk) for n in pair} | {f"{b}.attn.core" for b in blocks(chunk)}
+    split = sum(f for name, f in flops.items() if name in split_names)
+    total = sum(flops.values())
+    return (total - split + split / tp) / total if total else 1.0
