@@ -295,7 +295,9 @@ class PipelineParallelStrategy(Strategy):
         """Only the last stages have the loss (the others hold 0; of a split last stage, tp rank 0's
         counts): the sum over the world, divided by the number of pipelines, so every rank returns
         the same float."""
-        loss = local_mean.detach().clone().to(self.device) * (self.tp_rank == 0)
+        loss = local_mean.detach().clone().to(self.device)
+        if self.tp_rank:
+            loss.zero_()  # (not a product: a NaN loss stays NaN on tp rank 0 only)
         dist.all_reduce(loss)
         return float(loss / self.opts.replicate)
 
@@ -316,7 +318,8 @@ class PipelineParallelStrategy(Strategy):
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
         # only the last stages counted (each its pipeline's shard; a split stage's on every tp rank:
         # tp rank 0's kept); the rest hold 0
-        counts *= self.tp_rank == 0
+        if self.tp_rank:
+            counts.zero_()
         dist.all_reduce(counts)
         return counts
 
