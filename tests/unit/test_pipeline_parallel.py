@@ -136,10 +136,37 @@ def test_stage_plan_is_contiguous_and_honours_cuts():
         (["strategy.block_times=[1,2,3,4,5]"], ["strategy.block_times", "balance=time"]),
         (["strategy.balance=time", "strategy.block_times=[1,2]"], ["strategy.block_times=[1.0, 2.0]", "5 positive"]),
         (["model=vit", "model.dropout=0.1", "strategy.impl=torch"], ["model.dropout=0.1", "strategy.impl=manual"]),
+        # dp x pp x tp (pp/tensor.py)
+        (["strategy.tp=0"], ["strategy.tp=0", ">= 1"]),
+        (["strategy.tp=2", "world_size=4"], ["strategy.tp=2", "model=cnn", "model=vit"]),
+        (["model=vit", "strategy.tp=2", "world_size=4", "strategy.impl=torch"], ["strategy.impl=torch", "impl=manual"]),
+        (["model=vit", "strategy.tp=2", "world_size=4", "strategy.impl=deepspeed"], ["strategy.impl=deepspeed"]),
+        (
+            ["model=vit", "strategy.tp=2", "world_size=2"],
+            ["strategy.replicate=1 x strategy.stages=2 x strategy.tp=2 = 4", "world_size=2", "world_size=4"],
+        ),
+        (["model=vit", "strategy.tp=3", "world_size=6"], ["strategy.tp=3", "model.heads"]),
+        (["model=vit", "strategy.sequence_parallel=true"], ["strategy.sequence_parallel=true", "strategy.tp=2"]),
     ],
 )
 def test_pp_bad_input_is_one_config_error(overrides, named):
     assert_one_line_config_error("pp", overrides, named)
+
+
+def test_dp_x_pp_x_tp_layout_pipelines_are_tp_apart():
+    """rank = (replica x stages + stage) x tp + tp rank: a stage's tp group is consecutive ranks, a
+    pipeline takes the same tp coordinate of every stage (its sends), replicas are stages x tp apart."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.strategies.pp.rules import pp_dims
+
+    dims = pp_dims(OmegaConf.create({"replicate": 2, "stages": 2, "tp": 2}))
+    assert dims.sizes() == {"replicate": 2, "pp": 2, "tp": 2}
+    assert dims.coords(5) == {"replicate": 1, "shard": 0, "pp": 0, "tp": 1}
+    assert dims.group_ranks(5, "tp") == [4, 5]
+    assert dims.group_ranks(5, "pp") == [5, 7]
+    assert dims.group_ranks(5, "replicate") == [1, 5]
+    assert [dims.dp_rank(r) for r in range(8)] == [0] * 4 + [1] * 4  # a pipeline x tp block reads one share
 
 
 def _simulated_gpipe(forward: list[float], backward: list[float], m: int) -> tuple[float, float]:
@@ -208,3 +235,20 @@ def _stage(model, names):
     from collections import OrderedDict
 
     return torch.nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names))
+
+
+def test_tp_inside_stages_halves_the_split_layers_flops_in_the_step_time_shape():
+    """The slowest stage's FLOP share under pp 2 x tp 2, derived here from the whole model's layer
+    FLOPs: its blocks' Linears and attention cores halved, the embedding whole."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.flops import layer_flops
+    from parallel_lab.strategies.pp.rules import PPPlan
+    from tests.support.model_parallel import compose_config
+
+    cfg = compose_config("strategy=pp", "model=vit", "strategy.tp=2", "world_size=4", "trainer.global_batch=16")
+    model = build_meta_model(cfg.model)
+    flops = layer_flops(model, 1)
+    stage0 = [n for n in flops if n.split(".")[0] in ("embed", "block0", "block1")]
+    split = sum(flops[n] for n in stage0 if n.startswith("block"))
+    want = (sum(flops[n] for n in stage0) - split / 2) / sum(flops.values())
+    assert PPPlan.compute_shape(cfg, model).flop_share == pytest.approx(want, rel=1e-12)

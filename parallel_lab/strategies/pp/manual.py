@@ -1,9 +1,11 @@
 """``strategy.impl=manual``: the pipeline loop with our own isend/recv, one order per rank from
 ``schedules.py`` (gpipe, 1f1b, interleaved_1f1b), any number of chunks per rank.
 
-Global chunk g lives on pipeline rank g % p; its input comes from chunk g - 1, its output goes to
-chunk g + 1 (with v > 1 the last rank sends back to the first). Tags: the forward tensor entering
-chunk g for micro-batch i is ``g m + i``, the gradient leaving it ``BACKWARD_TAG + g m + i``.
+Global chunk g lives on pipeline rank g % p (the strategy's ``rank_of``: with tp the pipeline's
+ranks are tp apart, each sending to the same tp coordinate of the next stage); its input comes from
+chunk g - 1, its output goes to chunk g + 1 (with v > 1 the last rank sends back to the first).
+Tags: the forward tensor entering chunk g for micro-batch i is ``g m + i``, the gradient
+leaving it ``BACKWARD_TAG + g m + i``.
 
 Dropout (models/dropout.py): a sample's masks are keyed by its pixels, which only the ``embed``
 layer sees. Every rank of a pipeline reads the pipeline's whole batch (the last needs the targets),
@@ -34,12 +36,11 @@ class ManualLoop:
         o = pipe.opts
         self.m, self.p, self.n = o.microbatches, o.stages, o.stages * o.virtual_stages
         self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
-        self.base = pipe.env.rank - pipe.stage  # the pipeline's first global rank
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
 
     def rank_of(self, g: int) -> int:
-        return self.base + g % self.p
+        return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> None:
         pipe = self.pipe

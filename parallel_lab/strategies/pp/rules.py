@@ -17,6 +17,13 @@ from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.pp.plan import block_costs, cuttable_blocks, plan_stages, rank_chunks, stage_shares
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, peak_in_flight, rank_orders
+from parallel_lab.strategies.pp.tensor import (
+    boundary_shape,
+    check_pp_tp,
+    split_meta_stage,
+    stage_tp_comm,
+    tp_flop_fraction,
+)
 
 # What each strategy.impl runs (pp/strategy.py PipelineImpl); a pair (schedules, balances) per impl.
 BALANCES = ("params", "flops", "time")
@@ -53,10 +60,16 @@ def chunk_modules(cfg: DictConfig, model: nn.Sequential) -> list[nn.Sequential]:
     return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names)) for names in chunk_names(cfg, model)]
 
 
+def stage_of(cfg: DictConfig, rank: int) -> int:
+    """Rank ``rank``'s pipeline stage: its pp coordinate on the (replicate, pp, tp) mesh."""
+    return pp_dims(cfg.strategy).coords(rank)["pp"]
+
+
 def rank_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
-    """Every block rank ``rank`` holds (its chunks), in model order."""
+    """Every block rank ``rank`` holds (its chunks), in model order, unsplit (``split_meta_stage``:
+    as a tp rank holds them)."""
     names = chunk_names(cfg, model)
-    mine = [n for c in rank_chunks(cfg.strategy, rank) for n in names[c]]
+    mine = [n for c in rank_chunks(cfg.strategy, stage_of(cfg, rank)) for n in names[c]]
     return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in mine))
 
 
@@ -76,9 +89,10 @@ def chunk_inputs(cfg: DictConfig, model: nn.Sequential, batch: int) -> list[torc
 
 
 def pp_dims(opts: DictConfig) -> MeshDims:
-    """strategy.replicate pipelines of strategy.stages consecutive ranks; the pipeline's group is
-    laid out even at one stage (its sends stay inside it)."""
-    return MeshDims(replicate=opts.replicate, pp=opts.stages, named=("pp",))
+    """strategy.replicate pipelines of strategy.stages stages, each stage split over strategy.tp
+    consecutive ranks (rank = (replica x stages + stage) x tp + tp rank: a pipeline's ranks are tp
+    apart); the pipeline's group is laid out even at one stage (its sends stay inside it)."""
+    return MeshDims(replicate=opts.replicate, pp=opts.stages, tp=opts.get("tp", 1), named=("pp",))
 
 
 def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
@@ -154,9 +168,9 @@ class PPPlan(PlanRules):
 
     @classmethod
     def data_parallel_size(cls, cfg: DictConfig) -> int:
-        """Every stage sees its pipeline's whole batch, only the ends use it (= strategy.replicate
-        once the degrees check; the planner asks before setting them)."""
-        return cfg.world_size // cfg.strategy.stages
+        """Every stage (every tp rank of it) sees its pipeline's whole batch, only the ends use it
+        (= strategy.replicate once the degrees check; the planner asks before setting them)."""
+        return cfg.world_size // (cfg.strategy.stages * cfg.strategy.get("tp", 1))
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -164,7 +178,11 @@ class PPPlan(PlanRules):
             if opts[key] < 1:
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         check_schedule(opts, cfg)
-        check_degrees(cfg, pp_dims(opts), {"pp": ("stages", "pipeline stages, one per process")})
+        check_pp_tp(opts, cfg)
+        keys = {"pp": ("stages", "pipeline stages, one per process")}
+        if opts.get("tp", 1) > 1:
+            keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}
+        check_degrees(cfg, pp_dims(opts), keys)
         t = cfg.trainer
         per_step = t.global_batch // t.grad_accum
         if t.global_batch % t.grad_accum == 0 and per_step % opts.microbatches:
@@ -188,10 +206,15 @@ class PPPlan(PlanRules):
     def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
         """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
         ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
-        Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473)."""
+        Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473).
+        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py)."""
         o, t = cfg.strategy, cfg.trainer
-        p, m, v = o.stages, o.microbatches, o.get("virtual_stages", 1)
-        shares = stage_shares(chunk_modules(cfg, model))
+        p, m, v, tp = o.stages, o.microbatches, o.get("virtual_stages", 1), o.get("tp", 1)
+        chunks = chunk_modules(cfg, model)
+        shares = stage_shares(chunks)
+        if tp > 1:
+            inputs = chunk_inputs(cfg, model, 1)
+            shares = [s * tp_flop_fraction(c, tuple(inputs[g][1:]), tp) for g, (s, c) in enumerate(zip(shares, chunks))]
         names = chunk_names(cfg, model)
         times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(
@@ -213,11 +236,15 @@ class PPPlan(PlanRules):
         the last chunk computes the loss. zero_bubble: counted as interleaved 1F1B (its weight
         gradients keep some tensors longer: not verified)."""
         o = cfg.strategy
-        p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), rank % o.stages
+        p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), stage_of(cfg, rank)
         mb = max(1, micro // m)
         shapes, chunks = chunk_inputs(cfg, model, mb), chunk_modules(cfg, model)
-        mine = rank_chunks(o, rank)
-        per_chunk = [saved(chunks[g], mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine]
+        tp, sp = o.get("tp", 1), bool(o.get("sequence_parallel"))
+        shapes = [boundary_shape(s, g, tp, sp) for g, s in enumerate(shapes)]
+        mine = rank_chunks(o, stage)
+        per_chunk = [
+            saved(split_meta_stage(cfg, chunks[g], rank), mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
+        ]
         schedule = str(o.schedule) if o.schedule != "zero_bubble" else "interleaved_1f1b"
         return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk), mb
 
@@ -228,9 +255,10 @@ class PPPlan(PlanRules):
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
-        """The rank's blocks (``plan_stages``, the same cut setup makes), held whole with torch's
-        optimizer state (Adam: two moments and a 4-byte step tensor per parameter)."""
-        numels = [p.numel() for p in rank_module(cfg, model, rank).parameters()]
+        """The rank's blocks (``plan_stages``, the same cut setup makes), held whole (with tp: as
+        its tp rank splits them) with torch's optimizer state (Adam: two moments and a 4-byte step
+        tensor per parameter)."""
+        numels = [p.numel() for p in split_meta_stage(cfg, rank_module(cfg, model, rank), rank).parameters()]
         return {
             "param_bytes": 4 * sum(numels),
             "grad_bytes": 4 * sum(numels),
@@ -241,14 +269,22 @@ class PPPlan(PlanRules):
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
         """Per step, every micro-batch's activation goes forward across each boundary after one of
         this rank's chunks and its gradient back across the one before it: isend of the whole
-        step's batch."""
-        replicate = cfg.strategy.get("replicate") or 1
+        step's batch (SP: its tokens). With tp, the stage's Megatron collectives (``pp/tensor.py``)."""
+        o = cfg.strategy
+        replicate, tp, sp = o.get("replicate") or 1, o.get("tp", 1), bool(o.get("sequence_parallel"))
         batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // replicate
-        sizes = [s.numel() for s in chunk_inputs(cfg, model, batch)]  # chunk g's input; sizes[-1]: the output
+        shapes = chunk_inputs(cfg, model, batch)  # chunk g's input; the last: the output
+        sizes = [boundary_shape(s, g, tp, sp).numel() for g, s in enumerate(shapes)]
         last = len(sizes) - 2
-        mine = rank_chunks(cfg.strategy, rank)
+        mine = rank_chunks(o, stage_of(cfg, rank))
         sent = sum((sizes[g + 1] if g < last else 0) + (sizes[g] if g > 0 else 0) for g in mine)
         comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
-        if replicate > 1:  # dp x pp: the stage's gradients all-reduced over replicas
-            comm["all_reduce"] = 2.0 * 4 * sum(q.numel() for q in rank_module(cfg, model, rank).parameters())
+        stage = split_meta_stage(cfg, rank_module(cfg, model, rank), rank)
+        if tp > 1:
+            for op, n in stage_tp_comm(cfg, stage, shapes[1], cfg.trainer.grad_accum).items():
+                comm[op] = comm.get(op, 0.0) + n
+        if replicate > 1:  # dp x pp: the stage's gradients (its shards) all-reduced over replicas
+            comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(q.numel() for q in stage.parameters())
+        if cfg.trainer.grad_clip > 0:  # the norm's float64 square sum: over the pipeline (and the tp group)
+            comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 8 * (1 + (tp > 1))
         return comm

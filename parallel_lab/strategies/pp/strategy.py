@@ -27,6 +27,10 @@ dp x pp: ``strategy.replicate=R`` pipelines on a (replicate, pp) mesh (``strateg
 R x stages = world_size. Pipeline r is ranks r*p .. r*p+p-1 and reads its own global_batch / R
 samples; stage s averages its gradients with stage s of the other pipelines after backward.
 
+dp x pp x tp: ``strategy.tp=T`` splits each stage's vit blocks (Megatron) over T consecutive ranks,
+R x stages x T = world_size on a (replicate, pp, tp) mesh; a pipeline's ranks are then T apart
+(``pp/tensor.py``, docs/meshes.md).
+
 Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` chunk, and the
 pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
 by m * grad_accum before backward: the summed gradient is the gradient of the global-batch mean.
@@ -49,7 +53,6 @@ from parallel_lab.comm.counter import trace_label
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import ReplicaNorm
-from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp.activations import SavedTracker
@@ -57,9 +60,18 @@ from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
 from parallel_lab.strategies.pp.rules import BALANCES, PPPlan, chunk_modules, chunk_names, meta_model
 from parallel_lab.strategies.pp.schedules import SCHEDULES, Busy, bubble_fraction
+from parallel_lab.strategies.pp.tensor import (
+    boundary_shape,
+    clip_over_stages_and_tp,
+    gathered_stage,
+    local_part,
+    sum_sequence_parallel_grads,
+)
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
+from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
+from parallel_lab.strategies.tp.split import split_transformer
 
 
 class PipelineImpl(Choice):
@@ -93,18 +105,27 @@ class PPOptions(StrategyOptions):
     block_times: list[float] = field(default_factory=list)
     # names of the blocks that start chunks 2..p*v, e.g. [fc1]; [] = cut by strategy.balance
     cuts: list[str] = field(default_factory=list)
+    # tensor-parallel degree inside each stage (vit, impl=manual: Megatron's split of its blocks,
+    # pp/tensor.py); replicate x stages x tp = world_size
+    tp: int = 1
+    # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
+    sequence_parallel: bool = False
 
 
 class PPState(RankShardState):
-    """One file per stage; the stages' parameters gathered to every rank in model order."""
+    """One file per rank; the stages' parameters (tp shards gathered along their split dimension)
+    gathered to every rank in model order."""
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return local_part(self.strategy, name, full)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every stage's parameters, gathered to every rank in model order (an interleaved rank's
-        chunks are not contiguous: ordered by name, in the full model's order)."""
-        per_stage: list = [None] * self.env.world_size
-        named = [(n, p.detach().cpu()) for n, p in self.model.named_parameters()]
-        dist.all_gather_object(per_stage, named)
-        pairs = [pair for stage in per_stage[: self.opts.stages] for pair in stage]
+        chunks are not contiguous: ordered by name, in the full model's order); a stage split over
+        tp first gathers its shards, and the first pipeline's ranks (tp apart) hold the stages."""
+        per_rank: list = [None] * self.env.world_size
+        dist.all_gather_object(per_rank, gathered_stage(self.strategy))
+        pairs = [pair for r in self.strategy.layout.group_ranks(0, "pp") for pair in per_rank[r]]
         order = self.strategy.chunk_order
         return [p for _, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0]))]
 
@@ -136,6 +157,8 @@ class PipelineParallelStrategy(Strategy):
     State = PPState
     Memory = PPMemory
     Norm = PPNorm
+    # dp x pp x tp (pp/tensor.py); these defaults: no split (strategy.tp=1, and impl=deepspeed's setup)
+    tp_rank, tp_group, shard_dims, sp_params = 0, None, {}, []
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (SUBCLASSES: deepspeed, pp/ds_pipe.py)."""
@@ -151,9 +174,12 @@ class PipelineParallelStrategy(Strategy):
 
     # ----- setup -----
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> None:
-        self.stage = self.layout.coords(self.env.rank)["pp"]
+        coords = self.layout.coords(self.env.rank)
+        self.stage, self.tp_rank = coords["pp"], coords["tp"]
         self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
         self.group = self.mesh.group("pp")  # this rank's pipeline (None: the world)
+        self.pipe_ranks = self.layout.group_ranks(self.env.rank, "pp")  # its global ranks, stage order
+        self.tp_group = self.mesh.group("tp")  # this stage's tp ranks (None: tp = 1)
         self.replicate_group = self.mesh.group(REPLICATE)  # None: one pipeline
         meta = meta_model(self.cfg)
         self.chunk_names = chunk_names(self.cfg, meta)  # the planner's cut (balance, cuts), every chunk
@@ -182,11 +208,18 @@ class PipelineParallelStrategy(Strategy):
         """This rank's stage from its chunks' (name, module) pairs and its pipeline's group: the
         modules it holds in model order (same child names as the full model, so parameter names
         match the single run's) and each chunk as a Sequential of the same modules. The one place a
-        stage is made: a split of its layers (tensor parallel) goes here."""
-        del group  # the stage's modules need no group yet; a tensor-parallel split of them will
+        stage is made: with strategy.tp > 1 its blocks are split over the stage's tp group
+        (Megatron, tp/split.py; the pipeline's group is for the sends only)."""
+        del group
         held = sorted((pair for chunk in chunks for pair in chunk), key=lambda pair: self.chunk_order(pair[0]))
         model = nn.Sequential(OrderedDict(held)).to(self.device)
-        return model, [nn.Sequential(OrderedDict(chunk)) for chunk in chunks]
+        if self.opts.tp > 1:
+            sp = self.opts.sequence_parallel
+            self.shard_dims = split_transformer(model, TPGroup(self.tp_group, self.tp_rank, self.opts.tp), sp)
+            params = dict(model.named_parameters())
+            self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
+        # the chunks from the (split) model's children: the SP split replaces the head itself
+        return model, [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n, _ in chunk)) for chunk in chunks]
 
     def chunk_order(self, name: str) -> int:
         return [n for names in self.chunk_names for n in names].index(name)
@@ -199,11 +232,12 @@ class PipelineParallelStrategy(Strategy):
             with torch.no_grad():
                 for module in self.meta_chunks[:g]:
                     x = module(x)
-            self.shapes[key] = x.shape
+            self.shapes[key] = boundary_shape(x.shape, g, self.opts.tp, self.opts.sequence_parallel)
         return self.shapes[key]
 
     def rank_of(self, g: int) -> int:
-        return self.env.rank - self.stage + g % self.opts.stages
+        """The global rank holding chunk g in this rank's pipeline (with tp: the same tp coordinate)."""
+        return self.pipe_ranks[g % self.opts.stages]
 
     # ----- training -----
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
@@ -247,19 +281,23 @@ class PipelineParallelStrategy(Strategy):
         average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
 
     def optimizer_step(self) -> None:
+        sum_sequence_parallel_grads(self)
         self.average_over_replicas()
         super().optimizer_step()
 
     def clip_gradients(self) -> None:
-        """Clip by the norm of the whole model's gradient: every stage's squares are summed."""
+        """Clip by the norm of the whole model's gradient: every stage's squares are summed (and,
+        with tp, every shard's; the replicated parameters counted once)."""
         if self.cfg.trainer.grad_clip > 0:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_by_global_norm(grads, [], self.cfg.trainer.grad_clip, self.device, self.group)
+            clip_over_stages_and_tp(self, self.cfg.trainer.grad_clip)
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
-        """Only the last stages have the loss (the others hold 0): the sum over the world, divided by
-        the number of pipelines, so every rank returns the same float."""
+        """Only the last stages have the loss (the others hold 0; of a split last stage, tp rank 0's
+        counts): the sum over the world, divided by the number of pipelines, so every rank returns
+        the same float."""
         loss = local_mean.detach().clone().to(self.device)
+        if self.tp_rank:
+            loss.zero_()  # (not a product: a NaN loss stays NaN on tp rank 0 only)
         dist.all_reduce(loss)
         return float(loss / self.opts.replicate)
 
@@ -278,7 +316,11 @@ class PipelineParallelStrategy(Strategy):
         return x if n - 1 in self.chunk_ids else None
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(counts)  # only the last stages counted (each its pipeline's shard); the rest hold 0
+        # only the last stages counted (each its pipeline's shard; a split stage's on every tp rank:
+        # tp rank 0's kept); the rest hold 0
+        if self.tp_rank:
+            counts.zero_()
+        dist.all_reduce(counts)
         return counts
 
     # ----- proof -----
@@ -300,7 +342,7 @@ class PipelineParallelStrategy(Strategy):
         }
         stages: list = [None] * self.env.world_size
         dist.all_gather_object(stages, mine)
-        stages = stages[:p]  # the first pipeline's stages (ranks 0..p-1); replicas mirror them
+        stages = [stages[r] for r in self.layout.group_ranks(0, "pp")]  # the first pipeline's; replicas mirror them
         return {
             "pp_stages": p,
             "pp_microbatches": m,

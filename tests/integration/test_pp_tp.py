@@ -1,0 +1,76 @@
+"""dp x pp x tp on the vit (``strategy=pp strategy.tp=2``, pp/tensor.py): every configuration
+trains as single does (the report's parity criterion against the plain-torch reference, with the
+gathered parameters the unsplit model's), every rank holds the planned model state to the byte,
+issues the planned communication and (the first pipeline) stashes the planned activations.
+World 4 = 2 stages x tp 2 in make test; world 8 adds strategy.replicate=2 (extra). Bad input:
+tests/unit/test_pipeline_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.bodies.pp_tp import pp_tp_body
+from tests.support.matrix import assert_every_rank_passed, run_configurations
+
+STEPS, BATCH = 3, 16
+# one run of 4 ranks (it runs twice in make test: parity): every part of pp x tp at once, SP's
+# token-sliced sends and gradient sums, dropout's sliced masks, clipping over tp and pp, 1F1B
+DEFAULT = {
+    "1f1b-sp-dropout-clip": [
+        "strategy.schedule=1f1b", "strategy.sequence_parallel=true", "model.dropout=0.1", "trainer.grad_clip=0.05",
+    ],
+}  # fmt: skip
+WORLD4_EXTRA = {
+    "1f1b-dropout-clip": ["strategy.schedule=1f1b", "model.dropout=0.1", "trainer.grad_clip=0.05"],
+    "sp-gpipe": ["strategy.sequence_parallel=true"],
+    "interleaved-sp": [
+        "strategy.schedule=interleaved_1f1b",
+        "strategy.virtual_stages=2",
+        "strategy.sequence_parallel=true",
+    ],
+}
+EXTRA = {  # world 8: 2 pipelines of 2 stages x tp 2
+    "replicate-1f1b-dropout-clip": [
+        "strategy.replicate=2", "strategy.schedule=1f1b", "model.dropout=0.1", "trainer.grad_clip=0.05",
+    ],
+    "replicate-sp": ["strategy.replicate=2", "strategy.sequence_parallel=true"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def default_results() -> dict[str, list]:
+    return run_configurations(pp_tp_body, DEFAULT, world_size=4, timeout=300, steps=STEPS, global_batch=BATCH)
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(DEFAULT))
+def test_two_stages_x_tp2_is_singles_training_with_the_planned_state(default_results, config):
+    assert_every_rank_passed(default_results, config)
+
+
+@pytest.fixture(scope="module")
+def world4_extra_results() -> dict[str, list]:
+    return run_configurations(pp_tp_body, WORLD4_EXTRA, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(WORLD4_EXTRA))
+def test_two_stages_x_tp2_more_configurations(world4_extra_results, config):
+    """Without SP, SP alone, interleaved; test_two_stages_x_tp2_is_singles_training_with_the_planned_state
+    keeps the claim in make test."""
+    assert_every_rank_passed(world4_extra_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(EXTRA))
+def test_dp_x_pp_x_tp_at_world_8(config):
+    """The 3-D mesh (replicate 2 x 2 stages x tp 2; slow on 2 cores: extra);
+    test_two_stages_x_tp2_is_singles_training_with_the_planned_state keeps the claim in make test."""
+    results = run_configurations(pp_tp_body, {config: EXTRA[config]}, world_size=8, timeout=600, steps=STEPS,
+                                 global_batch=BATCH)  # fmt: skip
+    assert_every_rank_passed(results, config)
