@@ -318,3 +318,15 @@ def _saved_bytes(module: torch.nn.Module, forward, batch: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         torch.nn.functional.cross_entropy(forward(), torch.zeros(batch, dtype=torch.long))
     return sum(saved.values())
+
+
+def test_planned_pipeline_stages_leave_room_for_tp_and_replicas():
+    """The planner sets pp's stages from each world size divided by the mesh's other degrees
+    (replicate x tp), as a run must be given them: world 8 with tp 2 and replicate 2 is 2 stages."""
+    from parallel_lab.plan.configs import planned_configs
+
+    for world, replicate, stages in ((4, 1, 2), (8, 2, 2), (8, 1, 4)):
+        (planned,) = planned_configs(
+            ["model=vit", "strategy=pp", "strategy.tp=2", f"strategy.replicate={replicate}", f"world_size={world}"]
+        )
+        assert planned.cfg.strategy.stages == stages, (world, replicate, planned.cfg.strategy.stages)
