@@ -11,7 +11,6 @@ memory or core check.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -33,18 +32,16 @@ class Planned:
     error: str | None = None
 
 
-MESH_DEGREES = ("replicate", "stages", "tp")  # the strategy options whose product is the world size
-
-
 def _given(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").partition("=")[0] == key for o in overrides)
 
 
-def _degree(cfg: DictConfig, key: str) -> int:
-    """strategy.<key> at this world size: the world divided by the mesh's other degrees
-    (replicate, and pp's tp: strategy=pp strategy.tp=2 at world 8 plans 4 stages)."""
-    others = [k for k in MESH_DEGREES if k != key]
-    return max(1, cfg.world_size // math.prod(int(cfg.strategy.get(k) or 1) for k in others))
+def _degree(cfg: DictConfig, strategy_cls: type, key: str) -> int:
+    """strategy.<key> at this world size: the world divided by the product of the mesh's other
+    degrees (the strategy's own MeshDims: replicate, and a pipeline's tensor-parallel degree), so
+    a pipeline with strategy.tp=2 at world 8 plans 4 stages."""
+    others = strategy_cls.plan.dims(cfg).world // max(1, int(cfg.strategy[key]))
+    return max(1, cfg.world_size // max(1, others))
 
 
 def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -> DictConfig:
@@ -63,12 +60,12 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     # world size unless given on the command line.
     key = strategy_cls.plan.degree_key
     if key and not _given(overrides, f"strategy.{key}"):
-        cfg.strategy[key] = _degree(cfg, key)
+        cfg.strategy[key] = _degree(cfg, strategy_cls, key)
     if scale:
         # Weak scaling: every rank keeps the micro-batch it has at the configured world_size.
         reference = copy.deepcopy(base)
         if key and not _given(overrides, f"strategy.{key}"):
-            reference.strategy[key] = _degree(reference, key)
+            reference.strategy[key] = _degree(reference, strategy_cls, key)
         t = cfg.trainer
         micro = max(1, t.global_batch // (strategy_cls.plan.data_parallel_size(reference) * t.grad_accum))
         t.global_batch = micro * strategy_cls.plan.data_parallel_size(cfg) * t.grad_accum

@@ -10,6 +10,7 @@ timeout; the daemons are stopped by pid.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,10 +46,26 @@ def ensure_packages() -> str | None:
     return f"apt-get install {' '.join(PACKAGES)} failed: {results[-1].stderr.strip()[-300:]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) or an
+# outgoing connection can be taken again between our probe and the daemon's bind (seen once:
+# slurmctld "Address already in use" in a full make test).
+PORTS = range(20000, 32000)
+
+
+def _free_port(taken: set[int]) -> int:
+    """A port outside the ephemeral range that binds now and that this cluster does not use yet."""
+    rng = random.Random()
+    while True:
+        port = rng.choice(PORTS)
+        if port in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
 
 
 @dataclass
@@ -64,7 +81,8 @@ class PrivateSlurm:
 
     def write_conf(self) -> None:
         host = socket.gethostname()
-        ctld, node_ports = _free_port(), [_free_port() for _ in NODES]
+        taken: set[int] = set()
+        ctld, node_ports = _free_port(taken), [_free_port(taken) for _ in NODES]
         for sub in ("state", "spool", "log", "run", *[f"spool/{n}" for n in NODES]):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         r = self.root
@@ -100,16 +118,23 @@ PartitionName=debug Nodes=node[0-1] Default=YES MaxTime=10 State=UP OverSubscrib
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env, check=check)
 
     def __enter__(self) -> PrivateSlurm:
-        try:
-            self.write_conf()
-            self.run("slurmctld", "-f", str(self.conf))  # daemonizes
-            for node in NODES:
-                self.run("slurmd", "-f", str(self.conf), "-N", node)
-            self._collect_pids()
-            self._wait_idle()
-        except BaseException:
-            self.close()
-            raise
+        for attempt in range(3):
+            try:
+                self.write_conf()
+                self.run("slurmctld", "-f", str(self.conf))  # daemonizes
+                for node in NODES:
+                    self.run("slurmd", "-f", str(self.conf), "-N", node)
+                self._collect_pids()
+                self._wait_idle()
+                return self
+            except BaseException as exc:
+                self.close()
+                # Another process bound a port between the probe and the daemon: new ports, again.
+                if attempt == 2 or "Address already in use" not in str(exc):
+                    raise
+                self.pids = []
+                for stale in [*(self.root / "run").glob("*.pid"), self.root / "log" / "slurmctld.log"]:
+                    stale.unlink(missing_ok=True)  # the next attempt's daemons write their own
         return self
 
     def __exit__(self, *exc) -> None:
