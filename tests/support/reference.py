@@ -171,3 +171,18 @@ def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e
         noise_losses, _, noise_net = reference_run(model, **{**kwargs, **changes})
         noise.append((noise_losses, _named(noise_net)))
     return ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))
+
+
+def vit_reference(cfg, data_size: int) -> ParityReference:
+    """The single-process reference of a vit run's config (test bodies at world > 1): one thread,
+    dropout 0.1 or off as the run has it, and its gradient clip where it sets one (the cache key
+    of a run without one stays that of every other caller)."""
+    clip = {"grad_clip": cfg.trainer.grad_clip} if cfg.trainer.grad_clip else {}
+    return parity_reference(
+        "vit_dropout" if cfg.model.dropout else "vit",
+        steps=cfg.trainer.steps,
+        global_batch=cfg.trainer.global_batch,
+        threads=1,
+        data_size=data_size,
+        **clip,
+    )

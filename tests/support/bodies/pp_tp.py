@@ -12,7 +12,7 @@ import torch.distributed as dist
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
 from tests.support.model_parallel import DATA_SIZE, reference_accuracy, train_configuration
-from tests.support.reference import parity_reference
+from tests.support.reference import vit_reference
 
 
 def check(cfg, strategy, metrics, rank: int, label: str) -> None:
@@ -27,14 +27,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     local = [p.numel() for p in strategy.model.parameters()]
     assert sum(local) < sum(q.numel() for q in full) / cfg.strategy.stages, (label, sum(local))
     if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
-        ref = parity_reference(
-            "vit_dropout" if cfg.model.dropout else "vit",
-            steps=cfg.trainer.steps,
-            global_batch=cfg.trainer.global_batch,
-            threads=1,
-            data_size=DATA_SIZE,
-            grad_clip=cfg.trainer.grad_clip,
-        )
+        ref = vit_reference(cfg, DATA_SIZE)
         for (name, want), got in zip(ref.params.items(), full, strict=True):
             assert got.shape == want.shape, f"[{label}] {name}: {tuple(got.shape)} vs {tuple(want.shape)}"
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")

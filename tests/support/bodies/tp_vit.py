@@ -14,7 +14,7 @@ from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
 from tests.support.model_parallel import DATA_SIZE, train_configuration
-from tests.support.reference import parity_reference
+from tests.support.reference import vit_reference
 
 
 def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp: bool, impl: str) -> dict[str, float]:
@@ -69,13 +69,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     measured_activations = saved_bytes_of_a_real_forward(strategy.model, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
-        ref = parity_reference(
-            "vit_dropout" if cfg.model.dropout else "vit",
-            steps=cfg.trainer.steps,
-            global_batch=cfg.trainer.global_batch,
-            threads=1,
-            data_size=DATA_SIZE,
-        )
+        ref = vit_reference(cfg, DATA_SIZE)
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
     row = metrics.ranks[rank]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
