@@ -119,7 +119,11 @@ def main(argv: list[str]) -> int:
 
     if args.replay:
         saved = json.loads(args.replay.read_text())
+        if "runs" not in saved:  # a .partial.json of a killed run: its runs, and --calibration's file
+            saved = {"runs": saved, "calibration": json.loads(args.calibration.read_text())}
         calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
+        if args.calibration:  # the same runs under another quick calibration
+            calib = Calibration.from_json(args.calibration.read_text())
         held = {n: HELD_OUT[n] for n in runs if n in HELD_OUT}
     else:
         load_before = os.getloadavg()
@@ -130,6 +134,8 @@ def main(argv: list[str]) -> int:
         )
         cal_set = {n: o for n, o in CALIBRATION.items() if not args.calibrate_only or "world_size=1" in o}
         held = {} if args.calibrate_only else {n: HELD_OUT[n] for n in (QUICK if args.quick else HELD_OUT)}
+        if args.out:  # the calibration first: a killed run can be replayed from it and its partial runs
+            args.out.with_suffix(".calibration.json").write_text(calib.to_json() + "\n")
         with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
             runs = measure({**cal_set, **held}, args, Path(workdir))
         runs["_loadavg"] = [{"before": list(load_before), "after": list(os.getloadavg())}]

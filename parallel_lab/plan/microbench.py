@@ -17,7 +17,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 3) -> float:
+def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
     """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
     the least interference, what the calibration set's scale then corrects for the real run."""
     module = module.to(device=device, dtype=dtype)
