@@ -34,9 +34,6 @@ def _gmean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else 1.0
 
 
-SCALE_MODE = os.environ.get("PLANTIME_SCALE", "global")
-
-
 def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, list[str]], config_of) -> Calibration:
     """The calibration set's corrections: compute from the one-rank fp32 row, bf16 from the one-rank
     bf16 row; contention from the several-rank rows against the one-rank (ranks sharing cores);
@@ -62,7 +59,7 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
     compute = _gmean(ratios["fp32"])
     scale = {
-        "compute": compute if SCALE_MODE == "global" else 1.0,
+        "compute": compute,
         "bf16": _gmean(ratios["bf16"]) / compute if ratios["bf16"] else 1.0,
         "optimizer": _gmean(ratios["optimizer"]),
         "comm": _gmean([x for xs in comm.values() for x in xs]),  # collectives no calibration row used

@@ -39,6 +39,8 @@ def _calib(alpha: float = 100e-6, beta: float = 1e9, cpus: int = 8, contention: 
         for d in ("fp32", "bf16")
     }
     fits = {op: {"alpha_s": alpha, "beta_Bps": beta} for op in OPS}
+    kw.setdefault("scale", {"hidden": 0.5})  # every other correction 1: the lines alone
+    kw.setdefault("interval_log", 0.15)
     return Calibration(
         cpu_count=cpus,
         ops=ops,
