@@ -89,6 +89,10 @@ def test_fits_recover_the_lines_they_were_given():
     ]
     thin = fit_per_call(pts)
     assert thin["per_thin_s"] == 0.0 and thin["per_unit_s"] > 0
+    without = fit_per_call([(c, u, t) for c, u, _, t in pts])  # the two-term fit: what the rest refits to
+    assert thin["per_call_s"] == pytest.approx(without["per_call_s"]) and thin["per_unit_s"] == pytest.approx(
+        without["per_unit_s"]
+    )
 
 
 def test_census_counts_forward_and_both_gradients_of_every_conv():
