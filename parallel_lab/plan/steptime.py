@@ -1,23 +1,34 @@
-"""Step time at world N, predicted from measurements on this machine: the roofline-free
-"compute + communication" model, with an interval for the overlap nobody can promise.
+"""Step time, predicted per part as the profiler measures it (compute, comm, exposed_comm,
+optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with an interval.
 
-Two calibrations, both measured here (``python -m parallel_lab.bench plantime`` makes them):
+    calib = load_or_measure_calibration()          # runs/calibration.json, or measured (seconds)
+    pred = predict_step(cfg, strategy_cls, meta_model, calib)
+    pred.point_s, pred.low_s, pred.high_s, pred.parts   # rank 0's step, seconds
 
-* compute: a one-rank run (``strategy=single world_size=1``, one thread) at two batch sizes gives
-  forward+backward = ``fixed_s + per_sample_s * samples`` and the optimizer step's time per
-  parameter it updates;
-* communication: the collectives benchmark (``python -m parallel_lab.bench collectives --json``)
-  at several sizes, fitted per collective to Hockney's alpha-beta model (R. W. Hockney, "The
-  communication challenge for MPP", Parallel Computing 20(3), 1994): one call of S bytes takes
-  ``alpha + S / beta``.
+* Compute, per operator (``plan/census.py``): every aten operator of one forward + loss +
+  backward, counted on the meta device, each kind (conv, matmul, pool, norm/softmax/GELU, other
+  memory traffic) through the line its micro-benchmarks fitted (``plan/calibrate.py``: per call +
+  per FLOP or byte + per FLOP over the smallest GEMM dimension); nothing is measured per model, so
+  resnet18 and vit are predicted without ever being calibrated on. A rank runs
+  ``PlanRules.compute_shape``'s slots x flop share of such passes (pipeline: the idle slots are
+  ``idle``).
+* Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
+  share of a core (time-slicing), never less slowdown than the contention two computing processes
+  were measured to cause each other; a rank waiting in a collective yields its core (a
+  fixed point on the busy share of the step).
+* Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
+* Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
+  fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
+  20(3), 1994), scaled to world N by the ring's steps and payload share, with the real number of
+  calls (DDP's buckets, FSDP's units, ZeRO's buckets, pipeline micro-batches:
+  ``PlanRules.collective_calls`` and the bucket options); exposed: the collectives issued outside
+  backward plus what the calibration found not hidden of those issued during it
+  (``PlanRules.overlapped_collectives``).
+* Corrections and interval: ``python -m parallel_lab.bench plantime`` fits a scale per part on a
+  small calibration set of real runs and the interval from its residuals (docs/plan.md); a quick
+  calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
 
-A strategy's step at world N is then its share of the compute (each data-parallel rank 1/N of the
-samples; tp: the split layers' FLOPs divided by the tp degree; pp: the slowest stage times the
-GPipe schedule's m + p - 1 slots) plus its bytes per collective (``PlanRules.predict_comm``, the
-same numbers the planner tables) through the fitted alpha-beta. Overlap is stated, not assumed:
-the upper bound hides no communication; the lower bound hides, behind backward, the collectives
-the strategy issues while backward runs (``PlanRules.overlapped_collectives``). Nothing here is a GPU
-time. How each strategy splits the compute is its own ``PlanRules.compute_shape``.
+Nothing here is a GPU time unless the calibration was measured on a GPU (``device="cuda"``).
 """
 
 from __future__ import annotations
