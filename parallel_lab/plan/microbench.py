@@ -13,8 +13,8 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if str(device).startswith("cuda"):  # "cuda" or a rank's "cuda:<k>"
+        torch.cuda.synchronize(device)
 
 
 def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
