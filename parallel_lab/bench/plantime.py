@@ -1,6 +1,6 @@
 """Step time, predicted by the per-operator model, against real profiled runs it never saw.
 
-    python -m parallel_lab.bench plantime [--quick] [--rounds 2] [--steps 8] [--out plantime.json]
+    python -m parallel_lab.bench plantime [--quick] [--rounds 3] [--steps 8] [--out plantime.json]
                                           [--replay plantime.json] [--calibration runs/calibration.json]
     python -m parallel_lab.bench plantime --calibrate-only --device cuda --out calibration.json
 
@@ -95,7 +95,7 @@ def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench plantime", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"held-out subset only: {', '.join(QUICK)}")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="per run: 2 warm-up, 2 traced, the rest timed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calibrate-only", action="store_true", help="calibration set's world-1 rows only")

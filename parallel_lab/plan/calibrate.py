@@ -35,22 +35,21 @@ from parallel_lab.plan.microbench import contention_probe, sync, time_pass
 DEFAULT_PATH = Path("runs/calibration.json")
 VERSION = 1
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md. The interval: the 90th percentile of the set's residuals in log space (x/÷ 1.31).
-DEFAULT_INTERVAL_LOG = 0.27
+# docs/plan.md (3 rounds). The interval: the 90th percentile of the set's residuals in log space.
+DEFAULT_INTERVAL_LOG = 0.25
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden.
 DEFAULT_SCALE = {
-    "compute": 1.18,
-    "bf16": 1.03,
-    "optimizer": 3.15,
-    "comm": 2.66,
-    "comm_all_reduce": 1.08,
-    "comm_all_gather": 4.16,
-    "comm_reduce_scatter": 4.16,
+    "compute": 1.00,
+    "bf16": 1.09,
+    "optimizer": 2.38,
+    "comm": 3.25,
+    "comm_all_reduce": 3.43,
+    "comm_all_gather": 3.16,
+    "comm_reduce_scatter": 3.16,
     "hidden": 0.0,
 }
-
 
 @dataclass
 class Calibration:
