@@ -51,6 +51,7 @@ DEFAULT_SCALE = {
     "hidden": 0.0,
 }
 
+
 @dataclass
 class Calibration:
     """Everything ``steptime.predict_step`` needs of the machine (json round-trip: to_json/from_json)."""
