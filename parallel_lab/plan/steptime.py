@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel_lab.plan.alphabeta import AlphaBeta, fit_alpha_beta  # noqa: F401  (re-exported)
+from parallel_lab.plan.calibrate import Calibration, load_or_measure_calibration  # noqa: F401  (re-exported)
+
 # The counter's op names (comm/counter.py) -> (the collectives bench's op, counted bytes per payload
 # byte). The counter counts an all-reduce of B bytes as 2B; the bench's size S is the tensor for
 # all_reduce and broadcast, the output of all_gather and the input of reduce_scatter, which is what
@@ -48,139 +51,156 @@ COUNTED_AS: dict[str, tuple[str, float]] = {
 BACKWARD_SHARE = 2 / 3  # backward is ~2x forward's FLOPs (a conv/linear's two gradients)
 
 
-@dataclass(frozen=True)
-class AlphaBeta:
-    """One collective's cost: ``calls * alpha_s + payload_bytes / beta_Bps`` (Hockney)."""
-
-    alpha_s: float
-    beta_Bps: float
-
-    def seconds(self, payload_bytes: float, calls: int = 1) -> float:
-        return calls * self.alpha_s + payload_bytes / self.beta_Bps
-
-
-def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
-    """Least squares of ``t = alpha + S / beta`` over (S bytes, t seconds) points, in relative
-    error (each row divided by its t), so the 4 KiB points set alpha and the 16 MiB ones beta
-    instead of the largest size deciding both. alpha is clamped at 0."""
-    if len(points) < 2:
-        raise ValueError(f"an alpha-beta fit needs at least 2 sizes, got {len(points)}")
-    a = torch.tensor([[1.0 / t, s / t] for s, t in points], dtype=torch.float64)
-    b = torch.ones(len(points), 1, dtype=torch.float64)
-    alpha, inv_beta = torch.linalg.lstsq(a, b).solution.flatten().tolist()
-    if inv_beta <= 0:
-        raise ValueError(f"alpha-beta fit gave no positive bandwidth from {points}")
-    if alpha < 0:  # refit the slope alone through the origin
-        alpha = 0.0
-        inv_beta = sum(s / t for s, t in points) / sum((s / t) ** 2 for s, t in points)
-    return AlphaBeta(alpha, 1.0 / inv_beta)
+# How a collective's cost grows with the world on a ring (Thakur, Rabenseifner & Gropp, "Optimization
+# of collective communication operations in MPICH", IJHPCA 19(1), 2005): (latency steps, fraction of
+# the payload each rank moves). Broadcast: a binomial tree. Fitted at world 2, scaled by the ratio.
+def ring_factors(op: str, world: int) -> tuple[float, float]:
+    if world < 2:
+        return 0.0, 0.0
+    if op == "all_reduce":
+        return 2.0 * (world - 1), 2.0 * (world - 1) / world
+    if op in ("all_gather", "reduce_scatter"):
+        return float(world - 1), (world - 1) / world
+    rounds = float(math.ceil(math.log2(world)))
+    return rounds, rounds  # broadcast: each round one whole payload
 
 
-@dataclass(frozen=True)
-class Compute:
-    """One rank, one thread: forward+backward of a micro-batch and the optimizer step."""
-
-    fixed_s: float  # the line's intercept: dispatch and loss cost, minus any per-sample growth with batch
-    per_sample_s: float
-    per_param_s: float  # optimizer step, per parameter it updates
-
-    def fwd_bwd(self, samples: float, share: float = 1.0) -> float:
-        """``share`` of the model's work (FLOPs) on ``samples`` samples."""
-        return share * max(0.0, self.fixed_s + self.per_sample_s * samples)
-
-    def optimizer(self, params: float) -> float:
-        return self.per_param_s * params
-
-
-def fit_compute(small: tuple[int, float], large: tuple[int, float], optimizer_s: float, params: int) -> Compute:
-    """From two one-rank runs, (batch, forward+backward s) each, and the optimizer step's seconds
-    for ``params`` parameters: the line through the two points."""
-    (b1, t1), (b2, t2) = small, large
-    if b1 == b2:
-        raise ValueError(f"the compute calibration needs two different batch sizes, got {b1} twice")
-    per_sample = (t2 - t1) / (b2 - b1)
-    if per_sample <= 0:  # noise larger than the work of the extra samples (a loaded machine): flat
-        return Compute(fixed_s=(t1 + t2) / 2, per_sample_s=0.0, per_param_s=optimizer_s / params)
-    # The intercept may be negative (per-sample cost growing with the batch: caches): the line still
-    # passes through both measured points, which are the batch sizes data-parallel ranks run.
-    return Compute(fixed_s=t1 - per_sample * b1, per_sample_s=per_sample, per_param_s=optimizer_s / params)
+def collective_seconds(fit: AlphaBeta, op: str, payload: float, calls: int, world: int, fit_world: int = 2) -> float:
+    """``calls`` calls moving ``payload`` bytes in all (the bench's size: see COUNTED_AS) at ``world``
+    ranks, from a fit measured at ``fit_world``; a point-to-point send (``p2p``) does not scale."""
+    if op == "p2p":
+        return fit.seconds(payload, calls)
+    steps, share = ring_factors(op, world)
+    steps2, share2 = ring_factors(op, fit_world)
+    return calls * fit.alpha_s * steps / steps2 + payload / fit.beta_Bps * share / share2
 
 
 @dataclass
 class StepPrediction:
-    """One strategy's predicted step, in seconds, and what it is made of."""
+    """One config's predicted step on rank 0 (the rank metrics.json's step_time_s times), in seconds:
+    ``parts`` has the profiler's keys (compute, comm, exposed_comm, optimizer, idle; comm overlaps
+    the others, the rest add up to ``point_s``), ``[low_s, high_s]`` the prediction interval."""
 
     strategy: str
-    fwd_bwd_s: float
-    optimizer_s: float
-    comm_s: dict[str, float]  # by bench op
-    overlappable_s: float  # the part of comm_s the strategy issues during backward
+    point_s: float
+    low_s: float
+    high_s: float
+    parts: dict[str, float]
+    comm_by_op: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def compute_s(self) -> float:
-        return self.fwd_bwd_s + self.optimizer_s
 
-    @property
-    def upper_s(self) -> float:
-        """No overlap: every collective waits for compute and compute for it."""
-        return self.compute_s + sum(self.comm_s.values())
-
-    @property
-    def lower_s(self) -> float:
-        """Full overlap of the collectives issued during backward with backward's compute."""
-        exposed = sum(self.comm_s.values()) - self.overlappable_s
-        hidden_behind = BACKWARD_SHARE * self.fwd_bwd_s
-        return self.compute_s + exposed + max(0.0, self.overlappable_s - hidden_behind)
+def _dtype(cfg) -> str:
+    keys = (cfg.trainer.get("precision"), cfg.strategy.get("precision"), cfg.strategy.get("mixed_precision"))
+    return "bf16" if any(str(getattr(k, "value", k)) == "bf16" for k in keys) else "fp32"
 
 
-def comm_seconds(
-    comm_bytes: dict[str, float], fits: dict[str, AlphaBeta], calls: dict[str, int] | None = None
-) -> dict[str, float]:
-    """Seconds per bench op for the counted bytes per step (``predict_comm``'s units), one call
-    per op unless ``calls`` says more (latency counted once per collective kind: a lower bound
-    on alpha's share when a strategy splits its volume into buckets)."""
+def _cores(cfg, strategy_cls: type, calib: Calibration, background_load: float) -> tuple[float, float, int]:
+    """(timeslice, contention, threads): how much slower each rank's operators run because the
+    ranks x threads (+ the background load) outnumber the cores, how much the ranks slow each other
+    even with a core each (calibrated), and the intra-op threads that share a rank's FLOPs."""
+    if calib.device == "cuda":
+        return 1.0, 1.0, 1
+    procs = 1 if strategy_cls.plan.single_process else cfg.world_size
+    threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+    demand = procs * threads + max(0.0, background_load)
+    timeslice = max(1.0, demand / calib.cpu_count)
+    return timeslice, calib.contention if procs * threads > 1 else 1.0, threads
+
+
+def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, shape) -> int:
+    """Calls of one collective per step: the strategy's own count, else the pipeline's per
+    micro-batch, else one per bucket (DDP's first bucket is 1 MiB), else one."""
+    fixed = strategy_cls.plan.collective_calls(cfg, model)
+    if op in fixed:
+        return fixed[op]
+    if shape.calls_per_collective:
+        return shape.calls_per_collective
+    opts = cfg.strategy
+    if opts.get("bucketed") is False:
+        return 1
+    if opts.get("bucket_cap_mb"):
+        cap = opts.bucket_cap_mb * 2**20
+        return 1 + math.ceil(max(0.0, payload - 2**20) / cap)
+    if opts.get("bucket_mb"):
+        return max(1, math.ceil(payload / (opts.bucket_mb * 2**20)))
+    return 1
+
+
+def predict_comm_seconds(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, timeslice: float):
+    fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
     out: dict[str, float] = {}
-    for op, counted in comm_bytes.items():
-        if not counted:
+    for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
+        if not counted or fits is None:
             continue
         bench_op, per_payload = COUNTED_AS[op]
-        n = (calls or {}).get(op, 1)
-        out[bench_op] = out.get(bench_op, 0.0) + fits[bench_op].seconds(counted / per_payload, n)
+        payload = counted / per_payload
+        kind = "p2p" if op in ("isend", "send") else bench_op
+        fit = AlphaBeta(**fits[bench_op])
+        calls = _calls(cfg, strategy_cls, model, op, payload, shape)
+        seconds = collective_seconds(fit, kind, payload, calls, cfg.world_size, calib.comm_world)
+        out[op] = seconds * timeslice * calib.scale.get("comm", 1.0)
     return out
 
 
-# ---- one strategy ----------------------------------------------------------------------------------
-def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> float:
-    """Parameters rank ``rank``'s optimizer updates: the planner's optimizer-state bytes over a
-    whole replica's (ZeRO-1+/FSDP shard it, tp/pp hold slices), times the model's parameters."""
+def predict_step(
+    cfg, strategy_cls: type, model: nn.Module, calib: Calibration, *, background_load: float = 0.0
+) -> StepPrediction:
+    """Rank 0's step for a validated config: the census of one pass (``plan/census.py``) through
+    the calibrated per-operator lines, slowed by the cores the run's ranks x threads share,
+    ``slots`` passes of ``flop_share`` of the model (``PlanRules.compute_shape``), the idle slots of a
+    pipeline; Adam on the parameters this rank updates; collectives from ``predict_comm`` through
+    alpha-beta at world 2 scaled to the world by ring formulas, with the calls per step; exposed
+    communication: the non-overlapped collectives plus the part of the overlapped ones
+    (``PlanRules.overlapped_collectives``) that calibration did not find hidden behind backward.
+    ``background_load``: other runnable processes on the machine (e.g. the load average)."""
+    from parallel_lab.plan.calibrate import kind_seconds
+    from parallel_lab.plan.census import census_of
+
+    plan = strategy_cls.plan
+    shape = plan.compute_shape(cfg, model)
+    dtype = _dtype(cfg)
+    timeslice, contention, threads = _cores(cfg, strategy_cls, calib, background_load)
+    census = census_of(model, shape.micro_batch, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    per_kind = kind_seconds(calib, census, dtype)
+    per_call = sum(
+        census.calls[k] * (calib.ops.get(f"{k}@{dtype}") or calib.ops[f"{k}@fp32"])["per_call_s"] for k in per_kind
+    )
+    units = sum(per_kind.values()) - per_call
+    one_pass = per_call * timeslice + units * timeslice * contention / threads
+    fwd_bwd = shape.slots * shape.flop_share * one_pass * calib.scale.get("compute", 1.0)
+    passes = (
+        cfg.trainer.global_batch
+        // (plan.data_parallel_size(cfg) * shape.micro_batch)
+        * cfg.strategy.get("virtual_stages", 1)
+    )
+    idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
+    params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
+    opt = calib.optimizer
+    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * timeslice * contention
+    optimizer *= calib.scale.get("optimizer", 1.0)
+    comm_by_op = predict_comm_seconds(cfg, strategy_cls, model, calib, shape, timeslice)
+    comm = sum(comm_by_op.values())
+    overlapped = sum(s for op, s in comm_by_op.items() if op in plan.overlapped_collectives(cfg))
+    hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * (fwd_bwd - idle))
+    exposed = comm - hidden
+    point = fwd_bwd + optimizer + exposed
+    q = calib.interval_log
+    parts = {"compute": fwd_bwd - idle, "comm": comm, "exposed_comm": exposed, "optimizer": optimizer, "idle": idle}
+    notes = [shape.note] if shape.note else []
+    return StepPrediction(cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, notes)
+
+
+def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> tuple[float, float]:
+    """(parameters, tensors) rank ``rank``'s optimizer updates: the planner's optimizer-state bytes
+    over a whole replica's (ZeRO-1+/FSDP shard it, tp/pp hold slices) times the model's."""
     from parallel_lab.strategies.memory import predicted_optimizer_bytes
 
-    params = sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
     state = strategy_cls.plan.predict_memory(cfg, model, rank) or {}
-    whole = predicted_optimizer_bytes([params], cfg.trainer, step_counters=False)
-    return params * min(1.0, state.get("optim_bytes", whole) / whole) if whole else params
-
-
-def predict_step(
-    cfg, strategy_cls: type, model: nn.Module, compute: Compute, fits: dict[str, dict[str, AlphaBeta]]
-) -> StepPrediction:
-    """Rank 0's step (metrics.json times rank 0) for a validated config: compute split as the
-    strategy splits the work, communication from ``predict_comm`` through the alpha-beta fits
-    (``fits[impl][op]``: impl ``gloo`` for torch.distributed, ``hand`` for manual_ddp's own ring)."""
-    name, world = cfg.strategy.name, cfg.world_size
-    comm_bytes = strategy_cls.plan.predict_comm(cfg, model, 0) or {}
-    shape = strategy_cls.plan.compute_shape(cfg, model)
-    fwd_bwd = shape.slots * compute.fwd_bwd(shape.micro_batch, shape.flop_share)
-    calls = {op: shape.calls_per_collective for op in comm_bytes} if shape.calls_per_collective else {}
-    notes = [shape.note] if shape.note else []
-    optimizer = compute.optimizer(_optimizer_params(cfg, strategy_cls, model, 0))
-    comm = comm_seconds(comm_bytes, fits[strategy_cls.plan.comm_impl(cfg)], calls)
-    overlapped = strategy_cls.plan.overlapped_collectives(cfg)
-    hidden = sum(s for op, s in comm.items() if op in overlapped)
-    if world < 2:
-        notes.append("one process: no communication")
-    return StepPrediction(name, fwd_bwd, optimizer, comm, hidden, notes)
+    whole = predicted_optimizer_bytes([sum(sizes)], cfg.trainer, step_counters=False)
+    share = min(1.0, state.get("optim_bytes", whole) / whole) if whole else 1.0
+    return sum(sizes) * share, len(sizes) * share
 
 
 def relative_error(predicted: float, measured: float) -> float:

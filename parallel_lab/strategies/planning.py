@@ -93,6 +93,13 @@ class PlanRules:
         return frozenset()
 
     @classmethod
+    def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
+        """Calls per step of a collective (the counter's names) where it is not one call per bucket
+        of ``strategy.bucket_cap_mb``/``bucket_mb`` (or one per step): the step-time model pays
+        latency per call (plan/steptime.py). {}: the buckets decide."""
+        return {}
+
+    @classmethod
     def comm_impl(cls, cfg: DictConfig) -> str:
         """Whose collectives carry the traffic, for the planner's alpha-beta fits: ``gloo``
         (torch.distributed) or ``hand`` (comm/collectives.py)."""

@@ -1,127 +1,164 @@
-"""The step-time model's arithmetic (parallel_lab.plan.steptime), in-process and untimed: what it
-predicts for given calibration numbers, never how fast this machine is (that is
+"""The step-time model's arithmetic (parallel_lab.plan.steptime, census, calibrate), in-process and
+untimed: what it predicts for given calibration numbers, never how fast this machine is (that is
 ``python -m parallel_lab.bench plantime``'s table, docs/plan.md)."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import layer_flops
+from parallel_lab.plan.calibrate import Calibration, fit_per_call, load_or_measure_calibration
+from parallel_lab.plan.census import census_of
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.plan.steptime import (
     BACKWARD_SHARE,
     AlphaBeta,
-    Compute,
+    collective_seconds,
     fit_alpha_beta,
-    fit_compute,
     predict_step,
 )
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.strategies.pp.plan import stage_shares
-from parallel_lab.strategies.tp.predict import tp_share
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+FLOP_S = 1e-11  # 100 GFLOP/s
+BYTE_S = 1e-10  # 10 GB/s
 
 
-def _fits(alpha: float, beta: float) -> dict[str, dict[str, AlphaBeta]]:
-    return {impl: {op: AlphaBeta(alpha, beta) for op in OPS} for impl in ("gloo", "hand")}
-
-
-@functools.cache
-def _model():
-    return build_meta_model(_cfg("ddp").model)
+def _calib(alpha: float = 100e-6, beta: float = 1e9, cpus: int = 8, contention: float = 1.0, **kw) -> Calibration:
+    """Numbers chosen here, none measured: conv/matmul at FLOP_S per FLOP, memory at BYTE_S per
+    byte, no per-call cost unless ``per_call`` says; Adam free unless ``per_param`` says."""
+    per_call = kw.pop("per_call", 0.0)
+    ops = {
+        f"{k}@{d}": {"per_call_s": per_call, "per_unit_s": BYTE_S if k == "memory" else FLOP_S}
+        for k in ("conv", "matmul", "memory")
+        for d in ("fp32", "bf16")
+    }
+    fits = {op: {"alpha_s": alpha, "beta_Bps": beta} for op in OPS}
+    return Calibration(
+        cpu_count=cpus,
+        ops=ops,
+        optimizer={"per_param_s": kw.pop("per_param", 0.0), "per_tensor_s": 0.0},
+        contention=contention,
+        collectives={"gloo": fits, "hand": fits},
+        **kw,
+    )
 
 
 @functools.cache  # composing a config costs ~0.3 s: each one once
 def _cfg(strategy: str, *extra: str):
-    """The validated config, as the planner makes it (ZeRO's stage comes from the strategy's name)."""
     (planned,) = planned_configs(
         [f"strategy={strategy}", "model=cnn", "world_size=2", "trainer.global_batch=64", *extra]
     )
     return planned.cfg
 
 
-def _predict(strategy: str, compute: Compute, fits, *extra: str):
-    cfg = _cfg(strategy, *extra)
-    model = _model()
-    return predict_step(cfg, get_strategy_class(strategy), model, compute, fits), model
+@functools.cache
+def _model(name: str = "cnn"):
+    return build_meta_model(_cfg("ddp", f"model={name}").model)
 
 
-def test_alpha_beta_fit_recovers_the_line_it_was_given():
+def _predict(strategy: str, calib: Calibration, *extra: str):
+    return predict_step(_cfg(strategy, *extra), get_strategy_class(strategy), _model(), calib)
+
+
+def _pass_seconds(batch: int) -> float:
+    c = census_of(_model(), batch)
+    return (c.units["conv"] + c.units["matmul"]) * FLOP_S + c.units["memory"] * BYTE_S
+
+
+def test_fits_recover_the_lines_they_were_given():
     alpha, beta = 80e-6, 1.5e9
     sizes = [4096 * 4**k for k in range(7)]
     fit = fit_alpha_beta([(s, alpha + s / beta) for s in sizes])
-    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
-    assert fit.beta_Bps == pytest.approx(beta, rel=1e-6)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.beta_Bps == pytest.approx(beta, rel=1e-6)
     with pytest.raises(ValueError, match="at least 2"):
         fit_alpha_beta([(4096, 1e-4)])
+    line = fit_per_call([(c, u, c * 3e-5 + u * 2e-11) for c, u in ((2, 1e6), (2, 1e8), (4, 1e9))])
+    assert line["per_call_s"] == pytest.approx(3e-5, rel=1e-6) and line["per_unit_s"] == pytest.approx(2e-11, rel=1e-6)
 
 
-def test_compute_fit_is_the_line_through_two_runs():
-    c = fit_compute((32, 0.020), (64, 0.036), optimizer_s=0.004, params=1_000_000)
-    assert c.per_sample_s == pytest.approx(0.016 / 32)
-    assert c.fwd_bwd(32) == pytest.approx(0.020) and c.fwd_bwd(64) == pytest.approx(0.036)
-    assert c.optimizer(500_000) == pytest.approx(0.002)
-    # A loaded machine can make the larger batch no slower: a flat line, never a negative slope.
-    flat = fit_compute((32, 0.030), (64, 0.028), optimizer_s=0.004, params=1_000_000)
-    assert flat.per_sample_s == 0.0 and flat.fwd_bwd(16) == pytest.approx(0.029)
+def test_census_counts_forward_and_both_gradients_of_every_conv():
+    """Backward of a conv computes the input's and the weight's gradient (2x forward each); the
+    first conv's input is the data, which needs no gradient: 3F per conv, 2F for the first."""
+    model = _model()
+    flops = layer_flops(model, 16)
+    convs = [name for name, m in model.named_modules() if type(m).__name__ == "Conv2d"]
+    census = census_of(model, 16)
+    assert census.calls["conv"] == 2 * len(convs)
+    assert census.units["conv"] == pytest.approx(3 * sum(flops[n] for n in convs) - flops[convs[0]])
+    assert census.units["memory"] > 0 and census.calls["memory"] > 0
 
 
-def test_ddp_step_is_compute_plus_alpha_plus_bytes_over_beta():
-    compute = Compute(fixed_s=0.003, per_sample_s=0.0005, per_param_s=2e-9)
+def test_ddp_step_is_compute_plus_exposed_alpha_beta_per_bucket():
     alpha, beta = 100e-6, 1e9
-    pred, model = _predict("ddp", compute, _fits(alpha, beta))
-    params = sum(p.numel() for p in model.parameters())
-    fwd_bwd = 0.003 + 0.0005 * 32  # each of 2 ranks: 32 of the 64 samples
-    comm = alpha + 4 * params / beta  # one all-reduce of every fp32 gradient
-    assert pred.upper_s == pytest.approx(fwd_bwd + 2e-9 * params + comm)
-    # DDP all-reduces during backward: the lower bound hides it behind backward's share.
-    assert pred.lower_s == pytest.approx(fwd_bwd + 2e-9 * params + max(0.0, comm - BACKWARD_SHARE * fwd_bwd))
-    assert pred.lower_s < pred.upper_s
+    pred = _predict("ddp", _calib(alpha, beta))
+    params = sum(p.numel() for p in _model().parameters())
+    payload = 4 * params  # one all-reduce of every fp32 gradient
+    buckets = 1 + math.ceil((payload - 2**20) / (25 * 2**20))  # DDP's 1 MiB first bucket, then 25 MiB
+    comm = buckets * alpha + payload / beta
+    compute = _pass_seconds(32)  # each of 2 ranks: 32 of the 64 samples
+    assert pred.parts["compute"] == pytest.approx(compute)
+    assert pred.parts["comm"] == pytest.approx(comm)
+    # DDP all-reduces during backward: the calibrated share (0.5) of it is hidden.
+    assert pred.parts["exposed_comm"] == pytest.approx(comm - min(0.5 * comm, BACKWARD_SHARE * compute))
+    assert pred.point_s == pytest.approx(compute + pred.parts["exposed_comm"] + pred.parts["optimizer"])
+    assert pred.low_s == pytest.approx(pred.point_s * math.exp(-0.15))
+    assert pred.high_s == pytest.approx(pred.point_s * math.exp(0.15))
 
 
-def test_more_bytes_on_the_wire_predict_a_longer_step():
-    """Equal compute (optimizer cost 0): the order of predicted steps is the order of the bytes
-    ``predict_comm`` counts (ddp 2 psi < zero1 3 psi), and a slower link makes every step longer."""
-    compute = Compute(fixed_s=0.003, per_sample_s=0.0005, per_param_s=0.0)
-    fits = _fits(50e-6, 1e9)
-    ddp, _ = _predict("ddp", compute, fits)
-    zero1, _ = _predict("zero1", compute, fits)
-    assert ddp.compute_s == pytest.approx(zero1.compute_s)
-    assert zero1.upper_s > ddp.upper_s
-    slow, _ = _predict("ddp", compute, _fits(50e-6, 0.5e9))
-    assert slow.upper_s > ddp.upper_s
-    unbucketed, _ = _predict("manual_ddp", compute, fits, "strategy.bucketed=false")
-    assert unbucketed.lower_s == pytest.approx(unbucketed.upper_s)  # all-reduce after backward: nothing hidden
+def test_more_bytes_or_a_slower_link_predict_a_longer_step():
+    calib = _calib(50e-6, 1e9)
+    ddp, zero1 = _predict("ddp", calib), _predict("zero1", calib)
+    assert ddp.parts["compute"] == pytest.approx(zero1.parts["compute"])
+    assert zero1.parts["comm"] > ddp.parts["comm"]  # 3 psi against 2 psi
+    assert _predict("ddp", _calib(50e-6, 0.5e9)).point_s > ddp.point_s
+    unbucketed = _predict("manual_ddp", calib, "strategy.bucketed=false")
+    assert unbucketed.parts["exposed_comm"] == pytest.approx(unbucketed.parts["comm"])  # after backward
 
 
-def test_sharded_optimizer_and_split_layers_do_less_work():
-    compute = Compute(fixed_s=0.0, per_sample_s=0.001, per_param_s=1e-8)
-    fits = _fits(0.0, 1e12)
-    ddp, model = _predict("ddp", compute, fits)
-    zero1, _ = _predict("zero1", compute, fits)
-    assert zero1.optimizer_s == pytest.approx(ddp.optimizer_s / 2, rel=1e-3)
-    # tp: whole batch, the split fc1/fc2 halved; fc1 alone is 82% of the parameters but few FLOPs.
-    flops = layer_flops(model, 1)
-    fc1 = model.get_submodule("fc1")
-    assert flops["fc1"] == 2 * fc1.in_features * fc1.out_features
-    share = tp_share(model, ["fc1", "fc2"], 2)
-    assert share == pytest.approx(1 - (flops["fc1"] + flops["fc2"]) / 2 / sum(flops.values()))
-    tp, _ = _predict("tp", compute, fits)
-    assert tp.fwd_bwd_s == pytest.approx(share * 0.001 * 64)
+def test_ring_extrapolation_to_more_ranks():
+    fit = AlphaBeta(1e-4, 1e9)
+    at2, at4 = (collective_seconds(fit, "all_reduce", 1e6, 1, w) for w in (2, 4))
+    assert at4 == pytest.approx(3 * 1e-4 + 1.5 * 1e6 / 1e9)  # 6 steps not 2, 2(N-1)/N = 1.5 not 1
+    assert at2 == pytest.approx(fit.seconds(1e6))
+    assert collective_seconds(fit, "p2p", 1e6, 4, 4) == pytest.approx(fit.seconds(1e6, 4))
 
 
-def test_pipeline_pays_its_bubble():
-    compute = Compute(fixed_s=0.0, per_sample_s=0.001, per_param_s=0.0)
-    pred, model = _predict("pp", compute, _fits(0.0, 1e12))
-    from parallel_lab.strategies.pp.rules import _stage_module
+def test_ranks_sharing_cores_slow_each_other():
+    """world 4 on 2 cores: each rank gets half a core (timeslice 2) times the measured contention;
+    on 8 cores only the contention remains."""
+    roomy = _predict("ddp", _calib(cpus=8, contention=1.3), "world_size=4")
+    crowded = _predict("ddp", _calib(cpus=2, contention=1.3), "world_size=4")
+    assert roomy.parts["compute"] == pytest.approx(1.3 * _pass_seconds(16))
+    assert crowded.parts["compute"] == pytest.approx(2 * 1.3 * _pass_seconds(16))
+    loaded = predict_step(_cfg("ddp"), get_strategy_class("ddp"), _model(), _calib(cpus=2), background_load=2.0)
+    assert loaded.parts["compute"] == pytest.approx(2 * _pass_seconds(32))
 
-    cfg = _cfg("pp")
-    shares = stage_shares([_stage_module(cfg, model, s) for s in range(2)])
-    assert sum(shares) == pytest.approx(1.0)
-    # 4 micro-batches of 16, 4 + 2 - 1 slots paced by the slower stage: never less than one rank alone.
-    assert pred.fwd_bwd_s == pytest.approx(5 * max(shares) * 0.001 * 16)
-    assert pred.fwd_bwd_s > 0.001 * 64 / 2
+
+def test_sharded_optimizer_updates_half():
+    calib = _calib(per_param=1e-8)
+    assert _predict("zero1", calib).parts["optimizer"] == pytest.approx(
+        _predict("ddp", calib).parts["optimizer"] / 2, rel=1e-3
+    )
+
+
+def test_pipeline_idles_p_minus_one_slots():
+    pred = _predict("pp", _calib(alpha=0.0, beta=1e15))
+    m, p = _cfg("pp").strategy.microbatches, _cfg("pp").strategy.stages
+    busy, idle = pred.parts["compute"], pred.parts["idle"]
+    assert idle / (busy + idle) == pytest.approx((p - 1) / (m + p - 1))
+    assert busy + idle > _pass_seconds(64) / 2  # never faster than half the work on one rank
+
+
+def test_calibration_round_trips_and_is_read_from_its_cache(tmp_path):
+    calib = _calib(contention=1.7, scale={"compute": 1.2, "comm": 0.9, "hidden": 0.3})
+    assert Calibration.from_json(calib.to_json()) == calib
+    path = tmp_path / "calibration.json"
+    path.write_text(calib.to_json())
+    assert load_or_measure_calibration(path) == calib  # read, not measured
+    with pytest.raises(ValueError, match="version"):
+        Calibration.from_json(calib.to_json().replace('"version": 1', '"version": 0'))

@@ -19,6 +19,11 @@ def shard_size(cfg: DictConfig) -> int:
     return cfg.world_size
 
 
+def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """FSDP units: the model's top-level blocks that own parameters (the root wraps the rest)."""
+    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+
+
 class FSDPPlan(PlanRules):
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:
@@ -37,6 +42,15 @@ class FSDPPlan(PlanRules):
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
         """FSDP2 prefetches the next unit's all-gather and reduce-scatters each unit from its hook."""
         return frozenset({"all_gather", "reduce_scatter"})
+
+    @classmethod
+    def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
+        """One all-gather per unit (each block, then the root) in forward and again in backward
+        when it reshards after forward; one reduce-scatter per unit."""
+        units = len(fsdp_units(model)) + 1
+        gathers = 2 if cfg.strategy.sharding != "grad_op" else 1
+        return {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
+                "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:

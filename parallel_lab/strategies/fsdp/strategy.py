@@ -59,7 +59,7 @@ from omegaconf import DictConfig
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
-from parallel_lab.strategies.fsdp.rules import FSDPPlan, shard_size
+from parallel_lab.strategies.fsdp.rules import FSDPPlan, fsdp_units, shard_size  # noqa: F401  (fsdp_units: re-exported)
 from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.state import State
@@ -94,11 +94,6 @@ class FSDPOptions(StrategyOptions):
     # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
     # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
     tp: int = 1
-
-
-def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """FSDP units: the model's top-level blocks that own parameters (the root wraps the rest)."""
-    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
 
 
 class FSDPState(State):

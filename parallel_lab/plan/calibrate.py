@@ -1,0 +1,200 @@
+"""The step-time model's calibration (``Calibration``): what this machine's operators, optimizer,
+cores and collectives cost, measured in a few seconds without a training run, cached as json.
+
+    load_or_measure_calibration()            # runs/calibration.json, measured (<= 8 s) if absent
+    load_or_measure_calibration(device="cuda")  # the same on a GPU (nccl collectives with >= 2 GPUs)
+
+What is measured (one thread, the run's device):
+
+- ``ops``: per kind of operator (``parallel_lab.plan.census``: conv, matmul, memory) and dtype, one
+  forward+backward of a conv / linear / ReLU at 3-4 sizes, fitted to ``calls x per_call_s + units x
+  per_unit_s`` (units: FLOPs, or bytes read+written) by least squares in relative error;
+- ``optimizer``: torch's Adam on one large and many small tensors: ``per_param_s``, ``per_tensor_s``;
+- ``contention``: how much slower one process computes while a second computes too, measured with
+  two real processes (shared caches, memory bandwidth, SMT siblings; 1.0 on a GPU);
+- ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-4 MiB, each op fitted
+  to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
+  or more GPUs; none on one GPU;
+- ``scale`` and ``interval_log``: 1.0 and the default interval until ``python -m parallel_lab.bench
+  plantime`` fits them on its calibration set (a few real runs) and writes them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from parallel_lab.plan.census import Census
+from parallel_lab.plan.microbench import contention_probe, sync, time_pass
+
+DEFAULT_PATH = Path("runs/calibration.json")
+VERSION = 1
+# Until a bench plantime calibration set says otherwise: +-15% in log space (its held-out residuals
+# on this 2-core machine, docs/plan.md), the run-to-run noise included.
+DEFAULT_INTERVAL_LOG = 0.15
+
+
+@dataclass
+class Calibration:
+    """Everything ``steptime.predict_step`` needs of the machine (json round-trip: to_json/from_json)."""
+
+    device: str = "cpu"
+    cpu_count: int = 1
+    loadavg_1m: float = 0.0  # when measured
+    ops: dict[str, dict[str, float]] = field(default_factory=dict)  # "<kind>@<dtype>" -> per_call_s, per_unit_s
+    optimizer: dict[str, float] = field(default_factory=dict)  # per_param_s, per_tensor_s
+    contention: float = 1.0  # one process's slowdown while another computes beside it (>= 1)
+    collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
+    comm_world: int = 2  # the world size the collectives were measured at
+    scale: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "comm": 1.0, "hidden": 0.5})
+    interval_log: float = DEFAULT_INTERVAL_LOG
+    measured_s: float = 0.0
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        if data.get("version") != VERSION:
+            raise ValueError(f"calibration version {data.get('version')} is not {VERSION}; measure it again")
+        return cls(**data)
+
+
+def load_or_measure_calibration(path: Path | None = None, device: str | None = None) -> Calibration:
+    """The calibration cached at ``path`` (default ``runs/calibration.json``, under the current
+    directory), else a quick one measured now (<= 8 s, no training run) and written there."""
+    path = Path(path) if path is not None else DEFAULT_PATH
+    if path.exists():
+        try:
+            return Calibration.from_json(path.read_text())
+        except (ValueError, TypeError, json.JSONDecodeError):
+            pass  # a stale or damaged file: measure again and overwrite it
+    calib = measure_calibration(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(calib.to_json() + "\n")
+    tmp.replace(path)  # never half-written
+    return calib
+
+
+# ---- fits --------------------------------------------------------------------------------------------
+def fit_per_call(points: list[tuple[float, float, float]]) -> dict[str, float]:
+    """Least squares of ``t = calls x per_call + units x per_unit`` over (calls, units, t) points, in
+    relative error; a negative coefficient is clamped at 0 and the other refitted alone."""
+    a = torch.tensor([[c / t, u / t] for c, u, t in points], dtype=torch.float64)
+    per_call, per_unit = (
+        torch.linalg.lstsq(a, torch.ones(len(points), 1, dtype=torch.float64)).solution.flatten().tolist()
+    )
+    if per_unit <= 0:
+        per_unit = 0.0
+        per_call = sum(t / c for c, _, t in points) / len(points)
+    elif per_call < 0:
+        per_call = 0.0
+        per_unit = sum(t / u for _, u, t in points) / len(points)
+    return {"per_call_s": per_call, "per_unit_s": per_unit}
+
+
+def kind_seconds(calib: Calibration, census: Census, dtype: str) -> dict[str, float]:
+    """Seconds per kind of one pass: each kind's calls and units through its fitted line (conv and
+    matmul in the pass's dtype; memory traffic is bytes whatever the dtype)."""
+    out = {}
+    for kind, calls in census.calls.items():
+        fit = calib.ops.get(f"{kind}@{dtype}") or calib.ops[f"{kind}@fp32"]
+        out[kind] = calls * fit["per_call_s"] + census.units[kind] * fit["per_unit_s"]
+    return out
+
+
+# ---- micro-benchmarks --------------------------------------------------------------------------------
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (kind, module factory, input shape): sizes spanning these models' layers (cnn, resnet18 on
+# 32x32 CIFAR, vit's token x width matmuls).
+BENCHES = {
+    "memory": [(lambda: torch.nn.ReLU(), (n,)) for n in (1 << 16, 1 << 19, 1 << 22)],
+    "conv": [(lambda c=c: torch.nn.Conv2d(c, c, 3, padding=1), (4, c, hw, hw))
+             for c, hw in ((16, 32), (64, 16), (256, 4))],
+    "matmul": [(lambda d=d: torch.nn.Linear(d, d), (n, d)) for n, d in ((256, 128), (256, 1024))],
+}  # fmt: skip
+
+
+def _bench_census(factory, shape: tuple, dtype: torch.dtype) -> Census:
+    """The census of a micro-benchmark's pass (the same counting the models get)."""
+    from parallel_lab.plan.census import _Counter
+
+    module = factory().to(device="meta", dtype=dtype)
+    x = torch.empty(shape, device="meta", dtype=dtype, requires_grad=True)
+    counter = _Counter()
+    with counter:
+        module(x).sum().backward()
+    return counter.census
+
+
+def measure_ops(device: str) -> dict[str, dict[str, float]]:
+    ops: dict[str, dict[str, float]] = {}
+    for dname, dtype in DTYPES.items():
+        for kind in ("memory", "conv", "matmul"):
+            points = []
+            for factory, shape in BENCHES[kind]:
+                census = _bench_census(factory, shape, dtype)
+                t = time_pass(factory(), shape, dtype, device)
+                if kind != "memory":  # the bench's own sum and its backward: the memory line's
+                    mem = ops[f"memory@{dname}"]
+                    t = max(
+                        t * 0.05,
+                        t - census.calls["memory"] * mem["per_call_s"] - census.units["memory"] * mem["per_unit_s"],
+                    )
+                points.append((census.calls[kind], census.units[kind], t))
+            ops[f"{kind}@{dname}"] = fit_per_call(points)
+    return ops
+
+
+def measure_optimizer(device: str) -> dict[str, float]:
+    """Adam (torch's default foreach path) on one 1M-element tensor and on 200 tensors of 1K."""
+    points = []
+    for shapes in ([(1 << 20,)], [(1024,)] * 200):
+        params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        times = []
+        for _ in range(4):
+            sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        points.append((len(params), sum(p.numel() for p in params), min(times[1:])))
+    fit = fit_per_call(points)
+    return {"per_tensor_s": fit["per_call_s"], "per_param_s": fit["per_unit_s"]}
+
+
+def measure_calibration(device: str = "cpu") -> Calibration:
+    """A quick calibration of this machine (<= 8 s on 2 CPU cores; no training run)."""
+    from parallel_lab.plan.comm_calibration import measure_pairs
+
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ops = measure_ops(device)
+        optimizer = measure_optimizer(device)
+        solo = contention_probe(device)  # alone, before the two processes start
+    finally:
+        torch.set_num_threads(threads)
+    pair = measure_pairs(device, solo)
+    return Calibration(
+        device=device,
+        cpu_count=os.cpu_count() or 1,
+        loadavg_1m=os.getloadavg()[0],
+        ops=ops,
+        optimizer=optimizer,
+        contention=pair["contention"],
+        collectives=pair["collectives"],
+        measured_s=time.perf_counter() - start,
+    )

@@ -1,0 +1,107 @@
+"""Every aten operator one training pass runs (forward, loss, backward), counted on the meta device:
+the step-time model's unit of compute (``parallel_lab.plan.steptime``).
+
+A pass is recorded once per (model, micro-batch, dtype) under a ``TorchDispatchMode`` while a meta
+forward, cross-entropy and backward run; nothing is allocated. Each operator lands in one kind:
+
+- ``conv``: convolutions and their backward, with their FLOPs (torch's own ``flop_registry``);
+- ``matmul``: mm, addmm, bmm, baddbmm and the fused attention kernels, with their FLOPs;
+- ``memory``: every other operator that writes a tensor (activations, norms, pooling, adds, the
+  loss), with the bytes it reads and writes (inputs + outputs);
+- views (``view``, ``t``, ``detach``, ...) write nothing and are not counted.
+
+A kind's time is then ``calls x per_call_s + units x per_unit_s`` (units: FLOPs or bytes), fitted by
+``parallel_lab.plan.calibrate`` to micro-benchmarks of the same operators: a per-operator model, not
+tied to any one model, so resnet18 and vit are predicted without ever being calibrated on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+KINDS = ("conv", "matmul", "memory")
+_CONV = {"convolution", "_convolution", "convolution_backward", "convolution_overrideable", "_slow_conv2d_forward"}
+
+
+def _kind(packet_name: str) -> str:
+    return "conv" if packet_name in _CONV else "matmul"
+
+
+@dataclass
+class Census:
+    """Calls and units (FLOPs for conv/matmul, bytes for memory) per kind of one forward+backward."""
+
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    units: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+
+    def add(self, kind: str, units: float) -> None:
+        self.calls[kind] += 1
+        self.units[kind] += units
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.census = Census()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            self.census.add(_kind(packet.__name__), float(flops))
+        elif not _is_view(func, args, out):
+            moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+            self.census.add("memory", float(moved))
+        return out
+
+
+def _is_view(func, args, out) -> bool:
+    """An operator that writes nothing: aten's view ops (its schema aliases its output) or one
+    returning no tensor."""
+    if not _tensors(out):
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def count_pass(model: torch.nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> Census:
+    """The operators of one forward, cross-entropy loss and backward of ``model`` (a meta model) on
+    ``batch`` samples; the model's own dtype (a bf16 run: ``model.to(torch.bfloat16)`` first)."""
+    dtype = next(model.parameters()).dtype
+    x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
+    y = torch.zeros(batch, dtype=torch.long, device="meta")
+    counter = _Counter()
+    with counter:
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return counter.census
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(model_key: int, batch: int, dtype: torch.dtype, model_ref) -> Census:
+    model = model_ref()
+    if dtype != torch.float32:
+        import copy
+
+        model = copy.deepcopy(model).to(dtype)
+    return count_pass(model, batch)
+
+
+def census_of(model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.float32) -> Census:
+    """count_pass, once per (model object, batch, dtype): the planner asks for the same many times."""
+    import weakref
+
+    return _cached(id(model), batch, dtype, weakref.ref(model))

@@ -1,0 +1,43 @@
+"""Timing helpers the quick calibration (``calibrate.py``) and its two-process half
+(``comm_calibration.py``) share."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import torch
+
+COMM_SIZES = (4096, 1 << 20)  # two sizes: alpha from the small, beta from the large
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 3) -> float:
+    """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
+    the least interference, what the calibration set's scale then corrects for the real run."""
+    module = module.to(device=device, dtype=dtype)
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    times = []
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        module(x).sum().backward()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def contention_probe(device: str) -> float:
+    """One process's time of the probe pass (a 512x1024 linear), alone."""
+    return time_pass(torch.nn.Linear(1024, 1024), (256, 1024), torch.float32, device, reps=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
