@@ -26,7 +26,7 @@ import enum
 import itertools
 import typing
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -67,11 +67,16 @@ OWN_SPLIT = {"grad_accum": "microbatches"}
 
 @dataclass
 class Candidate:
-    """One configuration to rank: the overrides that make it (beyond the user's) and its validated config."""
+    """One configuration to rank: the overrides that make it (beyond the user's) and its validated config.
+    ``levers``: its memory-lever variants (trainer.grad_accum, trainer.recompute) not yet validated,
+    tried only where it does not fit (``with_levers``): a lever only adds work to a step."""
 
     strategy: str
     overrides: list[str]
     cfg: DictConfig
+    levers: list[list[str]] = field(default_factory=list)
+    _base: DictConfig | None = field(default=None, repr=False)  # the strategy's composed config (shared)
+    _user: list[str] = field(default_factory=list, repr=False)
 
     @property
     def label(self) -> str:
@@ -109,20 +114,26 @@ def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _choices(base: DictConfig, strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
-    """Every combination of the searched values as overrides, the defaults left out (so the first is
-    the strategy as configured); a key the user gave is kept as given."""
+def _option_choices(strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
+    """Every combination of the searched option values as overrides, the defaults left out (so the
+    first is the strategy as configured); a key the user gave is kept as given."""
     axes = []
     for name, values in option_values(strategy_cls.Options, world).items():
         if not _given(overrides, f"strategy.{name}"):
             axes.append([None if v == values[0] else f"strategy.{name}={_text(v)}" for v in values])
+    return [[o for o in combo if o] for combo in itertools.product(*axes)]
+
+
+def _lever_choices(base: DictConfig, strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
+    """Every combination of the memory levers' other values (the configured one left out)."""
+    axes = []
     own = {f.name for f in dataclasses.fields(strategy_cls.Options)}
     for name, values in _trainer_values(base, overrides, world).items():
         if not _given(overrides, f"trainer.{name}") and OWN_SPLIT.get(name, "") not in own:
             current = base.trainer[name]
             current = current.name if isinstance(current, enum.Enum) else current
             axes.append([None] + [f"trainer.{name}={v}" for v in values if str(v) != str(current)])
-    return [[o for o in combo if o] for combo in itertools.product(*axes)]
+    return [[o for o in combo if o] for combo in itertools.product(*axes)][1:]
 
 
 @contextmanager
@@ -165,8 +176,8 @@ def _fingerprint(cfg: DictConfig) -> str:
 
 
 def candidates(overrides: list[str]) -> list[Candidate]:
-    """Every candidate at the configured world size, in search order (each strategy as configured
-    first). With ``strategy=`` given, that strategy's options only."""
+    """Every candidate at the configured world size, memory levers as configured, in search order
+    (each strategy as configured first). With ``strategy=`` given, that strategy's options only."""
     base = compose_config(overrides)
     world = int(base.world_size)
     chosen = _given(overrides, "strategy")
@@ -178,12 +189,25 @@ def candidates(overrides: list[str]) -> list[Candidate]:
             continue
         base_n = copy.deepcopy(base) if chosen else compose_config([*overrides, f"strategy={name}"])
         OmegaConf.set_struct(base_n, False)
-        for extra in _choices(base_n, strategy_cls, world, overrides):
+        levers = _lever_choices(base_n, strategy_cls, world, overrides)
+        for extra in _option_choices(strategy_cls, world, overrides):
             cfg = _validated(base_n, extra, overrides, world)
             if cfg is None:
                 continue  # the run would refuse it: not a candidate
             key = _fingerprint(cfg)
             if key not in seen:
                 seen.add(key)
-                out.append(Candidate(name, [f"strategy={name}", *extra], cfg))
+                out.append(Candidate(name, [f"strategy={name}", *extra], cfg, levers, base_n, overrides))
+    return out
+
+
+def with_levers(c: Candidate) -> list[Candidate]:
+    """``c``'s memory-lever variants that the run accepts (grad_accum, recompute: fewer bytes held
+    for more work), for a candidate over the cap."""
+    out = []
+    for lever in c.levers:
+        extra = [*c.overrides[1:], *lever]
+        cfg = _validated(c._base, extra, c._user, int(c.cfg.world_size))
+        if cfg is not None:
+            out.append(Candidate(c.strategy, [*c.overrides, *lever], cfg))
     return out

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel_lab.plan.candidates import Candidate, candidates
+from parallel_lab.plan.candidates import Candidate, candidates, with_levers
 from parallel_lab.plan.output import human, worst_rank
 from parallel_lab.plan.predict import SavedBytesCache, plan_world
 
@@ -84,8 +84,15 @@ def predict_time(cfg, strategy_cls: type, model, calib) -> tuple[float, float, f
 
 
 # ---- ranking -------------------------------------------------------------------------------------------
-def predict_all(cands: list[Candidate], calib) -> list[Ranked]:
-    """Memory and time of every candidate (one meta model per model config, forwards shared)."""
+def fits(peak_bytes: int | None, cap_bytes: int) -> bool:
+    """The planner's notion: the rank holding the most fits the device (output.fit_text)."""
+    return peak_bytes is not None and peak_bytes <= cap_bytes
+
+
+def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ranked], int]:
+    """Memory and time of every candidate (one meta model per model config, forwards shared), and
+    of the memory-lever variants of each that does not fit; (predictions, lever variants left out
+    because the candidate without them fits: a lever only adds work, so it cannot win there)."""
     from omegaconf import OmegaConf
 
     from parallel_lab.models import build_meta_model
@@ -93,22 +100,30 @@ def predict_all(cands: list[Candidate], calib) -> list[Ranked]:
 
     models: dict[str, object] = {}
     cache = SavedBytesCache()
-    out = []
-    for c in cands:
+
+    def one(c: Candidate) -> Ranked:
         key = OmegaConf.to_yaml(c.cfg.model)
         model = models.setdefault(key, build_meta_model(c.cfg.model))
         strategy_cls = get_strategy_class(c.strategy)
         worst = worst_rank(plan_world(c.cfg, strategy_cls, model, cache))
         point, low, high, parts = predict_time(c.cfg, strategy_cls, model, calib)
-        out.append(Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts))
-    return out
+        return Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts)
+
+    out, left_out = [], 0
+    for c in cands:
+        out.append(one(c))
+        if fits(out[-1].peak_bytes, cap_bytes):
+            left_out += len(c.levers)
+        else:
+            out += [one(v) for v in with_levers(c)]
+    return out, left_out
 
 
 def rank(items: list[Ranked], cap_bytes: int) -> list[Ranked]:
     """Those that fit first, by predicted samples/s (highest first; ties keep the search order, each
     strategy as configured first), then those over the cap by how far over. Sets rank and why."""
     for r in items:
-        r.fits = r.peak_bytes is not None and r.peak_bytes <= cap_bytes
+        r.fits = fits(r.peak_bytes, cap_bytes)
     fit = sorted((r for r in items if r.fits), key=lambda r: -r.samples_per_s)
     over = sorted((r for r in items if not r.fits), key=lambda r: (r.peak_bytes is None, r.peak_bytes or 0))
     for i, r in enumerate(fit, start=1):
@@ -129,6 +144,8 @@ def why_lost(r: Ranked, winner: Ranked | None, cap_bytes: int) -> str:
         return f"memory: {human(r.peak_bytes - cap_bytes)} over the cap ({human(r.peak_bytes)} on rank {r.worst_rank})"
     if winner is None or r is winner:
         return "recommended" if r is winner else ""
+    if r.step_s <= winner.step_s * (1 + 1e-9):
+        return "ties with #1 (the same predicted step; after it in search order)"
     extra = {word: r.parts.get(part, 0.0) - winner.parts.get(part, 0.0) for part, word in PART_WORDS.items()}
     word, seconds = max(extra.items(), key=lambda kv: kv[1])
     overlap = r.step_low_s <= winner.step_high_s
@@ -163,14 +180,16 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None)
     cands = candidates(overrides)
     if not cands:
         raise ConfigError(f"no configuration of {overrides or 'the defaults'} passes the run's validation; see plan.md")
-    ranked = rank(predict_all(cands, calib), cap_bytes)
+    predicted, left_out = predict_all(cands, calib, cap_bytes)
+    ranked = rank(predicted, cap_bytes)
     seconds = time.perf_counter() - start
     fitting = sum(r.fits for r in ranked)
     header = (
         f"Recommendation: model={cfg.model.name}, world_size={cfg.world_size}, global batch "
         f"{cfg.trainer.global_batch}, optimizer {cfg.trainer.optimizer}, precision {cfg.trainer.precision}; cap "
         f"{human(cap_bytes)} per rank ({cap_source}). {len(ranked)} candidates, {fitting} fit; ranked by predicted "
-        f"samples/s in {seconds:.1f} s, no run."
+        f"samples/s in {seconds:.1f} s, no run. Memory levers (trainer.grad_accum, trainer.recompute) tried where "
+        f"a candidate does not fit: {left_out} lever variants of candidates that fit left out (a lever only adds work)."
     )
     return Recommendation(ranked, cap_bytes, cap_source, seconds, header)
 
