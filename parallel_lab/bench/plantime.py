@@ -1,22 +1,30 @@
-"""Step time per strategy at world 2: predicted from this machine's calibration, against real runs.
+"""Step time, predicted by the per-operator model, against real profiled runs it never saw.
 
-    python -m parallel_lab.bench plantime [--model cnn] [--steps 20] [--repeats 3]
-                                          [--strategies ddp fsdp ...] [--calibration calib.json]
-                                          [--out plantime.json] [--replay plantime.json]
+    python -m parallel_lab.bench plantime [--quick] [--rounds 2] [--steps 8] [--out plantime.json]
+                                          [--replay plantime.json] [--calibration runs/calibration.json]
+    python -m parallel_lab.bench plantime --calibrate-only --device cuda --out calibration.json
 
-1. Communication: the collectives benchmark (gloo, and the hand-written ring manual_ddp uses) at
-   4 KiB..16 MiB, fitted per collective to alpha + bytes / beta (``parallel_lab.plan.steptime``).
-   ``--calibration`` reuses a file a previous run (``--out``) or ``bench collectives --json`` wrote.
-2. Compute: ``strategy=single world_size=1`` (one process, one thread) at the world-2 micro-batch
-   and at the whole global batch: forward+backward = fixed + per-sample x samples; optimizer per
-   parameter.
-3. Every strategy at world 2 through the real CLI, ``--repeats`` times, interleaved with the
-   compute calibration so drifting machine load hits all of them alike; the median step time of
-   rank 0 (metrics.json ``step_time_s``, after warm-up) is compared with the predicted interval
-   [full overlap, no overlap]. ``--replay`` predicts again from a saved ``--out`` (no runs).
+1. The machine's quick calibration (``parallel_lab.plan.calibrate``: operator micro-benchmarks,
+   Adam, two-process contention and collectives; a few seconds, no training run).
+2. Real runs through the CLI, ``trainer.profile=true`` (rank 0's ``ranks[0].time_ms``: compute,
+   comm, exposed_comm, optimizer, idle, other), ``--rounds`` interleaved rounds so that drifting
+   load hits every config alike and the spread between rounds is the measured noise:
+   - the calibration set (CALIBRATION): the only runs the model is fitted on: one scale each for
+     compute, optimizer and communication, the share of overlapped communication hidden, and the
+     interval's width (their residuals in log space widened by the noise);
+   - the held-out set (HELD_OUT): other models, world 3/4, bf16, micro-batches, offload, bucket
+     sizes, every other strategy: predicted from the fitted calibration, never fitted on.
+3. A table per config: predicted parts beside measured parts, the interval, the error; then the
+   last line (docs/plan.md): ``median |error| X%; worst Y% (config); interval coverage C/N (median
+   half-width W%); ranking agreement K/M``.
 
-Prints the table docs/plan.md shows, with the 1-minute load average measured during the runs:
-the machine may be shared, and a busy neighbour moves every measured number.
+The measured step is the profile's ``unprofiled_step_s`` (the steps after warm-up the profiler did
+not trace); measured parts are the traced steps' ``time_ms`` rescaled to that step (the profiler's
+own cost spread pro rata); "compute" is the profiler's compute + other (Python between operators
+is the per-call cost the model's lines include).
+
+``--calibrate-only``: step 1 and the world-1 rows of the calibration set on ``--device`` (a GPU
+machine: ``benchmarks/plantime_device.sh``), fitted and written to ``--out``; no held-out runs.
 """
 
 from __future__ import annotations
@@ -24,223 +32,117 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from parallel_lab.plan.steptime import AlphaBeta, Compute, StepPrediction, fit_alpha_beta, fit_compute, predict_step
+from parallel_lab.bench import _plantime_score as score
+
+# name -> overrides (model=cnn, world_size=2, global batch 64 unless said).
+CALIBRATION = {
+    "single cnn w1": ["strategy=single", "world_size=1"],
+    "single cnn w1 bf16": ["strategy=single", "world_size=1", "trainer.precision=bf16"],
+    "ddp cnn": ["strategy=ddp"],
+    "fsdp cnn": ["strategy=fsdp"],
+}
+HELD_OUT = {
+    "zero2 cnn": ["strategy=zero2"],
+    "zero3 cnn": ["strategy=zero3"],
+    "manual_ddp cnn": ["strategy=manual_ddp"],
+    "tp cnn": ["strategy=tp"],
+    "pp cnn": ["strategy=pp"],
+    "ddp cnn w3": ["strategy=ddp", "world_size=3", "trainer.global_batch=66"],
+    "ddp cnn w4": ["strategy=ddp", "world_size=4"],
+    "ddp cnn bf16": ["strategy=ddp", "trainer.precision=bf16"],
+    "ddp cnn grad_accum 2": ["strategy=ddp", "trainer.grad_accum=2"],
+    "ddp cnn bucket 0.25 MiB": ["strategy=ddp", "strategy.bucket_cap_mb=0.25"],
+    "zero2 cnn offload": ["strategy=zero2", "strategy.offload=cpu"],
+    "ddp vit": ["strategy=ddp", "model=vit"],
+    "fsdp vit": ["strategy=fsdp", "model=vit"],
+    "ddp resnet18 b16": ["strategy=ddp", "model=resnet18", "trainer.global_batch=16"],
+}
+QUICK = ("zero3 cnn", "ddp cnn w4", "ddp cnn bf16", "ddp vit")
+BASE = ["model=cnn", "world_size=2", "trainer.global_batch=64", "trainer.eval_batches=0", "trainer.profile=true"]
 
 
-def multi_process_strategies() -> list[str]:
-    """Every registered strategy that runs one process per rank (the step-time model's subjects)."""
-    from parallel_lab.strategies import get_strategy_class, sweep_names
+def config_of(overrides: list[str]):
+    """The validated config the planner would see for these overrides (later ones win)."""
+    from parallel_lab.plan.configs import planned_configs
 
-    return [name for name in sweep_names() if not get_strategy_class(name).plan.single_process]
-
-
-def collectives_calibration(path: Path) -> dict:
-    """Run ``bench collectives`` (2 ranks, gloo + hand) into ``path`` and return what it wrote."""
-    cmd = [sys.executable, "-m", "parallel_lab.bench", "collectives", "--np", "2", "--impls", "gloo", "hand",
-           "--min-bytes", "4K", "--max-bytes", "16M", "--max-iters", "50", "--json", str(path)]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=900, stdout=subprocess.DEVNULL)
-    return json.loads(path.read_text())
+    (planned,) = planned_configs([o for o in BASE if o != "trainer.profile=true"] + overrides)
+    return planned.cfg
 
 
-def alpha_beta_fits(collectives: dict) -> dict[str, dict[str, AlphaBeta]]:
-    """impl -> op -> the alpha-beta fit of that collective's (bytes, seconds per call) rows."""
-    fits: dict[str, dict[str, AlphaBeta]] = {}
-    for impl in collectives["impls"]:
-        for op in sorted({r["op"] for r in collectives["rows"]}):
-            points = [(r["bytes"], r[impl]) for r in collectives["rows"] if r["op"] == op and impl in r]
-            fits.setdefault(impl, {})[op] = fit_alpha_beta(points)
-    return fits
-
-
-def run_once(common: list[str], extra: list[str], workdir: Path, timeout: float) -> dict:
+def run_once(overrides: list[str], steps: int, workdir: Path, timeout: float, device: str) -> dict:
+    """One profiled run; rank 0's unprofiled step, its traced parts rescaled to it, the load."""
     from parallel_lab.cli.run import run_cli_metrics
 
-    load = os.getloadavg()[0]
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    metrics = run_cli_metrics(run_dir, *common, *extra, timeout=timeout)
-    return {
-        "step_s": metrics["step_time_s"],
-        "fwd_bwd_s": metrics["step_split_s"]["fwd_bwd"],
-        "optimizer_s": metrics["step_split_s"]["optimizer"],
-        "params": metrics["params"],
-        "loadavg_1m": load,
-    }
+    dev = [f"device={device}"] if device != "cpu" else []
+    m = run_cli_metrics(run_dir, *BASE, f"trainer.steps={steps}", *dev, *overrides, timeout=timeout)
+    prof, parts = m["profile"], m["ranks"][0]["time_ms"]
+    step = prof.get("unprofiled_step_s") or m["step_time_s"]
+    k = step / (parts["step"] / 1e3)  # the profiler's own cost, spread over the parts
+    measured = {key: parts[key] / 1e3 * k for key in ("comm", "exposed_comm", "optimizer", "idle")}
+    measured["compute"] = (parts["compute"] + parts["other"]) / 1e3 * k
+    return {"step_s": step, "parts": measured, "loadavg_1m": m["machine"]["start"]["loadavg"][0]}
 
 
-def measure(args, workdir: Path) -> dict[str, list[dict]]:
-    """Calibration runs (``single@<batch>``) and every strategy, ``args.repeats`` rounds, interleaved."""
-    common = [f"model={args.model}", f"trainer.steps={args.steps}", "trainer.eval_batches=0"]
-    small = args.global_batch // 2
-    runs = {
-        f"single@{small}": ["strategy=single", "world_size=1", f"trainer.global_batch={small}"],
-        f"single@{args.global_batch}": ["strategy=single", "world_size=1", f"trainer.global_batch={args.global_batch}"],
-        **{s: [f"strategy={s}", "world_size=2", f"trainer.global_batch={args.global_batch}"] for s in args.strategies},
-    }
-    out: dict[str, list[dict]] = {name: [] for name in runs}
-    for round_ in range(args.repeats):
-        for name, extra in runs.items():
-            out[name].append(run_once(common, extra, workdir, args.timeout))
-            print(f"round {round_ + 1}/{args.repeats} {name}: {out[name][-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = list(names)[r % len(names) :] + list(names)[: r % len(names)]  # rotate: no fixed slot
+        for name in order:
+            steps = max(5, args.steps - 3) if "resnet18" in name else args.steps
+            out[name].append(run_once(names[name], steps, workdir, args.timeout, args.device))
+            print(f"round {r + 1}/{args.rounds} {name}: {out[name][-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+            if args.out:  # what is measured so far survives a killed run (--replay reads it)
+                args.out.with_suffix(".partial.json").write_text(json.dumps(out) + "\n")
     return out
-
-
-def median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
-def compute_fit(args, measured: dict[str, list[dict]]) -> Compute:
-    """The line through the medians of the two one-rank calibrations."""
-    small, large = measured[f"single@{args.global_batch // 2}"], measured[f"single@{args.global_batch}"]
-    return fit_compute(
-        (args.global_batch // 2, median(small, "fwd_bwd_s")),
-        (args.global_batch, median(large, "fwd_bwd_s")),
-        median(small + large, "optimizer_s"),
-        large[0]["params"],
-    )
-
-
-def predictions(args, measured: dict[str, list[dict]], fits: dict) -> dict[str, StepPrediction]:
-    from parallel_lab.models import build_meta_model
-    from parallel_lab.plan.configs import planned_configs
-    from parallel_lab.strategies import get_strategy_class
-
-    compute = compute_fit(args, measured)
-    out = {}
-    for name in args.strategies:
-        (planned,) = planned_configs(
-            [f"strategy={name}", f"model={args.model}", "world_size=2", f"trainer.global_batch={args.global_batch}"]
-        )
-        cfg = planned.cfg
-        out[name] = predict_step(cfg, get_strategy_class(name), build_meta_model(cfg.model), compute, fits)
-    return out
-
-
-def round_of(measured: dict[str, list[dict]], r: int) -> dict[str, list[dict]]:
-    """Round r's runs only: its calibration ran minutes, not tens of minutes, from its strategies."""
-    return {name: [runs[r]] for name, runs in measured.items()}
-
-
-def table(args, fits: dict, measured: dict[str, list[dict]]) -> str:
-    """Pooled: the prediction from the median calibration against the median run. Per round: each
-    round's prediction from that round's own calibration against that round's run (the machine's
-    load moves between rounds; within one, calibration and runs saw about the same)."""
-    rounds = len(next(iter(measured.values())))
-    pooled = predictions(args, measured, fits)
-    per_round = [predictions(args, round_of(measured, r), fits) for r in range(rounds)]
-    lines = [
-        "| strategy | predicted fwd+bwd / optimizer ms | predicted comm ms (by collective) "
-        "| predicted step ms [full overlap, no overlap] | measured step ms (median; min-max) "
-        "| measured fwd+bwd / optimizer ms | error of no-overlap, pooled | error per round (own calibration) "
-        "| inside interval (rounds) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, p in pooled.items():
-        runs = measured[name]
-        m = median(runs, "step_s")
-        comm = ", ".join(f"{op} {s * 1e3:.2f}" for op, s in sorted(p.comm_s.items())) or "none"
-        errs = [(pr[name].upper_s - run["step_s"]) / run["step_s"] for pr, run in zip(per_round, runs)]
-        inside = sum(
-            pr[name].lower_s * 0.999 <= run["step_s"] <= pr[name].upper_s * 1.001 for pr, run in zip(per_round, runs)
-        )
-        lines.append(
-            f"| {name} | {p.fwd_bwd_s * 1e3:.1f} / {p.optimizer_s * 1e3:.1f} | {comm} "
-            f"| {p.upper_s * 1e3:.1f} [{p.lower_s * 1e3:.1f}, {p.upper_s * 1e3:.1f}] "
-            f"| {m * 1e3:.1f} ({min(r['step_s'] for r in runs) * 1e3:.1f}-{max(r['step_s'] for r in runs) * 1e3:.1f}) "
-            f"| {median(runs, 'fwd_bwd_s') * 1e3:.1f} / {median(runs, 'optimizer_s') * 1e3:.1f} "
-            f"| {100 * (p.upper_s - m) / m:+.0f}% | {', '.join(f'{100 * e:+.0f}%' for e in errs)} "
-            f"(median {100 * statistics.median(errs):+.0f}%) | {inside}/{rounds} |"
-        )
-    loads = [
-        statistics.median(r["loadavg_1m"] for runs in round_of(measured, i).values() for r in runs)
-        for i in range(rounds)
-    ]
-    lines.append(f"\n1-min load average at run starts, per round: {', '.join(f'{x:.2f}' for x in loads)}")
-    return "\n".join(lines)
-
-
-def fits_table(fits: dict[str, dict[str, AlphaBeta]]) -> str:
-    lines = ["| impl | collective | alpha us | beta GB/s |", "|---|---|---|---|"]
-    for impl, by_op in fits.items():
-        for op, f in by_op.items():
-            lines.append(f"| {impl} | {op} | {f.alpha_s * 1e6:.0f} | {f.beta_Bps / 1e9:.2f} |")
-    return "\n".join(lines)
-
-
-def calibrate_and_run(args) -> tuple[dict, dict, tuple, tuple]:
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
-        if args.calibration:
-            saved = json.loads(args.calibration.read_text())
-            collectives = saved.get("collectives", saved)
-        else:
-            collectives = collectives_calibration(Path(workdir) / "collectives.json")
-        measured = measure(args, Path(workdir))
-    return collectives, measured, load_before, os.getloadavg()
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench plantime", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="cnn", choices=("cnn", "resnet18"))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    strategies = multi_process_strategies()
-    parser.add_argument("--strategies", nargs="+", default=strategies, choices=strategies)
-    parser.add_argument("--calibration", type=Path, help="a json with the collectives rows (skips that benchmark)")
+    parser.add_argument("--quick", action="store_true", help=f"held-out subset only: {', '.join(QUICK)}")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="per run: 2 warm-up, 2 traced, the rest timed")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--calibrate-only", action="store_true", help="calibration set's world-1 rows only")
+    parser.add_argument("--calibration", type=Path, help="reuse this quick calibration (json) instead of measuring")
     parser.add_argument("--out", type=Path, help="write calibration, runs and predictions here (json)")
     parser.add_argument("--replay", type=Path, help="a saved --out: predict again from its calibration and runs")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds before a hung run is killed")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hung run is killed")
     args = parser.parse_args(argv)
-    if args.global_batch % 4:
-        parser.error(f"--global-batch {args.global_batch} must be a multiple of 4 (halved, then split over 2 ranks)")
+    if args.rounds < 1 or args.steps < 6:
+        parser.error(f"--rounds {args.rounds} must be >= 1 and --steps {args.steps} >= 6 (2 warm-up, 2 traced)")
+    from parallel_lab.plan.calibrate import Calibration, measure_calibration
+
     if args.replay:
         saved = json.loads(args.replay.read_text())
-        collectives, measured = saved["collectives"], saved["runs"]
-        load_before, load_after = saved["loadavg"]["before"], saved["loadavg"]["after"]
-        for key, value in saved.get("args", {}).items():  # the saved run's model and batch, not the defaults
-            setattr(args, key, value)
-        args.strategies = [s for s in args.strategies if s in measured]
+        calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
+        held = {n: HELD_OUT[n] for n in runs if n in HELD_OUT}
     else:
-        collectives, measured, load_before, load_after = calibrate_and_run(args)
-    fits = alpha_beta_fits(collectives)
-    preds = predictions(args, measured, fits)
-    loads = [r["loadavg_1m"] for runs in measured.values() for r in runs]
-    print(
-        f"step time at world 2, {args.model}, global batch {args.global_batch}, {args.steps} steps, "
-        f"median of {args.repeats} runs each (rank 0, after warm-up); 1 thread per rank on "
-        f"{os.cpu_count()} CPUs; 1-min load average {load_before[0]:.2f} before, "
-        f"{statistics.median(loads):.2f} median / {max(loads):.2f} max at run starts, {load_after[0]:.2f} after"
-    )
-    c = compute_fit(args, measured)
-    print(
-        f"\ncompute (strategy=single world_size=1, 1 thread): forward+backward = {c.fixed_s * 1e3:.2f} ms + "
-        f"{c.per_sample_s * 1e3:.3f} ms x samples; optimizer {c.per_param_s * 1e9:.2f} ns per parameter"
-    )
-    print(f"\ncommunication (alpha-beta per call, fitted to bench collectives at world 2):\n{fits_table(fits)}\n")
-    print(table(args, fits, measured))
+        load_before = os.getloadavg()
+        calib = (
+            Calibration.from_json(args.calibration.read_text())
+            if args.calibration
+            else measure_calibration(args.device)
+        )
+        cal_set = {n: o for n, o in CALIBRATION.items() if not args.calibrate_only or "world_size=1" in o}
+        held = {} if args.calibrate_only else {n: HELD_OUT[n] for n in (QUICK if args.quick else HELD_OUT)}
+        with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
+            runs = measure({**cal_set, **held}, args, Path(workdir))
+        runs["_loadavg"] = [{"before": list(load_before), "after": list(os.getloadavg())}]
+    fitted = score.fit(calib, {n: runs[n] for n in CALIBRATION if n in runs}, {**CALIBRATION, **HELD_OUT}, config_of)
+    print(score.header(fitted, runs, args))
+    rows = score.rows(fitted, {**CALIBRATION, **held}, runs, config_of)
+    print(score.table(rows))
     if args.out:
-        payload = {
-            "collectives": collectives,
-            "runs": measured,
-            "loadavg": {"before": load_before, "after": load_after},
-            "predicted": {
-                n: {
-                    "lower_s": p.lower_s,
-                    "upper_s": p.upper_s,
-                    "fwd_bwd_s": p.fwd_bwd_s,
-                    "optimizer_s": p.optimizer_s,
-                    "comm_s": p.comm_s,
-                    "notes": p.notes,
-                }
-                for n, p in preds.items()
-            },
-            "args": {k: getattr(args, k) for k in ("model", "steps", "global_batch", "repeats")},
-        }
+        payload = {"calibration": json.loads(calib.to_json()), "fitted": json.loads(fitted.to_json()), "runs": runs}
+        if args.calibrate_only:
+            payload = json.loads(fitted.to_json())  # the calibration itself, for load_or_measure_calibration
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    held_rows = [r for r in rows if r["name"] in held]
+    if held_rows:
+        print(score.last_line(held_rows))
     return 0

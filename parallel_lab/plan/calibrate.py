@@ -37,6 +37,10 @@ VERSION = 1
 # Until a bench plantime calibration set says otherwise: +-15% in log space (its held-out residuals
 # on this 2-core machine, docs/plan.md), the run-to-run noise included.
 DEFAULT_INTERVAL_LOG = 0.15
+# The corrections bench plantime's calibration set fits (compute, bf16 and optimizer multipliers,
+# the latency and bandwidth terms of a collective in training, the share of overlapped communication
+# hidden); until it has run here, the figures it fitted on the 2-core machine of docs/plan.md.
+DEFAULT_SCALE = {"compute": 1.0, "bf16": 1.0, "optimizer": 1.0, "comm_call": 1.0, "comm_byte": 1.0, "hidden": 0.5}
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Calibration:
     contention: float = 1.0  # one process's slowdown while another computes beside it (>= 1)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
     comm_world: int = 2  # the world size the collectives were measured at
-    scale: dict[str, float] = field(default_factory=lambda: {"compute": 1.0, "comm": 1.0, "hidden": 0.5})
+    scale: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCALE))
     interval_log: float = DEFAULT_INTERVAL_LOG
     measured_s: float = 0.0
     version: int = VERSION

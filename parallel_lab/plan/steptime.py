@@ -65,14 +65,17 @@ def ring_factors(op: str, world: int) -> tuple[float, float]:
     return rounds, rounds  # broadcast: each round one whole payload
 
 
-def collective_seconds(fit: AlphaBeta, op: str, payload: float, calls: int, world: int, fit_world: int = 2) -> float:
-    """``calls`` calls moving ``payload`` bytes in all (the bench's size: see COUNTED_AS) at ``world``
-    ranks, from a fit measured at ``fit_world``; a point-to-point send (``p2p``) does not scale."""
+def collective_seconds(
+    fit: AlphaBeta, op: str, payload: float, calls: int, world: int, fit_world: int = 2
+) -> tuple[float, float]:
+    """(latency s, bandwidth s) of ``calls`` calls moving ``payload`` bytes in all (the bench's size:
+    see COUNTED_AS) at ``world`` ranks, from a fit measured at ``fit_world``; a point-to-point send
+    (``p2p``) does not scale with the world."""
     if op == "p2p":
-        return fit.seconds(payload, calls)
+        return calls * fit.alpha_s, payload / fit.beta_Bps
     steps, share = ring_factors(op, world)
     steps2, share2 = ring_factors(op, fit_world)
-    return calls * fit.alpha_s * steps / steps2 + payload / fit.beta_Bps * share / share2
+    return calls * fit.alpha_s * steps / steps2, payload / fit.beta_Bps * share / share2
 
 
 @dataclass
@@ -87,6 +90,7 @@ class StepPrediction:
     high_s: float
     parts: dict[str, float]
     comm_by_op: dict[str, float] = field(default_factory=dict)
+    comm_terms: tuple[float, float] = (0.0, 0.0)  # (latency, bandwidth) s before the comm scales
     notes: list[str] = field(default_factory=list)
 
 
@@ -127,20 +131,28 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
     return 1
 
 
-def predict_comm_seconds(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, timeslice: float):
+def predict_comm_seconds(
+    cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, timeslice: float
+) -> tuple[dict[str, float], tuple[float, float]]:
+    """Seconds per collective (the counter's names) and the unscaled (latency, bandwidth) totals:
+    the calibration set's scales ``comm_call`` and ``comm_byte`` weigh the two terms (in training a
+    call also waits for the slower rank to arrive: what the two-process benchmark cannot see)."""
     fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
     out: dict[str, float] = {}
+    terms = [0.0, 0.0]
+    scale = (calib.scale.get("comm_call", 1.0), calib.scale.get("comm_byte", 1.0))
     for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
         if not counted or fits is None:
             continue
         bench_op, per_payload = COUNTED_AS[op]
         payload = counted / per_payload
         kind = "p2p" if op in ("isend", "send") else bench_op
-        fit = AlphaBeta(**fits[bench_op])
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        seconds = collective_seconds(fit, kind, payload, calls, cfg.world_size, calib.comm_world)
-        out[op] = seconds * timeslice * calib.scale.get("comm", 1.0)
-    return out
+        parts = collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
+        for i in (0, 1):
+            terms[i] += parts[i] * timeslice
+        out[op] = timeslice * (parts[0] * scale[0] + parts[1] * scale[1])
+    return out, (terms[0], terms[1])
 
 
 def predict_step(
@@ -167,8 +179,10 @@ def predict_step(
         census.calls[k] * (calib.ops.get(f"{k}@{dtype}") or calib.ops[f"{k}@fp32"])["per_call_s"] for k in per_kind
     )
     units = sum(per_kind.values()) - per_call
-    one_pass = per_call * timeslice + units * timeslice * contention / threads
-    fwd_bwd = shape.slots * shape.flop_share * one_pass * calib.scale.get("compute", 1.0)
+    # Ranks time-sliced on shared cores already pay for sharing them: the larger of the two.
+    one_pass = per_call * timeslice + units * max(timeslice, contention) / threads
+    scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
+    fwd_bwd = shape.slots * shape.flop_share * one_pass * scale
     passes = (
         cfg.trainer.global_batch
         // (plan.data_parallel_size(cfg) * shape.micro_batch)
@@ -177,9 +191,9 @@ def predict_step(
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
-    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * timeslice * contention
+    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * max(timeslice, contention)
     optimizer *= calib.scale.get("optimizer", 1.0)
-    comm_by_op = predict_comm_seconds(cfg, strategy_cls, model, calib, shape, timeslice)
+    comm_by_op, comm_terms = predict_comm_seconds(cfg, strategy_cls, model, calib, shape, timeslice)
     comm = sum(comm_by_op.values())
     overlapped = sum(s for op, s in comm_by_op.items() if op in plan.overlapped_collectives(cfg))
     hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * (fwd_bwd - idle))
@@ -188,7 +202,9 @@ def predict_step(
     q = calib.interval_log
     parts = {"compute": fwd_bwd - idle, "comm": comm, "exposed_comm": exposed, "optimizer": optimizer, "idle": idle}
     notes = [shape.note] if shape.note else []
-    return StepPrediction(cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, notes)
+    return StepPrediction(
+        cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, comm_terms, notes
+    )
 
 
 def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> tuple[float, float]:

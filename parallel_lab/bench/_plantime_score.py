@@ -1,0 +1,184 @@
+"""``bench plantime``'s arithmetic on its runs: the fit on the calibration set, the per-config rows,
+the table and the last line (``median |error| X%; worst Y% (config); interval coverage C/N (median
+half-width W%); ranking agreement K/M``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+
+from parallel_lab.plan.calibrate import Calibration
+from parallel_lab.plan.steptime import predict_step
+
+PARTS = ("compute", "comm", "exposed_comm", "optimizer", "idle")
+
+
+def _predict(calib: Calibration, overrides: list[str], config_of):
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = config_of(overrides)
+    return predict_step(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model), calib)
+
+
+def log_spread(runs: list[dict]) -> float:
+    """Half the log range of a config's step over the rounds: its measured run-to-run noise."""
+    steps = [r["step_s"] for r in runs]
+    return math.log(max(steps) / min(steps)) / 2
+
+
+def _gmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else 1.0
+
+
+def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, list[str]], config_of) -> Calibration:
+    """The calibration set's corrections: compute from the one-rank fp32 row, bf16 from the one-rank
+    bf16 row; contention from the several-rank rows against the one-rank (ranks sharing cores);
+    the latency and bandwidth terms of communication by least squares over the several-rank rows
+    (each row's mix of calls and bytes differs); the share of overlapped communication found
+    hidden; Adam's scale; the interval from the residuals in log space (the largest) widened by
+    the set's run-to-run noise."""
+    raw = dataclasses.replace(calib, scale={"hidden": 0.0}, interval_log=0.0)
+    ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
+    comm_rows = []
+    for name, runs in cal_runs.items():
+        cfg = config_of(names[name])
+        pred = _predict(raw, names[name], config_of)
+        solo = "bf16" if "bf16" in name else "fp32" if cfg.world_size == 1 else "shared"
+        for r in runs:
+            m = r["parts"]
+            ratios[solo].append(m["compute"] / pred.parts["compute"])
+            ratios["optimizer"].append(m["optimizer"] / pred.parts["optimizer"])
+            if pred.parts["comm"] > 0 and m["comm"] > 0:
+                comm_rows.append((*pred.comm_terms, m["comm"]))
+                ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
+    compute = _gmean(ratios["fp32"])
+    call, byte = _nonnegative_fit(comm_rows)
+    scale = {
+        "compute": compute,
+        "bf16": _gmean(ratios["bf16"]) / compute if ratios["bf16"] else 1.0,
+        "optimizer": _gmean(ratios["optimizer"]),
+        "comm_call": call,
+        "comm_byte": byte,
+        "hidden": statistics.median(ratios["hidden"]) if ratios["hidden"] else 0.5,
+    }
+    # contention as the several-rank rows show it beyond the scaled one-rank compute
+    contention = calib.contention * (_gmean(ratios["shared"]) / compute if ratios["shared"] else 1.0)
+    fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
+    resid = [
+        abs(math.log(_predict(fitted, names[n], config_of).point_s / r["step_s"]))
+        for n, runs in cal_runs.items()
+        for r in runs
+    ]
+    noise = max((log_spread(runs) for runs in cal_runs.values()), default=0.0)
+    return dataclasses.replace(fitted, interval_log=max(resid, default=0.0) + noise)
+
+
+def _nonnegative_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising the relative error of ``a x latency + b x bandwidth = measured``."""
+    import torch
+
+    if not rows:
+        return 1.0, 1.0
+    x = torch.tensor([[lat / m, bw / m] for lat, bw, m in rows], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(x, torch.ones(len(rows), 1, dtype=torch.float64)).solution.flatten().tolist()
+    if a >= 0 and b >= 0:
+        return a, b
+    total = sum(m for *_, m in rows)  # one common scale of both terms
+    common = total / sum(lat + bw for lat, bw, _ in rows)
+    return common, common
+
+
+def rows(calib: Calibration, names: dict[str, list[str]], runs: dict[str, list[dict]], config_of) -> list[dict]:
+    out = []
+    for name, overrides in names.items():
+        if name not in runs:
+            continue
+        pred = _predict(calib, overrides, config_of)
+        rs = runs[name]
+        step = statistics.median(r["step_s"] for r in rs)
+        out.append(
+            {
+                "name": name,
+                "model": config_of(overrides).model.name,
+                "pred": pred,
+                "step_s": step,
+                "parts": {k: statistics.median(r["parts"][k] for r in rs) for k in PARTS},
+                "error": (pred.point_s - step) / step,
+                "inside": sum(pred.low_s <= r["step_s"] <= pred.high_s for r in rs),
+                "rounds": len(rs),
+                "noise": log_spread(rs),
+                "steps": [r["step_s"] for r in rs],
+            }
+        )
+    return out
+
+
+def table(rs: list[dict]) -> str:
+    head = (
+        "| config | predicted step ms [interval] | measured step ms (rounds) | error | inside "
+        "| compute ms pred / meas | comm | exposed_comm | optimizer | idle |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rs:
+        p = r["pred"]
+        parts = " | ".join(f"{p.parts[k] * 1e3:.1f} / {r['parts'][k] * 1e3:.1f}" for k in PARTS)
+        lines.append(
+            f"| {r['name']} | {p.point_s * 1e3:.1f} [{p.low_s * 1e3:.1f}, {p.high_s * 1e3:.1f}] "
+            f"| {r['step_s'] * 1e3:.1f} ({', '.join(f'{s * 1e3:.1f}' for s in r['steps'])}) "
+            f"| {100 * r['error']:+.0f}% | {r['inside']}/{r['rounds']} | {parts} |"
+        )
+    return "\n".join(lines)
+
+
+def ranking(rs: list[dict]) -> tuple[int, int]:
+    """Pairs of configs of the same model whose measured steps differ by more than either's noise
+    (log gap > the larger log spread): how many the prediction orders the same way."""
+    agree = total = 0
+    for i, a in enumerate(rs):
+        for b in rs[i + 1 :]:
+            if a["model"] != b["model"]:
+                continue
+            gap = math.log(a["step_s"] / b["step_s"])
+            if abs(gap) <= max(a["noise"], b["noise"]):
+                continue
+            total += 1
+            agree += (a["pred"].point_s > b["pred"].point_s) == (gap > 0)
+    return agree, total
+
+
+def last_line(rs: list[dict]) -> str:
+    errors = [abs(r["error"]) for r in rs]
+    worst = max(rs, key=lambda r: abs(r["error"]))
+    covered, n = sum(r["inside"] for r in rs), sum(r["rounds"] for r in rs)
+    half = statistics.median((r["pred"].high_s - r["pred"].low_s) / 2 / r["pred"].point_s for r in rs)
+    k, m = ranking(rs)
+    return (
+        f"median |error| {100 * statistics.median(errors):.0f}%; worst {100 * abs(worst['error']):.0f}% "
+        f"({worst['name']}); interval coverage {covered}/{n} (median half-width {100 * half:.0f}%); "
+        f"ranking agreement {k}/{m}"
+    )
+
+
+def header(calib: Calibration, runs: dict, args) -> str:
+    loads = [r["loadavg_1m"] for name, rs in runs.items() if not name.startswith("_") for r in rs]
+    cpus = os.cpu_count() or 1
+    ops = ", ".join(
+        f"{k} {1e-9 / v['per_unit_s']:.1f} G/s + {v['per_call_s'] * 1e6:.0f} us/call"
+        for k, v in sorted(calib.ops.items())
+        if v["per_unit_s"] > 0
+    )
+    s = calib.scale
+    return (
+        f"{args.rounds} interleaved rounds, rank 0, {calib.device}, {cpus} CPUs, 1 thread per rank; "
+        f"1-min load average at run starts: median {statistics.median(loads):.2f}, max {max(loads):.2f} "
+        f"(per core max {max(loads) / cpus:.2f}: {'below' if max(loads) < cpus else 'NOT below'} one per core); "
+        f"{runs.get('_loadavg', [{}])[0]}\n"
+        f"calibration (units: FLOP or byte per s): {ops}; Adam {calib.optimizer['per_param_s'] * 1e9:.2f} ns/param "
+        f"+ {calib.optimizer['per_tensor_s'] * 1e6:.0f} us/tensor; contention {calib.contention:.2f}; "
+        f"fitted on the calibration set: {', '.join(f'{k} {v:.2f}' for k, v in sorted(s.items()))}; "
+        f"interval x/÷ {math.exp(calib.interval_log):.2f}\n"
+    )
