@@ -71,7 +71,7 @@ def predict_group(model: str, world: int, caps: list[str], calib) -> list[dict]:
     for text in caps:
         cap = cap_bytes(text, first_peak)
         rec = recommend([f"model={model}", f"world_size={world}"], cap, f"--caps {text}", calib)
-        fitting = [r for r in rec.ranked if r.fits]
+        fitting = [r for r in rec.ranked if r.ranked_by_time]
         first_peak = first_peak if first_peak is not None else (fitting[0].peak_bytes if fitting else None)
         out.append({"cap": cap, "ranked": rec.ranked, "seconds": rec.seconds})
     return out
@@ -79,7 +79,7 @@ def predict_group(model: str, world: int, caps: list[str], calib) -> list[dict]:
 
 def chosen(ranked: list, top: int, sample: int) -> list:
     """The top ``top`` fitting candidates and ``sample`` more spread evenly over the rest that fit."""
-    fitting = [r for r in ranked if r.fits]
+    fitting = [r for r in ranked if r.ranked_by_time]
     rest = fitting[top:]
     if sample <= 0 or not rest:
         return fitting[:top]
@@ -141,10 +141,10 @@ def judge(cell: dict, plan: dict[str, dict], model: str, world: int) -> dict:
     cap, measured = cell["cap"], []
     for r in cell["ranked"]:
         entry = plan.get(entry_key(model, world, r.candidate.label))
-        if r.fits and entry and len(entry["runs"]) >= 2:
+        if r.ranked_by_time and entry and len(entry["runs"]) >= 2:
             iv = median_ci([1000 * x["step_s"] for x in entry["runs"]], "rounds")
             measured.append((r, entry, iv))
-    top = next((r for r in cell["ranked"] if r.fits), None)
+    top = next((r for r in cell["ranked"] if r.ranked_by_time), None)
     if top is None or not measured:
         return {"cap": cap, "pick": None, "within_noise": False, "over_cap": False, "note": "nothing measured"}
     best = min(measured, key=lambda t: t[2].median)

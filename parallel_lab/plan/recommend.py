@@ -9,6 +9,7 @@ optimizer). Writes recommend.md / recommend.json into the plan's out folder.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from parallel_lab.plan.candidates import Candidate, candidates, with_levers
 from parallel_lab.plan.output import human, worst_rank
 from parallel_lab.plan.predict import SavedBytesCache, plan_world
 
+NO_COMM = "time: not predicted (no communication rule for this layout)"
 # The additive parts of a predicted step (StepPrediction.parts) -> the word a loser's reason uses.
 PART_WORDS = {"exposed_comm": "communication", "idle": "bubble", "compute": "compute", "optimizer": "optimizer"}
 
@@ -35,6 +37,11 @@ class Ranked:
     fits: bool = False
     rank: int = 0
     why: str = ""
+    unknown: str = ""  # why no step time is predicted (then it is never ranked), "" when it is
+
+    @property
+    def ranked_by_time(self) -> bool:
+        return self.fits and not self.unknown
 
     @property
     def global_batch(self) -> int:
@@ -50,6 +57,10 @@ class Ranked:
 
     def to_json(self) -> dict:
         low, high = self.samples_per_s_interval
+        if self.unknown:  # no time: no figures (json has no infinity)
+            keys = ("rank", "fits", "peak_bytes", "worst_rank", "why")
+            return {"strategy": self.candidate.strategy, "overrides": self.candidate.overrides,
+                    **{k: getattr(self, k) for k in keys}}  # fmt: skip
         return {
             "rank": self.rank,
             "strategy": self.candidate.strategy,
@@ -105,7 +116,13 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
         key = OmegaConf.to_yaml(c.cfg.model)
         model = models.setdefault(key, build_meta_model(c.cfg.model))
         strategy_cls = get_strategy_class(c.strategy)
-        worst = worst_rank(plan_world(c.cfg, strategy_cls, model, cache))
+        plans = plan_world(c.cfg, strategy_cls, model, cache)
+        worst = worst_rank(plans)
+        if c.cfg.world_size > 1 and any(p.comm is None for p in plans):
+            # No rule for its communication (HSDP, FSDP1, FSDP2 x TP): a time without it would be
+            # a step with free communication, so it is listed, never ranked.
+            inf = math.inf
+            return Ranked(c, worst.total_bytes, worst.rank, inf, inf, inf, unknown=NO_COMM)
         point, low, high, parts = predict_time(c.cfg, strategy_cls, model, calib)
         return Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts)
 
@@ -124,16 +141,17 @@ def rank(items: list[Ranked], cap_bytes: int) -> list[Ranked]:
     strategy as configured first), then those over the cap by how far over. Sets rank and why."""
     for r in items:
         r.fits = fits(r.peak_bytes, cap_bytes)
-    fit = sorted((r for r in items if r.fits), key=lambda r: -r.samples_per_s)
+    fit = sorted((r for r in items if r.ranked_by_time), key=lambda r: -r.samples_per_s)
+    unknown = [r for r in items if r.fits and r.unknown]
     over = sorted((r for r in items if not r.fits), key=lambda r: (r.peak_bytes is None, r.peak_bytes or 0))
     for i, r in enumerate(fit, start=1):
         r.rank = i
-    for r in over:
+    for r in unknown + over:
         r.rank = 0
     winner = fit[0] if fit else None
-    for r in fit + over:
+    for r in fit + unknown + over:
         r.why = why_lost(r, winner, cap_bytes)
-    return fit + over
+    return fit + unknown + over
 
 
 def why_lost(r: Ranked, winner: Ranked | None, cap_bytes: int) -> str:
@@ -142,6 +160,8 @@ def why_lost(r: Ranked, winner: Ranked | None, cap_bytes: int) -> str:
         return "memory: no prediction (the strategy brings no memory rule)"
     if not r.fits:
         return f"memory: {human(r.peak_bytes - cap_bytes)} over the cap ({human(r.peak_bytes)} on rank {r.worst_rank})"
+    if r.unknown:
+        return r.unknown
     if winner is None or r is winner:
         return "recommended" if r is winner else ""
     if r.step_s <= winner.step_s * (1 + 1e-9):
@@ -184,10 +204,13 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None)
     ranked = rank(predicted, cap_bytes)
     seconds = time.perf_counter() - start
     fitting = sum(r.fits for r in ranked)
+    unknown = sum(bool(r.unknown) for r in ranked if r.fits)
     header = (
         f"Recommendation: model={cfg.model.name}, world_size={cfg.world_size}, global batch "
         f"{cfg.trainer.global_batch}, optimizer {cfg.trainer.optimizer}, precision {cfg.trainer.precision}; cap "
-        f"{human(cap_bytes)} per rank ({cap_source}). {len(ranked)} candidates, {fitting} fit; ranked by predicted "
+        f"{human(cap_bytes)} per rank ({cap_source}). {len(ranked)} candidates, {fitting} fit"
+        + (f" ({unknown} with no time prediction: listed, not ranked)" if unknown else "")
+        + f"; ranked by predicted "
         f"samples/s in {seconds:.1f} s, no run. Memory levers (trainer.grad_accum, trainer.recompute) tried where "
         f"a candidate does not fit: {left_out} lever variants of candidates that fit left out (a lever only adds work)."
     )

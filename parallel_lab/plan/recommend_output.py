@@ -18,11 +18,12 @@ def row_cells(r, cap_bytes: int) -> list[str]:
     """One candidate as table cells (``r``: recommend.Ranked)."""
     low, high = r.samples_per_s_interval
     peak = "?" if r.peak_bytes is None else f"{human(r.peak_bytes)} / {human(cap_bytes)}"
+    timed = not r.unknown
     return [
-        str(r.rank) if r.fits else "-",
+        str(r.rank) if r.rank else "-",
         "`" + r.candidate.label + "`",
-        f"{_num(r.samples_per_s)} ({_num(low)}–{_num(high)})",
-        f"{1000 * r.step_s:.2f}",
+        f"{_num(r.samples_per_s)} ({_num(low)}–{_num(high)})" if timed else "?",
+        f"{1000 * r.step_s:.2f}" if timed else "?",
         peak,
         r.why,
     ]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from parallel_lab.plan.candidates import Candidate, candidates
 from parallel_lab.plan.calibrate import Calibration
+from parallel_lab.plan.candidates import Candidate, candidates
 from parallel_lab.plan.main import main as plan_main
 from parallel_lab.plan.recommend import Ranked, rank, recommend
 
