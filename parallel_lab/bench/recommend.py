@@ -2,7 +2,7 @@
 grid it was not tuned on.
 
     python -m parallel_lab.bench recommend [--models cnn vit] [--worlds 2 3] [--caps 1GiB 0.8]
-                                           [--top 2] [--sample 2] [--rounds 2] [--steps 6] [--out rec.json]
+                                           [--top 2] [--sample 1] [--rounds 2] [--steps 6] [--out rec.json]
 
 For every (model, world size) the recommender ranks every candidate under each cap (no run); then
 the real CLI (``cli/run.py: run_cli_metrics``) runs, in ``--rounds`` interleaved rounds (each round
@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worlds", nargs="+", type=int, default=[2, 3])
     p.add_argument("--caps", nargs="+", default=["1GiB", "0.8"], help="sizes, or a fraction of the first cap's pick")
     p.add_argument("--top", type=int, default=2, help="top predicted candidates measured per cap")
-    p.add_argument("--sample", type=int, default=2, help="more candidates per cap, spread over the rest that fit")
+    p.add_argument("--sample", type=int, default=1, help="more candidates per cap, spread over the rest that fit")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (>= 2: the noise is measured)")
     p.add_argument("--steps", type=int, default=6, help="trainer.steps per run (the first 2 are warm-up)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")

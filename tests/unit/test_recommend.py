@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from parallel_lab.plan.calibrate import Calibration
 from parallel_lab.plan.candidates import Candidate, candidates
 from parallel_lab.plan.main import main as plan_main
-from parallel_lab.plan.recommend import Ranked, rank, recommend
+from parallel_lab.plan.recommend import NO_COMM, Ranked, rank, recommend
 
 MiB = 2**20
 
@@ -59,6 +59,16 @@ def test_over_the_cap_never_ranks_above_a_fit_and_says_by_how_much() -> None:
     assert [r.candidate.strategy for r in out] == ["small", "big"]
     assert (out[0].rank, out[0].fits, out[1].rank, out[1].fits) == (1, True, 0, False)
     assert out[1].why.startswith("memory: 50 MiB over the cap")
+
+
+def test_no_time_prediction_is_listed_never_ranked() -> None:
+    """A layout whose communication has no rule (HSDP) would otherwise look free: it is never ranked."""
+    free_comm = ranked("hsdp", 1, 10, compute=1)
+    free_comm.unknown = NO_COMM
+    timed = ranked("timed", 50, 10, compute=50)
+    out = rank([free_comm, timed], cap_bytes=100 * MiB)
+    assert [(r.candidate.strategy, r.rank) for r in out] == [("timed", 1), ("hsdp", 0)]
+    assert out[1].why == NO_COMM and "predicted_step_s" not in out[1].to_json()
 
 
 def test_candidates_are_what_the_run_accepts() -> None:
