@@ -57,7 +57,7 @@ class Ranked:
 
     def to_json(self) -> dict:
         low, high = self.samples_per_s_interval
-        if self.unknown:  # no time: no figures (json has no infinity)
+        if not math.isfinite(self.step_s):  # not predicted (over the cap, or no rule): json has no infinity
             keys = ("rank", "fits", "peak_bytes", "worst_rank", "why")
             return {"strategy": self.candidate.strategy, "overrides": self.candidate.overrides,
                     **{k: getattr(self, k) for k in keys}}  # fmt: skip
@@ -118,10 +118,12 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
         strategy_cls = get_strategy_class(c.strategy)
         plans = plan_world(c.cfg, strategy_cls, model, cache)
         worst = worst_rank(plans)
+        inf = math.inf
+        if not fits(worst.total_bytes, cap_bytes):  # ranked by memory alone: its time is not needed
+            return Ranked(c, worst.total_bytes, worst.rank, inf, inf, inf)
         if c.cfg.world_size > 1 and any(p.comm is None for p in plans):
             # No rule for its communication (HSDP, FSDP1, FSDP2 x TP): a time without it would be
             # a step with free communication, so it is listed, never ranked.
-            inf = math.inf
             return Ranked(c, worst.total_bytes, worst.rank, inf, inf, inf, unknown=NO_COMM)
         point, low, high, parts = predict_time(c.cfg, strategy_cls, model, calib)
         return Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts)
@@ -211,8 +213,9 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None)
         f"{human(cap_bytes)} per rank ({cap_source}). {len(ranked)} candidates, {fitting} fit"
         + (f" ({unknown} with no time prediction: listed, not ranked)" if unknown else "")
         + f"; ranked by predicted "
-        f"samples/s in {seconds:.1f} s, no run. Memory levers (trainer.grad_accum, trainer.recompute) tried where "
-        f"a candidate does not fit: {left_out} lever variants of candidates that fit left out (a lever only adds work)."
+        f"samples/s in {seconds:.1f} s, no run (time is predicted for those that fit only). Memory levers "
+        f"(trainer.grad_accum, trainer.recompute) tried where a candidate does not fit: {left_out} lever variants of "
+        f"candidates that fit left out (a lever only adds work)."
     )
     return Recommendation(ranked, cap_bytes, cap_source, seconds, header)
 

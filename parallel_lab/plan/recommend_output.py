@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from parallel_lab.plan.output import human
@@ -18,7 +19,7 @@ def row_cells(r, cap_bytes: int) -> list[str]:
     """One candidate as table cells (``r``: recommend.Ranked)."""
     low, high = r.samples_per_s_interval
     peak = "?" if r.peak_bytes is None else f"{human(r.peak_bytes)} / {human(cap_bytes)}"
-    timed = not r.unknown
+    timed = math.isfinite(r.step_s)  # over the cap or no communication rule: not predicted
     return [
         str(r.rank) if r.rank else "-",
         "`" + r.candidate.label + "`",
