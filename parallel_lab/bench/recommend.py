@@ -170,6 +170,18 @@ def judge(cell: dict, plan: dict[str, dict], model: str, world: int) -> dict:
     }
 
 
+def runs_table(plan: dict[str, dict]) -> str:
+    """Every measured candidate: predicted step against the measured median over rounds (interval)."""
+    from parallel_lab.report.intervals import median_ci
+
+    lines = ["| candidate | predicted step ms | measured step ms (rounds) |", "|---|---|---|"]
+    for key, entry in plan.items():
+        iv = median_ci([1000 * x["step_s"] for x in entry["runs"]], "rounds")
+        got = "failed: " + entry["errors"][0][:80] if iv is None else f"{iv.median:.1f} ({iv.low:.1f}–{iv.high:.1f})"
+        lines.append(f"| `{key}` | {1000 * entry['predicted_step_s']:.1f} | {got} |")
+    return "\n".join(lines)
+
+
 def table(cells: list[dict]) -> str:
     cols = ["model", "world", "cap", "top pick (predicted samples/s)", "its step ms (rounds)", "measured best",
             "best step ms", "verdict", "pick's peak / cap"]  # fmt: skip
@@ -212,6 +224,7 @@ def main(argv: list[str]) -> int:
     for model, world, caps in groups:
         for cell in caps:
             cells.append({"model": model, "world": world, **judge(cell, plan, model, world)})
+    print(runs_table(plan) + "\n")
     print(table(cells))
     if args.out:
         args.out.write_text(json.dumps({"cells": cells, "runs": plan}, indent=1, default=str) + "\n")
