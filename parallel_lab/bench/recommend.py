@@ -177,7 +177,8 @@ def runs_table(plan: dict[str, dict]) -> str:
     lines = ["| candidate | predicted step ms | measured step ms (rounds) |", "|---|---|---|"]
     for key, entry in plan.items():
         iv = median_ci([1000 * x["step_s"] for x in entry["runs"]], "rounds")
-        got = "failed: " + entry["errors"][0][:80] if iv is None else f"{iv.median:.1f} ({iv.low:.1f}–{iv.high:.1f})"
+        failed = "failed: " + (entry["errors"] or ["no run"])[0][:80]
+        got = failed if iv is None else f"{iv.median:.1f} ({iv.low:.1f}–{iv.high:.1f})"
         lines.append(f"| `{key}` | {1000 * entry['predicted_step_s']:.1f} | {got} |")
     return "\n".join(lines)
 
