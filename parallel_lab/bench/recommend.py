@@ -2,7 +2,8 @@
 grid it was not tuned on.
 
     python -m parallel_lab.bench recommend [--models cnn vit] [--worlds 2 3] [--caps 1GiB 0.8]
-                                           [--top 2] [--sample 1] [--rounds 2] [--steps 6] [--out rec.json]
+                                           [--top 2] [--sample 1] [--rounds 2] [--steps 6]
+                                           [--global-batch 48] [--out rec.json]
 
 For every (model, world size) the recommender ranks every candidate under each cap (no run); then
 the real CLI (``cli/run.py: run_cli_metrics``) runs, in ``--rounds`` interleaved rounds (each round
@@ -43,6 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=2, help="top predicted candidates measured per cap")
     p.add_argument("--sample", type=int, default=1, help="more candidates per cap, spread over the rest that fit")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (>= 2: the noise is measured)")
+    # 48: divisible by the data-parallel ranks of both default world sizes (2, 3) and their micro-batches
+    p.add_argument("--global-batch", type=int, default=48, help="trainer.global_batch of every run")
     p.add_argument("--steps", type=int, default=6, help="trainer.steps per run (the first 2 are warm-up)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--out", type=Path, help="write every prediction and measurement as json here")
@@ -63,14 +66,14 @@ def cap_bytes(text: str, first_pick_peak: int | None) -> int:
     return int(share * first_pick_peak)
 
 
-def predict_group(model: str, world: int, caps: list[str], calib) -> list[dict]:
-    """Each cap's ranking for (model, world): [{cap, ranked}]."""
+def predict_group(common: list[str], caps: list[str], calib) -> list[dict]:
+    """Each cap's ranking for one (model, world): [{cap, ranked}]."""
     from parallel_lab.plan.recommend import recommend
 
     out, first_peak = [], None
     for text in caps:
         cap = cap_bytes(text, first_peak)
-        rec = recommend([f"model={model}", f"world_size={world}"], cap, f"--caps {text}", calib)
+        rec = recommend(common, cap, f"--caps {text}", calib)
         fitting = [r for r in rec.ranked if r.ranked_by_time]
         first_peak = first_peak if first_peak is not None else (fitting[0].peak_bytes if fitting else None)
         out.append({"cap": cap, "ranked": rec.ranked, "seconds": rec.seconds})
@@ -207,13 +210,14 @@ def main(argv: list[str]) -> int:
     groups, plan = [], {}
     for model in args.models:
         for world in args.worlds:
-            caps = predict_group(model, world, args.caps, calib)
+            common = [f"model={model}", f"world_size={world}", f"trainer.global_batch={args.global_batch}"]
+            caps = predict_group(common, args.caps, calib)
             groups.append((model, world, caps))
             for cell in caps:
                 for r in chosen(cell["ranked"], args.top, args.sample):
                     entry = plan.setdefault(
                         entry_key(model, world, r.candidate.label),
-                        {"args": [f"model={model}", f"world_size={world}", *r.candidate.overrides], "runs": [],
+                        {"args": [*common, *r.candidate.overrides], "runs": [],
                          "errors": [], "cuda": False, "activations": activation_bytes(r.candidate)},
                     )  # fmt: skip
                     entry["predicted_step_s"] = r.step_s

@@ -197,8 +197,18 @@ def candidates(overrides: list[str]) -> list[Candidate]:
             key = _fingerprint(cfg)
             if key not in seen:
                 seen.add(key)
+                extra = [*extra, *_derived_degree(strategy_cls, base_n, cfg, overrides)]
                 out.append(Candidate(name, [f"strategy={name}", *extra], cfg, levers, base_n, overrides))
     return out
+
+
+def _derived_degree(strategy_cls: type, base: DictConfig, cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The degree the planner derived from the world size (pp's stages, tp's degree: ``_at_world``),
+    as an override where it differs from the configured one, so the overrides alone make the run."""
+    key = strategy_cls.plan.degree_key
+    if not key or _given(overrides, f"strategy.{key}") or cfg.strategy[key] == base.strategy[key]:
+        return []
+    return [f"strategy.{key}={cfg.strategy[key]}"]
 
 
 def with_levers(c: Candidate) -> list[Candidate]:

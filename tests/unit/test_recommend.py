@@ -82,6 +82,20 @@ def test_candidates_are_what_the_run_accepts() -> None:
     assert cands[0].levers == [["trainer.grad_accum=2"]]  # no recompute: the cnn has no blocks
 
 
+def test_the_overrides_alone_make_the_run() -> None:
+    """A candidate's overrides are what a run needs: at world 3 a pipeline's 3 stages (which the planner
+    derives from the world size) are among them, and the run's own full validation accepts them."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.config.validate import validate
+
+    user = ["strategy=pp", "world_size=3", "trainer.global_batch=48"]
+    cands = candidates(user)
+    assert cands and all("strategy.stages=3" in c.overrides for c in cands)
+    for c in cands[:3]:
+        argv = [*user, *c.overrides]
+        validate(compose_config(argv), explicit=argv, warn=lambda message: None)  # raises ConfigError if refused
+
+
 def test_a_tight_cap_picks_a_memory_lever_with_the_planners_bytes() -> None:
     """End to end on real memory predictions: under a cap between ddp's peak and its peak at
     grad_accum=2, the pick is the lever variant and plain ddp is ranked below with its overage."""
