@@ -37,13 +37,13 @@ def _gmean(xs: list[float]) -> float:
 def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, list[str]], config_of) -> Calibration:
     """The calibration set's corrections: compute from the one-rank fp32 row, bf16 from the one-rank
     bf16 row; contention from the several-rank rows against the one-rank (ranks sharing cores);
-    the latency and bandwidth terms of communication by least squares over the several-rank rows
-    (each row's mix of calls and bytes differs); the share of overlapped communication found
-    hidden; Adam's scale; the interval from the residuals in log space (the largest) widened by
-    the set's run-to-run noise."""
+    each collective family's scale from the rows that use it (measured comm over the alpha-beta
+    prediction); the share of overlapped communication found hidden; Adam's scale; the interval:
+    the 90th percentile of the rows' residuals in log space, one per row and round, so the
+    run-to-run noise is inside it."""
     raw = dataclasses.replace(calib, scale={"hidden": 0.0}, interval_log=0.0)
     ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
-    comm_rows = []
+    comm: dict[str, list[float]] = {}
     for name, runs in cal_runs.items():
         cfg = config_of(names[name])
         pred = _predict(raw, names[name], config_of)
@@ -52,44 +52,30 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
             m = r["parts"]
             ratios[solo].append(m["compute"] / pred.parts["compute"])
             ratios["optimizer"].append(m["optimizer"] / pred.parts["optimizer"])
-            if pred.parts["comm"] > 0 and m["comm"] > 0:
-                comm_rows.append((*pred.comm_terms, m["comm"]))
+            total = sum(pred.comm_raw.values())
+            if total > 0 and m["comm"] > 0:
+                for op in pred.comm_raw:
+                    comm.setdefault(op, []).append(m["comm"] / total)
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
     compute = _gmean(ratios["fp32"])
-    call, byte = _nonnegative_fit(comm_rows)
     scale = {
         "compute": compute,
         "bf16": _gmean(ratios["bf16"]) / compute if ratios["bf16"] else 1.0,
         "optimizer": _gmean(ratios["optimizer"]),
-        "comm_call": call,
-        "comm_byte": byte,
+        "comm": _gmean([x for xs in comm.values() for x in xs]),  # collectives no calibration row used
+        **{f"comm_{op}": _gmean(xs) for op, xs in comm.items()},
         "hidden": statistics.median(ratios["hidden"]) if ratios["hidden"] else 0.5,
     }
-    # contention as the several-rank rows show it beyond the scaled one-rank compute
+    # contention as the several-rank rows show it beyond the one-rank compute
     contention = calib.contention * (_gmean(ratios["shared"]) / compute if ratios["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
-    resid = [
+    resid = sorted(
         abs(math.log(_predict(fitted, names[n], config_of).point_s / r["step_s"]))
         for n, runs in cal_runs.items()
         for r in runs
-    ]
-    noise = max((log_spread(runs) for runs in cal_runs.values()), default=0.0)
-    return dataclasses.replace(fitted, interval_log=max(resid, default=0.0) + noise)
-
-
-def _nonnegative_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 minimising the relative error of ``a x latency + b x bandwidth = measured``."""
-    import torch
-
-    if not rows:
-        return 1.0, 1.0
-    x = torch.tensor([[lat / m, bw / m] for lat, bw, m in rows], dtype=torch.float64)
-    a, b = torch.linalg.lstsq(x, torch.ones(len(rows), 1, dtype=torch.float64)).solution.flatten().tolist()
-    if a >= 0 and b >= 0:
-        return a, b
-    total = sum(m for *_, m in rows)  # one common scale of both terms
-    common = total / sum(lat + bw for lat, bw, _ in rows)
-    return common, common
+    )
+    q90 = resid[min(len(resid) - 1, math.ceil(0.9 * len(resid)) - 1)] if resid else 0.0
+    return dataclasses.replace(fitted, interval_log=q90)
 
 
 def rows(calib: Calibration, names: dict[str, list[str]], runs: dict[str, list[dict]], config_of) -> list[dict]:
@@ -167,9 +153,9 @@ def header(calib: Calibration, runs: dict, args) -> str:
     loads = [r["loadavg_1m"] for name, rs in runs.items() if not name.startswith("_") for r in rs]
     cpus = os.cpu_count() or 1
     ops = ", ".join(
-        f"{k} {1e-9 / v['per_unit_s']:.1f} G/s + {v['per_call_s'] * 1e6:.0f} us/call"
+        f"{k} {1e-9 / v['per_unit_s'] if v['per_unit_s'] else math.inf:.1f} G/s + {v['per_call_s'] * 1e6:.0f} us/call"
+        + (f" + {v['per_thin_s'] * 1e12:.0f} ps x FLOP/smallest dim" if v.get("per_thin_s") else "")
         for k, v in sorted(calib.ops.items())
-        if v["per_unit_s"] > 0
     )
     s = calib.scale
     return (

@@ -1,6 +1,6 @@
 """Step time, predicted by the per-operator model, against real profiled runs it never saw.
 
-    python -m parallel_lab.bench plantime [--quick] [--rounds 2] [--steps 8] [--out plantime.json]
+    python -m parallel_lab.bench plantime [--quick] [--rounds 3] [--steps 8] [--out plantime.json]
                                           [--replay plantime.json] [--calibration runs/calibration.json]
     python -m parallel_lab.bench plantime --calibrate-only --device cuda --out calibration.json
 
@@ -9,11 +9,11 @@
 2. Real runs through the CLI, ``trainer.profile=true`` (rank 0's ``ranks[0].time_ms``: compute,
    comm, exposed_comm, optimizer, idle, other), ``--rounds`` interleaved rounds so that drifting
    load hits every config alike and the spread between rounds is the measured noise:
-   - the calibration set (CALIBRATION): the only runs the model is fitted on: one scale each for
-     compute, optimizer and communication, the share of overlapped communication hidden, and the
-     interval's width (their residuals in log space widened by the noise);
-   - the held-out set (HELD_OUT): other models, world 3/4, bf16, micro-batches, offload, bucket
-     sizes, every other strategy: predicted from the fitted calibration, never fitted on.
+   - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``): the only runs the
+     model is fitted on (``_plantime_score.fit``: compute, bf16, Adam and each collective family's
+     scale, the ranks' contention, the share of overlapped communication hidden, the interval);
+   - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
+     bucket sizes, every other strategy: predicted from that fit, never fitted on.
 3. A table per config: predicted parts beside measured parts, the interval, the error; then the
    last line (docs/plan.md): ``median |error| X%; worst Y% (config); interval coverage C/N (median
    half-width W%); ranking agreement K/M``.
@@ -38,30 +38,21 @@ from pathlib import Path
 
 from parallel_lab.bench import _plantime_score as score
 
-# name -> overrides (model=cnn, world_size=2, global batch 64 unless said).
-CALIBRATION = {
-    "single cnn w1": ["strategy=single", "world_size=1"],
-    "single cnn w1 bf16": ["strategy=single", "world_size=1", "trainer.precision=bf16"],
-    "ddp cnn": ["strategy=ddp"],
-    "fsdp cnn": ["strategy=fsdp"],
-}
-HELD_OUT = {
-    "zero2 cnn": ["strategy=zero2"],
-    "zero3 cnn": ["strategy=zero3"],
-    "manual_ddp cnn": ["strategy=manual_ddp"],
-    "tp cnn": ["strategy=tp"],
-    "pp cnn": ["strategy=pp"],
-    "ddp cnn w3": ["strategy=ddp", "world_size=3", "trainer.global_batch=66"],
-    "ddp cnn w4": ["strategy=ddp", "world_size=4"],
-    "ddp cnn bf16": ["strategy=ddp", "trainer.precision=bf16"],
-    "ddp cnn grad_accum 2": ["strategy=ddp", "trainer.grad_accum=2"],
-    "ddp cnn bucket 0.25 MiB": ["strategy=ddp", "strategy.bucket_cap_mb=0.25"],
-    "zero2 cnn offload": ["strategy=zero2", "strategy.offload=cpu"],
-    "ddp vit": ["strategy=ddp", "model=vit"],
-    "fsdp vit": ["strategy=fsdp", "model=vit"],
-    "ddp resnet18 b16": ["strategy=ddp", "model=resnet18", "trainer.global_batch=16"],
-}
-QUICK = ("zero3 cnn", "ddp cnn w4", "ddp cnn bf16", "ddp vit")
+
+def _runs() -> dict:
+    """conf/bench/plantime.yaml: the calibration set, the held-out set and the --quick subset (the
+    file, not this module, names the strategies: only strategies/ may)."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config import CONF_DIR
+
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "bench" / "plantime.yaml"))
+
+
+RUNS = _runs()
+CALIBRATION: dict[str, list[str]] = RUNS["calibration"]
+HELD_OUT: dict[str, list[str]] = RUNS["held_out"]
+QUICK: list[str] = RUNS["quick"]
 BASE = ["model=cnn", "world_size=2", "trainer.global_batch=64", "trainer.eval_batches=0", "trainer.profile=true"]
 
 
@@ -104,7 +95,7 @@ def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench plantime", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"held-out subset only: {', '.join(QUICK)}")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="per run: 2 warm-up, 2 traced, the rest timed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calibrate-only", action="store_true", help="calibration set's world-1 rows only")
@@ -119,7 +110,11 @@ def main(argv: list[str]) -> int:
 
     if args.replay:
         saved = json.loads(args.replay.read_text())
+        if "runs" not in saved:  # a .partial.json of a killed run: its runs, and --calibration's file
+            saved = {"runs": saved, "calibration": json.loads(args.calibration.read_text())}
         calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
+        if args.calibration:  # the same runs under another quick calibration
+            calib = Calibration.from_json(args.calibration.read_text())
         held = {n: HELD_OUT[n] for n in runs if n in HELD_OUT}
     else:
         load_before = os.getloadavg()
@@ -130,6 +125,8 @@ def main(argv: list[str]) -> int:
         )
         cal_set = {n: o for n, o in CALIBRATION.items() if not args.calibrate_only or "world_size=1" in o}
         held = {} if args.calibrate_only else {n: HELD_OUT[n] for n in (QUICK if args.quick else HELD_OUT)}
+        if args.out:  # the calibration first: a killed run can be replayed from it and its partial runs
+            args.out.with_suffix(".calibration.json").write_text(calib.to_json() + "\n")
         with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
             runs = measure({**cal_set, **held}, args, Path(workdir))
         runs["_loadavg"] = [{"before": list(load_before), "after": list(os.getloadavg())}]

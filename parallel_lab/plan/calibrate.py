@@ -6,7 +6,7 @@ cores and collectives cost, measured in a few seconds without a training run, ca
 
 What is measured (one thread, the run's device):
 
-- ``ops``: per kind of operator (``parallel_lab.plan.census``: conv, matmul, memory) and dtype, one
+- ``ops``: per kind of operator (``parallel_lab.plan.census``: conv, matmul, pool, norm, memory) and dtype, one
   forward+backward of a conv / linear / ReLU at 3-4 sizes, fitted to ``calls x per_call_s + units x
   per_unit_s`` (units: FLOPs, or bytes read+written) by least squares in relative error;
 - ``optimizer``: torch's Adam on one large and many small tensors: ``per_param_s``, ``per_tensor_s``;
@@ -34,13 +34,22 @@ from parallel_lab.plan.microbench import contention_probe, sync, time_pass
 
 DEFAULT_PATH = Path("runs/calibration.json")
 VERSION = 1
-# Until a bench plantime calibration set says otherwise: +-15% in log space (its held-out residuals
-# on this 2-core machine, docs/plan.md), the run-to-run noise included.
-DEFAULT_INTERVAL_LOG = 0.15
-# The corrections bench plantime's calibration set fits (compute, bf16 and optimizer multipliers,
-# the latency and bandwidth terms of a collective in training, the share of overlapped communication
-# hidden); until it has run here, the figures it fitted on the 2-core machine of docs/plan.md.
-DEFAULT_SCALE = {"compute": 1.0, "bf16": 1.0, "optimizer": 1.0, "comm_call": 1.0, "comm_byte": 1.0, "hidden": 0.5}
+# Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
+# docs/plan.md (3 rounds). The interval: the 90th percentile of the set's residuals in log space.
+DEFAULT_INTERVAL_LOG = 0.25
+# The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
+# collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
+# the share of overlapped communication found hidden.
+DEFAULT_SCALE = {
+    "compute": 1.00,
+    "bf16": 1.09,
+    "optimizer": 2.38,
+    "comm": 3.25,
+    "comm_all_reduce": 3.43,
+    "comm_all_gather": 3.16,
+    "comm_reduce_scatter": 3.16,
+    "hidden": 0.0,
+}
 
 
 @dataclass
@@ -89,20 +98,20 @@ def load_or_measure_calibration(path: Path | None = None, device: str | None = N
 
 
 # ---- fits --------------------------------------------------------------------------------------------
-def fit_per_call(points: list[tuple[float, float, float]]) -> dict[str, float]:
-    """Least squares of ``t = calls x per_call + units x per_unit`` over (calls, units, t) points, in
-    relative error; a negative coefficient is clamped at 0 and the other refitted alone."""
-    a = torch.tensor([[c / t, u / t] for c, u, t in points], dtype=torch.float64)
-    per_call, per_unit = (
-        torch.linalg.lstsq(a, torch.ones(len(points), 1, dtype=torch.float64)).solution.flatten().tolist()
-    )
-    if per_unit <= 0:
-        per_unit = 0.0
-        per_call = sum(t / c for c, _, t in points) / len(points)
-    elif per_call < 0:
-        per_call = 0.0
-        per_unit = sum(t / u for _, u, t in points) / len(points)
-    return {"per_call_s": per_call, "per_unit_s": per_unit}
+def fit_per_call(points: list[tuple[float, ...]]) -> dict[str, float]:
+    """Least squares of ``t = calls x per_call + units x per_unit [+ thin x per_thin]`` over
+    (calls, units, [thin,] t) points, in relative error; a negative coefficient is dropped (0) and
+    the rest refitted, so every term costs time or nothing."""
+    names = ("per_call_s", "per_unit_s", "per_thin_s")[: len(points[0]) - 1]
+    active = list(range(len(names)))
+    while True:
+        a = torch.tensor([[p[i] / p[-1] for i in active] for p in points], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, torch.ones(len(points), 1, dtype=torch.float64)).solution.flatten().tolist()
+        if min(coef) >= 0 or len(active) == 1:
+            out = dict.fromkeys(names, 0.0)
+            out.update({names[i]: max(0.0, c) for i, c in zip(active, coef)})
+            return out
+        active.pop(coef.index(min(coef)))
 
 
 def kind_seconds(calib: Calibration, census: Census, dtype: str) -> dict[str, float]:
@@ -111,7 +120,11 @@ def kind_seconds(calib: Calibration, census: Census, dtype: str) -> dict[str, fl
     out = {}
     for kind, calls in census.calls.items():
         fit = calib.ops.get(f"{kind}@{dtype}") or calib.ops[f"{kind}@fp32"]
-        out[kind] = calls * fit["per_call_s"] + census.units[kind] * fit["per_unit_s"]
+        out[kind] = (
+            calls * fit["per_call_s"]
+            + census.units[kind] * fit["per_unit_s"]
+            + census.thin[kind] * fit.get("per_thin_s", 0.0)
+        )
     return out
 
 
@@ -121,9 +134,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # 32x32 CIFAR, vit's token x width matmuls).
 BENCHES = {
     "memory": [(lambda: torch.nn.ReLU(), (n,)) for n in (1 << 16, 1 << 19, 1 << 22)],
-    "conv": [(lambda c=c: torch.nn.Conv2d(c, c, 3, padding=1), (4, c, hw, hw))
-             for c, hw in ((16, 32), (64, 16), (256, 4))],
-    "matmul": [(lambda d=d: torch.nn.Linear(d, d), (n, d)) for n, d in ((256, 128), (256, 1024))],
+    "pool": [(lambda: torch.nn.MaxPool2d(2), (4, c, hw, hw)) for c, hw in ((16, 32), (64, 16), (256, 8))],
+    "norm": [(lambda: torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.GELU(), torch.nn.Softmax(-1)), (n, 256))
+             for n in (128, 1024, 4096)],
+    "conv": [(lambda i=i, o=o: torch.nn.Conv2d(i, o, 3, padding=1), (4, i, hw, hw))
+             for i, o, hw in ((3, 32, 32), (16, 16, 32), (32, 64, 16), (128, 128, 8), (256, 256, 4))],
+    "matmul": [(lambda i=i, o=o: torch.nn.Linear(i, o), (n, i))
+               for n, i, o in ((1024, 32, 256), (256, 128, 128), (512, 512, 512), (256, 1024, 1024))],
 }  # fmt: skip
 
 
@@ -142,7 +159,7 @@ def _bench_census(factory, shape: tuple, dtype: torch.dtype) -> Census:
 def measure_ops(device: str) -> dict[str, dict[str, float]]:
     ops: dict[str, dict[str, float]] = {}
     for dname, dtype in DTYPES.items():
-        for kind in ("memory", "conv", "matmul"):
+        for kind in ("memory", "pool", "norm", "conv", "matmul"):
             points = []
             for factory, shape in BENCHES[kind]:
                 census = _bench_census(factory, shape, dtype)
@@ -153,7 +170,8 @@ def measure_ops(device: str) -> dict[str, dict[str, float]]:
                         t * 0.05,
                         t - census.calls["memory"] * mem["per_call_s"] - census.units["memory"] * mem["per_unit_s"],
                     )
-                points.append((census.calls[kind], census.units[kind], t))
+                thin = (census.thin[kind],) if kind in ("conv", "matmul") else ()
+                points.append((census.calls[kind], census.units[kind], *thin, t))
             ops[f"{kind}@{dname}"] = fit_per_call(points)
     return ops
 

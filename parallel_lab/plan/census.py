@@ -6,6 +6,9 @@ forward, cross-entropy and backward run; nothing is allocated. Each operator lan
 
 - ``conv``: convolutions and their backward, with their FLOPs (torch's own ``flop_registry``);
 - ``matmul``: mm, addmm, bmm, baddbmm and the fused attention kernels, with their FLOPs;
+- ``pool``: pooling and its backward (max pooling with indices runs far below memory speed), with
+  the bytes they read and write;
+- ``norm``: layer/group/batch norm, softmax, GELU and their backward, with their bytes;
 - ``memory``: every other operator that writes a tensor (activations, norms, pooling, adds, the
   loss), with the bytes it reads and writes (inputs + outputs);
 - views (``view``, ``t``, ``detach``, ...) write nothing and are not counted.
@@ -25,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-KINDS = ("conv", "matmul", "memory")
+KINDS = ("conv", "matmul", "pool", "norm", "memory")
+_NORM = ("norm", "softmax", "gelu")  # normalisations, softmax, GELU and their backward: compute-heavy per byte
 _CONV = {"convolution", "_convolution", "convolution_backward", "convolution_overrideable", "_slow_conv2d_forward"}
 
 
@@ -39,10 +43,15 @@ class Census:
 
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     units: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    # FLOPs over the operator's smallest GEMM dimension, summed: a thin matrix (3 input channels,
+    # a 32-wide attention head) runs far below the machine's peak, and this term says how far.
+    thin: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
 
-    def add(self, kind: str, units: float) -> None:
+    def add(self, kind: str, units: float, small_dim: int | None = None) -> None:
         self.calls[kind] += 1
         self.units[kind] += units
+        if small_dim:
+            self.thin[kind] += units / small_dim
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -60,11 +69,30 @@ class _Counter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            self.census.add(_kind(packet.__name__), float(flops))
+            self.census.add(_kind(packet.__name__), float(flops), small_dim(packet.__name__, args))
         elif not _is_view(func, args, out):
             moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
-            self.census.add("memory", float(moved))
+            self.census.add(_memory_kind(packet.__name__), float(moved))
         return out
+
+
+def _memory_kind(name: str) -> str:
+    if "pool" in name:
+        return "pool"
+    return "norm" if any(word in name for word in _NORM) else "memory"
+
+
+def small_dim(name: str, args) -> int | None:
+    """The smallest of a GEMM's M, N, K: a convolution's (weight: out x in/groups x kh x kw) output
+    channels and in/groups x kh x kw; a matmul's operands' dimensions."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in _CONV:
+        weight = tensors[2] if name == "convolution_backward" else tensors[1]
+        return max(1, min(weight.shape[0], weight[0].numel()))
+    if name in ("mm", "addmm", "bmm", "baddbmm"):
+        a, b = tensors[-2], tensors[-1]
+        return max(1, min(a.shape[-2], a.shape[-1], b.shape[-1]))
+    return None
 
 
 def _is_view(func, args, out) -> bool:

@@ -13,11 +13,11 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if str(device).startswith("cuda"):  # "cuda" or a rank's "cuda:<k>"
+        torch.cuda.synchronize(device)
 
 
-def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 3) -> float:
+def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
     """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
     the least interference, what the calibration set's scale then corrects for the real run."""
     module = module.to(device=device, dtype=dtype)

@@ -1,23 +1,34 @@
-"""Step time at world N, predicted from measurements on this machine: the roofline-free
-"compute + communication" model, with an interval for the overlap nobody can promise.
+"""Step time, predicted per part as the profiler measures it (compute, comm, exposed_comm,
+optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with an interval.
 
-Two calibrations, both measured here (``python -m parallel_lab.bench plantime`` makes them):
+    calib = load_or_measure_calibration()          # runs/calibration.json, or measured (seconds)
+    pred = predict_step(cfg, strategy_cls, meta_model, calib)
+    pred.point_s, pred.low_s, pred.high_s, pred.parts   # rank 0's step, seconds
 
-* compute: a one-rank run (``strategy=single world_size=1``, one thread) at two batch sizes gives
-  forward+backward = ``fixed_s + per_sample_s * samples`` and the optimizer step's time per
-  parameter it updates;
-* communication: the collectives benchmark (``python -m parallel_lab.bench collectives --json``)
-  at several sizes, fitted per collective to Hockney's alpha-beta model (R. W. Hockney, "The
-  communication challenge for MPP", Parallel Computing 20(3), 1994): one call of S bytes takes
-  ``alpha + S / beta``.
+* Compute, per operator (``plan/census.py``): every aten operator of one forward + loss +
+  backward, counted on the meta device, each kind (conv, matmul, pool, norm/softmax/GELU, other
+  memory traffic) through the line its micro-benchmarks fitted (``plan/calibrate.py``: per call +
+  per FLOP or byte + per FLOP over the smallest GEMM dimension); nothing is measured per model, so
+  resnet18 and vit are predicted without ever being calibrated on. A rank runs
+  ``PlanRules.compute_shape``'s slots x flop share of such passes (pipeline: the idle slots are
+  ``idle``).
+* Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
+  share of a core (time-slicing), never less slowdown than the contention two computing processes
+  were measured to cause each other; a rank waiting in a collective yields its core (a
+  fixed point on the busy share of the step).
+* Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
+* Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
+  fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
+  20(3), 1994), scaled to world N by the ring's steps and payload share, with the real number of
+  calls (DDP's buckets, FSDP's units, ZeRO's buckets, pipeline micro-batches:
+  ``PlanRules.collective_calls`` and the bucket options); exposed: the collectives issued outside
+  backward plus what the calibration found not hidden of those issued during it
+  (``PlanRules.overlapped_collectives``).
+* Corrections and interval: ``python -m parallel_lab.bench plantime`` fits a scale per part on a
+  small calibration set of real runs and the interval from its residuals (docs/plan.md); a quick
+  calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
 
-A strategy's step at world N is then its share of the compute (each data-parallel rank 1/N of the
-samples; tp: the split layers' FLOPs divided by the tp degree; pp: the slowest stage times the
-GPipe schedule's m + p - 1 slots) plus its bytes per collective (``PlanRules.predict_comm``, the
-same numbers the planner tables) through the fitted alpha-beta. Overlap is stated, not assumed:
-the upper bound hides no communication; the lower bound hides, behind backward, the collectives
-the strategy issues while backward runs (``PlanRules.overlapped_collectives``). Nothing here is a GPU
-time. How each strategy splits the compute is its own ``PlanRules.compute_shape``.
+Nothing here is a GPU time unless the calibration was measured on a GPU (``device="cuda"``).
 """
 
 from __future__ import annotations
@@ -90,7 +101,7 @@ class StepPrediction:
     high_s: float
     parts: dict[str, float]
     comm_by_op: dict[str, float] = field(default_factory=dict)
-    comm_terms: tuple[float, float] = (0.0, 0.0)  # (latency, bandwidth) s before the comm scales
+    comm_raw: dict[str, float] = field(default_factory=dict)  # s per bench op before the comm scales
     notes: list[str] = field(default_factory=list)
 
 
@@ -99,15 +110,17 @@ def _dtype(cfg) -> str:
     return "bf16" if any(str(getattr(k, "value", k)) == "bf16" for k in keys) else "fp32"
 
 
-def _cores(cfg, strategy_cls: type, calib: Calibration, background_load: float) -> tuple[float, float, int]:
+def _cores(
+    cfg, strategy_cls: type, calib: Calibration, background_load: float, busy: float = 1.0
+) -> tuple[float, float, int]:
     """(timeslice, contention, threads): how much slower each rank's operators run because the
-    ranks x threads (+ the background load) outnumber the cores, how much the ranks slow each other
-    even with a core each (calibrated), and the intra-op threads that share a rank's FLOPs."""
+    busy ranks x threads (+ the background load) outnumber the cores, how much the ranks slow each
+    other even with a core each (calibrated), and the intra-op threads that share a rank's FLOPs."""
     if calib.device == "cuda":
         return 1.0, 1.0, 1
     procs = 1 if strategy_cls.plan.single_process else cfg.world_size
     threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
-    demand = procs * threads + max(0.0, background_load)
+    demand = procs * threads * busy + max(0.0, background_load)
     timeslice = max(1.0, demand / calib.cpu_count)
     return timeslice, calib.contention if procs * threads > 1 else 1.0, threads
 
@@ -132,15 +145,15 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
 
 
 def predict_comm_seconds(
-    cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, timeslice: float
-) -> tuple[dict[str, float], tuple[float, float]]:
-    """Seconds per collective (the counter's names) and the unscaled (latency, bandwidth) totals:
-    the calibration set's scales ``comm_call`` and ``comm_byte`` weigh the two terms (in training a
-    call also waits for the slower rank to arrive: what the two-process benchmark cannot see)."""
+    cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per collective (the counter's names), and the unscaled seconds per bench op that the
+    calibration set fits its scales ``comm_<op>`` on: in training a collective also waits for the
+    slower rank and copies into and out of the strategy's buffers, which the two-process benchmark
+    does not see; each family (DDP's all-reduce, FSDP's all-gather and reduce-scatter) its own."""
     fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
     out: dict[str, float] = {}
-    terms = [0.0, 0.0]
-    scale = (calib.scale.get("comm_call", 1.0), calib.scale.get("comm_byte", 1.0))
+    raw: dict[str, float] = {}
     for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
         if not counted or fits is None:
             continue
@@ -148,11 +161,12 @@ def predict_comm_seconds(
         payload = counted / per_payload
         kind = "p2p" if op in ("isend", "send") else bench_op
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        parts = collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
-        for i in (0, 1):
-            terms[i] += parts[i] * timeslice
-        out[op] = timeslice * (parts[0] * scale[0] + parts[1] * scale[1])
-    return out, (terms[0], terms[1])
+        seconds = sum(
+            collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
+        )
+        raw[bench_op] = raw.get(bench_op, 0.0) + seconds
+        out[op] = seconds * calib.scale.get(f"comm_{bench_op}", calib.scale.get("comm", 1.0))
+    return out, raw
 
 
 def predict_step(
@@ -165,15 +179,36 @@ def predict_step(
     alpha-beta at world 2 scaled to the world by ring formulas, with the calls per step; exposed
     communication: the non-overlapped collectives plus the part of the overlapped ones
     (``PlanRules.overlapped_collectives``) that calibration did not find hidden behind backward.
-    ``background_load``: other runnable processes on the machine (e.g. the load average)."""
-    from parallel_lab.plan.calibrate import kind_seconds
+    ``background_load``: other runnable processes on the machine (e.g. the load average).
+
+    More ranks than cores: a rank waiting in a collective or a pipeline bubble yields its core, so
+    the ranks' demand is their count x the busy share of their step, found by a few fixed-point
+    rounds from "always busy"."""
     from parallel_lab.plan.census import census_of
 
-    plan = strategy_cls.plan
-    shape = plan.compute_shape(cfg, model)
+    shape = strategy_cls.plan.compute_shape(cfg, model)
     dtype = _dtype(cfg)
-    timeslice, contention, threads = _cores(cfg, strategy_cls, calib, background_load)
     census = census_of(model, shape.micro_batch, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    comm_by_op, comm_raw = predict_comm_seconds(cfg, strategy_cls, model, calib, shape)
+    busy = 1.0
+    for _ in range(4):
+        timeslice, contention, threads = _cores(cfg, strategy_cls, calib, background_load, busy)
+        parts = _step_parts(cfg, strategy_cls, model, calib, shape, census, dtype, (timeslice, contention, threads))
+        parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib))
+        point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
+        busy = (parts["compute"] + parts["optimizer"]) / point
+    q = calib.interval_log
+    notes = [shape.note] if shape.note else []
+    return StepPrediction(
+        cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, comm_raw, notes
+    )
+
+
+def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, census, dtype: str, cores):
+    """compute, idle and optimizer seconds under (timeslice, contention, threads)."""
+    from parallel_lab.plan.calibrate import kind_seconds
+
+    timeslice, contention, threads = cores
     per_kind = kind_seconds(calib, census, dtype)
     per_call = sum(
         census.calls[k] * (calib.ops.get(f"{k}@{dtype}") or calib.ops[f"{k}@fp32"])["per_call_s"] for k in per_kind
@@ -183,28 +218,20 @@ def predict_step(
     one_pass = per_call * timeslice + units * max(timeslice, contention) / threads
     scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
     fwd_bwd = shape.slots * shape.flop_share * one_pass * scale
-    passes = (
-        cfg.trainer.global_batch
-        // (plan.data_parallel_size(cfg) * shape.micro_batch)
-        * cfg.strategy.get("virtual_stages", 1)
-    )
+    dp = strategy_cls.plan.data_parallel_size(cfg)
+    passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
     optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * max(timeslice, contention)
-    optimizer *= calib.scale.get("optimizer", 1.0)
-    comm_by_op, comm_terms = predict_comm_seconds(cfg, strategy_cls, model, calib, shape, timeslice)
+    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * calib.scale.get("optimizer", 1.0)}
+
+
+def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration) -> dict:
     comm = sum(comm_by_op.values())
-    overlapped = sum(s for op, s in comm_by_op.items() if op in plan.overlapped_collectives(cfg))
-    hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * (fwd_bwd - idle))
-    exposed = comm - hidden
-    point = fwd_bwd + optimizer + exposed
-    q = calib.interval_log
-    parts = {"compute": fwd_bwd - idle, "comm": comm, "exposed_comm": exposed, "optimizer": optimizer, "idle": idle}
-    notes = [shape.note] if shape.note else []
-    return StepPrediction(
-        cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, comm_terms, notes
-    )
+    overlapped = sum(s for op, s in comm_by_op.items() if op in strategy_cls.plan.overlapped_collectives(cfg))
+    hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * parts["compute"])
+    return {"comm": comm, "exposed_comm": comm - hidden}
 
 
 def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> tuple[float, float]:

@@ -12,7 +12,7 @@ import pytest
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import layer_flops
 from parallel_lab.plan.calibrate import Calibration, fit_per_call, load_or_measure_calibration
-from parallel_lab.plan.census import census_of
+from parallel_lab.plan.census import KINDS, census_of
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.plan.steptime import (
     BACKWARD_SHARE,
@@ -26,6 +26,7 @@ from parallel_lab.strategies import get_strategy_class
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 FLOP_S = 1e-11  # 100 GFLOP/s
 BYTE_S = 1e-10  # 10 GB/s
+FLOP_KINDS = ("conv", "matmul")  # the others' units are bytes
 
 
 def _calib(alpha: float = 100e-6, beta: float = 1e9, cpus: int = 8, contention: float = 1.0, **kw) -> Calibration:
@@ -33,11 +34,13 @@ def _calib(alpha: float = 100e-6, beta: float = 1e9, cpus: int = 8, contention: 
     byte, no per-call cost unless ``per_call`` says; Adam free unless ``per_param`` says."""
     per_call = kw.pop("per_call", 0.0)
     ops = {
-        f"{k}@{d}": {"per_call_s": per_call, "per_unit_s": BYTE_S if k == "memory" else FLOP_S}
-        for k in ("conv", "matmul", "memory")
+        f"{k}@{d}": {"per_call_s": per_call, "per_unit_s": FLOP_S if k in FLOP_KINDS else BYTE_S}
+        for k in KINDS
         for d in ("fp32", "bf16")
     }
     fits = {op: {"alpha_s": alpha, "beta_Bps": beta} for op in OPS}
+    kw.setdefault("scale", {"hidden": 0.5})  # every other correction 1: the lines alone
+    kw.setdefault("interval_log", 0.15)
     return Calibration(
         cpu_count=cpus,
         ops=ops,
@@ -67,7 +70,7 @@ def _predict(strategy: str, calib: Calibration, *extra: str):
 
 def _pass_seconds(batch: int) -> float:
     c = census_of(_model(), batch)
-    return (c.units["conv"] + c.units["matmul"]) * FLOP_S + c.units["memory"] * BYTE_S
+    return sum(c.units[k] * (FLOP_S if k in FLOP_KINDS else BYTE_S) for k in KINDS)
 
 
 def test_fits_recover_the_lines_they_were_given():
@@ -79,6 +82,17 @@ def test_fits_recover_the_lines_they_were_given():
         fit_alpha_beta([(4096, 1e-4)])
     line = fit_per_call([(c, u, c * 3e-5 + u * 2e-11) for c, u in ((2, 1e6), (2, 1e8), (4, 1e9))])
     assert line["per_call_s"] == pytest.approx(3e-5, rel=1e-6) and line["per_unit_s"] == pytest.approx(2e-11, rel=1e-6)
+    # a thin-operator term that the points say costs nothing more is dropped, never negative
+    pts = [
+        (c, u, th, c * 3e-5 + u * 2e-11 - th * 1e-13)
+        for c, u, th in ((2, 1e6, 1e4), (2, 1e8, 1e5), (4, 1e9, 1e8), (3, 5e8, 1e6))
+    ]
+    thin = fit_per_call(pts)
+    assert thin["per_thin_s"] == 0.0 and thin["per_unit_s"] > 0
+    without = fit_per_call([(c, u, t) for c, u, _, t in pts])  # the two-term fit: what the rest refits to
+    assert thin["per_call_s"] == pytest.approx(without["per_call_s"]) and thin["per_unit_s"] == pytest.approx(
+        without["per_unit_s"]
+    )
 
 
 def test_census_counts_forward_and_both_gradients_of_every_conv():
@@ -132,12 +146,18 @@ def test_ranks_sharing_cores_slow_each_other():
     """world 4 on 2 cores: each rank gets half a core (timeslice 2), which already includes what
     sharing costs (the larger of timeslice and contention); on 8 cores only the contention remains;
     a background load of 2 on 2 cores halves a world-2 rank's core."""
-    roomy = _predict("ddp", _calib(cpus=8, contention=1.3), "world_size=4")
-    crowded = _predict("ddp", _calib(cpus=2, contention=1.3), "world_size=4")
+    free = dict(alpha=0.0, beta=1e15)  # no communication: every rank busy all the time
+    roomy = _predict("ddp", _calib(cpus=8, contention=1.3, **free), "world_size=4")
+    crowded = _predict("ddp", _calib(cpus=2, contention=1.3, **free), "world_size=4")
     assert roomy.parts["compute"] == pytest.approx(1.3 * _pass_seconds(16))
     assert crowded.parts["compute"] == pytest.approx(2 * _pass_seconds(16))
-    loaded = predict_step(_cfg("ddp"), get_strategy_class("ddp"), _model(), _calib(cpus=2), background_load=2.0)
+    loaded = predict_step(_cfg("ddp"), get_strategy_class("ddp"), _model(), _calib(cpus=2, **free), background_load=2.0)
     assert loaded.parts["compute"] == pytest.approx(2 * _pass_seconds(32))
+    # Ranks waiting on slow collectives yield their cores: fewer busy ranks, less time-slicing.
+    waiting = _predict("ddp", _calib(cpus=2, contention=1.3, alpha=0.0, beta=2e7), "world_size=4")
+    busy = (waiting.parts["compute"] + waiting.parts["optimizer"]) / waiting.point_s
+    assert 1.3 * _pass_seconds(16) <= waiting.parts["compute"] < crowded.parts["compute"]
+    assert waiting.parts["compute"] == pytest.approx(max(1.3, 4 * busy / 2) * _pass_seconds(16), rel=0.02)
 
 
 def test_sharded_optimizer_updates_half():
@@ -163,3 +183,30 @@ def test_calibration_round_trips_and_is_read_from_its_cache(tmp_path):
     assert load_or_measure_calibration(path) == calib  # read, not measured
     with pytest.raises(ValueError, match="version"):
         Calibration.from_json(calib.to_json().replace('"version": 1', '"version": 0'))
+
+
+def test_bench_scoring_counts_only_rankings_above_noise():
+    """bench plantime's arithmetic: a pair whose gap is inside the noise is not a ranking; pairs of
+    different models are never compared; the last line's fields."""
+    from types import SimpleNamespace
+
+    from parallel_lab.bench import _plantime_score as score
+
+    def row(name, pred, steps, model="cnn"):
+        point = SimpleNamespace(point_s=pred, low_s=pred / 1.1, high_s=pred * 1.1)
+        step = sorted(steps)[len(steps) // 2]
+        return {"name": name, "model": model, "pred": point, "step_s": step, "steps": steps,
+                "error": (pred - step) / step, "inside": sum(pred / 1.1 <= s <= pred * 1.1 for s in steps),
+                "rounds": len(steps), "noise": score.log_spread([{"step_s": s} for s in steps])}  # fmt: skip
+
+    rs = [
+        row("a", 1.0, [1.0, 1.02]),
+        row("b", 2.2, [2.0, 2.04]),  # b > a by far more than the noise: ordered right
+        row("c", 0.9, [1.01, 1.03]),  # c vs a: inside a's and c's noise, not counted
+        row("d", 0.5, [3.0, 3.1]),  # d is slowest measured, predicted fastest: wrong twice over
+        row("e", 5.0, [0.1, 0.1], model="vit"),  # another model: never paired
+    ]
+    assert score.ranking(rs) == (2, 5)  # a<b, c<b right; a<d, b<d, c<d wrong; a~c not counted
+    line = score.last_line(rs)
+    assert line.startswith("median |error| 13%; worst 4900% (e); interval coverage 4/10 (median half-width ")
+    assert line.endswith("; ranking agreement 2/5")

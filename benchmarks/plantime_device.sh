@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One prepared command for a lent GPU machine: the step-time model's calibration there (issue 35
+# item 5), well under 8 minutes. The quick calibration (operator micro-benchmarks, Adam; nccl
+# collectives at world 2 when the machine has >= 2 GPUs, none on one) and the calibration set's
+# world-1 rows (single cnn, fp32 and bf16, profiled) on CUDA, fitted and written as a calibration
+# json that load_or_measure_calibration reads. Run from the checkout's root on the GPU machine,
+# with the wheels its image lacks in .whl/ (as benchmarks/gpu_check.sh):
+#     bash benchmarks/plantime_device.sh [OUT]        (OUT: default ./plantime_out)
+set -u
+out=${1:-${OUT:-plantime_out}}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+log=$out/plantime_device.log
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$log"
+start=$SECONDS
+timeout 420 python3 -m parallel_lab.bench plantime --calibrate-only --device cuda --rounds 2 \
+  --out "$out/calibration.json" 2>&1 | tee -a "$log"
+echo "exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
