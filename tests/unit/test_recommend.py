@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from parallel_lab.plan.calibrate import Calibration
 from parallel_lab.plan.candidates import Candidate, candidates
+from parallel_lab.plan.census import KINDS
 from parallel_lab.plan.main import main as plan_main
 from parallel_lab.plan.recommend import NO_COMM, Ranked, rank, recommend
 
@@ -24,7 +25,7 @@ def made_up_calibration() -> Calibration:
     ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
     return Calibration(
         cpu_count=2,
-        ops={f"{kind}@fp32": dict(line) for kind in ("conv", "matmul", "memory")},
+        ops={f"{kind}@fp32": dict(line) for kind in KINDS},
         optimizer={"per_param_s": 2e-9, "per_tensor_s": 5e-5},
         collectives={impl: {op: dict(ab) for op in ops} for impl in ("gloo", "hand")},
     )
