@@ -171,10 +171,11 @@ def why_lost(r: Ranked, winner: Ranked | None, cap_bytes: int) -> str:
     extra = {word: r.parts.get(part, 0.0) - winner.parts.get(part, 0.0) for part, word in PART_WORDS.items()}
     word, seconds = max(extra.items(), key=lambda kv: kv[1])
     overlap = r.step_low_s <= winner.step_high_s
-    note = " (intervals overlap)" if overlap else ""
+    net = 1000 * (r.step_s - winner.step_s)
     if seconds <= 0:  # no part grew: the step itself is longer by rounding or the global batch differs
-        return f"slower by {1000 * (r.step_s - winner.step_s):.2f} ms/step{note}"
-    return f"{word}: +{1000 * seconds:.2f} ms/step{note}"
+        return f"slower by {net:.2f} ms/step" + (" (intervals overlap)" if overlap else "")
+    # The part that grew most, and the net: another part may have shrunk (e.g. sharding: less optimizer)
+    return f"{word}: +{1000 * seconds:.2f} ms/step (step +{net:.2f} ms" + ("; intervals overlap)" if overlap else ")")
 
 
 @dataclass

@@ -50,7 +50,7 @@ def test_ranks_by_predicted_samples_per_s_and_says_why_each_lost() -> None:
     assert out[0].why == "recommended"
     assert out[1].why.startswith("optimizer: +2.00 ms/step")
     assert out[2].why.startswith("bubble: +6.00 ms/step")
-    assert out[3].why.startswith("communication: +10.00 ms/step") and "overlap" not in out[3].why
+    assert out[3].why == "communication: +10.00 ms/step (step +10.00 ms)"  # intervals apart: no overlap note
 
 
 def test_over_the_cap_never_ranks_above_a_fit_and_says_by_how_much() -> None:
