@@ -58,14 +58,14 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
                     comm.setdefault(op, []).append(m["comm"] / total)
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
     compute = _gmean(ratios["fp32"])
-    scale = {
-        "compute": compute,
-        "bf16": _gmean(ratios["bf16"]) / compute if ratios["bf16"] else 1.0,
-        "optimizer": _gmean(ratios["optimizer"]),
-        "comm": _gmean([x for xs in comm.values() for x in xs]),  # collectives no calibration row used
-        **{f"comm_{op}": _gmean(xs) for op, xs in comm.items()},
-        "hidden": statistics.median(ratios["hidden"]) if ratios["hidden"] else 0.5,
-    }
+    scale = dict(calib.scale)  # what no row of this set can fit keeps its value (--calibrate-only)
+    scale.update(compute=compute, optimizer=_gmean(ratios["optimizer"]))
+    if ratios["bf16"]:
+        scale["bf16"] = _gmean(ratios["bf16"]) / compute
+    if comm:
+        scale["comm"] = _gmean([x for xs in comm.values() for x in xs])  # collectives no row used
+        scale.update({f"comm_{op}": _gmean(xs) for op, xs in comm.items()})
+        scale["hidden"] = statistics.median(ratios["hidden"])
     # contention as the several-rank rows show it beyond the one-rank compute
     contention = calib.contention * (_gmean(ratios["shared"]) / compute if ratios["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
@@ -74,7 +74,9 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
         for n, runs in cal_runs.items()
         for r in runs
     )
-    q90 = resid[min(len(resid) - 1, math.ceil(0.9 * len(resid)) - 1)] if resid else 0.0
+    if len(resid) < 6:  # too few residuals for a 90th percentile (--calibrate-only): keep the interval
+        return dataclasses.replace(fitted, interval_log=calib.interval_log)
+    q90 = resid[math.ceil(0.9 * len(resid)) - 1]
     return dataclasses.replace(fitted, interval_log=q90)
 
 
