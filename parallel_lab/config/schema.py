@@ -286,6 +286,10 @@ class PlanConfig:
     out: Optional[str] = None  # output folder; null = runs/plan/<date>_<time>
     # Run folders (or sweeps) whose metrics.json are drawn as measured points in the scaling plot.
     measured: list = field(default_factory=list)
+    # true: instead of the per-strategy table, rank every candidate configuration (strategy x its
+    # main options x micro-batches x recompute, plan/candidates.py) by predicted samples/s among those
+    # that fit device_memory, with no run (plan/recommend.py, docs/plan.md); writes recommend.md/.json.
+    recommend: bool = False
 
 
 @dataclass

@@ -88,12 +88,17 @@ def type_of(cfg: DictConfig) -> type:
 
 
 def run(overrides: list[str]) -> Path:
+    """Plan (or, with plan.recommend=true, recommend) and write the files; the table's path."""
     from parallel_lab.config import compose_config
 
     cfg = compose_config(overrides)
     device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
-    planned = planned_configs(overrides)
     out = Path(cfg.plan.out or f"runs/plan/{time.strftime('%Y-%m-%d_%H-%M-%S')}").expanduser()
+    if cfg.plan.recommend:
+        from parallel_lab.plan.recommend import run as recommend
+
+        return recommend(overrides, device_bytes, source, out)
+    planned = planned_configs(overrides)
     rows, ranks = build_plans(planned, device_bytes)
     out.mkdir(parents=True, exist_ok=True)
     width = cfg.model.get("width", 1.0)
@@ -110,7 +115,7 @@ def run(overrides: list[str]) -> Path:
     plot_bars(bar_rows(rows), device_bytes, out / "plan.png")
     if len(cfg.plan.world_sizes) > 1:
         plot_scaling(rows, measured_points(list(cfg.plan.measured), cfg.model), out / "scaling.png")
-    return out
+    return out / "plan.md"
 
 
 def bar_rows(rows: list[dict]) -> list[dict]:
@@ -135,10 +140,14 @@ def rows_params(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        out = run(argv)
+        table = run(argv)
     except ConfigError as exc:
         print(f"parallel_lab.plan: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    print((out / "plan.md").read_text())
-    print(f"written: {out}/plan.md .csv .json .png" + (" scaling.png" if (out / "scaling.png").exists() else ""))
+    out = table.parent
+    print(table.read_text())
+    if table.name == "recommend.md":
+        print(f"written: {out}/recommend.md .json")
+    else:
+        print(f"written: {out}/plan.md .csv .json .png" + (" scaling.png" if (out / "scaling.png").exists() else ""))
     return 0

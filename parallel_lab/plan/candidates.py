@@ -1,0 +1,223 @@
+"""The recommender's candidates (``plan.recommend=true``): every strategy x its main options x
+micro-batches x recompute, each a list of overrides that the run's own validation accepts.
+
+One home for the search space. It is keyed by *option name*, never by strategy (no code outside
+``strategies/`` names one): a strategy is searched over each of its ``Options`` fields named in
+``SEARCH``, every other field keeping its default, so a new strategy with a ``schedule`` or an
+``offload`` field is searched with no edit here. A combination the run would refuse (tp whose
+degree does not divide the heads, offload at ZeRO stage 0, zero_bubble without impl=torch, a
+batch that does not split into the micro-batches) is simply not a candidate: the same
+``check_split`` as a run (``configs._at_world``) decides.
+
+Left out on purpose: ``impl`` (tp/pp: manual, torch, deepspeed) and FSDP's ``version``: the step
+model tells no implementation apart (same bytes, same FLOPs), so each would be a tie tripling the
+table, and FSDP1 brings no memory rule, so it could never fit (give ``strategy.impl=`` to rank one);
+precision (bf16 is another training, not a faster layout of the same one:
+``trainer.precision=bf16`` ranks bf16 candidates), pp's ``balance=time`` (it measures), option
+values that need another launcher (``allreduce=mpi``: refused by the validation anyway), and the
+one-process strategies at a world size above 1 (they would leave the other ranks idle).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import itertools
+import typing
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from parallel_lab.config import compose_config
+from parallel_lab.errors import ConfigError
+from parallel_lab.plan.configs import _at_world, _given
+from parallel_lab.strategies import get_strategy_class, sweep_names
+
+EVERY = None  # SEARCH value: every member of the field's Enum, or both of a bool
+# strategy.<option> -> the values tried (the default is always among them, and tried first).
+SEARCH: dict[str, tuple | None] = {
+    "offload": EVERY,  # ZeRO: optimizer state (stage 3: parameters) on CPU
+    "sharding": EVERY,  # FSDP: full / grad_op (reshard after forward or not) / no_shard / hybrid
+    "bucket_cap_mb": (1.0, 25.0),  # DDP's gradient buckets: many small ones overlap more
+    "bucketed": EVERY,  # manual_ddp: overlap backward or one all-reduce after it
+    "allreduce": EVERY,  # manual_ddp's ring / star / the library's
+    "sequence_parallel": EVERY,  # tp (and pp x tp) on the vit
+    "split_conv": EVERY,  # tp on the cnn: split the convs too
+    "schedule": EVERY,  # pp: gpipe / 1f1b / interleaved / zero bubble
+    "virtual_stages": (1, 2),  # pp: chunks per rank (interleaved schedules)
+    "microbatches": (2, 4, 8),  # pp: micro-batches per step (the bubble against the per-pass cost)
+    # 2-D meshes: data-parallel copies x the strategy's own degree; the divisors of the world below it
+    # (replicate = world leaves the strategy's own degree at 1: data parallelism done the long way)
+    "replicate": "divisors",
+}
+# trainer.<key> -> values tried for every strategy (a key the run refuses for the model drops out).
+TRAINER_SEARCH: dict[str, tuple] = {
+    "grad_accum": (1, 2),  # micro-batches of a data-parallel rank: half the activations, twice the passes
+    "recompute": ("none", "selective", "full"),  # models with blocks only (config/validate.py)
+}
+
+
+# A trainer key not searched for a strategy with its own option for the same thing: a pipeline's
+# micro-batches already split the batch (grad_accum on top would only repeat them, at twice the cost).
+OWN_SPLIT = {"grad_accum": "microbatches"}
+
+
+@dataclass
+class Candidate:
+    """One configuration to rank: the overrides that make it (beyond the user's) and its validated config.
+    ``levers``: its memory-lever variants (trainer.grad_accum, trainer.recompute) not yet validated,
+    tried only where it does not fit (``with_levers``): a lever only adds work to a step."""
+
+    strategy: str
+    overrides: list[str]
+    cfg: DictConfig
+    levers: list[list[str]] = field(default_factory=list)
+    _base: DictConfig | None = field(default=None, repr=False)  # the strategy's composed config (shared)
+    _user: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.overrides)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n) if n % d == 0) or (1,)
+
+
+def option_values(options_cls: type, world: int) -> dict[str, tuple]:
+    """The searched fields of one strategy's Options dataclass -> the values tried, default first."""
+    hints = typing.get_type_hints(options_cls)
+    out: dict[str, tuple] = {}
+    for f in dataclasses.fields(options_cls):
+        if f.name not in SEARCH:
+            continue
+        spec, kind = SEARCH[f.name], hints[f.name]
+        if spec == "divisors":
+            values = _divisors(world)
+        elif spec is EVERY and isinstance(kind, type) and issubclass(kind, enum.Enum):
+            values = tuple(m.name for m in kind)
+        elif spec is EVERY and kind is bool:
+            values = (False, True)
+        elif spec is EVERY:
+            raise TypeError(f"SEARCH[{f.name!r}] = EVERY needs an Enum or bool field; {options_cls.__name__}: {kind}")
+        else:
+            values = spec
+        default = f.default.name if isinstance(f.default, enum.Enum) else f.default
+        out[f.name] = (default, *(v for v in values if v != default)) if default in values else tuple(values)
+    return out
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _option_choices(strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
+    """Every combination of the searched option values as overrides, the defaults left out (so the
+    first is the strategy as configured); a key the user gave is kept as given."""
+    axes = []
+    for name, values in option_values(strategy_cls.Options, world).items():
+        if not _given(overrides, f"strategy.{name}"):
+            axes.append([None if v == values[0] else f"strategy.{name}={_text(v)}" for v in values])
+    return [[o for o in combo if o] for combo in itertools.product(*axes)]
+
+
+def _lever_choices(base: DictConfig, strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
+    """Every combination of the memory levers' other values (the configured one left out)."""
+    axes = []
+    own = {f.name for f in dataclasses.fields(strategy_cls.Options)}
+    for name, values in _trainer_values(base, overrides, world).items():
+        if not _given(overrides, f"trainer.{name}") and OWN_SPLIT.get(name, "") not in own:
+            current = base.trainer[name]
+            current = current.name if isinstance(current, enum.Enum) else current
+            axes.append([None] + [f"trainer.{name}={v}" for v in values if str(v) != str(current)])
+    return [[o for o in combo if o] for combo in itertools.product(*axes)][1:]
+
+
+@contextmanager
+def _overridden(cfg: DictConfig, extra: list[str]):
+    """``cfg`` with the candidate's overrides set, restored on exit: ``_at_world`` copies it, so one
+    copy per candidate instead of two (the copies are most of the enumeration's time)."""
+    old = []
+    try:
+        for item in extra:
+            key, _, value = item.partition("=")
+            old.append((key, OmegaConf.select(cfg, key)))
+            OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
+        yield cfg
+    finally:
+        for key, value in reversed(old):
+            OmegaConf.update(cfg, key, value, merge=False)
+
+
+def _validated(base: DictConfig, extra: list[str], overrides: list[str], world: int) -> DictConfig | None:
+    """The candidate's config as the run validates it, or None where the run would refuse it."""
+    try:
+        with _overridden(base, extra):
+            return _at_world(base, [*overrides, *extra], world, scale=False)
+    except (ConfigError, ValueError):
+        return None
+
+
+def _trainer_values(base: DictConfig, overrides: list[str], world: int) -> dict[str, tuple]:
+    """TRAINER_SEARCH less the values refused with the strategy as configured (recompute on a model
+    without blocks): pruned before the product, since the options cannot make them valid."""
+    if _validated(base, [], overrides, world) is None:
+        return TRAINER_SEARCH
+    return {k: tuple(v for v in vs if _validated(base, [f"trainer.{k}={v}"], overrides, world) is not None)
+            for k, vs in TRAINER_SEARCH.items()}  # fmt: skip
+
+
+def _fingerprint(cfg: DictConfig) -> str:
+    """Two candidates whose validated strategy and trainer sections agree are one configuration."""
+    return OmegaConf.to_yaml(cfg.strategy) + OmegaConf.to_yaml(cfg.trainer)
+
+
+def candidates(overrides: list[str]) -> list[Candidate]:
+    """Every candidate at the configured world size, memory levers as configured, in search order
+    (each strategy as configured first). With ``strategy=`` given, that strategy's options only."""
+    base = compose_config(overrides)
+    world = int(base.world_size)
+    chosen = _given(overrides, "strategy")
+    names = [base.strategy.name] if chosen else sweep_names()
+    out, seen = [], set()
+    for name in names:
+        strategy_cls = get_strategy_class(name)
+        if strategy_cls.plan.single_process and world > 1 and not chosen:
+            continue
+        base_n = copy.deepcopy(base) if chosen else compose_config([*overrides, f"strategy={name}"])
+        OmegaConf.set_struct(base_n, False)
+        levers = _lever_choices(base_n, strategy_cls, world, overrides)
+        for extra in _option_choices(strategy_cls, world, overrides):
+            cfg = _validated(base_n, extra, overrides, world)
+            if cfg is None:
+                continue  # the run would refuse it: not a candidate
+            key = _fingerprint(cfg)
+            if key not in seen:
+                seen.add(key)
+                extra = [*extra, *_derived_degree(strategy_cls, base_n, cfg, overrides)]
+                out.append(Candidate(name, [f"strategy={name}", *extra], cfg, levers, base_n, overrides))
+    return out
+
+
+def _derived_degree(strategy_cls: type, base: DictConfig, cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The degree the planner derived from the world size (pp's stages, tp's degree: ``_at_world``),
+    as an override where it differs from the configured one, so the overrides alone make the run."""
+    key = strategy_cls.plan.degree_key
+    if not key or _given(overrides, f"strategy.{key}") or cfg.strategy[key] == base.strategy[key]:
+        return []
+    return [f"strategy.{key}={cfg.strategy[key]}"]
+
+
+def with_levers(c: Candidate) -> list[Candidate]:
+    """``c``'s memory-lever variants that the run accepts (grad_accum, recompute: fewer bytes held
+    for more work), for a candidate over the cap."""
+    out = []
+    for lever in c.levers:
+        extra = [*c.overrides[1:], *lever]
+        cfg = _validated(c._base, extra, c._user, int(c.cfg.world_size))
+        if cfg is not None:
+            out.append(Candidate(c.strategy, [*c.overrides, *lever], cfg))
+    return out

@@ -1,0 +1,128 @@
+"""plan.recommend=true (parallel_lab/plan/recommend.py, candidates.py): the ranking is by the predicted
+samples/s among those that fit, a candidate over the cap never ranks above one that fits and says by
+how much, every loser says why, bad input is one line and exit 2. Nothing here is timed: the
+calibration is made up (its figures only order the candidates); ``python -m parallel_lab.bench
+recommend`` checks the picks against real runs."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from parallel_lab.plan.calibrate import Calibration
+from parallel_lab.plan.candidates import Candidate, candidates
+from parallel_lab.plan.census import KINDS
+from parallel_lab.plan.main import main as plan_main
+from parallel_lab.plan.recommend import NO_COMM, Ranked, rank, recommend
+
+MiB = 2**20
+
+
+def made_up_calibration() -> Calibration:
+    """A machine of round numbers: enough for predict_step to order candidates, nothing measured."""
+    line = {"per_call_s": 1e-5, "per_unit_s": 1e-10}
+    ab = {"alpha_s": 1e-4, "beta_Bps": 1e9}
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    return Calibration(
+        cpu_count=2,
+        ops={f"{kind}@fp32": dict(line) for kind in KINDS},
+        optimizer={"per_param_s": 2e-9, "per_tensor_s": 5e-5},
+        collectives={impl: {op: dict(ab) for op in ops} for impl in ("gloo", "hand")},
+    )
+
+
+def ranked(name: str, step_ms: float, peak_mib: float, **parts_ms: float) -> Ranked:
+    cfg = OmegaConf.create({"trainer": {"global_batch": 64}})
+    parts = {k: v / 1000 for k, v in parts_ms.items()}
+    s = step_ms / 1000
+    return Ranked(Candidate(name, [f"strategy={name}"], cfg), int(peak_mib * MiB), 0, s, 0.9 * s, 1.1 * s, parts)
+
+
+def test_ranks_by_predicted_samples_per_s_and_says_why_each_lost() -> None:
+    slow_comm = ranked("a", 30, 10, compute=20, exposed_comm=10, optimizer=0, idle=0)
+    fast = ranked("b", 20, 10, compute=20, exposed_comm=0, optimizer=0, idle=0)
+    bubbly = ranked("c", 26, 10, compute=20, exposed_comm=0, optimizer=0, idle=6)
+    heavy_opt = ranked("d", 22, 10, compute=20, exposed_comm=0, optimizer=2, idle=0)
+    out = rank([slow_comm, bubbly, fast, heavy_opt], cap_bytes=100 * MiB)
+    assert [r.candidate.strategy for r in out] == ["b", "d", "c", "a"]
+    assert [r.rank for r in out] == [1, 2, 3, 4]
+    assert [r.samples_per_s for r in out] == sorted((r.samples_per_s for r in out), reverse=True)
+    assert out[0].why == "recommended"
+    assert out[1].why.startswith("optimizer: +2.00 ms/step")
+    assert out[2].why.startswith("bubble: +6.00 ms/step")
+    assert out[3].why == "communication: +10.00 ms/step (step +10.00 ms)"  # intervals apart: no overlap note
+
+
+def test_over_the_cap_never_ranks_above_a_fit_and_says_by_how_much() -> None:
+    fastest_but_big = ranked("big", 5, 150, compute=5)
+    fits = ranked("small", 50, 60, compute=50)
+    out = rank([fastest_but_big, fits], cap_bytes=100 * MiB)
+    assert [r.candidate.strategy for r in out] == ["small", "big"]
+    assert (out[0].rank, out[0].fits, out[1].rank, out[1].fits) == (1, True, 0, False)
+    assert out[1].why.startswith("memory: 50 MiB over the cap")
+
+
+def test_no_time_prediction_is_listed_never_ranked() -> None:
+    """A layout whose communication has no rule (HSDP) would otherwise look free: it is never ranked."""
+    free_comm = ranked("hsdp", 1, 10, compute=1)
+    free_comm.unknown = NO_COMM
+    timed = ranked("timed", 50, 10, compute=50)
+    out = rank([free_comm, timed], cap_bytes=100 * MiB)
+    assert [(r.candidate.strategy, r.rank) for r in out] == [("timed", 1), ("hsdp", 0)]
+    assert out[1].why == NO_COMM
+
+
+def test_candidates_are_what_the_run_accepts() -> None:
+    """A real search (cnn, world 2, one strategy): each candidate is a validated config, the strategy
+    as configured first, and a value the run refuses is no candidate (recompute on the cnn)."""
+    cands = candidates(["strategy=ddp", "world_size=2"])
+    labels = [c.label for c in cands]
+    assert labels[0] == "strategy=ddp"
+    assert "strategy=ddp strategy.bucket_cap_mb=1.0" in labels
+    assert all(c.cfg.world_size == 2 and c.cfg.strategy.name == "ddp" for c in cands)
+    assert cands[0].levers == [["trainer.grad_accum=2"]]  # no recompute: the cnn has no blocks
+
+
+def test_the_overrides_alone_make_the_run() -> None:
+    """A candidate's overrides are what a run needs: at world 3 a pipeline's 3 stages (which the planner
+    derives from the world size) are among them, and the run's own full validation accepts them."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.config.validate import validate
+
+    user = ["strategy=pp", "world_size=3", "trainer.global_batch=48"]
+    cands = candidates(user)
+    assert cands and all("strategy.stages=3" in c.overrides for c in cands)
+    for c in cands[:3]:
+        argv = [*user, *c.overrides]
+        validate(compose_config(argv), explicit=argv, warn=lambda message: None)  # raises ConfigError if refused
+
+
+def test_a_tight_cap_picks_a_memory_lever_with_the_planners_bytes() -> None:
+    """End to end on real memory predictions: under a cap between ddp's peak and its peak at
+    grad_accum=2, the pick is the lever variant and plain ddp is ranked below with its overage."""
+    calib = made_up_calibration()
+    loose = recommend(["strategy=ddp", "world_size=2"], 2**40, "test", calib)
+    plain = next(r for r in loose.ranked if r.candidate.label == "strategy=ddp")
+    assert all(r.fits for r in loose.ranked) and "trainer.grad_accum=2" not in str(loose.ranked[0].candidate.label)
+    tight = recommend(["strategy=ddp", "world_size=2"], plain.peak_bytes - 1, "test", calib)
+    top = tight.ranked[0]
+    assert top.fits and top.candidate.overrides[-1] == "trainer.grad_accum=2" and top.peak_bytes < plain.peak_bytes
+    over = next(r for r in tight.ranked if r.candidate.label == "strategy=ddp")
+    assert over.rank == 0 and over.why.startswith("memory: 1 B over the cap")
+    assert all(r.fits for r in tight.ranked[: sum(r.fits for r in tight.ranked)])
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["plan.recommend=true", "plan.world_sizes=[1,2]"], "plan.world_sizes"),
+        (["plan.recommend=true", "plan.device_memory=lots"], "plan.device_memory=lots"),
+        (["plan.recommend=maybe"], "plan.recommend"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        plan_main([*argv, f"plan.out={tmp_path}/out"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
+    assert not (tmp_path / "out").exists()  # nothing half-written
