@@ -11,7 +11,7 @@ import pytest
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import layer_flops
-from parallel_lab.plan.calibrate import Calibration, fit_per_call, load_or_measure_calibration
+from parallel_lab.plan.calibrate import VERSION, Calibration, fit_per_call, load_or_measure_calibration
 from parallel_lab.plan.census import KINDS, census_of
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.plan.steptime import (
@@ -182,7 +182,7 @@ def test_calibration_round_trips_and_is_read_from_its_cache(tmp_path):
     path.write_text(calib.to_json())
     assert load_or_measure_calibration(path) == calib  # read, not measured
     with pytest.raises(ValueError, match="version"):
-        Calibration.from_json(calib.to_json().replace('"version": 1', '"version": 0'))
+        Calibration.from_json(calib.to_json().replace(f'"version": {VERSION}', '"version": 0'))
 
 
 def test_bench_scoring_counts_only_rankings_above_noise():
