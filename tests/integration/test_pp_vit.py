@@ -99,6 +99,18 @@ def test_measured_activation_peaks_are_the_plans_and_1f1b_holds_less(runs):
     print("activation peaks (bytes per rank):", json.dumps(measured))
 
 
+@pytest.mark.slow
+def test_each_stages_step_splits_into_compute_and_its_waits(runs):
+    """The per-stage breakdown docs/pp.md explains the idle with: a stage's step is its compute
+    plus its idle, and the time blocked in recv and in isend calls (hand-offs) is part of the
+    idle, never of the compute."""
+    for name, r in runs[0].items():
+        e = r["extras"]
+        for s, step in enumerate(e["pp_step_s"]):
+            assert step == pytest.approx(e["pp_busy_s"][s] + e["pp_idle_s"][s]), (name, s)
+            assert 0 < e["pp_send_s"][s] and e["pp_recv_wait_s"][s] + e["pp_send_s"][s] <= e["pp_idle_s"][s], (name, s)
+
+
 @pytest.mark.extra
 @pytest.mark.slow
 @pytest.mark.parity
