@@ -58,7 +58,11 @@ class PatchEmbedding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.keys is not None:  # the one layer that sees the pixels keys the samples
             self.keys.set(x)
-        return self.drop(self.proj(x).flatten(2).transpose(1, 2) + self.pos)  # (batch, tokens, dim)
+        # Contiguous (batch, tokens, dim): the transposed view's strides would carry through every
+        # residual add, each block then ~15% slower on CPU, and a pipeline's later stages (fed
+        # contiguous tensors by recv) faster than its first (docs/pp.md, "Measured idle").
+        tokens = self.proj(x).flatten(2).transpose(1, 2).contiguous()
+        return self.drop(tokens + self.pos)
 
 
 class AttentionCore(nn.Module):

@@ -121,7 +121,7 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         start = time.perf_counter()
         self.last_loss = self.engine.train_batch(iter(batches)).detach()
         self.timer.enabled = False
-        self.records.append((time.perf_counter() - start, self.timer.busy, 0.0))
+        self.records.append((time.perf_counter() - start, self.timer.busy, 0.0, 0.0))
         return self.last_loss
 
     def optimizer_step(self) -> None:

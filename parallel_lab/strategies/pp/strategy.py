@@ -195,8 +195,9 @@ class PipelineParallelStrategy(Strategy):
         )
         self.optimizer = make_optimizer(self.model.parameters())
         self.shapes: dict[tuple, torch.Size] = {}
-        self.busy, self.recv_wait, self.losses = Busy(), 0.0, []
-        self.records: list[tuple[float, float, float]] = []  # per train_step: (total, busy, recv wait)
+        self.busy, self.recv_wait, self.send_time, self.losses = Busy(), 0.0, 0.0, []
+        # per train_step: (total, busy, recv wait, isend calls) seconds
+        self.records: list[tuple[float, float, float, float]] = []
         self.saved = SavedTracker(self.model.parameters())
         self.activation_peak = 0
         self.loop = ManualLoop(self) if self.opts.impl == "manual" else None
@@ -241,7 +242,7 @@ class PipelineParallelStrategy(Strategy):
 
     # ----- training -----
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
-        self.recv_wait, self.num_micro, self.losses = 0.0, num_micro, []
+        self.recv_wait, self.send_time, self.num_micro, self.losses = 0.0, 0.0, num_micro, []
         self.busy.seconds = 0.0
         self.saved.peak = held_before = self.saved.held
         start = time.perf_counter()
@@ -256,7 +257,7 @@ class PipelineParallelStrategy(Strategy):
             # pipeline's and its idle the schedule's bubble, wherever in the step it falls.
             with trace_label(f"{IDLE_LABEL}flush"):
                 dist.barrier(group=self.group)
-        self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait))
+        self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait, self.send_time))
         self.activation_peak = self.saved.peak - held_before
         # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
         has_loss = bool(self.losses)
@@ -329,12 +330,16 @@ class PipelineParallelStrategy(Strategy):
         p, m, v = o.stages, o.microbatches, o.virtual_stages
         skip = self.cfg.trainer.warmup_steps * self.cfg.trainer.grad_accum
         kept = self.records[skip:] if len(self.records) > skip else self.records
-        total, busy, wait = (sum(r[i] for r in kept) for i in range(3))
+        total, busy, wait, send = (sum(r[i] for r in kept) for i in range(4))
+        manual = self.loop is not None
         mine = {
             "idle_s": max(total - busy, 0.0),
+            "busy_s": busy,
+            "step_s": total,
             # the median step's: a step in which another process took this core is one outlier
-            "idle_fractions": [max(t - b, 0.0) / t for t, b, _ in kept],
-            "recv_wait_s": wait if self.loop is not None else None,
+            "idle_fractions": [max(t - b, 0.0) / t for t, b, *_ in kept],
+            "recv_wait_s": wait if manual else None,
+            "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": list(self.model._modules),
@@ -358,9 +363,12 @@ class PipelineParallelStrategy(Strategy):
             "pp_bubble_fraction_theory": bubble_fraction(str(o.schedule), m, p, v),
             # Measured over the steps after warm-up: step time minus time in this stage's compute.
             "pp_idle_s": [st["idle_s"] for st in stages],
+            "pp_busy_s": [st["busy_s"] for st in stages],  # its timed forward/backward calls (and loss)
+            "pp_step_s": [st["step_s"] for st in stages],  # its train_step calls, flush included
             "pp_idle_fraction": [statistics.median(st["idle_fractions"] or [0.0]) for st in stages],
             "pp_idle_fraction_steps": [st["idle_fractions"] for st in stages],  # each train_step after warm-up
             "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
+            "pp_send_s": [st["send_s"] for st in stages],  # manual impl: time in isend calls (hand-offs)
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
             "pp_activation_peak_bytes": [st["activation_peak"] for st in stages],

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Sequence
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from parallel_lab.strategies.planning import SAMPLE_SHAPE
 from parallel_lab.strategies.pp.plan import cuttable_blocks
 
-REPEATS = 5  # timed forward+backward passes per block after one untimed warm-up; the median is kept
+REPEATS = 5  # timed forward+backward passes of every block after one untimed pass; the median is kept
 
 
 def micro_batch(cfg: DictConfig) -> int:
@@ -23,31 +25,43 @@ def micro_batch(cfg: DictConfig) -> int:
     return max(1, t.global_batch // t.grad_accum // (opts.get("replicate") or 1) // opts.microbatches)
 
 
+def time_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int = REPEATS) -> list[float]:
+    """Median seconds of one forward+backward of ``x``'s batch through each of ``blocks`` (run in
+    order: each block's input is the one before's output; the first computes no input gradient,
+    as in the model). Timed round-robin, every block once per repetition after one untimed pass:
+    load that drifts during the measurement (another process taking the core, as on a shared
+    machine) then lands on every block alike, where block by block it lands on whichever block is
+    being timed and skews the cut (docs/pp.md)."""
+    inputs = []
+    with torch.no_grad():
+        for block in blocks:
+            inputs.append(x)
+            x = block(x)
+    samples: list[list[float]] = [[] for _ in blocks]
+    for repeat in range(repeats + 1):
+        for k, (block, inp) in enumerate(zip(blocks, inputs)):
+            inp = inp.detach().requires_grad_(k > 0)
+            start = time.perf_counter()
+            out = block(inp)
+            out.backward(torch.ones_like(out))
+            if repeat:
+                samples[k].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
+
+
 def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
     """Median seconds of one forward+backward of a micro-batch through each cuttable block, in
-    model order, on this process's CPU with the ranks' thread count (trainer.threads_per_rank)."""
+    model order (``time_blocks``), on this process's CPU with the ranks' thread count
+    (trainer.threads_per_rank)."""
     from parallel_lab.models import build_model
 
     with torch.random.fork_rng():  # the parent's own random state stays as it was
         model = build_model(cfg.model, cfg.trainer.seed).train()
-    blocks = [torch.nn.Sequential(*(model.get_submodule(n) for n in b)) for b in cuttable_blocks(model)]
+    blocks = [nn.Sequential(*(model.get_submodule(n) for n in b)) for b in cuttable_blocks(model)]
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, cfg.trainer.threads_per_rank))
     try:
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(micro_batch(cfg), *SAMPLE_SHAPE, generator=generator)
-        seconds = []
-        for block in blocks:
-            samples = []
-            for _ in range(repeats + 1):
-                inp = x.detach().requires_grad_(block is not blocks[0])
-                start = time.perf_counter()
-                out = block(inp)
-                out.backward(torch.ones_like(out))
-                samples.append(time.perf_counter() - start)
-            seconds.append(statistics.median(samples[1:]))
-            with torch.no_grad():
-                x = block(x)
-        return seconds
+        return time_blocks(blocks, torch.randn(micro_batch(cfg), *SAMPLE_SHAPE, generator=generator), repeats)
     finally:
         torch.set_num_threads(threads)
