@@ -119,17 +119,25 @@ def count_pass(model: torch.nn.Module, batch: int, sample_shape: tuple = (3, 32,
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(model_key: int, batch: int, dtype: torch.dtype, model_ref) -> Census:
+def _cached(model_key: int, batch: int, dtype: torch.dtype, recompute: str, model_ref) -> Census:
+    from parallel_lab.models.recompute import recomputing
+
     model = model_ref()
     if dtype != torch.float32:
         import copy
 
         model = copy.deepcopy(model).to(dtype)
-    return count_pass(model, batch)
+    # Under recompute the checkpointed regions run their forward again inside backward: counted
+    # here because they really run (torch.utils.checkpoint on meta tensors replays them too).
+    with recomputing(model, recompute):
+        return count_pass(model, batch)
 
 
-def census_of(model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.float32) -> Census:
-    """count_pass, once per (model object, batch, dtype): the planner asks for the same many times."""
+def census_of(
+    model: torch.nn.Module, batch: int, dtype: torch.dtype = torch.float32, recompute: str = "none"
+) -> Census:
+    """count_pass, once per (model object, batch, dtype, trainer.recompute): the planner asks for
+    the same many times."""
     import weakref
 
-    return _cached(id(model), batch, dtype, weakref.ref(model))
+    return _cached(id(model), batch, dtype, str(recompute), weakref.ref(model))

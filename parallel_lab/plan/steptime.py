@@ -188,7 +188,8 @@ def predict_step(
 
     shape = strategy_cls.plan.compute_shape(cfg, model)
     dtype = _dtype(cfg)
-    census = census_of(model, shape.micro_batch, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    census = census_of(model, shape.micro_batch, torch_dtype, cfg.trainer.get("recompute", "none"))
     comm_by_op, comm_raw = predict_comm_seconds(cfg, strategy_cls, model, calib, shape)
     busy = 1.0
     for _ in range(4):

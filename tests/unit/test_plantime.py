@@ -8,6 +8,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import layer_flops
@@ -210,3 +211,25 @@ def test_bench_scoring_counts_only_rankings_above_noise():
     line = score.last_line(rs)
     assert line.startswith("median |error| 13%; worst 4900% (e); interval coverage 4/10 (median half-width ")
     assert line.endswith("; ranking agreement 2/5")
+
+
+def test_recompute_counts_the_forward_it_replays():
+    """trainer.recompute runs the checkpointed regions' forward again inside backward: the census
+    counts those operators (more under full than selective), never more than one forward of the
+    blocks (counted here on its own, outside any checkpoint; torch stops replaying once backward has
+    what it needs, so full replays a little less than the whole forward)."""
+    from parallel_lab.plan.census import _Counter
+
+    model = _model("vit")
+    none, selective, full = (census_of(model, 8, torch.float32, mode) for mode in ("none", "selective", "full"))
+    x = torch.empty(8, 3, 32, 32, device="meta")
+    counter = _Counter()
+    with torch.no_grad():
+        x = model.embed(x)
+        with counter:
+            for name, block in model.named_children():
+                if name.startswith("block"):
+                    x = block(x)
+    forward = counter.census.units["matmul"]
+    extra = {mode: c.units["matmul"] - none.units["matmul"] for mode, c in (("selective", selective), ("full", full))}
+    assert 0 < extra["selective"] < extra["full"] <= forward, (extra, forward)
