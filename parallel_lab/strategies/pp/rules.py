@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Sequence
 from collections import OrderedDict
 
 import torch
@@ -58,7 +59,7 @@ def chunk_names(cfg: DictConfig, model: nn.Sequential) -> list[list[str]]:
 
 
 def chunk_modules(cfg: DictConfig, model: nn.Sequential) -> list[nn.Sequential]:
-    return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in names)) for names in chunk_names(cfg, model)]
+    return _modules(model, chunk_names(cfg, model))
 
 
 def stage_of(cfg: DictConfig, rank: int) -> int:
@@ -78,36 +79,37 @@ def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequen
     return rank_module(cfg, model, rank)  # the name tests/unit/test_plantime.py uses
 
 
-# model -> {question: answer}. The planner asks the same questions for every rank and the recommender
-# for every candidate: a meta forward of the vit costs ~60 ms, 180 of them 11 s.
-_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _remembered(model: nn.Module, key: tuple, answer):
-    known = _PER_MODEL.setdefault(model, {})
-    if key not in known:
-        known[key] = answer()
-    return known[key]
-
-
 def chunk_inputs(cfg: DictConfig, model: nn.Sequential, batch: int) -> list[torch.Size]:
     """The input shape of every chunk and, last, the model's output (meta forward: no compute)."""
-
-    def forward() -> tuple[torch.Size, ...]:
-        x = torch.empty(batch, *SAMPLE_SHAPE, device="meta")
-        shapes = []
-        with torch.no_grad():
-            for chunk in chunk_modules(cfg, model):
-                shapes.append(x.shape)
-                x = chunk(x)
-        return (*shapes, x.shape)
-
-    return list(_remembered(model, ("inputs", _names_key(cfg, model), batch), forward))
+    return list(_chunk_shapes(weakref.ref(model), _names_key(cfg, model), batch))
 
 
 def chunk_shares(cfg: DictConfig, model: nn.Sequential) -> list[float]:
-    """Each chunk's share of the model's FLOPs (``plan.stage_shares``), remembered per cut."""
-    return list(_remembered(model, ("shares", _names_key(cfg, model)), lambda: stage_shares(chunk_modules(cfg, model))))
+    """Each chunk's share of the model's FLOPs (``plan.stage_shares``)."""
+    return list(_chunk_flop_shares(weakref.ref(model), _names_key(cfg, model)))
+
+
+# Remembered per (model, cut): the planner asks the same for every rank and the recommender for
+# every candidate (a meta forward of the vit costs ~60 ms; 180 of them took 11 s). Keyed by a weak
+# reference: a model is not kept alive, and one built later at the same address is another key.
+@functools.lru_cache(maxsize=256)
+def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[torch.Size, ...]:
+    x = torch.empty(batch, *SAMPLE_SHAPE, device="meta")
+    shapes = []
+    with torch.no_grad():
+        for chunk in _modules(model_ref(), names):
+            shapes.append(x.shape)
+            x = chunk(x)
+    return (*shapes, x.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_flop_shares(model_ref: weakref.ref, names: tuple) -> tuple[float, ...]:
+    return tuple(stage_shares(_modules(model_ref(), names)))
+
+
+def _modules(model: nn.Sequential, names: Sequence[Sequence[str]]) -> list[nn.Sequential]:
+    return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in chunk)) for chunk in names]
 
 
 def _names_key(cfg: DictConfig, model: nn.Sequential) -> tuple:
