@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Sequence
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 from omegaconf import DictConfig
