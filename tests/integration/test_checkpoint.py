@@ -83,11 +83,13 @@ def _checkpoints(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "strategy, kill_rank, kill_before_step",
-    # make test: DCP and DeepSpeed here, the replicated file (ddp) through the kill-during-write test
-    # below, also a torchrun restart that must end bitwise equal. make test-all adds three more.
+    # make test: DeepSpeed here, the replicated file (ddp) through the kill-during-write test below,
+    # also a torchrun restart that must end bitwise equal; DCP (fsdp) resumes bitwise in make test
+    # through test_resume_from_a_named_checkpoint (its restart by torchrun is the same code as
+    # zero3's). make test-all adds four more.
     [
         pytest.param("ddp", 1, 3, marks=pytest.mark.extra),
-        ("fsdp", 1, 5),
+        pytest.param("fsdp", 1, 5, marks=pytest.mark.extra),
         ("zero3", 1, 5),
         pytest.param("manual_ddp", 0, 5, marks=pytest.mark.extra),
         pytest.param("zero2", 0, 3, marks=pytest.mark.extra),
@@ -149,6 +151,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     "strategy, options, files",
     [
         ("tp", [], ["shard_rank0.pt", "shard_rank1.pt"]),  # each rank its own part
+        ("fsdp", [], ["dcp/__0_0.distcp", "dcp/__1_0.distcp"]),  # DCP: a file per rank
         # The other formats resume bitwise in make test through the torchrun kill tests above.
         pytest.param("pp", [], ["shard_rank0.pt", "shard_rank1.pt"], marks=pytest.mark.extra),
         pytest.param(
