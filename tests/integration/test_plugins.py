@@ -51,7 +51,7 @@ def run(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_plugin_strategy_is_in_the_sweep_the_report_and_the_checkpoint_bench(plugin_env, tmp_path):
+def test_plugin_strategy_is_in_the_sweep_a_run_and_the_report(plugin_env, tmp_path):
     shown = run(plugin_env, "-m", "parallel_lab", "+experiment=compare_all", "--cfg", "all", "--resolve")
     sweep = next(line for line in shown.stdout.splitlines() if line.strip().startswith("strategy: single,"))
     assert "toy" in sweep.split(":", 1)[1].strip().split(",") and "zero0" in sweep
@@ -70,5 +70,9 @@ def test_plugin_strategy_is_in_the_sweep_the_report_and_the_checkpoint_bench(plu
     report = run(plugin_env, "-m", "parallel_lab.report", str(run_dir))
     assert any(line.startswith("| toy |") for line in report.stdout.splitlines()), report.stdout
 
+
+@pytest.mark.slow
+@pytest.mark.extra  # make test: the plugin in the sweep, a run and the report (above); same registry
+def test_plugin_strategy_is_in_the_checkpoint_bench(plugin_env):
     bench = run(plugin_env, "-m", "parallel_lab.bench", "checkpoint", "--model", "cnn", "--only", "toy")
     assert any(line.startswith("| toy |") for line in bench.stdout.splitlines()), bench.stdout

@@ -63,7 +63,8 @@ def train_not_averaged(rank: int, world_size: int, config_path: str) -> None:
     record_run(config_path, NotAveraged)
 
 
-def train_bf16_rows(rank: int, world_size: int, config_paths: list[str], broken_path: str) -> None:
-    """train_and_record(config_paths), then the broken variant, in the same ranks."""
+def train_bf16_rows(rank: int, world_size: int, config_paths: list[str], broken_path: str | None) -> None:
+    """train_and_record(config_paths), then the broken variant (unless None), in the same ranks."""
     train_and_record(rank, world_size, config_paths)
-    train_not_averaged(rank, world_size, broken_path)
+    if broken_path:
+        train_not_averaged(rank, world_size, broken_path)
