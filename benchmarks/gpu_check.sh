@@ -8,13 +8,7 @@
 set -u
 out=${1:-${OUT:-gpu_out}}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 log=$out/gpu_check.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log"
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$log"

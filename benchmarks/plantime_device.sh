@@ -9,13 +9,7 @@
 set -u
 out=${1:-${OUT:-plantime_out}}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 log=$out/plantime_device.log
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$log"
 start=$SECONDS
