@@ -20,17 +20,27 @@ def each_configuration(
     configs: dict[str, list[str]], steps: int, global_batch: int, base: list[str], check: Callable
 ) -> None:
     """Run on every rank: train each configuration (base + its overrides) in turn, assert it matches
-    the reference, then check(overrides, metrics, strategy, ref). A failed assertion is recorded
-    under the configuration's id instead of raised, so the next configuration still runs; the
-    strategy is torn down and the ranks meet at a barrier after every configuration either way.
-    Prints one JSON line: id -> this rank's assertion traceback, or null. Anything but an
-    AssertionError (a crash) still ends the ranks, and run_ranks shows every rank's stderr."""
+    the reference, then check(overrides, metrics, strategy, ref) (judge_each's loop)."""
+
+    def judge(name: str, overrides: list[str], cfg, strategy, metrics) -> None:
+        ref = assert_matches_reference(cfg, strategy, metrics, " ".join([*base, *overrides]))
+        check(overrides, metrics, strategy, ref)
+
+    judge_each(configs, steps, global_batch, base, judge)
+
+
+def judge_each(configs: dict[str, list[str]], steps: int, global_batch: int, base: list[str], judge: Callable) -> None:
+    """Run on every rank: train each configuration (base + its overrides) in turn, then
+    judge(name, overrides, cfg, strategy, metrics). A failed assertion is recorded under the
+    configuration's id instead of raised, so the next configuration still runs; the strategy is torn
+    down and the ranks meet at a barrier after every configuration either way. Prints one JSON line:
+    id -> this rank's assertion traceback, or null. Anything but an AssertionError (a crash) still
+    ends the ranks, and run_ranks shows every rank's stderr."""
     errors: dict[str, str | None] = {}
     for name, overrides in configs.items():
         cfg, strategy, metrics = train_configuration(steps, global_batch, *base, *overrides)
         try:
-            ref = assert_matches_reference(cfg, strategy, metrics, " ".join([*base, *overrides]))
-            check(overrides, metrics, strategy, ref)
+            judge(name, overrides, cfg, strategy, metrics)
             errors[name] = None
         except AssertionError:
             errors[name] = traceback.format_exc()

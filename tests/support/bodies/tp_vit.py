@@ -4,16 +4,13 @@ through the real loop in one set of ranks and is checked against things computed
 
 from __future__ import annotations
 
-import json
-import traceback
-
 import torch
 import torch.distributed as dist
 
-from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
-from tests.support.model_parallel import DATA_SIZE, train_configuration
+from tests.support.matrix import judge_each
+from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
 
 
@@ -84,16 +81,6 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
 
 
 def tp_vit_body(rank: int, world_size: int, configs: dict[str, list[str]], steps: int, global_batch: int) -> None:
-    """Train each configuration in turn; print one JSON line: id -> this rank's traceback or null."""
-    errors: dict[str, str | None] = {}
+    """Train each configuration in turn and check it (tests/support/matrix.py judge_each)."""
     base = ["model=vit", "strategy=tp", f"world_size={world_size}", "trainer.eval_batches=0"]
-    for name, overrides in configs.items():
-        cfg, strategy, metrics = train_configuration(steps, global_batch, *base, *overrides)
-        try:
-            check(cfg, strategy, metrics, read_dist_env("cpu").rank, name)
-            errors[name] = None
-        except AssertionError:
-            errors[name] = traceback.format_exc()
-        strategy.teardown()
-        dist.barrier()
-    print(json.dumps(errors))
+    judge_each(configs, steps, global_batch, base, lambda name, _, cfg, s, m: check(cfg, s, m, rank, name))
