@@ -3,6 +3,7 @@
     python -m parallel_lab.bench plantime [--quick] [--rounds 3] [--steps 8] [--out plantime.json]
                                           [--replay plantime.json] [--calibration runs/calibration.json]
     python -m parallel_lab.bench plantime --calibrate-only --device cuda --out calibration.json
+    python -m parallel_lab.bench plantime --world1 --device cuda --rounds 2 --out plantime_gpu.json
 
 1. The machine's quick calibration (``parallel_lab.plan.calibrate``: operator micro-benchmarks,
    Adam, two-process contention and collectives; a few seconds, no training run).
@@ -25,6 +26,8 @@ is the per-call cost the model's lines include).
 
 ``--calibrate-only``: step 1 and the world-1 rows of the calibration set on ``--device`` (a GPU
 machine: ``benchmarks/plantime_device.sh``), fitted and written to ``--out``; no held-out runs.
+``--world1``: the same calibration, then the held-out world-1 rows (``world1_held_out``: other
+models and the wrappers' own cost at one rank), what a one-GPU machine can validate.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ RUNS = _runs()
 CALIBRATION: dict[str, list[str]] = RUNS["calibration"]
 HELD_OUT: dict[str, list[str]] = RUNS["held_out"]
 QUICK: list[str] = RUNS["quick"]
+WORLD1: dict[str, list[str]] = RUNS["world1_held_out"]
+ALL_HELD: dict[str, list[str]] = {**HELD_OUT, **WORLD1}
 BASE = ["model=cnn", "world_size=2", "trainer.global_batch=64", "trainer.eval_batches=0", "trainer.profile=true"]
 
 
@@ -92,6 +97,14 @@ def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[
     return out
 
 
+def _held_out(args) -> dict[str, list[str]]:
+    if args.calibrate_only:
+        return {}
+    if args.world1:
+        return WORLD1
+    return {n: HELD_OUT[n] for n in (QUICK if args.quick else HELD_OUT)}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench plantime", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"held-out subset only: {', '.join(QUICK)}")
@@ -99,6 +112,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=8, help="per run: 2 warm-up, 2 traced, the rest timed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calibrate-only", action="store_true", help="calibration set's world-1 rows only")
+    parser.add_argument("--world1", action="store_true", help="world-1 rows only: calibration and world1_held_out")
     parser.add_argument("--calibration", type=Path, help="reuse this quick calibration (json) instead of measuring")
     parser.add_argument("--out", type=Path, help="write calibration, runs and predictions here (json)")
     parser.add_argument("--replay", type=Path, help="a saved --out: predict again from its calibration and runs")
@@ -115,7 +129,7 @@ def main(argv: list[str]) -> int:
         calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
         if args.calibration:  # the same runs under another quick calibration
             calib = Calibration.from_json(args.calibration.read_text())
-        held = {n: HELD_OUT[n] for n in runs if n in HELD_OUT}
+        held = {n: ALL_HELD[n] for n in runs if n in ALL_HELD}
     else:
         load_before = os.getloadavg()
         calib = (
@@ -123,14 +137,15 @@ def main(argv: list[str]) -> int:
             if args.calibration
             else measure_calibration(args.device)
         )
-        cal_set = {n: o for n, o in CALIBRATION.items() if not args.calibrate_only or "world_size=1" in o}
-        held = {} if args.calibrate_only else {n: HELD_OUT[n] for n in (QUICK if args.quick else HELD_OUT)}
+        one_rank = args.calibrate_only or args.world1
+        cal_set = {n: o for n, o in CALIBRATION.items() if not one_rank or "world_size=1" in o}
+        held = _held_out(args)
         if args.out:  # the calibration first: a killed run can be replayed from it and its partial runs
             args.out.with_suffix(".calibration.json").write_text(calib.to_json() + "\n")
         with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
             runs = measure({**cal_set, **held}, args, Path(workdir))
         runs["_loadavg"] = [{"before": list(load_before), "after": list(os.getloadavg())}]
-    fitted = score.fit(calib, {n: runs[n] for n in CALIBRATION if n in runs}, {**CALIBRATION, **HELD_OUT}, config_of)
+    fitted = score.fit(calib, {n: runs[n] for n in CALIBRATION if n in runs}, {**CALIBRATION, **ALL_HELD}, config_of)
     print(score.header(fitted, runs, args))
     rows = score.rows(fitted, {**CALIBRATION, **held}, runs, config_of)
     print(score.table(rows))
