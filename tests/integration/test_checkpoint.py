@@ -83,14 +83,14 @@ def _checkpoints(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "strategy, kill_rank, kill_before_step",
-    # make test: DeepSpeed here, the replicated file (ddp) through the kill-during-write test below,
-    # also a torchrun restart that must end bitwise equal; DCP (fsdp) resumes bitwise in make test
-    # through test_resume_from_a_named_checkpoint (its restart by torchrun is the same code as
-    # zero3's). make test-all adds four more.
+    # make test-all. make test keeps both halves of the claim apart, each cheaper: torchrun
+    # restarting killed workers that resume bitwise (ddp: the kill-during-write test and
+    # test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint below), and each format
+    # resuming bitwise (test_resume_from_a_named_checkpoint: DeepSpeed's zero3, DCP, tp's shards).
     [
         pytest.param("ddp", 1, 3, marks=pytest.mark.extra),
         pytest.param("fsdp", 1, 5, marks=pytest.mark.extra),
-        ("zero3", 1, 5),
+        pytest.param("zero3", 1, 5, marks=pytest.mark.extra),
         pytest.param("manual_ddp", 0, 5, marks=pytest.mark.extra),
         pytest.param("zero2", 0, 3, marks=pytest.mark.extra),
     ],
@@ -152,7 +152,14 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     [
         ("tp", [], ["shard_rank0.pt", "shard_rank1.pt"]),  # each rank its own part
         ("fsdp", [], ["dcp/__0_0.distcp", "dcp/__1_0.distcp"]),  # DCP: a file per rank
-        # The other formats resume bitwise in make test through the torchrun kill tests above.
+        (  # DeepSpeed's own files: each rank its optimizer partition
+            "zero3",
+            [],
+            [
+                "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            ],
+        ),
         pytest.param("pp", [], ["shard_rank0.pt", "shard_rank1.pt"], marks=pytest.mark.extra),
         pytest.param(
             "fsdp",

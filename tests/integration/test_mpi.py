@@ -311,6 +311,7 @@ def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, 
 
 
 # ---- the bench, as a correctness smoke run (it checks every implementation's result) -----------
+@pytest.mark.extra  # make test: the same implementations against torch.distributed (test_collectives.py)
 def test_collectives_bench_smoke():
     result = run(
         [

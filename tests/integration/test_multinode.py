@@ -74,7 +74,9 @@ def run_across(hosts, tmp_path, *overrides: str) -> dict:
     "launcher, strategy, reaches",
     [
         ("torchrun", "ddp", ["node0", "node1"]),  # our parent ssh-es one agent onto each host
-        ("mpirun", "ddp", ["node1"]),  # mpiexec runs on node0; hydra ssh-es its proxy onto node1
+        # mpiexec runs on node0; hydra ssh-es its proxy onto node1. make test-all: mpirun on one host
+        # is make test's (test_mpi.py), the hosts and the worker are the two legs' here.
+        pytest.param("mpirun", "ddp", ["node1"], marks=pytest.mark.extra),
         ("deepspeed", "zero2", ["node0", "node1"]),  # the runner's ssh check, then pdsh to both
     ],
 )
@@ -93,7 +95,7 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference, launcher, 
     reference.assert_run_matches(metrics, f"{launcher} {strategy} on 2 hosts")
 
 
-@pytest.mark.extra  # make test: the MPI transport on one host (test_mpi.py), mpirun across hosts (above)
+@pytest.mark.extra  # make test: the MPI transport on one host (test_mpi.py), two hosts (above)
 def test_mpi_transport_across_two_hosts(hosts, tmp_path, reference):
     """manual_ddp strategy.allreduce=mpi with MPICH's ranks on two hosts: MPI carries every gradient byte
     between the hosts (the gloo group only the setup broadcast and the losses)."""

@@ -378,7 +378,8 @@ def test_reading_keeps_no_checkpoint_file_mapped(sources):
 @pytest.mark.slow
 def test_inspect_and_export(tmp_path, sources, capsys):
     """inspect names the writer and the bytes per rank (in process); export through
-    `parallel-lab checkpoint` (a real process): its safetensors equal the full state."""
+    `parallel-lab checkpoint` (a real process; the second export, to a file, through the same
+    main() in process): its safetensors equal the full state."""
     from safetensors.torch import load_file
 
     from parallel_lab.checkpoint.__main__ import main as checkpoint_main
@@ -398,8 +399,7 @@ def test_inspect_and_export(tmp_path, sources, capsys):
     assert all(torch.equal(adam[f"{n}.exp_avg_sq"], full.optim[n]["exp_avg_sq"]) for n in full.param_names)
     # out ending in .safetensors: that file (its folder made), the optimizer state beside it, no folder
     target = tmp_path / "new" / "w.safetensors"
-    done = _checkpoint_cmd("export", str(src), str(target), "--optimizer")
-    assert done.returncode == 0, done.stderr
+    assert checkpoint_main(["export", str(src), str(target), "--optimizer"]) == 0
     assert target.is_file() and sorted(p.name for p in target.parent.iterdir()) == [
         "w.optimizer.safetensors",
         "w.safetensors",
