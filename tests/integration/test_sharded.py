@@ -214,7 +214,8 @@ def test_bash_run_ds_and_mpirun_match_self_spawned_zero2(tmp_path, spawned_zero2
     """`bash launch/run_ds.sh` (the bash half) with DeepSpeed's own flags instead of Hydra's:
     --deepspeed --deepspeed_config <file whose stage is 2> and no strategy=; and zero2 under
     mpirun. make test keeps: test_deepspeed_launcher_runs_run_ds_sh_as_users_type_it (the typed
-    command), test_spine.py's ddp under mpirun and test_multinode.py's zero2 across two hosts."""
+    command), test_mpi.py's run_mpi.sh against raw mpiexec and test_multinode.py's zero2 across two
+    hosts."""
     run_ds = str(ROOT / "launch" / "run_ds.sh")
     stage2 = tmp_path / "stage2.json"
     # gradient_clipping 0: DeepSpeed's default (1.0) would apply to a file that does not say
