@@ -189,6 +189,9 @@ class RunMetrics(_Record):
     machine: dict[str, Any] = field(default_factory=dict)
     # the model FLOPs of one step on the global batch (forward x 3; worker/metrics.py model_flops_per_step)
     model_flops_per_step: Optional[float] = None
+    # the same split by the kernel that runs it, {"conv": F, "matmul": F} (worker/metrics.py
+    # model_flops_by_kind): MFU's peak weights each kernel's measured peak by it
+    model_flops_by_kind: Optional[dict[str, float]] = None
     warmup_steps: Optional[int] = None  # steps left out of the timing (None: a record from before it was kept)
 
 

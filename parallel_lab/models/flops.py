@@ -36,3 +36,18 @@ def layer_flops(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)
         for h in hooks:
             h.remove()
     return flops
+
+
+def kernel_kind(module: nn.Module) -> str:
+    """Which measured kernel a counted layer's FLOPs run on: "conv" (Conv2d) or "matmul" (Linear
+    and attention's two matmuls); a peak is measured for each (worker/metrics.py measure_peak)."""
+    return "conv" if isinstance(module, nn.Conv2d) else "matmul"
+
+
+def flops_by_kind(module: nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> dict[str, float]:
+    """layer_flops summed by kernel_kind: the model's mix of convolution and matrix-product work."""
+    kinds = {name: kernel_kind(m) for name, m in module.named_modules()}
+    out = {"conv": 0.0, "matmul": 0.0}
+    for name, flops in layer_flops(module, batch, sample_shape).items():
+        out[kinds[name]] += flops
+    return out

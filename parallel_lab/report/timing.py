@@ -83,13 +83,29 @@ def interval(run: Row, name: str) -> Interval | None:
 
 
 def _find_peak(m: RunMetrics, peaks: list[dict]) -> dict | None:
-    """The peak measured for this run's device kind, compute dtype and (CPU) threads per rank."""
+    """The peak measured for this run's device kind, compute dtype and (CPU) threads per rank,
+    weighted by the run's mix of kernels (blended_peak)."""
     kind = m.device.split(":")[0]
     for peak in peaks:
         same_threads = kind == "cuda" or peak["threads"] == m.threads
         if peak["device"].split(":")[0] == kind and peak["dtype"] == precision_of(m) and same_threads:
-            return peak
+            return blended_peak(peak, m.model_flops_by_kind)
     return None
+
+
+def blended_peak(peak: dict, flops_by_kind: dict[str, float] | None) -> dict:
+    """The peak a model with this mix of convolution and matrix-product FLOPs could reach: each
+    kind's FLOPs at its own kernel's measured peak, F / sum(F_k / peak_k). The faster kernel alone
+    overstates it for a model that does not run it: on a GPU, fp32 convolutions run in TF32
+    (cuDNN's default) and matmuls not, 5x apart, and a vit is all matmuls. Without the split (a
+    record from before it was kept) the faster kernel's peak, as before."""
+    rates = {"conv": peak["conv_gflops"], "matmul": peak["matmul_gflops"]}
+    total = sum((flops_by_kind or {}).values())
+    if not total:
+        return peak
+    seconds = sum(flops / rates[kind] for kind, flops in flops_by_kind.items() if flops)
+    mix = ", ".join(f"{kind} {flops / total:.0%}" for kind, flops in flops_by_kind.items() if flops)
+    return {**peak, "peak_gflops": total / seconds, "peak_mix": mix}
 
 
 def add_timing(runs: list[Row], peaks: list[dict] | None = None) -> None:
@@ -133,6 +149,7 @@ def timing_json(run: Row) -> dict:
         "vs_single": run.vs_baseline,
         "gflops_per_rank": run.gflops_per_rank,
         "peak_gflops": run.peak and run.peak["peak_gflops"],
+        "peak_mix": run.peak and run.peak.get("peak_mix"),
         "mfu": mfu(run),
     }
 
@@ -160,5 +177,6 @@ def interval_note(runs: list[Row]) -> str:
         "below that the range at its own level (docs/results.md). "
         "vs single: faster/slower only where the step-time intervals do not overlap. "
         "MFU: model FLOPs (forward ×3) per rank per second over the machine's own peak "
-        "(python -m parallel_lab.bench peak) in the run's dtype with a rank's threads."
+        "(python -m parallel_lab.bench peak) in the run's dtype with a rank's threads, its conv and "
+        "matmul peaks weighted by the model's FLOPs in each."
     )

@@ -149,3 +149,26 @@ def test_faster_only_where_the_intervals_separate(tmp_path: Path):
     assert "over 12 steps (holds the median 96.1%)" in text
     # One sample has no interval: no verdict, however far apart the medians.
     assert verdict(median_ci([10.0]), median_ci(SLOW)) == ""
+
+
+def test_mfu_peak_weights_each_kernels_peak_by_the_models_flops_in_it():
+    """MFU's peak for a model's mix of kernels (report/timing.py blended_peak): all-conv runs at the
+    conv peak, all-matmul at the matmul peak, a mix at F / sum(F_k / peak_k), never the faster
+    kernel alone; the split counts every layer once (worker/metrics.py model_flops_by_kind). The
+    GPU's numbers: fp32 conv in TF32 at 276,562 GFLOP/s, matmul far below it."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.report.timing import blended_peak
+    from parallel_lab.worker.metrics import model_flops_by_kind, model_flops_per_step
+
+    peak = {"conv_gflops": 276_562.0, "matmul_gflops": 50_000.0, "peak_gflops": 276_562.0}
+    assert blended_peak(peak, {"conv": 3.0, "matmul": 0.0})["peak_gflops"] == pytest.approx(276_562.0)
+    assert blended_peak(peak, {"conv": 0.0, "matmul": 3.0})["peak_gflops"] == pytest.approx(50_000.0)
+    half = blended_peak(peak, {"conv": 1.0, "matmul": 1.0})["peak_gflops"]
+    assert half == pytest.approx(2 / (1 / 276_562.0 + 1 / 50_000.0))
+    assert blended_peak(peak, None) is peak  # a record from before the split: the faster kernel, as before
+    for model, most in (("cnn", "conv"), ("vit", "matmul")):
+        cfg = compose_config([f"model={model}"]).model
+        split = model_flops_by_kind(cfg, 16)
+        assert sum(split.values()) == pytest.approx(model_flops_per_step(cfg, 16))
+        assert split[most] > 0.5 * sum(split.values()), (model, split)
+        assert all(v > 0 for v in split.values()), (model, split)  # the vit's patch embedding is a conv
