@@ -146,7 +146,7 @@ def _lever_choices(
 @contextmanager
 def _overridden(cfg: DictConfig, extra: list[str]):
     """``cfg`` with the candidate's overrides set, restored on exit: ``_at_world`` copies it, so one
-    copy per candidate instead of two (the copies are most of the enumeration's time)."""
+    copy per candidate instead of two (a whole config's copy is ~1.5 ms; ~300 candidates at world 4)."""
     old = []
     try:
         for item in extra:
