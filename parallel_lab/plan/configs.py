@@ -10,6 +10,7 @@ memory or core check.
 
 from __future__ import annotations
 
+import copy
 import pickle
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ def _copy(cfg: DictConfig) -> DictConfig:
     """A deep copy of a whole config: a pickle round trip gives the same nodes, types and flags as
     ``copy.deepcopy`` in about a third of the time (OmegaConf's ``__deepcopy__`` walks every node in
     Python; the recommender copies a config per candidate, hundreds)."""
-    return pickle.loads(pickle.dumps(cfg))
+    try:
+        return pickle.loads(pickle.dumps(cfg))
+    except (pickle.PicklingError, AttributeError, TypeError):  # a value pickle cannot name (a local class)
+        return copy.deepcopy(cfg)
 
 
 def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -> DictConfig:

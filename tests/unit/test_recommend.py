@@ -130,10 +130,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys) -> None
 
 def test_the_planners_shortcuts_copy_and_share_only_what_is_safe() -> None:
     """What makes the recommender fast changes no config and mixes no models: a config copy
-    (``configs._copy``, a pickle round trip) equals ``copy.deepcopy``'s, types and flags included, and
-    a change to it leaves the original as it was; pp's validation shares one meta model per model
-    config, and another width is another model."""
+    (``configs._copy``, a pickle round trip) equals ``copy.deepcopy``'s, types and flags included, a
+    change to it leaves the original as it was, and a type pickle cannot name is copied all the same;
+    pp's validation shares one meta model per model config, and another width is another model."""
     import copy
+    import dataclasses
 
     from parallel_lab.config import compose_config
     from parallel_lab.plan.configs import _copy
@@ -147,6 +148,13 @@ def test_the_planners_shortcuts_copy_and_share_only_what_is_safe() -> None:
     assert OmegaConf.is_struct(copied) == OmegaConf.is_struct(reference)
     copied.strategy.microbatches, copied.trainer.grad_accum = 8, 2
     assert (cfg.strategy.microbatches, cfg.trainer.grad_accum) == (reference.strategy.microbatches, 1)
+
+    @dataclasses.dataclass
+    class LocalOptions:  # a class pickle cannot name (a plugin's, defined in a function): deepcopy's way
+        stages: int = 2
+
+    local = OmegaConf.create({"strategy": OmegaConf.structured(LocalOptions)})
+    assert _copy(local) == local and OmegaConf.get_type(_copy(local).strategy) is LocalOptions
 
     assert meta_model(cfg) is meta_model(copy.deepcopy(cfg))
     wider = copy.deepcopy(cfg)
