@@ -97,7 +97,7 @@ def run(overrides: list[str]) -> Path:
     if cfg.plan.recommend:
         from parallel_lab.plan.recommend import run as recommend
 
-        return recommend(overrides, device_bytes, source, out)
+        return recommend(overrides, device_bytes, source, out, cfg)
     planned = planned_configs(overrides)
     rows, ranks = build_plans(planned, device_bytes)
     out.mkdir(parents=True, exist_ok=True)

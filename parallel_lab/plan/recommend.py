@@ -114,7 +114,9 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
 
     def one(c: Candidate) -> Ranked:
         key = OmegaConf.to_yaml(c.cfg.model)
-        model = models.setdefault(key, build_meta_model(c.cfg.model))
+        if key not in models:  # not setdefault: its argument, a whole model, would be built every time
+            models[key] = build_meta_model(c.cfg.model)
+        model = models[key]
         strategy_cls = get_strategy_class(c.strategy)
         plans = plan_world(c.cfg, strategy_cls, model, cache)
         worst = worst_rank(plans)
@@ -187,20 +189,21 @@ class Recommendation:
     header: str
 
 
-def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None) -> Recommendation:
-    """Enumerate, predict and rank every candidate for these overrides at their world size."""
+def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None, cfg=None) -> Recommendation:
+    """Enumerate, predict and rank every candidate for these overrides at their world size (``cfg``:
+    their composed config where the caller has it, else composed here)."""
     from parallel_lab.config import compose_config
     from parallel_lab.errors import ConfigError
 
     start = time.perf_counter()
-    cfg = compose_config(overrides)
+    cfg = compose_config(overrides) if cfg is None else cfg
     if cfg.plan.world_sizes:
         raise ConfigError(
             f"plan.recommend=true ranks at one world size, got plan.world_sizes={list(cfg.plan.world_sizes)}; "
             f"drop plan.world_sizes and set world_size=N"
         )
     calib = calib if calib is not None else load_calibration()
-    cands = candidates(overrides)
+    cands = candidates(overrides, cfg)
     if not cands:
         raise ConfigError(f"no configuration of {overrides or 'the defaults'} passes the run's validation; see plan.md")
     predicted, left_out = predict_all(cands, calib, cap_bytes)
@@ -221,11 +224,11 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None)
     return Recommendation(ranked, cap_bytes, cap_source, seconds, header)
 
 
-def run(overrides: list[str], cap_bytes: int, cap_source: str, out: Path) -> Path:
+def run(overrides: list[str], cap_bytes: int, cap_source: str, out: Path, cfg=None) -> Path:
     """recommend() and its files, recommend.md / recommend.json, under ``out``."""
     from parallel_lab.plan.recommend_output import write_recommendation
 
-    rec = recommend(overrides, cap_bytes, cap_source)
+    rec = recommend(overrides, cap_bytes, cap_source, cfg=cfg)
     out.mkdir(parents=True, exist_ok=True)
     write_recommendation(rec, out)
     return out / "recommend.md"

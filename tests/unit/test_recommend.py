@@ -126,3 +126,38 @@ def test_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys) -> None
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and named in err, err
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_the_planners_shortcuts_copy_and_share_only_what_is_safe() -> None:
+    """What makes the recommender fast changes no config and mixes no models: a config copy
+    (``configs._copy``, a pickle round trip) equals ``copy.deepcopy``'s, types and flags included, a
+    change to it leaves the original as it was, and a type pickle cannot name is copied all the same;
+    pp's validation shares one meta model per model config, and another width is another model."""
+    import copy
+    import dataclasses
+
+    from parallel_lab.config import compose_config
+    from parallel_lab.plan.configs import _copy
+    from parallel_lab.strategies.pp.rules import meta_model
+
+    cfg = compose_config(["strategy=pp", "model=vit"])
+    OmegaConf.set_struct(cfg, False)
+    copied, reference = _copy(cfg), copy.deepcopy(cfg)
+    assert OmegaConf.to_yaml(copied) == OmegaConf.to_yaml(reference) == OmegaConf.to_yaml(cfg)
+    assert OmegaConf.get_type(copied.strategy) is OmegaConf.get_type(reference.strategy) is not dict
+    assert OmegaConf.is_struct(copied) == OmegaConf.is_struct(reference)
+    copied.strategy.microbatches, copied.trainer.grad_accum = 8, 2
+    assert (cfg.strategy.microbatches, cfg.trainer.grad_accum) == (reference.strategy.microbatches, 1)
+
+    @dataclasses.dataclass
+    class LocalOptions:  # a class pickle cannot name (a plugin's, defined in a function): deepcopy's way
+        stages: int = 2
+
+    local = OmegaConf.create({"strategy": OmegaConf.structured(LocalOptions)})
+    assert _copy(local) == local and OmegaConf.get_type(_copy(local).strategy) is LocalOptions
+
+    assert meta_model(cfg) is meta_model(copy.deepcopy(cfg))
+    wider = copy.deepcopy(cfg)
+    wider.model.width = 2.0
+    params = [sum(p.numel() for p in meta_model(c).parameters()) for c in (cfg, wider)]
+    assert params[1] > params[0]

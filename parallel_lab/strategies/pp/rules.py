@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from parallel_lab.errors import ConfigError
@@ -38,10 +38,30 @@ IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 def meta_model(cfg: DictConfig) -> nn.Sequential:
-    """The model's structure without weights (meta device): for planning and shape inference."""
+    """The model's structure without weights (meta device): for planning and shape inference. One per
+    model config: validation asks for it twice per config (the recommender validates hundreds), and
+    no caller changes it."""
+    return _meta_model(_ModelKey(cfg.model))
+
+
+class _ModelKey:
+    """A model config, hashed and compared by its yaml (a DictConfig is not hashable)."""
+
+    def __init__(self, model_cfg: DictConfig) -> None:
+        self.cfg, self.text = model_cfg, OmegaConf.to_yaml(model_cfg)
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ModelKey) and other.text == self.text
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(key: _ModelKey) -> nn.Sequential:
     from parallel_lab.models import build_meta_model
 
-    return build_meta_model(cfg.model)
+    return build_meta_model(key.cfg)
 
 
 @functools.lru_cache(maxsize=32)
