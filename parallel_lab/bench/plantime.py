@@ -126,9 +126,10 @@ def main(argv: list[str]) -> int:
         saved = json.loads(args.replay.read_text())
         if "runs" not in saved:  # a .partial.json of a killed run: its runs, and --calibration's file
             saved = {"runs": saved, "calibration": json.loads(args.calibration.read_text())}
-        calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
-        if args.calibration:  # the same runs under another quick calibration
-            calib = Calibration.from_json(args.calibration.read_text())
+        runs = saved["runs"]
+        # the same runs under another quick calibration (also: one of an older calibration version)
+        data = json.loads(args.calibration.read_text()) if args.calibration else saved["calibration"]
+        calib = Calibration.upgraded(data)  # an older version's measurements: the fit below redoes the rest
         held = {n: ALL_HELD[n] for n in runs if n in ALL_HELD}
     else:
         load_before = os.getloadavg()

@@ -144,6 +144,16 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
     return 1
 
 
+def _crowding(cfg, strategy_cls: type, calib: Calibration) -> float:
+    """How much slower a collective runs when the ranks outnumber the cores: every step of a ring
+    needs every rank on a core, so it waits for the descheduled ones (the ranks x threads over the
+    cores; the calibration's pair had a core each)."""
+    if calib.device == "cuda" or strategy_cls.plan.single_process:
+        return 1.0
+    threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+    return max(1.0, cfg.world_size * threads / calib.cpu_count)
+
+
 def predict_comm_seconds(
     cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -152,6 +162,7 @@ def predict_comm_seconds(
     slower rank and copies into and out of the strategy's buffers, which the two-process benchmark
     does not see; each family (DDP's all-reduce, FSDP's all-gather and reduce-scatter) its own."""
     fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
+    crowd = _crowding(cfg, strategy_cls, calib)
     out: dict[str, float] = {}
     raw: dict[str, float] = {}
     for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
@@ -161,7 +172,7 @@ def predict_comm_seconds(
         payload = counted / per_payload
         kind = "p2p" if op in ("isend", "send") else bench_op
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        seconds = sum(
+        seconds = crowd * sum(
             collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
         )
         raw[bench_op] = raw.get(bench_op, 0.0) + seconds
@@ -198,11 +209,9 @@ def predict_step(
         parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib))
         point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
         busy = (parts["compute"] + parts["optimizer"]) / point
-    q = calib.interval_log
     notes = [shape.note] if shape.note else []
-    return StepPrediction(
-        cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, comm_raw, notes
-    )
+    low, high = point * math.exp(-calib.interval_low_log), point * math.exp(calib.interval_log)
+    return StepPrediction(cfg.strategy.name, point, low, high, parts, comm_by_op, comm_raw, notes)
 
 
 def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, census, dtype: str, cores):
@@ -218,14 +227,18 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     # Ranks time-sliced on shared cores already pay for sharing them: the larger of the two.
     one_pass = per_call * timeslice + units * max(timeslice, contention) / threads
     scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
-    fwd_bwd = shape.slots * shape.flop_share * one_pass * scale
+    # A wrapper's hooks (Python, copies, DTensor dispatch) cost per unit and pass, not per FLOP.
+    hooks = shape.hooked_units * calib.scale.get("unit_s", 0.0) * timeslice
+    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks)
     dp = strategy_cls.plan.data_parallel_size(cfg)
     passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
-    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * max(timeslice, contention)
-    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * calib.scale.get("optimizer", 1.0)}
+    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * calib.scale.get("optimizer", 1.0)
+    if shape.dtensor_optimizer:  # every DTensor's update goes through DTensor's dispatch
+        optimizer += len(list(model.parameters())) * calib.scale.get("dtensor_s", 0.0)
+    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
 
 
 def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration) -> dict:
