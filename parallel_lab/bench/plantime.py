@@ -12,7 +12,8 @@
    load hits every config alike and the spread between rounds is the measured noise:
    - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``): the only runs the
      model is fitted on (``_plantime_score.fit``: compute, bf16, Adam and each collective family's
-     scale, the ranks' contention, the share of overlapped communication hidden, the interval);
+     scale, the ranks' contention, the wrappers' cost per hooked unit and per DTensor, the share of
+     overlapped communication hidden, the interval's two sides);
    - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
      bucket sizes, every other strategy: predicted from that fit, never fitted on.
 3. A table per config: predicted parts beside measured parts, the interval, the error; then the

@@ -15,8 +15,9 @@ What is measured (one thread, the run's device):
 - ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-4 MiB, each op fitted
   to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
   or more GPUs; none on one GPU;
-- ``scale`` and ``interval_log``: 1.0 and the default interval until ``python -m parallel_lab.bench
-  plantime`` fits them on its calibration set (a few real runs) and writes them back.
+- ``scale``, ``interval_log`` and ``interval_low_log``: the last fit's figures (``DEFAULT_SCALE``)
+  until ``python -m parallel_lab.bench plantime`` fits them on its calibration set (a few real runs)
+  and writes them back.
 """
 
 from __future__ import annotations

@@ -12,10 +12,14 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   resnet18 and vit are predicted without ever being calibrated on. A rank runs
   ``PlanRules.compute_shape``'s slots x flop share of such passes (pipeline: the idle slots are
   ``idle``).
+* Wrappers: ``ComputeShape.hooked_units`` (FSDP's units, ZeRO-3's modules) cost ``unit_s`` each
+  per pass (their hooks' Python, copies and DTensor dispatch), and an optimizer over DTensor shards
+  (``dtensor_optimizer``: FSDP2) ``dtensor_s`` per tensor; both fitted on the calibration set.
 * Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
   share of a core (time-slicing), never less slowdown than the contention two computing processes
   were measured to cause each other; a rank waiting in a collective yields its core (a
-  fixed point on the busy share of the step).
+  fixed point on the busy share of the step). More ranks than cores: every collective takes
+  ranks x threads / cores as long (each ring step waits for the descheduled ranks).
 * Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
 * Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
   fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
@@ -25,8 +29,9 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   backward plus what the calibration found not hidden of those issued during it
   (``PlanRules.overlapped_collectives``).
 * Corrections and interval: ``python -m parallel_lab.bench plantime`` fits a scale per part on a
-  small calibration set of real runs and the interval from its residuals (docs/plan.md); a quick
-  calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
+  small calibration set of real runs and the interval's two sides from its signed residuals
+  (``[point x exp(-interval_low_log), point x exp(interval_log)]``: a load only slows a run;
+  docs/plan.md); a quick calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
 
 Nothing here is a GPU time unless the calibration was measured on a GPU (``device="cuda"``).
 """
