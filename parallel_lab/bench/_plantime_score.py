@@ -54,6 +54,11 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
     ``dtensor_optimizer``) from the rows that have them; each collective family's scale from the
     rows that use it (measured comm over the alpha-beta prediction); the share of overlapped
     communication found hidden; the interval (``interval_of``)."""
+    return interval_of(_corrections(calib, cal_runs, names, config_of), calib, cal_runs, names, config_of)
+
+
+def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
+    """``fit`` less the interval; what no row of ``cal_runs`` can fit keeps ``calib``'s value."""
     raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_s": 0.0}, interval_log=0.0)
     ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
     comm: dict[str, list[float]] = {}
@@ -73,9 +78,11 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
                 for op in pred.comm_raw:
                     comm.setdefault(op, []).append(m["comm"] / total)
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
-    compute = _typical(ratios["fp32"])
     scale = dict(calib.scale)  # what no row of this set can fit keeps its value (--calibrate-only)
-    scale.update(compute=compute, optimizer=_typical(ratios["optimizer"]), unit_s=0.0, dtensor_s=0.0)
+    compute = _typical(ratios["fp32"]) if ratios["fp32"] else scale.get("compute", 1.0)
+    scale.update(compute=compute, unit_s=0.0, dtensor_s=0.0)
+    if ratios["optimizer"]:
+        scale["optimizer"] = _typical(ratios["optimizer"])
     if ratios["bf16"]:
         scale["bf16"] = _typical(ratios["bf16"]) / compute
     if comm:
@@ -85,8 +92,7 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
     # contention as the several-rank rows show it beyond the one-rank compute
     contention = calib.contention * (_typical(ratios["shared"]) / compute if ratios["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
-    fitted = _fit_wrappers(fitted, cal_runs, names, config_of, calib.scale)
-    return interval_of(fitted, cal_runs, names, config_of, calib)
+    return _fit_wrappers(fitted, cal_runs, names, config_of, calib.scale)
 
 
 def _shape(cfg):
@@ -98,7 +104,7 @@ def _shape(cfg):
 
 def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict) -> Calibration:
     """``unit_s`` and ``dtensor_s``: each row's value that closes its compute / optimizer gap, the
-    geometric mean over rows and rounds; no such row: the values ``before`` had."""
+    median over rows and rounds; no such row: the values ``before`` had."""
     found: dict[str, list[float]] = {"unit_s": [], "dtensor_s": []}
     for name, runs in cal_runs.items():
         shape = _shape(config_of(names[name]))
@@ -112,18 +118,20 @@ def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict)
     return dataclasses.replace(fitted, scale=scale)
 
 
-def interval_of(fitted: Calibration, cal_runs, names, config_of, default: Calibration) -> Calibration:
+def interval_of(fitted: Calibration, calib: Calibration, cal_runs, names, config_of) -> Calibration:
     """The interval from the rows' signed residuals in log space, one per row and round (so the
-    run-to-run noise is inside it): its upper side the 95th percentile, its lower side the 5th. A
-    load only ever slows a run, so the two sides differ. Too few residuals (--calibrate-only):
-    ``default``'s interval."""
-    resid = sorted(
-        math.log(r["step_s"] / _predict(fitted, names[n], config_of).point_s)
-        for n, runs in cal_runs.items()
-        for r in runs
-    )
+    run-to-run noise is inside it), each row predicted by the fit of the other rows (leave one row
+    out: the error a config the fit never saw has, not the in-sample residual of a fitted row); its
+    upper side the 95th percentile, its lower side the 5th (a load only ever slows a run, so the
+    two differ). Too few residuals (--calibrate-only): ``calib``'s interval."""
+    resid = []
+    for name, runs in cal_runs.items():
+        others = {n: rs for n, rs in cal_runs.items() if n != name}
+        point = _predict(_corrections(calib, others, names, config_of), names[name], config_of).point_s
+        resid += [math.log(r["step_s"] / point) for r in runs]
     if len(resid) < 6:
-        return dataclasses.replace(fitted, interval_log=default.interval_log, interval_low_log=default.interval_low_log)
+        return dataclasses.replace(fitted, interval_log=calib.interval_log, interval_low_log=calib.interval_low_log)
+    resid.sort()
     high, low = resid[math.ceil(0.95 * len(resid)) - 1], resid[math.ceil(0.05 * len(resid)) - 1]
     return dataclasses.replace(fitted, interval_log=max(0.0, high), interval_low_log=max(0.0, -low))
 

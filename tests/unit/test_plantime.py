@@ -267,7 +267,7 @@ def test_bench_fit_recovers_the_corrections_that_made_its_runs():
     """bench plantime's fit on runs a known calibration predicts (3 rounds each, one 5% fast and one
     20% slow): it recovers compute, bf16, Adam, contention (from the hook-free rows only), the cost
     per hooked unit and per DTensor, the collective families' scales, and the interval's two sides
-    (a load only slows a run: 1.2 above, 0.95 below)."""
+    (a load only slows a run: 1.2 above, 0.95 below), each row's residual from a fit without it."""
     from parallel_lab.bench import _plantime_score as score
     from parallel_lab.bench import plantime
 
@@ -284,7 +284,13 @@ def test_bench_fit_recovers_the_corrections_that_made_its_runs():
     assert fitted.contention == pytest.approx(1.2)
     for key, want in scale.items():
         assert fitted.scale[key] == pytest.approx(want, abs=1e-12), key
+    # Each row's residuals come from the fit of the other rows, which falls back on the calibration's
+    # own figures for what they cannot fit: started from the truth, only the rounds' noise is left.
+    fitted = score.fit(truth, runs, names, config_of)
     assert (fitted.interval_log, fitted.interval_low_log) == pytest.approx((math.log(1.2), -math.log(0.95)))
+    off = score.fit(dataclasses.replace(truth, scale={**scale, "unit_s": 0.0}), runs, names, config_of)
+    assert off.scale["unit_s"] == pytest.approx(2e-3)  # fitted on fsdp cnn, whatever it started from
+    assert off.interval_log > fitted.interval_log  # ... but fsdp left out is predicted without it: low
 
 
 def test_older_calibrations_are_replayed_with_this_versions_defaults():
