@@ -29,55 +29,111 @@ def log_spread(runs: list[dict]) -> float:
     return math.log(max(steps) / min(steps)) / 2
 
 
-def _gmean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else 1.0
+def _typical(xs: list[float]) -> float:
+    """The median: a round that a passing load slowed is the exception, and the interval, not the
+    point, carries it (``interval_of``)."""
+    xs = [x for x in xs if x >= 0 and math.isfinite(x)]
+    return statistics.median(xs) if xs else 1.0
+
+
+def _marginal(calib: Calibration, key: str, part: str, name: str, names, config_of, measured: float) -> float:
+    """The value of the per-unit term ``scale[key]`` (seconds) that makes ``part`` of row ``name``
+    what was measured, the other terms as ``calib`` has them (the model is linear in it)."""
+    at = [
+        _predict(dataclasses.replace(calib, scale={**calib.scale, key: v}), names[name], config_of).parts[part]
+        for v in (0.0, 1e-3)
+    ]
+    return max(0.0, 1e-3 * (measured - at[0]) / (at[1] - at[0])) if at[1] > at[0] else 0.0
 
 
 def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, list[str]], config_of) -> Calibration:
-    """The calibration set's corrections: compute from the one-rank fp32 row, bf16 from the one-rank
-    bf16 row; contention from the several-rank rows against the one-rank (ranks sharing cores);
-    each collective family's scale from the rows that use it (measured comm over the alpha-beta
-    prediction); the share of overlapped communication found hidden; Adam's scale; the interval:
-    the 90th percentile of the rows' residuals in log space, one per row and round, so the
-    run-to-run noise is inside it."""
-    raw = dataclasses.replace(calib, scale={"hidden": 0.0}, interval_log=0.0)
+    """The calibration set's corrections, in order: compute from the one-rank fp32 row, bf16 from the
+    one-rank bf16 row, Adam from the rows without DTensor shards; contention from the several-rank
+    rows without wrapper hooks against the one-rank (ranks sharing cores); then, the rest fixed, the
+    wrappers' cost per hooked unit and per DTensor (``ComputeShape.hooked_units``,
+    ``dtensor_optimizer``) from the rows that have them; each collective family's scale from the
+    rows that use it (measured comm over the alpha-beta prediction); the share of overlapped
+    communication found hidden; the interval (``interval_of``)."""
+    return interval_of(_corrections(calib, cal_runs, names, config_of), calib, cal_runs, names, config_of)
+
+
+def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
+    """``fit`` less the interval; what no row of ``cal_runs`` can fit keeps ``calib``'s value."""
+    raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_s": 0.0}, interval_log=0.0)
     ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
     comm: dict[str, list[float]] = {}
     for name, runs in cal_runs.items():
         cfg = config_of(names[name])
         pred = _predict(raw, names[name], config_of)
+        shape = _shape(cfg)
         solo = "bf16" if "bf16" in name else "fp32" if cfg.world_size == 1 else "shared"
         for r in runs:
             m = r["parts"]
-            ratios[solo].append(m["compute"] / pred.parts["compute"])
-            ratios["optimizer"].append(m["optimizer"] / pred.parts["optimizer"])
+            if not shape.hooked_units:
+                ratios[solo].append(m["compute"] / pred.parts["compute"])
+            if not shape.dtensor_optimizer:
+                ratios["optimizer"].append(m["optimizer"] / pred.parts["optimizer"])
             total = sum(pred.comm_raw.values())
             if total > 0 and m["comm"] > 0:
                 for op in pred.comm_raw:
                     comm.setdefault(op, []).append(m["comm"] / total)
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
-    compute = _gmean(ratios["fp32"])
     scale = dict(calib.scale)  # what no row of this set can fit keeps its value (--calibrate-only)
-    scale.update(compute=compute, optimizer=_gmean(ratios["optimizer"]))
+    compute = _typical(ratios["fp32"]) if ratios["fp32"] else scale.get("compute", 1.0)
+    scale.update(compute=compute, unit_s=0.0, dtensor_s=0.0)
+    if ratios["optimizer"]:
+        scale["optimizer"] = _typical(ratios["optimizer"])
     if ratios["bf16"]:
-        scale["bf16"] = _gmean(ratios["bf16"]) / compute
+        scale["bf16"] = _typical(ratios["bf16"]) / compute
     if comm:
-        scale["comm"] = _gmean([x for xs in comm.values() for x in xs])  # collectives no row used
-        scale.update({f"comm_{op}": _gmean(xs) for op, xs in comm.items()})
+        scale["comm"] = _typical([x for xs in comm.values() for x in xs])  # collectives no row used
+        scale.update({f"comm_{op}": _typical(xs) for op, xs in comm.items()})
         scale["hidden"] = statistics.median(ratios["hidden"])
     # contention as the several-rank rows show it beyond the one-rank compute
-    contention = calib.contention * (_gmean(ratios["shared"]) / compute if ratios["shared"] else 1.0)
+    contention = calib.contention * (_typical(ratios["shared"]) / compute if ratios["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
-    resid = sorted(
-        abs(math.log(_predict(fitted, names[n], config_of).point_s / r["step_s"]))
-        for n, runs in cal_runs.items()
-        for r in runs
-    )
-    if len(resid) < 6:  # too few residuals for a 90th percentile (--calibrate-only): keep the interval
-        return dataclasses.replace(fitted, interval_log=calib.interval_log)
-    q90 = resid[math.ceil(0.9 * len(resid)) - 1]
-    return dataclasses.replace(fitted, interval_log=q90)
+    return _fit_wrappers(fitted, cal_runs, names, config_of, calib.scale)
+
+
+def _shape(cfg):
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies import get_strategy_class
+
+    return get_strategy_class(cfg.strategy.name).plan.compute_shape(cfg, build_meta_model(cfg.model))
+
+
+def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict) -> Calibration:
+    """``unit_s`` and ``dtensor_s``: each row's value that closes its compute / optimizer gap, the
+    median over rows and rounds; no such row: the values ``before`` had."""
+    found: dict[str, list[float]] = {"unit_s": [], "dtensor_s": []}
+    for name, runs in cal_runs.items():
+        shape = _shape(config_of(names[name]))
+        for key, part, has in (
+            ("unit_s", "compute", shape.hooked_units),
+            ("dtensor_s", "optimizer", shape.dtensor_optimizer),
+        ):
+            if has:
+                found[key] += [_marginal(fitted, key, part, name, names, config_of, r["parts"][part]) for r in runs]
+    scale = {**fitted.scale, **{k: (_typical(v) if v else before.get(k, 0.0)) for k, v in found.items()}}
+    return dataclasses.replace(fitted, scale=scale)
+
+
+def interval_of(fitted: Calibration, calib: Calibration, cal_runs, names, config_of) -> Calibration:
+    """The interval from the rows' signed residuals in log space, one per row and round (so the
+    run-to-run noise is inside it), each row predicted by the fit of the other rows (leave one row
+    out: the error a config the fit never saw has, not the in-sample residual of a fitted row); its
+    upper side the 95th percentile, its lower side the 5th (a load only ever slows a run, so the
+    two differ). Too few residuals (--calibrate-only): ``calib``'s interval."""
+    resid = []
+    for name, runs in cal_runs.items():
+        others = {n: rs for n, rs in cal_runs.items() if n != name}
+        point = _predict(_corrections(calib, others, names, config_of), names[name], config_of).point_s
+        resid += [math.log(r["step_s"] / point) for r in runs]
+    if len(resid) < 6:
+        return dataclasses.replace(fitted, interval_log=calib.interval_log, interval_low_log=calib.interval_low_log)
+    resid.sort()
+    high, low = resid[math.ceil(0.95 * len(resid)) - 1], resid[math.ceil(0.05 * len(resid)) - 1]
+    return dataclasses.replace(fitted, interval_log=max(0.0, high), interval_low_log=max(0.0, -low))
 
 
 def rows(calib: Calibration, names: dict[str, list[str]], runs: dict[str, list[dict]], config_of) -> list[dict]:
@@ -167,6 +223,6 @@ def header(calib: Calibration, runs: dict, args) -> str:
         f"{runs.get('_loadavg', [{}])[0]}\n"
         f"calibration (units: FLOP or byte per s): {ops}; Adam {calib.optimizer['per_param_s'] * 1e9:.2f} ns/param "
         f"+ {calib.optimizer['per_tensor_s'] * 1e6:.0f} us/tensor; contention {calib.contention:.2f}; "
-        f"fitted on the calibration set: {', '.join(f'{k} {v:.2f}' for k, v in sorted(s.items()))}; "
-        f"interval x/÷ {math.exp(calib.interval_log):.2f}\n"
+        f"fitted on the calibration set: {', '.join(f'{k} {v:.3g}' for k, v in sorted(s.items()))}; "
+        f"interval x{math.exp(-calib.interval_low_log):.2f} to x{math.exp(calib.interval_log):.2f}\n"
     )

@@ -12,7 +12,8 @@
    load hits every config alike and the spread between rounds is the measured noise:
    - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``): the only runs the
      model is fitted on (``_plantime_score.fit``: compute, bf16, Adam and each collective family's
-     scale, the ranks' contention, the share of overlapped communication hidden, the interval);
+     scale, the ranks' contention, the wrappers' cost per hooked unit and per DTensor, the share of
+     overlapped communication hidden, the interval's two sides);
    - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
      bucket sizes, every other strategy: predicted from that fit, never fitted on.
 3. A table per config: predicted parts beside measured parts, the interval, the error; then the
@@ -126,9 +127,10 @@ def main(argv: list[str]) -> int:
         saved = json.loads(args.replay.read_text())
         if "runs" not in saved:  # a .partial.json of a killed run: its runs, and --calibration's file
             saved = {"runs": saved, "calibration": json.loads(args.calibration.read_text())}
-        calib, runs = Calibration.from_json(json.dumps(saved["calibration"])), saved["runs"]
-        if args.calibration:  # the same runs under another quick calibration
-            calib = Calibration.from_json(args.calibration.read_text())
+        runs = saved["runs"]
+        # the same runs under another quick calibration (also: one of an older calibration version)
+        data = json.loads(args.calibration.read_text()) if args.calibration else saved["calibration"]
+        calib = Calibration.upgraded(data)  # an older version's measurements: the fit below redoes the rest
         held = {n: ALL_HELD[n] for n in runs if n in ALL_HELD}
     else:
         load_before = os.getloadavg()

@@ -15,12 +15,14 @@ What is measured (one thread, the run's device):
 - ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-4 MiB, each op fitted
   to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
   or more GPUs; none on one GPU;
-- ``scale`` and ``interval_log``: 1.0 and the default interval until ``python -m parallel_lab.bench
-  plantime`` fits them on its calibration set (a few real runs) and writes them back.
+- ``scale``, ``interval_log`` and ``interval_low_log``: the last fit's figures (``DEFAULT_SCALE``)
+  until ``python -m parallel_lab.bench plantime`` fits them on its calibration set (a few real runs)
+  and writes them back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -33,22 +35,30 @@ from parallel_lab.plan.census import Census
 from parallel_lab.plan.microbench import contention_probe, sync, time_pass
 
 DEFAULT_PATH = Path("runs/calibration.json")
-VERSION = 2  # 2: the pool and norm kinds (a version-1 file lacks them and is measured again)
+# 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
+# per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
+VERSION = 3
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md (3 rounds). The interval: the 90th percentile of the set's residuals in log space.
-DEFAULT_INTERVAL_LOG = 0.25
+# docs/plan.md (the 21:36 run of 2026-11-26, replayed on this model). The interval: the 95th and 5th
+# percentiles of the set's signed leave-one-row-out residuals in log space (high = point x
+# exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG)).
+DEFAULT_INTERVAL_LOG = 0.27
+DEFAULT_INTERVAL_LOW_LOG = 0.15
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
-# the share of overlapped communication found hidden.
+# the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
+# (unit_s) and per DTensor the optimizer steps (dtensor_s).
 DEFAULT_SCALE = {
-    "compute": 1.00,
-    "bf16": 1.09,
-    "optimizer": 2.38,
-    "comm": 3.25,
-    "comm_all_reduce": 3.43,
-    "comm_all_gather": 3.16,
-    "comm_reduce_scatter": 3.16,
+    "compute": 1.17,
+    "bf16": 0.98,
+    "optimizer": 2.15,
+    "comm": 2.51,
+    "comm_all_reduce": 4.83,
+    "comm_all_gather": 2.51,
+    "comm_reduce_scatter": 2.51,
     "hidden": 0.0,
+    "unit_s": 0.0021,
+    "dtensor_s": 0.00025,
 }
 
 
@@ -65,7 +75,8 @@ class Calibration:
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
     comm_world: int = 2  # the world size the collectives were measured at
     scale: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCALE))
-    interval_log: float = DEFAULT_INTERVAL_LOG
+    interval_log: float = DEFAULT_INTERVAL_LOG  # the interval's upper side (log of high / point)
+    interval_low_log: float = DEFAULT_INTERVAL_LOW_LOG  # its lower side (log of point / low)
     measured_s: float = 0.0
     version: int = VERSION
 
@@ -78,6 +89,15 @@ class Calibration:
         if data.get("version") != VERSION:
             raise ValueError(f"calibration version {data.get('version')} is not {VERSION}; measure it again")
         return cls(**data)
+
+    @classmethod
+    def upgraded(cls, data: dict) -> "Calibration":
+        """An older version's measurements (same ops and collectives) with this version's defaults for
+        what the bench refits anyway (scale, interval): ``bench plantime --replay`` of older runs."""
+        if not {"pool@fp32", "norm@fp32"} <= set(data.get("ops", {})):
+            raise ValueError("calibration lacks the pool and norm kinds (version 1); measure it again")
+        known = {f.name for f in dataclasses.fields(cls)} - {"scale", "version"}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def load_or_measure_calibration(path: Path | None = None, device: str | None = None) -> Calibration:

@@ -12,10 +12,14 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   resnet18 and vit are predicted without ever being calibrated on. A rank runs
   ``PlanRules.compute_shape``'s slots x flop share of such passes (pipeline: the idle slots are
   ``idle``).
+* Wrappers: ``ComputeShape.hooked_units`` (FSDP's units, ZeRO-3's modules) cost ``unit_s`` each
+  per pass (their hooks' Python, copies and DTensor dispatch), and an optimizer over DTensor shards
+  (``dtensor_optimizer``: FSDP2) ``dtensor_s`` per tensor; both fitted on the calibration set.
 * Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
   share of a core (time-slicing), never less slowdown than the contention two computing processes
   were measured to cause each other; a rank waiting in a collective yields its core (a
-  fixed point on the busy share of the step).
+  fixed point on the busy share of the step). More ranks than cores: every collective takes
+  ranks x threads / cores as long (each ring step waits for the descheduled ranks).
 * Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
 * Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
   fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
@@ -25,8 +29,9 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   backward plus what the calibration found not hidden of those issued during it
   (``PlanRules.overlapped_collectives``).
 * Corrections and interval: ``python -m parallel_lab.bench plantime`` fits a scale per part on a
-  small calibration set of real runs and the interval from its residuals (docs/plan.md); a quick
-  calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
+  small calibration set of real runs and the interval's two sides from its signed residuals
+  (``[point x exp(-interval_low_log), point x exp(interval_log)]``: a load only slows a run;
+  docs/plan.md); a quick calibration carries the last fit's figures (``calibrate.DEFAULT_SCALE``).
 
 Nothing here is a GPU time unless the calibration was measured on a GPU (``device="cuda"``).
 """
@@ -144,6 +149,16 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
     return 1
 
 
+def _crowding(cfg, strategy_cls: type, calib: Calibration) -> float:
+    """How much slower a collective runs when the ranks outnumber the cores: every step of a ring
+    needs every rank on a core, so it waits for the descheduled ones (the ranks x threads over the
+    cores; the calibration's pair had a core each)."""
+    if calib.device == "cuda" or strategy_cls.plan.single_process:
+        return 1.0
+    threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+    return max(1.0, cfg.world_size * threads / calib.cpu_count)
+
+
 def predict_comm_seconds(
     cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -152,6 +167,7 @@ def predict_comm_seconds(
     slower rank and copies into and out of the strategy's buffers, which the two-process benchmark
     does not see; each family (DDP's all-reduce, FSDP's all-gather and reduce-scatter) its own."""
     fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
+    crowd = _crowding(cfg, strategy_cls, calib)
     out: dict[str, float] = {}
     raw: dict[str, float] = {}
     for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
@@ -161,7 +177,7 @@ def predict_comm_seconds(
         payload = counted / per_payload
         kind = "p2p" if op in ("isend", "send") else bench_op
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        seconds = sum(
+        seconds = crowd * sum(
             collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
         )
         raw[bench_op] = raw.get(bench_op, 0.0) + seconds
@@ -198,11 +214,9 @@ def predict_step(
         parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib))
         point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
         busy = (parts["compute"] + parts["optimizer"]) / point
-    q = calib.interval_log
     notes = [shape.note] if shape.note else []
-    return StepPrediction(
-        cfg.strategy.name, point, point * math.exp(-q), point * math.exp(q), parts, comm_by_op, comm_raw, notes
-    )
+    low, high = point * math.exp(-calib.interval_low_log), point * math.exp(calib.interval_log)
+    return StepPrediction(cfg.strategy.name, point, low, high, parts, comm_by_op, comm_raw, notes)
 
 
 def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, census, dtype: str, cores):
@@ -218,14 +232,18 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     # Ranks time-sliced on shared cores already pay for sharing them: the larger of the two.
     one_pass = per_call * timeslice + units * max(timeslice, contention) / threads
     scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
-    fwd_bwd = shape.slots * shape.flop_share * one_pass * scale
+    # A wrapper's hooks (Python, copies, DTensor dispatch) cost per unit and pass, not per FLOP.
+    hooks = shape.hooked_units * calib.scale.get("unit_s", 0.0) * timeslice
+    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks)
     dp = strategy_cls.plan.data_parallel_size(cfg)
     passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
-    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * max(timeslice, contention)
-    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * calib.scale.get("optimizer", 1.0)}
+    optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * calib.scale.get("optimizer", 1.0)
+    if shape.dtensor_optimizer:  # every DTensor's update goes through DTensor's dispatch
+        optimizer += len(list(model.parameters())) * calib.scale.get("dtensor_s", 0.0)
+    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
 
 
 def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration) -> dict:

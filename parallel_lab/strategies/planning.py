@@ -31,6 +31,11 @@ class ComputeShape:
     flop_share: float = 1.0  # the part of the model's FLOPs this rank computes per pass
     calls_per_collective: int | None = None  # calls of each collective per step, when not one per step
     note: str | None = None  # what the planner shows beside the prediction
+    # Wrapper units whose Python hooks run around each pass (FSDP's units, ZeRO-3's modules: gather,
+    # reshard and reduce copies, DTensor dispatch), and whether the optimizer steps DTensor shards
+    # (each tensor's update pays DTensor's dispatch): the step-time model prices both per unit/tensor.
+    hooked_units: int = 0
+    dtensor_optimizer: bool = False
 
 
 class PlanRules:

@@ -4,7 +4,9 @@ untimed: what it predicts for given calibration numbers, never how fast this mac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 
 import pytest
@@ -42,6 +44,7 @@ def _calib(alpha: float = 100e-6, beta: float = 1e9, cpus: int = 8, contention: 
     fits = {op: {"alpha_s": alpha, "beta_Bps": beta} for op in OPS}
     kw.setdefault("scale", {"hidden": 0.5})  # every other correction 1: the lines alone
     kw.setdefault("interval_log", 0.15)
+    kw.setdefault("interval_low_log", 0.1)
     return Calibration(
         cpu_count=cpus,
         ops=ops,
@@ -121,7 +124,7 @@ def test_ddp_step_is_compute_plus_exposed_alpha_beta_per_bucket():
     # DDP all-reduces during backward: the calibrated share (0.5) of it is hidden.
     assert pred.parts["exposed_comm"] == pytest.approx(comm - min(0.5 * comm, BACKWARD_SHARE * compute))
     assert pred.point_s == pytest.approx(compute + pred.parts["exposed_comm"] + pred.parts["optimizer"])
-    assert pred.low_s == pytest.approx(pred.point_s * math.exp(-0.15))
+    assert pred.low_s == pytest.approx(pred.point_s * math.exp(-0.1))  # the interval's two sides
     assert pred.high_s == pytest.approx(pred.point_s * math.exp(0.15))
 
 
@@ -233,3 +236,70 @@ def test_recompute_counts_the_forward_it_replays():
     forward = counter.census.units["matmul"]
     extra = {mode: c.units["matmul"] - none.units["matmul"] for mode, c in (("selective", selective), ("full", full))}
     assert 0 < extra["selective"] < extra["full"] <= forward, (extra, forward)
+
+
+def test_wrappers_pay_per_hooked_unit_and_per_dtensor():
+    """FSDP's units (cnn: block1-3, fc1, fc2, then the root) and ZeRO-3's parameter-owning modules
+    (the same five, and the root) run hooks around every pass: ``unit_s`` each; FSDP2's optimizer
+    steps DTensors, ``dtensor_s`` per tensor (FSDP1's flat parameters are plain tensors). DDP and
+    ZeRO-2 hook nothing of the kind."""
+    calib = _calib(scale={"hidden": 0.5, "unit_s": 1e-3, "dtensor_s": 1e-4})
+    ddp = _predict("ddp", calib).parts
+    units, tensors = 6, len(list(_model().parameters()))
+    for strategy, extra_compute, extra_opt in (("fsdp", units, tensors), ("zero3", units, 0), ("zero2", 0, 0)):
+        parts = _predict(strategy, calib).parts
+        assert parts["compute"] == pytest.approx(ddp["compute"] + extra_compute * 1e-3), strategy
+        assert parts["optimizer"] == pytest.approx(extra_opt * 1e-4), strategy  # Adam itself free here
+    assert _predict("fsdp", calib, "strategy.version=1").parts["optimizer"] == 0.0
+    two = _predict("fsdp", calib, "trainer.grad_accum=2").parts["compute"]  # the hooks run every pass
+    assert two == pytest.approx(2 * (_pass_seconds(16) + units * 1e-3))
+
+
+def test_collectives_wait_for_ranks_over_cores():
+    """More ranks than cores: every step of a ring needs every rank on a core, so the collectives
+    take ranks / cores as long (world 4 on 2 cores: twice); a core each: as measured."""
+    for world, crowding in (("world_size=4", 2.0), ("world_size=2", 1.0)):
+        roomy = _predict("ddp", _calib(cpus=8), world).parts["comm"]
+        assert _predict("ddp", _calib(cpus=2), world).parts["comm"] == pytest.approx(crowding * roomy)
+
+
+def test_bench_fit_recovers_the_corrections_that_made_its_runs():
+    """bench plantime's fit on runs a known calibration predicts (3 rounds each, one 5% fast and one
+    20% slow): it recovers compute, bf16, Adam, contention (from the hook-free rows only), the cost
+    per hooked unit and per DTensor, the collective families' scales, and the interval's two sides
+    (a load only slows a run: 1.2 above, 0.95 below), each row's residual from a fit without it."""
+    from parallel_lab.bench import _plantime_score as score
+    from parallel_lab.bench import plantime
+
+    config_of = functools.cache(lambda overrides: plantime.config_of(list(overrides)))
+    names = {n: tuple(o) for n, o in plantime.CALIBRATION.items()}
+    scale = {"compute": 1.1, "bf16": 0.9, "optimizer": 2.0, "hidden": 0.0, "unit_s": 2e-3, "dtensor_s": 3e-4}
+    scale.update(comm=2.5, comm_all_reduce=3.0, comm_all_gather=2.5, comm_reduce_scatter=2.5)
+    truth = _calib(cpus=2, contention=1.2, scale=scale, per_param=1e-9)
+    runs = {}
+    for name, overrides in names.items():
+        pred = score._predict(truth, overrides, config_of)
+        runs[name] = [{"step_s": pred.point_s * k, "parts": dict(pred.parts)} for k in (0.95, 1.0, 1.2)]
+    fitted = score.fit(dataclasses.replace(truth, scale={}, contention=1.0), runs, names, config_of)
+    assert fitted.contention == pytest.approx(1.2)
+    for key, want in scale.items():
+        assert fitted.scale[key] == pytest.approx(want, abs=1e-12), key
+    # Each row's residuals come from the fit of the other rows, which falls back on the calibration's
+    # own figures for what they cannot fit: started from the truth, only the rounds' noise is left.
+    fitted = score.fit(truth, runs, names, config_of)
+    assert (fitted.interval_log, fitted.interval_low_log) == pytest.approx((math.log(1.2), -math.log(0.95)))
+    off = score.fit(dataclasses.replace(truth, scale={**scale, "unit_s": 0.0}), runs, names, config_of)
+    assert off.scale["unit_s"] == pytest.approx(2e-3)  # fitted on fsdp cnn, whatever it started from
+    assert off.interval_log > fitted.interval_log  # ... but fsdp left out is predicted without it: low
+
+
+def test_older_calibrations_are_replayed_with_this_versions_defaults():
+    """``bench plantime --replay`` of an older run: its measurements kept, scale and interval this
+    version's (the fit redoes them); a version-1 file (no pool or norm kind) is refused."""
+    old = json.loads(_calib(contention=1.4).to_json())
+    old.update(version=VERSION - 1, scale={"compute": 9.0})
+    upgraded = Calibration.upgraded(old)
+    assert upgraded.contention == 1.4 and upgraded.version == VERSION and upgraded.scale["compute"] != 9.0
+    del old["ops"]["pool@fp32"]
+    with pytest.raises(ValueError, match="pool and norm"):
+        Calibration.upgraded(old)

@@ -4,12 +4,14 @@ what the planner predicts (``predict.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
 
 
 def shard_size(cfg: DictConfig) -> int:
@@ -42,6 +44,14 @@ class FSDPPlan(PlanRules):
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
         """FSDP2 prefetches the next unit's all-gather and reduce-scatters each unit from its hook."""
         return frozenset({"all_gather", "reduce_scatter"})
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: torch.nn.Module) -> ComputeShape:
+        """The data-parallel shape, plus each unit's hooks (every block, then the root) around every
+        pass; FSDP2's parameters are DTensors, which the optimizer steps one dispatch at a time."""
+        shape = super().compute_shape(cfg, model)
+        units = len(fsdp_units(model)) + 1
+        return dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
 
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:

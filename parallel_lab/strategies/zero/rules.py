@@ -3,13 +3,14 @@ accepts here, what the ZeRO paper's formula says, and what the planner predicts 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.planning import PlanRules
+from parallel_lab.strategies.planning import ComputeShape, PlanRules
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES, build_ds_config
 
 STAGES = (0, 1, 2, 3)
@@ -50,6 +51,16 @@ class ZeroPlan(PlanRules):
         if zero_stage(cfg.strategy.name) == 3:
             return frozenset({"all_gather", "reduce_scatter", "all_reduce"})
         return frozenset()
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: torch.nn.Module) -> ComputeShape:
+        """Stage 3 fetches and releases each module's parameters from hooks around every pass: one
+        hooked unit per module that owns parameters, and the root."""
+        shape = super().compute_shape(cfg, model)
+        if zero_stage(cfg.strategy.name) != 3:
+            return shape
+        owners = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+        return dataclasses.replace(shape, hooked_units=owners + 1)
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
