@@ -209,7 +209,10 @@ def last_line(rs: list[dict]) -> str:
 
 def header(calib: Calibration, runs: dict, args) -> str:
     loads = [r["loadavg_1m"] for name, rs in runs.items() if not name.startswith("_") for r in rs]
-    cpus = os.cpu_count() or 1
+    # the machine the runs were measured on (a --replay may run elsewhere): the calibration's CPUs
+    # and the rounds the runs hold
+    cpus = calib.cpu_count or os.cpu_count() or 1
+    rounds = max((len(rs) for name, rs in runs.items() if not name.startswith("_")), default=args.rounds)
     ops = ", ".join(
         f"{k} {1e-9 / v['per_unit_s'] if v['per_unit_s'] else math.inf:.1f} G/s + {v['per_call_s'] * 1e6:.0f} us/call"
         + (f" + {v['per_thin_s'] * 1e12:.0f} ps x FLOP/smallest dim" if v.get("per_thin_s") else "")
@@ -217,7 +220,7 @@ def header(calib: Calibration, runs: dict, args) -> str:
     )
     s = calib.scale
     return (
-        f"{args.rounds} interleaved rounds, rank 0, {calib.device}, {cpus} CPUs, 1 thread per rank; "
+        f"{rounds} interleaved rounds, rank 0, {calib.device}, {cpus} CPUs, 1 thread per rank; "
         f"1-min load average at run starts: median {statistics.median(loads):.2f}, max {max(loads):.2f} "
         f"(per core max {max(loads) / cpus:.2f}: {'below' if max(loads) < cpus else 'NOT below'} one per core); "
         f"{runs.get('_loadavg', [{}])[0]}\n"
