@@ -14,11 +14,8 @@ Op = tuple[str, int, int]
 
 
 def gpipe_order(m: int, p: int, s: int, v: int = 1) -> list[Op]:
-    """GPipe: fill the pipe with every forward, then drain it with every backward, the last
-    micro-batch first: the last stage turns the pipe round on the activations it has just made,
-    still in cache, rather than on the first micro-batch's, the longest evicted (the turn-round is
-    on every stage's critical path; docs/pp.md, "Where the extra idle was"). The bubble is the same."""
-    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in reversed(range(m))]
+    """GPipe: fill the pipe with every forward, then drain it with every backward."""
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
 
 
 def one_f_one_b_order(m: int, p: int, s: int, v: int = 1) -> list[Op]:
