@@ -38,6 +38,7 @@ class ManualLoop:
         self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
+        self.late = 0  # receives posted only as their own op began (each step's first, on a later stage)
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
@@ -47,9 +48,15 @@ class ManualLoop:
         # Micro-batches in storages of their own: what a stage holds for backward is its micro-batch,
         # not a view keeping the whole batch (the activations the planner counts).
         self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
-        self.num_micro, self.pending, self.local, self.micro_keys = num_micro, [], {}, {}
-        stash = {}
-        for op, c, i in self.order:
+        self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
+        stash: dict = {}
+        for k, (op, c, i) in enumerate(self.order):
+            # The next op's receive is posted before this op computes, so its tensor crosses while
+            # this rank computes (Megatron posts its recvs with its sends the same way). Posted only
+            # when needed, gloo moves nothing until the receiver asks (a rendezvous): every hand-off
+            # then waited once more on the critical path (docs/pp.md, "Where the extra idle was").
+            self.post(k, late=True)
+            self.post(k + 1)
             g = pipe.chunk_ids[c]
             if op == "F":
                 stash[(c, i)] = self.forward(c, g, i)
@@ -64,15 +71,37 @@ class ManualLoop:
         self.pending = []
 
     # ----- point to point (a chunk whose neighbour is on this rank hands over in memory) -----
+    def post(self, k: int, late: bool = False) -> None:
+        """Post the receive op k of the order needs (nothing if none, already posted, or local);
+        ``late``: posted only as op k begins (counted: ``pp_recvs_posted_late``)."""
+        if k >= len(self.order):
+            return
+        op, c, i = self.order[k]
+        g = self.pipe.chunk_ids[c]
+        if op == "F" and g > 0:
+            g_from, tag, boundary = g - 1, g * self.m + i, g
+        elif op == "B" and g < self.n - 1:  # d(loss)/d(output): shaped as chunk g + 1's input
+            g_from, tag, boundary = g + 1, BACKWARD_TAG + g * self.m + i, g + 1
+        else:
+            return
+        if tag in self.posted or self.rank_of(g_from) == self.pipe.env.rank:
+            return
+        self.late += late
+        start = time.perf_counter()
+        buf = torch.empty(self.pipe.chunk_input_shape(boundary, self.xs[i]), device=self.pipe.device)
+        self.posted[tag] = dist.irecv(buf, src=self.rank_of(g_from), tag=tag, group=self.pipe.group), buf
+        self.pipe.recv_wait += time.perf_counter() - start
+
     def recv(self, shape: torch.Size, g_from: int, tag: int) -> torch.Tensor:
         if self.rank_of(g_from) == self.pipe.env.rank:
             return self.local.pop(tag)
-        buf = torch.empty(shape, device=self.pipe.device)
+        work, buf = self.posted.pop(tag)
+        assert buf.shape == shape, (tag, buf.shape, shape)
         start = time.perf_counter()
         # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
         # idle (the pipeline bubble), not as communication (worker/timeline.py).
         with trace_label(f"{IDLE_LABEL}recv"):
-            dist.recv(buf, src=self.rank_of(g_from), tag=tag, group=self.pipe.group)
+            work.wait()
         self.pipe.recv_wait += time.perf_counter() - start
         return buf
 

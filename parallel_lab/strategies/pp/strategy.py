@@ -341,6 +341,7 @@ class PipelineParallelStrategy(Strategy):
             "recv_wait_s": wait if manual else None,
             "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
+            "recvs_late": self.loop.late if manual else None,
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": list(self.model._modules),
             "activation_peak": self.activation_peak,
@@ -370,6 +371,8 @@ class PipelineParallelStrategy(Strategy):
             "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
             "pp_send_s": [st["send_s"] for st in stages],  # manual impl: time in isend calls (hand-offs)
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
+            # manual impl: receives posted only as their op began (the rest one op ahead, pp/manual.py)
+            "pp_recvs_posted_late": [st["recvs_late"] for st in stages],
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
             "pp_activation_peak_bytes": [st["activation_peak"] for st in stages],
         }
