@@ -104,9 +104,11 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
     autograd nodes; a descheduled stage's lost time counts as its work), played through the GPipe
     schedule (strategies/pp/schedules.py: gpipe_first_stage_idle, (p-1)/(m+p-1) for equal stages,
     unit-tested against a simulation); the first stage's measured idle share must match it within
-    0.1. m = 2 and 3: every further micro-batch adds one more hand-off (gloo moves a tensor only once
-    its receive is posted) and, under load, one more max of two jittery stage times to the real
-    pipeline that mean times do not see (measured: up to +0.14 at m = 4, failing 2 of 4 runs under load)."""
+    0.1. m = 2 and 3: every further micro-batch adds one more hand-off and, under load, one more max
+    of two jittery stage times to the real pipeline that mean times do not see (measured: up to
+    +0.14 at m = 4, failing 2 of 4 runs under load). The manual loop posts each receive one op
+    ahead (gloo moves a tensor only once its receive is posted), so a hand-off already sent no
+    longer waits on the critical path (docs/pp.md)."""
     metrics = runs(
         f"pp_m{microbatches}_{impl}",
         "strategy=pp",
