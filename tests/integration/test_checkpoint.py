@@ -84,9 +84,9 @@ def _checkpoints(run_dir: Path) -> list[str]:
 @pytest.mark.parametrize(
     "strategy, kill_rank, kill_before_step",
     # make test-all. make test keeps both halves of the claim apart, each cheaper: torchrun
-    # restarting killed workers that resume bitwise (ddp: the kill-during-write test and
-    # test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint below), and each format
-    # resuming bitwise (test_resume_from_a_named_checkpoint: DeepSpeed's zero3, DCP, tp's shards).
+    # restarting killed workers that resume bitwise (ddp: the kill-during-write test below), and
+    # each format resuming bitwise (test_resume_from_a_named_checkpoint: DeepSpeed's zero3, DCP,
+    # tp's shards).
     [
         pytest.param("ddp", 1, 3, marks=pytest.mark.extra),
         pytest.param("fsdp", 1, 5, marks=pytest.mark.extra),
@@ -196,6 +196,7 @@ def test_resume_from_a_named_checkpoint(tmp_path, straight, strategy, options, f
     _assert_same_training(load_metrics(second), straight(strategy, *options), resume_step=3)
 
 
+@pytest.mark.extra  # make test: a torchrun restart after a kill resumes from the right checkpoint (above)
 def test_restart_after_resuming_from_a_path_uses_the_newer_checkpoint(tmp_path, straight, ddp_checkpoints):
     checkpoints = ddp_checkpoints(tmp_path)
     second = tmp_path / "second"

@@ -145,7 +145,7 @@ def test_eval_accuracy_is_the_same_summed_over_ranks(cli, cnn_reference):
     assert_plan_matches(metrics)  # world 3
 
 
-@pytest.mark.extra  # resnet18 parity in make test: test_spine.py (single, ddp)
+@pytest.mark.extra  # resnet18 parity: make test-all (test_spine.py: single, ddp)
 @pytest.mark.parametrize("strategy", ["manual_ddp", "dp"])
 def test_resnet18_few_steps_match_reference(cli, strategy):
     ref = parity_reference("resnet18", steps=2, global_batch=8)

@@ -77,7 +77,9 @@ def run_across(hosts, tmp_path, *overrides: str) -> dict:
         # mpiexec runs on node0; hydra ssh-es its proxy onto node1. make test-all: mpirun on one host
         # is make test's (test_mpi.py), the hosts and the worker are the two legs' here.
         pytest.param("mpirun", "ddp", ["node1"], marks=pytest.mark.extra),
-        ("deepspeed", "zero2", ["node0", "node1"]),  # the runner's ssh check, then pdsh to both
+        # the runner's ssh check, then pdsh to both. make test-all: the deepspeed launcher is make
+        # test's on one host (test_sharded.py's run_ds.sh), the hosts are the torchrun leg's.
+        pytest.param("deepspeed", "zero2", ["node0", "node1"], marks=pytest.mark.extra),
     ],
 )
 def test_two_hosts_train_like_one_process(hosts, tmp_path, reference, launcher, strategy, reaches):

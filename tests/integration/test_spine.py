@@ -54,8 +54,11 @@ def test_single_and_ddp_match_independent_reference(cnn_spine, strategy):
 
 
 @pytest.mark.parity
+@pytest.mark.extra
 def test_resnet18_ddp_matches_independent_reference(cli):
-    """The larger model through the same command (single's parity on it: make test-all)."""
+    """The larger model through the same command. make test-all (with single's and dp's, manual_ddp's
+    parity on it); make test trains resnet18 under ZeRO (test_sharded.py's memory rows) and pp
+    (test_profile.py), and judges parity on the cnn and the vit."""
     ddp = cli("strategy=ddp", "model=resnet18", "trainer.steps=2", "trainer.global_batch=8")
     assert_spine_run(ddp, parity_reference("resnet18", steps=2, global_batch=8))
 
