@@ -115,6 +115,11 @@ def _dtype(cfg) -> str:
     return "bf16" if any(str(getattr(k, "value", k)) == "bf16" for k in keys) else "fp32"
 
 
+def _threads(cfg) -> int:
+    """The intra-op threads one rank runs with (trainer.threads; 1 when unset)."""
+    return cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+
+
 def _cores(
     cfg, strategy_cls: type, calib: Calibration, background_load: float, busy: float = 1.0
 ) -> tuple[float, float, int]:
@@ -124,7 +129,7 @@ def _cores(
     if calib.device == "cuda":
         return 1.0, 1.0, 1
     procs = 1 if strategy_cls.plan.single_process else cfg.world_size
-    threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+    threads = _threads(cfg)
     demand = procs * threads * busy + max(0.0, background_load)
     timeslice = max(1.0, demand / calib.cpu_count)
     return timeslice, calib.contention if procs * threads > 1 else 1.0, threads
@@ -155,7 +160,7 @@ def _crowding(cfg, strategy_cls: type, calib: Calibration) -> float:
     cores; the calibration's pair had a core each)."""
     if calib.device == "cuda" or strategy_cls.plan.single_process:
         return 1.0
-    threads = cfg.trainer.get("threads") or cfg.trainer.get("threads_per_rank") or 1
+    threads = _threads(cfg)
     return max(1.0, cfg.world_size * threads / calib.cpu_count)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.models.flops import flops_by_kind, layer_flops
+from parallel_lab.models.flops import flops_by_kind
 
 
 def peak_rss_bytes() -> int:
@@ -86,17 +86,18 @@ def machine_state() -> dict:
 FWD_BWD = 3  # model FLOPs of a training step: forward + backward (twice the forward: input and weight grads)
 
 
-def model_flops_per_step(model_cfg: DictConfig, global_batch: int) -> float:
-    """The model FLOPs of one optimizer step on the global batch: the forward count of every
-    Conv2d/Linear/attention matmul (models/flops.py, 2 FLOPs per multiply-add) x FWD_BWD; what a
-    strategy recomputes or adds (communication, the optimizer) is not model work and not counted."""
-    return FWD_BWD * sum(layer_flops(build_meta_model(model_cfg), global_batch).values())
-
-
 def model_flops_by_kind(model_cfg: DictConfig, global_batch: int) -> dict[str, float]:
-    """model_flops_per_step split by the kernel that runs it ({"conv", "matmul"}): what the MFU's
-    peak is weighted by (report/timing.py blended_peak)."""
+    """The model FLOPs of one optimizer step on the global batch, by the kernel that runs them
+    ({"conv", "matmul"}: what MFU's peak is weighted by, report/timing.py blended_peak): the forward
+    count of every Conv2d/Linear/attention matmul (models/flops.py, 2 FLOPs per multiply-add) x
+    FWD_BWD; what a strategy recomputes or adds (communication, the optimizer) is not model work and
+    not counted."""
     return {k: FWD_BWD * v for k, v in flops_by_kind(build_meta_model(model_cfg), global_batch).items()}
+
+
+def model_flops_per_step(model_cfg: DictConfig, global_batch: int) -> float:
+    """model_flops_by_kind's total (one meta forward: a run records both from one call)."""
+    return sum(model_flops_by_kind(model_cfg, global_batch).values())
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

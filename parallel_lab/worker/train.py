@@ -40,7 +40,6 @@ from parallel_lab.worker.metrics import (
     gather_from_ranks,
     machine_state,
     model_flops_by_kind,
-    model_flops_per_step,
     param_checksum,
     param_sha256,
     peak_rss_bytes,
@@ -321,6 +320,7 @@ def _resume_fields(cfg: DictConfig, run: RunRecord) -> dict:
 def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: int) -> dict:
     """What was run, where and how (config and machine)."""
     t = cfg.trainer
+    flops = model_flops_by_kind(cfg.model, t.global_batch)
     return dict(
         strategy=cfg.strategy.name,
         launcher=cfg.launcher.name,
@@ -338,8 +338,8 @@ def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: i
         grad_accum=t.grad_accum,
         steps=t.steps,
         warmup_steps=t.warmup_steps,
-        model_flops_per_step=model_flops_per_step(cfg.model, t.global_batch),
-        model_flops_by_kind=model_flops_by_kind(cfg.model, t.global_batch),
+        model_flops_per_step=sum(flops.values()),
+        model_flops_by_kind=flops,
         threads=t.threads,
         ulp_jitter_seed=t.ulp_jitter_seed,
         noise_rerun=t.noise_rerun,

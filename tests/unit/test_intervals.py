@@ -157,8 +157,10 @@ def test_mfu_peak_weights_each_kernels_peak_by_the_models_flops_in_it():
     kernel alone; the split counts every layer once (worker/metrics.py model_flops_by_kind). The
     GPU's numbers: fp32 conv in TF32 at 276,562 GFLOP/s, matmul far below it."""
     from parallel_lab.config import compose_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.flops import layer_flops
     from parallel_lab.report.timing import blended_peak
-    from parallel_lab.worker.metrics import model_flops_by_kind, model_flops_per_step
+    from parallel_lab.worker.metrics import FWD_BWD, model_flops_by_kind
 
     peak = {"conv_gflops": 276_562.0, "matmul_gflops": 50_000.0, "peak_gflops": 276_562.0}
     assert blended_peak(peak, {"conv": 3.0, "matmul": 0.0})["peak_gflops"] == pytest.approx(276_562.0)
@@ -169,6 +171,6 @@ def test_mfu_peak_weights_each_kernels_peak_by_the_models_flops_in_it():
     for model, most in (("cnn", "conv"), ("vit", "matmul")):
         cfg = compose_config([f"model={model}"]).model
         split = model_flops_by_kind(cfg, 16)
-        assert sum(split.values()) == pytest.approx(model_flops_per_step(cfg, 16))
+        assert sum(split.values()) == pytest.approx(FWD_BWD * sum(layer_flops(build_meta_model(cfg), 16).values()))
         assert split[most] > 0.5 * sum(split.values()), (model, split)
         assert all(v > 0 for v in split.values()), (model, split)  # the vit's patch embedding is a conv
