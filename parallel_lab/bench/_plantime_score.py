@@ -54,7 +54,7 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
     ``dtensor_optimizer``) from the rows that have them; each collective family's scale from the
     rows that use it (measured comm over the alpha-beta prediction); the share of overlapped
     communication found hidden; the interval (``interval_of``)."""
-    return interval_of(_corrections(calib, cal_runs, names, config_of), calib, cal_runs, names, config_of)
+    return interval_of(_corrections(calib, cal_runs, names, config_of), calib, cal_runs)
 
 
 def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
@@ -118,22 +118,42 @@ def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict)
     return dataclasses.replace(fitted, scale=scale)
 
 
-def interval_of(fitted: Calibration, calib: Calibration, cal_runs, names, config_of) -> Calibration:
-    """The interval from the rows' signed residuals in log space, one per row and round (so the
-    run-to-run noise is inside it), each row predicted by the fit of the other rows (leave one row
-    out: the error a config the fit never saw has, not the in-sample residual of a fitted row); its
-    upper side the 95th percentile, its lower side the 5th (a load only ever slows a run, so the
-    two differ). Too few residuals (--calibrate-only): ``calib``'s interval."""
-    resid = []
-    for name, runs in cal_runs.items():
-        others = {n: rs for n, rs in cal_runs.items() if n != name}
-        point = _predict(_corrections(calib, others, names, config_of), names[name], config_of).point_s
-        resid += [math.log(r["step_s"] / point) for r in runs]
-    if len(resid) < 6:
+def interval_of(fitted: Calibration, calib: Calibration, cal_runs, names=None, config_of=None) -> Calibration:
+    """The interval: this run's noise, measured now, combined with the model's error on configs
+    it was never fitted on, as the last validation measured it (``calib.model_error_log``: the
+    held-out rows' log errors, 5th / 50th / 95th percentile; docs/plan.md).
+
+    The noise: each calibration row's rounds against that row's median, in log space, their 95th
+    and 5th percentiles (a load only ever slows a run, so the two sides differ). The two add in
+    quadrature (a config's error and a round's noise are independent) around the model's median
+    error. Too few rounds (--calibrate-only): ``calib``'s interval.
+
+    Why not the calibration rows' own residuals: in-sample, a quiet run's four rows gave x0.90 to
+    x1.06 and covered 14 of 42 held-out rounds; left out one row at a time, they measure how the
+    fit fares without its compute anchor or without its only FSDP row, not how an unseen config
+    fares (x0.76 to x1.18 on that run, 23 of 42)."""
+    noise = [
+        math.log(r["step_s"] / statistics.median(x["step_s"] for x in runs)) for runs in cal_runs.values() for r in runs
+    ]
+    if len(noise) < 6:
         return dataclasses.replace(fitted, interval_log=calib.interval_log, interval_low_log=calib.interval_low_log)
-    resid.sort()
-    high, low = resid[math.ceil(0.95 * len(resid)) - 1], resid[math.ceil(0.05 * len(resid)) - 1]
+    lo, mid, hi = calib.model_error_log
+    high = mid + math.hypot(max(0.0, hi - mid), max(0.0, _quantile(noise, 0.95)))
+    low = mid - math.hypot(max(0.0, mid - lo), max(0.0, -_quantile(noise, 0.05)))
     return dataclasses.replace(fitted, interval_log=max(0.0, high), interval_low_log=max(0.0, -low))
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The smallest of ``xs`` with at least a share ``q`` of them at or below it."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def model_error_log(rs: list[dict]) -> list[float]:
+    """The held-out rows' log errors (measured median over predicted), 5th / 50th / 95th
+    percentile: what ``Calibration.model_error_log`` carries into the next run's interval."""
+    errors = [math.log(r["step_s"] / r["pred"].point_s) for r in rs]
+    return [_quantile(errors, q) for q in (0.05, 0.5, 0.95)]
 
 
 def rows(calib: Calibration, names: dict[str, list[str]], runs: dict[str, list[dict]], config_of) -> list[dict]:

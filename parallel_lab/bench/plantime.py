@@ -1,6 +1,6 @@
 """Step time, predicted by the per-operator model, against real profiled runs it never saw.
 
-    python -m parallel_lab.bench plantime [--quick] [--rounds 3] [--steps 8] [--out plantime.json]
+    python -m parallel_lab.bench plantime [--quick] [--rounds 3] [--steps 20] [--out plantime.json]
                                           [--replay plantime.json] [--calibration runs/calibration.json]
     python -m parallel_lab.bench plantime --calibrate-only --device cuda --out calibration.json
     python -m parallel_lab.bench plantime --world1 --device cuda --rounds 2 --out plantime_gpu.json
@@ -13,15 +13,19 @@
    - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``): the only runs the
      model is fitted on (``_plantime_score.fit``: compute, bf16, Adam and each collective family's
      scale, the ranks' contention, the wrappers' cost per hooked unit and per DTensor, the share of
-     overlapped communication hidden, the interval's two sides);
+     overlapped communication hidden; the interval: the noise of these rows' rounds combined with
+     the model's error on held-out configs in the last validation, ``Calibration.model_error_log``);
    - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
      bucket sizes, every other strategy: predicted from that fit, never fitted on.
 3. A table per config: predicted parts beside measured parts, the interval, the error; then the
    last line (docs/plan.md): ``median |error| X%; worst Y% (config); interval coverage C/N (median
    half-width W%); ranking agreement K/M``.
 
-The measured step is the profile's ``unprofiled_step_s`` (the steps after warm-up the profiler did
-not trace); measured parts are the traced steps' ``time_ms`` rescaled to that step (the profiler's
+The measured step is the profile's ``unprofiled_step_s``: the median of the steps after the 4
+warm-up steps and the 2 traced ones (14 of the default 20; with 4 timed steps after 2 warm-up ones,
+the runs were still warming and one hiccup moved a run's figure by up to 40%: docs/plan.md). A first
+run before round 1 is discarded (the first run after the calibration ran 15-30% slow in every saved
+bench). Measured parts are the traced steps' ``time_ms`` rescaled to that step (the profiler's
 own cost spread pro rata); "compute" is the profiler's compute + other (Python between operators
 is the per-call cost the model's lines include).
 
@@ -59,7 +63,14 @@ HELD_OUT: dict[str, list[str]] = RUNS["held_out"]
 QUICK: list[str] = RUNS["quick"]
 WORLD1: dict[str, list[str]] = RUNS["world1_held_out"]
 ALL_HELD: dict[str, list[str]] = {**HELD_OUT, **WORLD1}
-BASE = ["model=cnn", "world_size=2", "trainer.global_batch=64", "trainer.eval_batches=0", "trainer.profile=true"]
+BASE = [
+    "model=cnn",
+    "world_size=2",
+    "trainer.global_batch=64",
+    "trainer.eval_batches=0",
+    "trainer.warmup_steps=4",
+    "trainer.profile=true",
+]
 
 
 def config_of(overrides: list[str]):
@@ -87,10 +98,12 @@ def run_once(overrides: list[str], steps: int, workdir: Path, timeout: float, de
 
 def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {name: [] for name in names}
+    first = next(iter(names))
+    run_once(names[first], args.steps, workdir, args.timeout, args.device)  # discarded: a cold machine
     for r in range(args.rounds):
         order = list(names)[r % len(names) :] + list(names)[: r % len(names)]  # rotate: no fixed slot
         for name in order:
-            steps = max(5, args.steps - 3) if "resnet18" in name else args.steps
+            steps = max(8, args.steps - 8) if "resnet18" in name else args.steps  # 0.4 s a step
             out[name].append(run_once(names[name], steps, workdir, args.timeout, args.device))
             print(f"round {r + 1}/{args.rounds} {name}: {out[name][-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
             if args.out:  # what is measured so far survives a killed run (--replay reads it)
@@ -110,7 +123,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.bench plantime", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"held-out subset only: {', '.join(QUICK)}")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8, help="per run: 2 warm-up, 2 traced, the rest timed")
+    parser.add_argument("--steps", type=int, default=20, help="per run: 4 warm-up, 2 traced, the rest timed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calibrate-only", action="store_true", help="calibration set's world-1 rows only")
     parser.add_argument("--world1", action="store_true", help="world-1 rows only: calibration and world1_held_out")
@@ -119,8 +132,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replay", type=Path, help="a saved --out: predict again from its calibration and runs")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a hung run is killed")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.steps < 6:
-        parser.error(f"--rounds {args.rounds} must be >= 1 and --steps {args.steps} >= 6 (2 warm-up, 2 traced)")
+    if args.rounds < 1 or args.steps < 8:
+        parser.error(f"--rounds {args.rounds} must be >= 1, --steps {args.steps} >= 8 (4 warm-up, 2 traced, 2 timed)")
     from parallel_lab.plan.calibrate import Calibration, measure_calibration
 
     if args.replay:
@@ -151,12 +164,17 @@ def main(argv: list[str]) -> int:
     print(score.header(fitted, runs, args))
     rows = score.rows(fitted, {**CALIBRATION, **held}, runs, config_of)
     print(score.table(rows))
+    held_rows = [r for r in rows if r["name"] in held]
+    if held_rows:  # this run's validation, for the next run's interval (calibrate.DEFAULT_MODEL_ERROR_LOG)
+        validated = score.model_error_log(held_rows)
+        print("held-out log errors (q5, q50, q95), the next interval's model part:", *(f"{x:+.3f}" for x in validated))
     if args.out:
         payload = {"calibration": json.loads(calib.to_json()), "fitted": json.loads(fitted.to_json()), "runs": runs}
+        if held_rows:
+            payload["model_error_log"] = validated
         if args.calibrate_only:
             payload = json.loads(fitted.to_json())  # the calibration itself, for load_or_measure_calibration
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    held_rows = [r for r in rows if r["name"] in held]
     if held_rows:
         print(score.last_line(held_rows))
     return 0

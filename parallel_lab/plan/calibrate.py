@@ -15,6 +15,8 @@ What is measured (one thread, the run's device):
 - ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-4 MiB, each op fitted
   to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
   or more GPUs; none on one GPU;
+- ``model_error_log``: the model's error on held-out configs as the last validation measured it
+  (``DEFAULT_MODEL_ERROR_LOG``), the part of the interval no quick calibration can measure;
 - ``scale``, ``interval_log`` and ``interval_low_log``: the last fit's figures (``DEFAULT_SCALE``)
   until ``python -m parallel_lab.bench plantime`` fits them on its calibration set (a few real runs)
   and writes them back.
@@ -44,6 +46,11 @@ VERSION = 3
 # exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG)).
 DEFAULT_INTERVAL_LOG = 0.27
 DEFAULT_INTERVAL_LOW_LOG = 0.15
+# The model's error on configs it was never fitted on: the held-out rows' log errors (measured
+# median step over predicted), 5th / 50th / 95th percentile, pooled over the validation runs of
+# docs/plan.md. ``bench plantime`` combines it with the noise it measures (``interval_of``) and
+# prints this run's, for the next.
+DEFAULT_MODEL_ERROR_LOG = (-0.11, 0.07, 0.21)
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
@@ -77,6 +84,8 @@ class Calibration:
     scale: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCALE))
     interval_log: float = DEFAULT_INTERVAL_LOG  # the interval's upper side (log of high / point)
     interval_low_log: float = DEFAULT_INTERVAL_LOW_LOG  # its lower side (log of point / low)
+    # held-out configs' log errors (q5, q50, q95), as the last validation measured them
+    model_error_log: list[float] = field(default_factory=lambda: list(DEFAULT_MODEL_ERROR_LOG))
     measured_s: float = 0.0
     version: int = VERSION
 

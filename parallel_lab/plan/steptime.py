@@ -17,9 +17,12 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   (``dtensor_optimizer``: FSDP2) ``dtensor_s`` per tensor; both fitted on the calibration set.
 * Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
   share of a core (time-slicing), never less slowdown than the contention two computing processes
-  were measured to cause each other; a rank waiting in a collective yields its core (a
-  fixed point on the busy share of the step). More ranks than cores: every collective takes
-  ranks x threads / cores as long (each ring step waits for the descheduled ranks).
+  were measured to cause each other. Data-parallel ranks compute in lockstep (each step ends in
+  the same collectives), so all of them want a core at once and none lends its core while it
+  waits in a collective: only a pipeline stage idling in a bubble yields its core to a computing
+  stage (a fixed point on the non-idle share of the step). The collectives themselves take their
+  two-rank time scaled by the ring (no extra for ranks outnumbering cores: measured at world 3
+  and 4 on 2 cores, docs/plan.md).
 * Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
 * Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
   fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
@@ -154,16 +157,6 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
     return 1
 
 
-def _crowding(cfg, strategy_cls: type, calib: Calibration) -> float:
-    """How much slower a collective runs when the ranks outnumber the cores: every step of a ring
-    needs every rank on a core, so it waits for the descheduled ones (the ranks x threads over the
-    cores; the calibration's pair had a core each)."""
-    if calib.device == "cuda" or strategy_cls.plan.single_process:
-        return 1.0
-    threads = _threads(cfg)
-    return max(1.0, cfg.world_size * threads / calib.cpu_count)
-
-
 def predict_comm_seconds(
     cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -172,7 +165,6 @@ def predict_comm_seconds(
     slower rank and copies into and out of the strategy's buffers, which the two-process benchmark
     does not see; each family (DDP's all-reduce, FSDP's all-gather and reduce-scatter) its own."""
     fits = calib.collectives.get(strategy_cls.plan.comm_impl(cfg)) or next(iter(calib.collectives.values()), None)
-    crowd = _crowding(cfg, strategy_cls, calib)
     out: dict[str, float] = {}
     raw: dict[str, float] = {}
     for op, counted in (strategy_cls.plan.predict_comm(cfg, model, 0) or {}).items():
@@ -182,7 +174,7 @@ def predict_comm_seconds(
         payload = counted / per_payload
         kind = "p2p" if op in ("isend", "send") else bench_op
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        seconds = crowd * sum(
+        seconds = sum(
             collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
         )
         raw[bench_op] = raw.get(bench_op, 0.0) + seconds
@@ -202,9 +194,9 @@ def predict_step(
     (``PlanRules.overlapped_collectives``) that calibration did not find hidden behind backward.
     ``background_load``: other runnable processes on the machine (e.g. the load average).
 
-    More ranks than cores: a rank waiting in a collective or a pipeline bubble yields its core, so
-    the ranks' demand is their count x the busy share of their step, found by a few fixed-point
-    rounds from "always busy"."""
+    More ranks than cores: a pipeline stage idling in a bubble yields its core, so the ranks'
+    demand is their count x the non-idle share of their step, found by a few fixed-point rounds
+    from "always busy" (data-parallel ranks compute in lockstep: always busy)."""
     from parallel_lab.plan.census import census_of
 
     shape = strategy_cls.plan.compute_shape(cfg, model)
@@ -218,7 +210,7 @@ def predict_step(
         parts = _step_parts(cfg, strategy_cls, model, calib, shape, census, dtype, (timeslice, contention, threads))
         parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib))
         point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
-        busy = (parts["compute"] + parts["optimizer"]) / point
+        busy = 1.0 - parts["idle"] / point
     notes = [shape.note] if shape.note else []
     low, high = point * math.exp(-calib.interval_low_log), point * math.exp(calib.interval_log)
     return StepPrediction(cfg.strategy.name, point, low, high, parts, comm_by_op, comm_raw, notes)
