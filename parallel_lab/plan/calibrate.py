@@ -41,31 +41,31 @@ DEFAULT_PATH = Path("runs/calibration.json")
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
 VERSION = 3
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md (the 21:36 run of 2026-11-26, replayed on this model). The interval: the 95th and 5th
-# percentiles of the set's signed leave-one-row-out residuals in log space (high = point x
-# exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG)).
-DEFAULT_INTERVAL_LOG = 0.27
-DEFAULT_INTERVAL_LOW_LOG = 0.15
+# docs/plan.md (the 01:33 UTC run of 2026-11-27). The interval: high = point x
+# exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's
+# (``_plantime_score.interval_of``).
+DEFAULT_INTERVAL_LOG = 0.24
+DEFAULT_INTERVAL_LOW_LOG = 0.16
 # The model's error on configs it was never fitted on: the held-out rows' log errors (measured
-# median step over predicted), 5th / 50th / 95th percentile, pooled over the validation runs of
-# docs/plan.md. ``bench plantime`` combines it with the noise it measures (``interval_of``) and
-# prints this run's, for the next.
-DEFAULT_MODEL_ERROR_LOG = (-0.11, 0.07, 0.21)
+# median step over predicted), 5th / 50th / 95th percentile, pooled over the six validation runs of
+# docs/plan.md (84 rows). ``bench plantime`` combines it with the noise it measures (``interval_of``)
+# and prints this run's, for the next.
+DEFAULT_MODEL_ERROR_LOG = (-0.11, 0.06, 0.21)
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
 # (unit_s) and per DTensor the optimizer steps (dtensor_s).
 DEFAULT_SCALE = {
-    "compute": 1.17,
-    "bf16": 0.98,
-    "optimizer": 2.15,
-    "comm": 2.51,
-    "comm_all_reduce": 4.83,
-    "comm_all_gather": 2.51,
-    "comm_reduce_scatter": 2.51,
-    "hidden": 0.0,
+    "compute": 1.13,
+    "bf16": 0.85,
+    "optimizer": 1.04,
+    "comm": 1.40,
+    "comm_all_reduce": 3.62,
+    "comm_all_gather": 1.32,
+    "comm_reduce_scatter": 1.32,
+    "hidden": 0.035,
     "unit_s": 0.0021,
-    "dtensor_s": 0.00025,
+    "dtensor_s": 0.00024,
 }
 
 
