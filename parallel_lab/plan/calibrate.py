@@ -12,7 +12,7 @@ What is measured (one thread, the run's device):
 - ``optimizer``: torch's Adam on one large and many small tensors: ``per_param_s``, ``per_tensor_s``;
 - ``contention``: how much slower one process computes while a second computes too, measured with
   two real processes (shared caches, memory bandwidth, SMT siblings; 1.0 on a GPU);
-- ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-4 MiB, each op fitted
+- ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-16 MiB, each op fitted
   to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
   or more GPUs; none on one GPU;
 - ``model_error_log``: the model's error on held-out configs as the last validation measured it

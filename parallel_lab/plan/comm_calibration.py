@@ -1,8 +1,9 @@
 """The two-process half of the quick calibration (``calibrate.measure_calibration``): two real
 processes on this machine, one process group (gloo on CPU; nccl on a machine with >= 2 GPUs), that
 measure (1) how much slower one computes while the other computes too (``contention``) and (2)
-every collective at world 2, 4 KiB-4 MiB, fitted to alpha + bytes / beta. manual_ddp's hand-written
-ring (``parallel_lab.comm.collectives``) is measured beside gloo's, as ``impl`` ``hand``."""
+every collective at world 2, 4 KiB-16 MiB (five sizes, the best of 5 calls each), fitted to
+alpha + bytes / beta. manual_ddp's hand-written ring (``parallel_lab.comm.collectives``) is measured
+beside gloo's, as ``impl`` ``hand``."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _worker(rank: int, port: int, device: str) -> None:
                 for size in COMM_SIZES:
                     x = torch.zeros(size // 4, device=dev)
                     out = torch.zeros(size // 4, device=dev)
-                    t = _time(_collective(impl, op, x, out, 2), dev.split(":")[0], reps=3)
+                    t = _time(_collective(impl, op, x, out, 2), dev.split(":")[0], reps=5)
                     slowest = torch.tensor([t], device=dev)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     rows.setdefault(impl, {}).setdefault(op, []).append((size, slowest.item()))
