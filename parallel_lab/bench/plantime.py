@@ -10,11 +10,13 @@
 2. Real runs through the CLI, ``trainer.profile=true`` (rank 0's ``ranks[0].time_ms``: compute,
    comm, exposed_comm, optimizer, idle, other), ``--rounds`` interleaved rounds so that drifting
    load hits every config alike and the spread between rounds is the measured noise:
-   - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``): the only runs the
-     model is fitted on (``_plantime_score.fit``: compute, bf16, Adam and each collective family's
-     scale, the ranks' contention, the wrappers' cost per hooked unit and per DTensor, the share of
-     overlapped communication hidden; the interval: the noise of these rows' rounds combined with
-     the model's error on held-out configs in the last validation, ``Calibration.model_error_log``);
+   - the calibration set (``conf/bench/plantime.yaml``'s ``calibration``), run twice per round
+     (a run's level moves ±10-20% as a whole on a 2-core VM, and every held-out row inherits this
+     set's medians; docs/plan.md): the only runs the model is fitted on (``_plantime_score.fit``:
+     compute, bf16, Adam and each collective family's scale, the ranks' contention, the wrappers'
+     cost per hooked unit and per DTensor, the share of overlapped communication hidden; the
+     interval: the noise of these rows' rounds combined with the model's error on held-out configs
+     in the last validation, ``Calibration.model_error_log``);
    - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
      bucket sizes, every other strategy: predicted from that fit, never fitted on.
 3. A table per config: predicted parts beside measured parts, the interval, the error; then the
@@ -96,13 +98,15 @@ def run_once(overrides: list[str], steps: int, workdir: Path, timeout: float, de
     return {"step_s": step, "parts": measured, "loadavg_1m": m["machine"]["start"]["loadavg"][0]}
 
 
-def measure(names: dict[str, list[str]], args, workdir: Path) -> dict[str, list[dict]]:
+def measure(names: dict[str, list[str]], args, workdir: Path, twice: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+    """``args.rounds`` interleaved rounds of every config in ``names``, the order rotated each round;
+    the configs in ``twice`` (the calibration set) run a second time at the end of each round."""
     out: dict[str, list[dict]] = {name: [] for name in names}
     first = next(iter(names))
     run_once(names[first], args.steps, workdir, args.timeout, args.device)  # discarded: a cold machine
     for r in range(args.rounds):
         order = list(names)[r % len(names) :] + list(names)[: r % len(names)]  # rotate: no fixed slot
-        for name in order:
+        for name in order + [n for n in order if n in twice]:
             steps = max(8, args.steps - 8) if "resnet18" in name else args.steps  # 0.4 s a step
             out[name].append(run_once(names[name], steps, workdir, args.timeout, args.device))
             print(f"round {r + 1}/{args.rounds} {name}: {out[name][-1]['step_s'] * 1e3:.1f} ms", file=sys.stderr)
@@ -158,7 +162,7 @@ def main(argv: list[str]) -> int:
         if args.out:  # the calibration first: a killed run can be replayed from it and its partial runs
             args.out.with_suffix(".calibration.json").write_text(calib.to_json() + "\n")
         with tempfile.TemporaryDirectory(prefix="bench_plantime_") as workdir:
-            runs = measure({**cal_set, **held}, args, Path(workdir))
+            runs = measure({**cal_set, **held}, args, Path(workdir), twice=tuple(cal_set))
         runs["_loadavg"] = [{"before": list(load_before), "after": list(os.getloadavg())}]
     fitted = score.fit(calib, {n: runs[n] for n in CALIBRATION if n in runs}, {**CALIBRATION, **ALL_HELD}, config_of)
     print(score.header(fitted, runs, args))
