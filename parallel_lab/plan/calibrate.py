@@ -41,31 +41,31 @@ DEFAULT_PATH = Path("runs/calibration.json")
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
 VERSION = 3
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md (the 01:33 UTC run of 2026-11-27). The interval: high = point x
-# exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's
+# docs/plan.md (the 02:09 UTC run of 2026-11-27, the collectives at five sizes). The interval: high =
+# point x exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's
 # (``_plantime_score.interval_of``).
-DEFAULT_INTERVAL_LOG = 0.24
+DEFAULT_INTERVAL_LOG = 0.28
 DEFAULT_INTERVAL_LOW_LOG = 0.16
 # The model's error on configs it was never fitted on: the held-out rows' log errors (measured
-# median step over predicted), 5th / 50th / 95th percentile, pooled over the seven validation runs of
-# docs/plan.md (98 rows). ``bench plantime`` combines it with the noise it measures (``interval_of``)
-# and prints this run's, for the next.
-DEFAULT_MODEL_ERROR_LOG = (-0.14, 0.06, 0.21)
+# median step over predicted), 5th / 50th / 95th percentile, pooled over the nine validation runs
+# of docs/plan.md (126 rows). ``bench plantime`` combines it with the noise it measures
+# (``interval_of``) and prints this run's, for the next.
+DEFAULT_MODEL_ERROR_LOG = (-0.15, 0.04, 0.21)
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
 # (unit_s) and per DTensor the optimizer steps (dtensor_s).
 DEFAULT_SCALE = {
-    "compute": 1.13,
-    "bf16": 0.85,
-    "optimizer": 1.04,
-    "comm": 1.40,
-    "comm_all_reduce": 3.62,
-    "comm_all_gather": 1.32,
-    "comm_reduce_scatter": 1.32,
-    "hidden": 0.035,
-    "unit_s": 0.0021,
-    "dtensor_s": 0.00024,
+    "compute": 1.07,
+    "bf16": 1.02,
+    "optimizer": 1.99,
+    "comm": 5.10,
+    "comm_all_reduce": 2.43,
+    "comm_all_gather": 5.27,
+    "comm_reduce_scatter": 5.27,
+    "hidden": 0.002,
+    "unit_s": 0.0023,
+    "dtensor_s": 0.00023,
 }
 
 
