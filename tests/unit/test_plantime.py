@@ -328,3 +328,25 @@ def test_older_calibrations_are_replayed_with_this_versions_defaults():
     del old["ops"]["pool@fp32"]
     with pytest.raises(ValueError, match="pool and norm"):
         Calibration.upgraded(old)
+
+
+def test_bench_rounds_rotate_and_run_the_calibration_set_twice(monkeypatch, tmp_path):
+    """bench plantime's schedule: one discarded run first, then each round every config once in an
+    order rotated by one, and the calibration set (``twice``) again at the round's end. The runs
+    themselves are replaced by a recorder: this checks the order, not a measurement."""
+    from types import SimpleNamespace
+
+    from parallel_lab.bench import plantime
+
+    calls = []
+
+    def record(overrides, steps, workdir, timeout, device):
+        calls.append(overrides[0])
+        return {"step_s": 1.0, "parts": {}, "loadavg_1m": 0.0}
+
+    monkeypatch.setattr(plantime, "run_once", record)
+    names = {n: [n] for n in ("a", "b", "c")}
+    args = SimpleNamespace(rounds=2, steps=20, timeout=1.0, device="cpu", out=None)
+    out = plantime.measure(names, args, tmp_path, twice=("a",))
+    assert calls == ["a", "a", "b", "c", "a", "b", "c", "a", "a"]
+    assert {n: len(rs) for n, rs in out.items()} == {"a": 4, "b": 2, "c": 2}
