@@ -118,7 +118,7 @@ def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict)
     return dataclasses.replace(fitted, scale=scale)
 
 
-def interval_of(fitted: Calibration, calib: Calibration, cal_runs, names=None, config_of=None) -> Calibration:
+def interval_of(fitted: Calibration, calib: Calibration, cal_runs: dict[str, list[dict]]) -> Calibration:
     """The interval: this run's noise, measured now, combined with the model's error on configs
     it was never fitted on, as the last validation measured it (``calib.model_error_log``: the
     held-out rows' log errors, 5th / 50th / 95th percentile; docs/plan.md).
