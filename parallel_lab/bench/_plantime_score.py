@@ -62,13 +62,15 @@ def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
     raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_s": 0.0}, interval_log=0.0)
     ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
     comm: dict[str, list[float]] = {}
+    several: list[dict] = []
     for name, runs in cal_runs.items():
         cfg = config_of(names[name])
+        several += runs if cfg.world_size > 1 else []
         pred = _predict(raw, names[name], config_of)
         shape = _shape(cfg)
         solo = "bf16" if "bf16" in name else "fp32" if cfg.world_size == 1 else "shared"
         for r in runs:
-            m = r["parts"]
+            m = _less_wait(r)
             if not shape.hooked_units:
                 ratios[solo].append(m["compute"] / pred.parts["compute"])
             if not shape.dtensor_optimizer:
@@ -89,10 +91,41 @@ def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
         scale["comm"] = _typical([x for xs in comm.values() for x in xs])  # collectives no row used
         scale.update({f"comm_{op}": _typical(xs) for op, xs in comm.items()})
         scale["hidden"] = statistics.median(ratios["hidden"])
+    scale["straggle"] = _straggle(several, calib.scale.get("straggle", 0.0))
     # contention as the several-rank rows show it beyond the one-rank compute
     contention = calib.contention * (_typical(ratios["shared"]) / compute if ratios["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
     return _fit_wrappers(fitted, cal_runs, names, config_of, calib.scale)
+
+
+def _less_wait(run: dict) -> dict:
+    """A run's measured parts less rank 0's wait for the slowest rank (its traced compute against
+    the slowest's, ``rank_compute``), which ``steptime.straggler_wait`` predicts apart from the
+    collectives' scales; a run that did not record every rank's compute keeps it inside them."""
+    ranks = run.get("rank_compute") or [0.0]
+    wait = max(ranks) - ranks[0]
+    m = dict(run["parts"])
+    m["comm"] = max(0.0, m["comm"] - wait)
+    m["exposed_comm"] = max(0.0, m["exposed_comm"] - wait)
+    return m
+
+
+def _straggle(several: list[dict], before: float) -> float:
+    """The ranks' relative speed spread ``sigma`` (``steptime.straggler_wait``) from the several-rank
+    calibration runs: in each, the ranks' mean wait for the slowest over their mean compute, / E[max
+    of world normals]; the median over runs. No several-rank run (--calibrate-only): ``before``;
+    none that recorded every rank: 0 (the wait stays inside the collectives' scales, as the runs
+    saved before ``rank_compute`` existed were fitted)."""
+    from parallel_lab.plan.steptime import expected_max_normal
+
+    if not several:
+        return before
+    sigmas = [
+        (max(c) - statistics.fmean(c)) / statistics.fmean(c) / expected_max_normal(len(c))
+        for c in (r.get("rank_compute") or [] for r in several)
+        if len(c) > 1
+    ]
+    return statistics.median(sigmas) if sigmas else 0.0
 
 
 def _shape(cfg):

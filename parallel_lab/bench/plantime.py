@@ -95,7 +95,9 @@ def run_once(overrides: list[str], steps: int, workdir: Path, timeout: float, de
     k = step / (parts["step"] / 1e3)  # the profiler's own cost, spread over the parts
     measured = {key: parts[key] / 1e3 * k for key in ("comm", "exposed_comm", "optimizer", "idle")}
     measured["compute"] = (parts["compute"] + parts["other"]) / 1e3 * k
-    return {"step_s": step, "parts": measured, "loadavg_1m": m["machine"]["start"]["loadavg"][0]}
+    # every rank's traced compute: how far the ranks' speeds spread (_plantime_score's straggler fit)
+    ranks = [(r["time_ms"]["compute"] + r["time_ms"]["other"]) / 1e3 * k for r in m["ranks"]]
+    return {"step_s": step, "parts": measured, "rank_compute": ranks, "loadavg_1m": m["machine"]["start"]["loadavg"][0]}
 
 
 def measure(names: dict[str, list[str]], args, workdir: Path, twice: tuple[str, ...] = ()) -> dict[str, list[dict]]:

@@ -244,10 +244,44 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
 
 
 def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration) -> dict:
+    """comm, and what of it rank 0 waits out: the collectives not hidden behind backward, plus the
+    wait for the slowest rank (``straggler_wait``)."""
     comm = sum(comm_by_op.values())
     overlapped = sum(s for op, s in comm_by_op.items() if op in strategy_cls.plan.overlapped_collectives(cfg))
     hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * parts["compute"])
-    return {"comm": comm, "exposed_comm": comm - hidden}
+    wait = straggler_wait(cfg, strategy_cls, calib, parts)
+    return {"comm": comm + wait, "exposed_comm": comm - hidden + wait}
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1; 0.564 for 2, 1.029 for 4), by the
+    trapezoid rule on the density of the maximum, n phi(x) Phi(x)^(n-1)."""
+    if n < 2:
+        return 0.0
+    h = 0.01
+    total = 0.0
+    for i in range(-800, 801):
+        x = i * h
+        phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * n * phi * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) * h
+    return total
+
+
+def straggler_wait(cfg, strategy_cls: type, calib: Calibration, parts: dict) -> float:
+    """What rank 0 waits, per step, for the slowest of the ranks it synchronises with.
+
+    Ranks in lockstep meet at every blocking collective, so each waits out the slowest rank's
+    extra compute since the last meeting. On a shared machine each process runs at its own speed
+    (the same config's step moved 53-64 ms between processes; docs/plan.md), so with the ranks'
+    speeds spread by a relative ``sigma`` (``scale["straggle"]``, fitted by ``bench plantime`` on the
+    calibration rows' per-rank compute) a rank waits on average ``sigma x E[max of world normals]``
+    of its compute. It grows with the compute, not with the bytes moved: tp cnn's two small
+    all-reduces waited 4-10 ms behind 60 ms of compute, where alpha-beta said 1-2 ms. A pipeline's
+    waits are its bubbles (``idle``) and the single-process strategies have no ranks to wait for."""
+    procs = 1 if strategy_cls.plan.single_process else cfg.world_size
+    if procs < 2 or parts["idle"] > 0 or calib.device == "cuda":
+        return 0.0
+    return calib.scale.get("straggle", 0.0) * expected_max_normal(procs) * parts["compute"]
 
 
 def _optimizer_params(cfg, strategy_cls: type, model: nn.Module, rank: int) -> tuple[float, float]:

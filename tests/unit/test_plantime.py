@@ -286,12 +286,12 @@ def test_bench_fit_recovers_the_corrections_that_made_its_runs():
     config_of = functools.cache(lambda overrides: plantime.config_of(list(overrides)))
     names = {n: tuple(o) for n, o in plantime.CALIBRATION.items()}
     scale = {"compute": 1.1, "bf16": 0.9, "optimizer": 2.0, "hidden": 0.0, "unit_s": 2e-3, "dtensor_s": 3e-4}
-    scale.update(comm=2.5, comm_all_reduce=3.0, comm_all_gather=2.5, comm_reduce_scatter=2.5)
+    scale.update(comm=2.5, comm_all_reduce=3.0, comm_all_gather=2.5, comm_reduce_scatter=2.5, straggle=0.08)
     truth = _calib(cpus=2, contention=1.2, scale=scale, per_param=1e-9)
     runs = {}
     for name, overrides in names.items():
         pred = score._predict(truth, overrides, config_of)
-        runs[name] = [{"step_s": pred.point_s * k, "parts": dict(pred.parts)} for k in (0.95, 1.0, 1.2)]
+        runs[name] = [{"step_s": pred.point_s * k, **_ranks_spread(pred, 0.08)} for k in (0.95, 1.0, 1.2)]
     fitted = score.fit(dataclasses.replace(truth, scale={}, contention=1.0), runs, names, config_of)
     assert fitted.contention == pytest.approx(1.2)
     for key, want in scale.items():
@@ -305,6 +305,44 @@ def test_bench_fit_recovers_the_corrections_that_made_its_runs():
     assert erring.interval_low_log == pytest.approx(-0.02 + math.hypot(0.12, math.log(0.95)))
     off = score.fit(dataclasses.replace(truth, scale={**scale, "unit_s": 0.0}), runs, names, config_of)
     assert off.scale["unit_s"] == pytest.approx(2e-3)  # fitted on fsdp cnn, whatever it started from
+
+
+def _ranks_spread(pred, sigma: float) -> dict:
+    """A run's parts and per-rank compute where the two ranks' speeds spread by ``sigma``: rank 1
+    slower, so rank 0 waits out the whole gap, not the expected wait the prediction holds."""
+    from parallel_lab.plan.steptime import expected_max_normal
+
+    parts, c0 = dict(pred.parts), pred.parts["compute"]
+    if pred.parts["comm"] == 0:  # one rank
+        return {"parts": parts, "rank_compute": [c0]}
+    half = sigma * expected_max_normal(2)
+    c1 = c0 * (1 + half) / (1 - half)  # (max - mean) / mean = half
+    extra = (c1 - c0) - half * c0  # the actual wait over the predicted one
+    parts.update(comm=parts["comm"] + extra, exposed_comm=parts["exposed_comm"] + extra)
+    return {"parts": parts, "rank_compute": [c0, c1]}
+
+
+def test_a_rank_waits_for_the_slowest_in_proportion_to_its_compute():
+    """steptime.straggler_wait: sigma x E[max of world normals] x the rank's compute, in comm and
+    exposed_comm; none for one process, a pipeline (its bubbles are idle) or without a fit; runs
+    that did not record every rank's compute fit sigma 0, keeping the wait inside the comm scales."""
+    from parallel_lab.bench import _plantime_score as score
+    from parallel_lab.plan.steptime import expected_max_normal
+
+    assert [round(expected_max_normal(n), 3) for n in (1, 2, 3, 4)] == [0.0, 0.564, 0.846, 1.029]
+    calib = _calib(cpus=8, scale={"hidden": 0.5, "straggle": 0.1})
+    off = _calib(cpus=8)
+    for strategy, extra, world in (("tp", (), 2), ("ddp", (), 2), ("ddp", ("world_size=4",), 4)):
+        on, no = _predict(strategy, calib, *extra), _predict(strategy, off, *extra)
+        wait = 0.1 * expected_max_normal(world) * on.parts["compute"]
+        assert on.parts["exposed_comm"] - no.parts["exposed_comm"] == pytest.approx(wait)
+        assert on.parts["comm"] - no.parts["comm"] == pytest.approx(wait)
+    assert _predict("pp", calib).parts["exposed_comm"] == pytest.approx(_predict("pp", off).parts["exposed_comm"])
+    assert _predict("ddp", calib, "world_size=1").parts["exposed_comm"] == 0
+    assert score._straggle([{"step_s": 1.0, "parts": {}}], before=0.3) == 0.0
+    assert score._straggle([], before=0.3) == 0.3
+    c = [1.0, 1.1, 1.3, 1.2]  # mean 1.15: the ranks wait 0.15 on average
+    assert score._straggle([{"rank_compute": c}], 0.0) == pytest.approx(0.15 / 1.15 / expected_max_normal(4))
 
 
 def test_held_out_errors_carry_into_the_next_interval():
