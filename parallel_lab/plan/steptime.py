@@ -140,7 +140,7 @@ def _cores(
 
 def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, shape) -> int:
     """Calls of one collective per step: the strategy's own count, else the pipeline's per
-    micro-batch, else one per bucket (DDP's first bucket is 1 MiB), else one."""
+    micro-batch, else one per bucket of ``bucket_mb`` (ZeRO, manual_ddp), else one."""
     fixed = strategy_cls.plan.collective_calls(cfg, model)
     if op in fixed:
         return fixed[op]
@@ -149,9 +149,6 @@ def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, s
     opts = cfg.strategy
     if opts.get("bucketed") is False:
         return 1
-    if opts.get("bucket_cap_mb"):
-        cap = opts.bucket_cap_mb * 2**20
-        return 1 + math.ceil(max(0.0, payload - 2**20) / cap)
     if opts.get("bucket_mb"):
         return max(1, math.ceil(payload / (opts.bucket_mb * 2**20)))
     return 1

@@ -22,6 +22,7 @@ from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
 from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.memory import param_numels
 from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
@@ -51,11 +52,34 @@ class DDPPlan(ReplicatedPlan):
         return frozenset({"all_reduce"})
 
     @classmethod
+    def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
+        """One all-reduce per bucket, the buckets as the reducer rebuilds them after the first step:
+        gradients in the order backward makes them (about reverse registration), each bucket
+        closed once it holds ``bucket_cap_mb`` (a tensor is never split). torch's 1 MiB first bucket
+        is only for ``bucket_cap_mb=None``; ``setup`` always passes the option, so the first bucket
+        is ``bucket_cap_mb`` too (torch 2.13, ``_BucketCapacityConfig``): the cnn's 1.3 MB of
+        gradients are one bucket at 25 MiB, two at 0.25 MiB (fc1's 1 MB weight alone fills one)."""
+        if cfg.world_size < 2:
+            return {}
+        return {"all_reduce": ddp_buckets([4 * n for n in param_numels(model)], cfg.strategy.bucket_cap_mb)}
+
+    @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
             )
+
+
+def ddp_buckets(grad_bytes: list[int], cap_mb: float) -> int:
+    """Buckets of gradients of these sizes (registration order), filled in reverse, each closed at
+    ``cap_mb`` MiB or more (torch's ``_compute_bucket_assignment_by_size``)."""
+    cap, buckets, filled = cap_mb * 2**20, 0, 0
+    for size in reversed(grad_bytes):
+        filled += size
+        if filled >= cap:
+            buckets, filled = buckets + 1, 0
+    return buckets + (filled > 0)
 
 
 class DDPMemory(ReplicatedMemory):
@@ -103,6 +127,13 @@ class DDPStrategy(Bf16Compute, Strategy):
         # through torch.distributed.all_reduce, so every bucket is counted.
         self.model.register_comm_hook(None, allreduce_hook)
         self.optimizer = make_optimizer(self.model.parameters())
+
+    def extra_metrics(self) -> dict:
+        """``buckets``: the reducer's buckets after its rebuild, what ``DDPPlan.collective_calls``
+        predicts (one all-reduce each per step)."""
+        data = self.model._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        return {"buckets": len(str(sizes).split(","))}
 
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
         # Only the last micro-batch of a step all-reduces; the others just accumulate locally.

@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
+from parallel_lab.models import build_meta_model
+from parallel_lab.plan.configs import planned_configs
 from parallel_lab.protocol import load_final_params
+from parallel_lab.strategies.ddp import DDPPlan
 from tests.support.bodies.data_parallel import train_configs
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import run_cli, write_config
@@ -115,17 +118,15 @@ def test_dp_matches_reference_with_one_replica_on_cpu(cli, cnn_reference, accum)
 
 
 def test_ddp_no_sync_accumulation_matches_reference(cli, cnn_reference):
-    """no_sync() on the first micro-batch, several small buckets, gradients outside the buckets."""
-    metrics = cli(
-        "strategy=ddp",
-        "world_size=2",
-        *CNN,
-        "trainer.grad_accum=2",
-        "strategy.bucket_cap_mb=0.5",
-        "strategy.gradient_as_bucket_view=false",
-    )
+    """no_sync() on the first micro-batch, several small buckets, gradients outside the buckets;
+    the reducer's buckets are the ones the step-time model pays an all-reduce for."""
+    overrides = ("strategy=ddp", "world_size=2", *CNN, "trainer.grad_accum=2", "strategy.bucket_cap_mb=0.05")
+    metrics = cli(*overrides, "strategy.gradient_as_bucket_view=false")
     cnn_reference.assert_run_matches(metrics)
     assert all(r["comm_buffer_bytes"] == r["grad_bytes"] > 0 for r in metrics["ranks"])
+    (planned,) = planned_configs(list(overrides))
+    predicted = DDPPlan.collective_calls(planned.cfg, build_meta_model(planned.cfg.model))
+    assert metrics["strategy_extras"]["buckets"] == predicted["all_reduce"] == 4  # fc1's 1 MB weight fills one
 
 
 def test_eval_accuracy_is_the_same_summed_over_ranks(cli, cnn_reference):

@@ -18,7 +18,10 @@ import pytest
 from parallel_lab.cli.run import load_metrics
 from parallel_lab.comm.dist_env import free_port
 from parallel_lab.config import compose_config, validate
+from parallel_lab.models import build_meta_model
+from parallel_lab.plan.configs import planned_configs
 from parallel_lab.report.__main__ import main as report_main
+from parallel_lab.strategies.ddp import DDPPlan
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import ROOT, run_cli
 from tests.support.reference import parity_reference
@@ -51,6 +54,11 @@ def test_single_and_ddp_match_independent_reference(cnn_spine, strategy):
     if strategy == "ddp":
         assert run["world_size"] == 2 and run["backend"] == "gloo" and len(run["ranks"]) == 2
         assert all(r["param_bytes"] == 4 * run["params"] for r in run["ranks"])
+        # torch makes the first bucket bucket_cap_mb when the option is passed, not 1 MiB: the
+        # cnn's 1.3 MB of gradients are one bucket, one all-reduce per step (DDPPlan.collective_calls)
+        (planned,) = planned_configs(["strategy=ddp", *CNN_SPINE])
+        predicted = DDPPlan.collective_calls(planned.cfg, build_meta_model(planned.cfg.model))["all_reduce"]
+        assert run["strategy_extras"]["buckets"] == predicted == 1
 
 
 @pytest.mark.parity
