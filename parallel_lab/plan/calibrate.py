@@ -41,33 +41,33 @@ DEFAULT_PATH = Path("runs/calibration.json")
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
 VERSION = 3
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md (the 02:09 UTC run of 2026-11-27, the collectives at five sizes). The interval: high =
-# point x exp(DEFAULT_INTERVAL_LOG), low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's
-# (``_plantime_score.interval_of``).
-DEFAULT_INTERVAL_LOG = 0.28
-DEFAULT_INTERVAL_LOW_LOG = 0.16
+# docs/plan.md (the 03:53 UTC run of 2026-11-27: micro-benchmarks in interleaved rounds, the
+# straggler wait, DDP's real buckets). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
+# low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's (``_plantime_score.interval_of``).
+DEFAULT_INTERVAL_LOG = 0.32
+DEFAULT_INTERVAL_LOW_LOG = 0.19
 # The model's error on configs it was never fitted on: the held-out rows' log errors (measured
-# median step over predicted), 5th / 50th / 95th percentile, pooled over the eleven validation
-# runs of docs/plan.md (154 rows). ``bench plantime`` combines it with the noise it measures
-# (``interval_of``) and prints this run's, for the next.
-DEFAULT_MODEL_ERROR_LOG = (-0.17, 0.03, 0.22)
+# median step over predicted), 5th / 50th / 95th percentile, pooled over the thirteen validation
+# runs of docs/plan.md replayed on this model (182 rows). ``bench plantime`` combines it with the
+# noise it measures (``interval_of``) and prints this run's, for the next.
+DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
 # (unit_s) and per DTensor the optimizer steps (dtensor_s), the ranks' relative speed spread behind
 # the wait for the slowest (straggle: ``steptime.straggler_wait``).
 DEFAULT_SCALE = {
-    "compute": 1.07,
-    "bf16": 1.02,
-    "optimizer": 1.99,
-    "comm": 5.10,
-    "comm_all_reduce": 2.43,
-    "comm_all_gather": 5.27,
-    "comm_reduce_scatter": 5.27,
-    "hidden": 0.002,
-    "unit_s": 0.0023,
-    "dtensor_s": 0.00023,
-    "straggle": 0.1,
+    "compute": 1.19,
+    "bf16": 0.94,
+    "optimizer": 1.45,
+    "comm": 2.52,
+    "comm_all_reduce": 4.14,
+    "comm_all_gather": 2.47,
+    "comm_reduce_scatter": 2.47,
+    "hidden": 0.0,
+    "unit_s": 0.0022,
+    "dtensor_s": 0.00020,
+    "straggle": 0.073,
 }
 
 
