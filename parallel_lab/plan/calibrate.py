@@ -195,8 +195,19 @@ def _bench_census(factory, shape: tuple, dtype: torch.dtype) -> Census:
 OPS_ROUNDS = 3
 
 
-def measure_ops(device: str, rounds: int = OPS_ROUNDS) -> dict[str, dict[str, float]]:
+def bench_censuses() -> dict[tuple[str, str, int], Census]:
+    """Every micro-benchmark's census, by (dtype, kind, index): counted on the meta device, untimed."""
+    return {
+        (d, kind, i): _bench_census(factory, shape, dtype)
+        for d, dtype in DTYPES.items()
+        for kind in BENCHES
+        for i, (factory, shape) in enumerate(BENCHES[kind])
+    }
+
+
+def measure_ops(device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = None) -> dict[str, dict[str, float]]:
     """Every kind's line, per dtype, from ``rounds`` interleaved rounds over all the benchmarks."""
+    censuses = censuses or bench_censuses()
     benches = [(d, kind, i) for d in DTYPES for kind in BENCHES for i in range(len(BENCHES[kind]))]
     fastest = dict.fromkeys(benches, float("inf"))
     for _ in range(rounds):
@@ -207,8 +218,8 @@ def measure_ops(device: str, rounds: int = OPS_ROUNDS) -> dict[str, dict[str, fl
     for d, dtype in DTYPES.items():
         for kind in ("memory", *(k for k in BENCHES if k != "memory")):  # memory first: the others subtract it
             points = []
-            for i, (factory, shape) in enumerate(BENCHES[kind]):
-                census = _bench_census(factory, shape, dtype)
+            for i in range(len(BENCHES[kind])):
+                census = censuses[d, kind, i]
                 t = fastest[d, kind, i]
                 if kind != "memory":  # the bench's own sum and its backward: the memory line's
                     mem = ops[f"memory@{d}"]
@@ -244,18 +255,26 @@ def measure_optimizer(device: str) -> dict[str, float]:
 
 def measure_calibration(device: str = "cpu") -> Calibration:
     """A quick calibration of this machine (<= 8 s on 2 CPU cores; no training run)."""
-    from parallel_lab.plan.comm_calibration import measure_pairs
+    from parallel_lab.plan.comm_calibration import finish_pairs, start_pairs, stop_pairs, wait_ready
 
     start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # The two processes start first: their imports overlap the operator counts, which are not timed;
+    # nothing is timed until both wait idle (the calibration took 6-7 s in sequence, 4.x s so).
+    procs = start_pairs(device)
     try:
-        ops = measure_ops(device)
+        censuses = bench_censuses()
+        wait_ready(procs)
+        ops = measure_ops(device, censuses=censuses)
         optimizer = measure_optimizer(device)
-        solo = contention_probe(device)  # alone, before the two processes start
+        solo = contention_probe(device)  # alone, before the two processes compute
+    except BaseException:
+        stop_pairs(procs)
+        raise
     finally:
         torch.set_num_threads(threads)
-    pair = measure_pairs(device, solo)
+    pair = finish_pairs(procs, solo)
     return Calibration(
         device=device,
         cpu_count=os.cpu_count() or 1,

@@ -1,7 +1,7 @@
 """The two-process half of the quick calibration (``calibrate.measure_calibration``): two real
 processes on this machine, one process group (gloo on CPU; nccl on a machine with >= 2 GPUs), that
 measure (1) how much slower one computes while the other computes too (``contention``) and (2)
-every collective at world 2, 4 KiB-16 MiB (five sizes, the best of 6 calls each over two rounds), fitted to
+every collective at world 2, 4 KiB-16 MiB (five sizes, the best of 4 calls each over two rounds), fitted to
 alpha + bytes / beta. manual_ddp's hand-written ring (``parallel_lab.comm.collectives``) is measured
 beside gloo's, as ``impl`` ``hand``."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ HAND_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # manual_ddp broadcas
 # falls on every size alike instead of bending one op's line (the operators' benchmarks showed it:
 # calibrate.OPS_ROUNDS).
 COMM_ROUNDS = 2
-COMM_REPS = 3
+COMM_REPS = 2
 
 
 def _time(fn, device: str, reps: int) -> float:
@@ -116,37 +117,87 @@ def _fit(points: list):
 
 
 def measure_pairs(device: str, solo_parent: float) -> dict:
-    """{"contention": both / alone, "collectives": impl -> op -> alpha-beta}; on one GPU no pair runs
-    (contention 1.0, no collectives: a one-GPU machine has none to calibrate). Two subprocesses
-    (``python -m parallel_lab.plan.comm_calibration RANK PORT DEVICE``), not multiprocessing's
-    spawn: that re-runs the caller's main module, which a script need not guard."""
-    from dataclasses import asdict
+    """{"contention": both / alone, "collectives": impl -> op -> alpha-beta}: ``start_pairs`` then
+    ``finish_pairs`` at once (``calibrate.measure_calibration`` does other work between them)."""
+    return finish_pairs(start_pairs(device), solo_parent)
 
+
+def start_pairs(device: str) -> list[subprocess.Popen] | None:
+    """The two processes, started: each imports torch (~1.5 s of this machine's CPU) and then waits
+    for a line on its stdin, so the caller can do untimed work meanwhile and time nothing until
+    ``wait_ready``. Two subprocesses (``python -m parallel_lab.plan.comm_calibration RANK PORT
+    DEVICE``), not multiprocessing's spawn: that re-runs the caller's main module, which a script
+    need not guard. None on one GPU (nothing to pair)."""
     from parallel_lab.plan.microbench import free_port
 
     if device == "cuda" and torch.cuda.device_count() < 2:
-        return {"contention": 1.0, "collectives": {}}
+        return None
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "parallel_lab.plan.comm_calibration"]
-    procs = [
-        subprocess.Popen([*cmd, str(r), port, device], env=env, stdout=subprocess.PIPE, text=True) for r in range(2)
+    return [
+        subprocess.Popen(
+            [*cmd, str(r), port, device], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
     ]
+
+
+def wait_ready(procs: list[subprocess.Popen] | None) -> None:
+    """Until both processes have imported what they need (each prints ``ready``), so that their
+    start-up does not slow what the caller times next; at most ``TIMEOUT_S``."""
+    for p in procs or []:
+        if getattr(p, "ready", False):
+            continue
+        ready, _, _ = select.select([p.stdout], [], [], TIMEOUT_S)
+        if not ready or p.stdout.readline().strip() != "ready":
+            stop_pairs(procs)
+            raise RuntimeError(f"the two-process calibration did not start (exit codes {[q.poll() for q in procs]})")
+        p.ready = True
+
+
+def stop_pairs(procs: list[subprocess.Popen] | None) -> None:
+    """Both processes killed if still running (a failed calibration leaves none behind)."""
+    for p in procs or []:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float) -> dict:
+    """Both processes told to go, their measurement read (``measure_pairs``'s result); on one GPU
+    contention 1.0 and no collectives (a one-GPU machine has none to calibrate)."""
+    from dataclasses import asdict
+
+    if procs is None:
+        return {"contention": 1.0, "collectives": {}}
+    wait_ready(procs)
     try:
+        for p in procs:  # both told before either is waited on: each needs the other to join the group
+            p.stdin.write("go\n")
+            p.stdin.flush()
         outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_pairs(procs)
     lines = (outs[0] or "").strip().splitlines()
     if not lines:  # rank 0 prints its result before the group closes: a crash at exit is harmless
         raise RuntimeError(f"the two-process calibration failed (exit codes {[p.returncode for p in procs]})")
     result = json.loads(lines[-1])
     fits = {impl: {op: asdict(_fit(points)) for op, points in by_op.items()} for impl, by_op in result["rows"].items()}
-    contention = 1.0 if device == "cuda" else max(1.0, result["both"] / solo_parent)
+    contention = 1.0 if _device_of(procs) == "cuda" else max(1.0, result["both"] / solo_parent)
     return {"contention": contention, "collectives": fits}
 
 
+def _device_of(procs: list[subprocess.Popen]) -> str:
+    return procs[0].args[-1]  # start_pairs's command line ends with the device
+
+
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    # the heavy imports before "ready": nothing costly is left for after it
+    import torch.distributed
+
+    from parallel_lab.comm import collectives  # noqa: F401
+
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() == "go":
+        _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
