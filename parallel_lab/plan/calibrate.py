@@ -189,9 +189,9 @@ def _bench_census(factory, shape: tuple, dtype: torch.dtype) -> Census:
 
 # Rounds over every micro-benchmark, each point's fastest kept. Timed kind after kind in one pass,
 # a fresh process's first benchmarks ran cold and a passing slowdown fell on one kind only: the
-# matmul line's per-call cost came out 1-182 us over twelve saved calibrations, and vit's predicted
-# compute moved -43%..+23% against the cnn's that anchors it (docs/plan.md). Interleaved, every kind
-# sees the same machine.
+# matmul line's per-call cost came out 1-182 us over twelve saved calibrations, and ddp vit (all
+# matmuls, anchored on the cnn's convs) was predicted +54% at 02:52 (docs/plan.md). Interleaved,
+# every kind sees the same machine.
 OPS_ROUNDS = 3
 
 
@@ -215,7 +215,7 @@ def measure_ops(device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = N
             factory, shape = BENCHES[kind][i]
             fastest[d, kind, i] = min(fastest[d, kind, i], time_pass(factory(), shape, DTYPES[d], device))
     ops: dict[str, dict[str, float]] = {}
-    for d, dtype in DTYPES.items():
+    for d in DTYPES:
         for kind in ("memory", *(k for k in BENCHES if k != "memory")):  # memory first: the others subtract it
             points = []
             for i in range(len(BENCHES[kind])):
@@ -261,7 +261,7 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # The two processes start first: their imports overlap the operator counts, which are not timed;
-    # nothing is timed until both wait idle (the calibration took 6-7 s in sequence, 4.x s so).
+    # nothing is timed until both wait idle (the calibration took 6-7 s in sequence, 5.5 s so).
     procs = start_pairs(device)
     try:
         censuses = bench_censuses()

@@ -41,6 +41,7 @@ Nothing here is a GPU time unless the calibration was measured on a GPU (``devic
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -250,6 +251,7 @@ def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict,
     return {"comm": comm + wait, "exposed_comm": comm - hidden + wait}
 
 
+@functools.cache  # every prediction asks, a recommendation hundreds of times
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n = 1; 0.564 for 2, 1.029 for 4), by the
     trapezoid rule on the density of the maximum, n phi(x) Phi(x)^(n-1)."""
@@ -274,7 +276,8 @@ def straggler_wait(cfg, strategy_cls: type, calib: Calibration, parts: dict) -> 
     calibration rows' per-rank compute) a rank waits on average ``sigma x E[max of world normals]``
     of its compute. It grows with the compute, not with the bytes moved: tp cnn's two small
     all-reduces waited 4-10 ms behind 60 ms of compute, where alpha-beta said 1-2 ms. A pipeline's
-    waits are its bubbles (``idle``) and the single-process strategies have no ranks to wait for."""
+    waits are its bubbles (``idle``), the single-process strategies have no ranks to wait for, and
+    on a GPU each rank owns its device (no process shares a core's time with another)."""
     procs = 1 if strategy_cls.plan.single_process else cfg.world_size
     if procs < 2 or parts["idle"] > 0 or calib.device == "cuda":
         return 0.0
