@@ -274,7 +274,7 @@ def measure_calibration(device: str = "cpu") -> Calibration:
         raise
     finally:
         torch.set_num_threads(threads)
-    pair = finish_pairs(procs, solo)
+    pair = finish_pairs(procs, solo, device)
     return Calibration(
         device=device,
         cpu_count=os.cpu_count() or 1,

@@ -119,7 +119,7 @@ def _fit(points: list):
 def measure_pairs(device: str, solo_parent: float) -> dict:
     """{"contention": both / alone, "collectives": impl -> op -> alpha-beta}: ``start_pairs`` then
     ``finish_pairs`` at once (``calibrate.measure_calibration`` does other work between them)."""
-    return finish_pairs(start_pairs(device), solo_parent)
+    return finish_pairs(start_pairs(device), solo_parent, device)
 
 
 def start_pairs(device: str) -> list[subprocess.Popen] | None:
@@ -164,7 +164,7 @@ def stop_pairs(procs: list[subprocess.Popen] | None) -> None:
             p.wait()
 
 
-def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float) -> dict:
+def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float, device: str) -> dict:
     """Both processes told to go, their measurement read (``measure_pairs``'s result); on one GPU
     contention 1.0 and no collectives (a one-GPU machine has none to calibrate)."""
     from dataclasses import asdict
@@ -184,12 +184,8 @@ def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float) -> di
         raise RuntimeError(f"the two-process calibration failed (exit codes {[p.returncode for p in procs]})")
     result = json.loads(lines[-1])
     fits = {impl: {op: asdict(_fit(points)) for op, points in by_op.items()} for impl, by_op in result["rows"].items()}
-    contention = 1.0 if _device_of(procs) == "cuda" else max(1.0, result["both"] / solo_parent)
+    contention = 1.0 if device == "cuda" else max(1.0, result["both"] / solo_parent)
     return {"contention": contention, "collectives": fits}
-
-
-def _device_of(procs: list[subprocess.Popen]) -> str:
-    return procs[0].args[-1]  # start_pairs's command line ends with the device
 
 
 if __name__ == "__main__":
