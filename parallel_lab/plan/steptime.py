@@ -275,7 +275,7 @@ def straggler_wait(cfg, strategy_cls: type, calib: Calibration, parts: dict) -> 
     speeds spread by a relative ``sigma`` (``scale["straggle"]``, fitted by ``bench plantime`` on the
     calibration rows' per-rank compute) a rank waits on average ``sigma x E[max of world normals]``
     of its compute. It grows with the compute, not with the bytes moved: tp cnn's two small
-    all-reduces waited 4-10 ms behind 60 ms of compute, where alpha-beta said 1-2 ms. A pipeline's
+    all-reduces waited 3-11 ms behind 60 ms of compute, where alpha-beta said 1-3 ms. A pipeline's
     waits are its bubbles (``idle``), the single-process strategies have no ranks to wait for, and
     on a GPU each rank owns its device (no process shares a core's time with another)."""
     procs = 1 if strategy_cls.plan.single_process else cfg.world_size
