@@ -261,7 +261,7 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # The two processes start first: their imports overlap the operator counts, which are not timed;
-    # nothing is timed until both wait idle (the calibration took 6-7 s in sequence, 5.5 s so).
+    # nothing is timed until both wait idle (with its modules imported: 6.2-7.0 s in sequence, 5.1-5.9 s so).
     procs = start_pairs(device)
     try:
         censuses = bench_censuses()

@@ -116,12 +116,6 @@ def _fit(points: list):
         return AlphaBeta(t_small, s_large / t_large)
 
 
-def measure_pairs(device: str, solo_parent: float) -> dict:
-    """{"contention": both / alone, "collectives": impl -> op -> alpha-beta}: ``start_pairs`` then
-    ``finish_pairs`` at once (``calibrate.measure_calibration`` does other work between them)."""
-    return finish_pairs(start_pairs(device), solo_parent, device)
-
-
 def start_pairs(device: str) -> list[subprocess.Popen] | None:
     """The two processes, started: each imports torch (~1.5 s of this machine's CPU) and then waits
     for a line on its stdin, so the caller can do untimed work meanwhile and time nothing until
@@ -147,13 +141,10 @@ def wait_ready(procs: list[subprocess.Popen] | None) -> None:
     """Until both processes have imported what they need (each prints ``ready``), so that their
     start-up does not slow what the caller times next; at most ``TIMEOUT_S``."""
     for p in procs or []:
-        if getattr(p, "ready", False):
-            continue
         ready, _, _ = select.select([p.stdout], [], [], TIMEOUT_S)
         if not ready or p.stdout.readline().strip() != "ready":
             stop_pairs(procs)
             raise RuntimeError(f"the two-process calibration did not start (exit codes {[q.poll() for q in procs]})")
-        p.ready = True
 
 
 def stop_pairs(procs: list[subprocess.Popen] | None) -> None:
@@ -165,13 +156,13 @@ def stop_pairs(procs: list[subprocess.Popen] | None) -> None:
 
 
 def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float, device: str) -> dict:
-    """Both processes told to go, their measurement read (``measure_pairs``'s result); on one GPU
-    contention 1.0 and no collectives (a one-GPU machine has none to calibrate)."""
+    """Both processes (``wait_ready`` returned) told to go, their measurement read: {"contention":
+    both / alone, "collectives": impl -> op -> alpha-beta}; on one GPU contention 1.0 and no
+    collectives (a one-GPU machine has none to calibrate)."""
     from dataclasses import asdict
 
     if procs is None:
         return {"contention": 1.0, "collectives": {}}
-    wait_ready(procs)
     try:
         for p in procs:  # both told before either is waited on: each needs the other to join the group
             p.stdin.write("go\n")

@@ -12,7 +12,8 @@ import torch
 # (4 KiB, 1 MiB) and 3 repetitions, eight calibrations in a row priced resnet18's all-reduce (45 MB)
 # at 5-29x the cnn's and zero3's all-gathers at 0.17-0.42x fsdp's. With these five sizes and 5
 # repetitions, ten calibrations gave 16-26x and 0.35-0.50x (docs/plan.md). The calibration took
-# 3.4-5.0 s; with both interleaved in rounds (calibrate.OPS_ROUNDS, comm_calibration.COMM_ROUNDS) 5.5 s.
+# 3.4-5.0 s; with both interleaved in rounds (calibrate.OPS_ROUNDS, comm_calibration.COMM_ROUNDS)
+# 6.2-7.7 s in a fresh process.
 COMM_SIZES = (4096, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
