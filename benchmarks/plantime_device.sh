@@ -14,11 +14,12 @@ mkdir -p "$out"
 log=$out/plantime_device.log
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$log"
 start=$SECONDS
-# --world1: the calibration set's world-1 rows, then world1_held_out (conf/bench/plantime.yaml):
-# the model fitted on the GPU, judged on rows it never saw; the fitted calibration is the json's
-# "fitted", copied to calibration.json for load_or_measure_calibration. --steps 12 (4 warm-up, 2
-# traced, 6 timed), not the CPU default of 20: 17 runs (one discarded) start in ~20 s each there.
-timeout 420 python3 -m parallel_lab.bench plantime --world1 --device cuda --rounds 2 --steps 12 \
+# --world1: the calibration set's world-1 rows and world1_calibration (fsdp at one rank), once per
+# round, then world1_held_out (conf/bench/plantime.yaml): the model fitted on the GPU, judged on
+# rows it never saw; the fitted calibration is the json's "fitted", copied to calibration.json for
+# load_or_measure_calibration. --steps 12 (4 warm-up, 2 traced, 6 timed), not the CPU default of 20:
+# 19 runs (one discarded) start in ~16 s each there.
+timeout 460 python3 -m parallel_lab.bench plantime --world1 --device cuda --rounds 2 --steps 12 \
   --out "$out/plantime_gpu.json" 2>&1 | tee -a "$log"
 echo "exit ${PIPESTATUS[0]} after $((SECONDS - start)) s" | tee -a "$log"
 python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['fitted'], indent=1))" \

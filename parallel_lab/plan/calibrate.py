@@ -79,6 +79,8 @@ class Calibration:
     cpu_count: int = 1
     loadavg_1m: float = 0.0  # when measured
     ops: dict[str, dict[str, float]] = field(default_factory=dict)  # "<kind>@<dtype>" -> per_call_s, per_unit_s
+    pass_s: float = 0.0  # a forward+backward pass's own cost, whatever it computes (calibrate.NULL_PASS)
+    bench_s: dict[str, float] = field(default_factory=dict)  # every micro-benchmark's fastest seconds
     optimizer: dict[str, float] = field(default_factory=dict)  # per_param_s, per_tensor_s
     contention: float = 1.0  # one process's slowdown while another computes beside it (>= 1)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
@@ -195,52 +197,101 @@ def _bench_census(factory, shape: tuple, dtype: torch.dtype) -> Census:
 OPS_ROUNDS = 3
 
 
-def bench_censuses() -> dict[tuple[str, str, int], Census]:
+# On a GPU every one of those sizes is launch-bound: on the H100 no per-FLOP term survived the fit,
+# and the cnn at batch 256 was predicted at 3x its measured step (docs/gpu.md). There each
+# benchmark also runs at GPU_BATCH times its batch, where the kernels, not their launches, take the
+# time, so the line has both ends.
+GPU_BATCH = 32
+
+
+def benches_for(device: str) -> dict[str, list[tuple]]:
+    """The micro-benchmarks a device runs: ``BENCHES``, and on a GPU each at ``GPU_BATCH`` x its batch too."""
+    if not str(device).startswith("cuda"):
+        return BENCHES
+    return {kind: [*b, *((f, (s[0] * GPU_BATCH, *s[1:])) for f, s in b)] for kind, b in BENCHES.items()}
+
+
+# A pass of nothing (one element's sum and its backward): what every pass pays once whatever it
+# computes (autograd's engine starting, the sum, the gradient's fill), timed with the rest and
+# taken off each benchmark before the lines are fitted, so that a kind with one call per pass is
+# not charged it per call; the model charges it once per pass (``Calibration.pass_s``).
+NULL_PASS = (lambda: torch.nn.Identity(), (1,))
+
+
+def _timed(device: str) -> dict[str, list[tuple]]:
+    return {"pass": [NULL_PASS], **benches_for(device)}
+
+
+def bench_censuses(device: str = "cpu") -> dict[tuple[str, str, int], Census]:
     """Every micro-benchmark's census, by (dtype, kind, index): counted on the meta device, untimed."""
+    benches = _timed(device)
     return {
         (d, kind, i): _bench_census(factory, shape, dtype)
         for d, dtype in DTYPES.items()
-        for kind in BENCHES
-        for i, (factory, shape) in enumerate(BENCHES[kind])
+        for kind in benches
+        for i, (factory, shape) in enumerate(benches[kind])
     }
 
 
-def measure_ops(device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = None) -> dict[str, dict[str, float]]:
-    """Every kind's line, per dtype, from ``rounds`` interleaved rounds over all the benchmarks."""
-    censuses = censuses or bench_censuses()
-    benches = [(d, kind, i) for d in DTYPES for kind in BENCHES for i in range(len(BENCHES[kind]))]
+def measure_ops(device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = None) -> tuple[dict, float, dict]:
+    """Every kind's line, per dtype, from ``rounds`` interleaved rounds over all the benchmarks;
+    the null pass's seconds; every benchmark's fastest seconds ("<dtype> <kind> <index>": what
+    ``fit_ops`` can start again from)."""
+    censuses = censuses or bench_censuses(device)
+    table = _timed(device)
+    benches = [(d, kind, i) for d in DTYPES for kind in table for i in range(len(table[kind]))]
     fastest = dict.fromkeys(benches, float("inf"))
     for _ in range(rounds):
         for d, kind, i in benches:
-            factory, shape = BENCHES[kind][i]
+            factory, shape = table[kind][i]
             fastest[d, kind, i] = min(fastest[d, kind, i], time_pass(factory(), shape, DTYPES[d], device))
+    raw = {f"{d} {kind} {i}": t for (d, kind, i), t in fastest.items()}
+    return fit_ops(raw, censuses), raw["fp32 pass 0"], raw
+
+
+def fit_ops(raw: dict[str, float], censuses: dict, null_pass: bool = True) -> dict[str, dict[str, float]]:
+    """Every kind's line from the benchmarks' fastest seconds (``Calibration.bench_s``), each less
+    the null pass (``null_pass=False``: as fitted before it was measured) and the memory line's
+    share (the bench's own sum and its backward)."""
     ops: dict[str, dict[str, float]] = {}
     for d in DTYPES:
-        for kind in ("memory", *(k for k in BENCHES if k != "memory")):  # memory first: the others subtract it
+        null, null_s = censuses[d, "pass", 0], (raw[f"{d} pass 0"] if null_pass else 0.0)
+        kinds = sorted({k for (dd, k, _) in censuses if dd == d} - {"pass", "memory"})
+        for kind in ("memory", *kinds):  # memory first: the others subtract it
             points = []
-            for i in range(len(BENCHES[kind])):
-                census = censuses[d, kind, i]
-                t = fastest[d, kind, i]
-                if kind != "memory":  # the bench's own sum and its backward: the memory line's
+            for i in range(sum(1 for key in censuses if key[:2] == (d, kind))):
+                census, t = censuses[d, kind, i], raw[f"{d} {kind} {i}"]
+                less = null.calls if null_pass else dict.fromkeys(census.calls, 0)
+                t = max(0.05 * t, t - null_s)
+                if kind != "memory":
                     mem = ops[f"memory@{d}"]
-                    t = max(
-                        t * 0.05,
-                        t - census.calls["memory"] * mem["per_call_s"] - census.units["memory"] * mem["per_unit_s"],
-                    )
+                    calls = census.calls["memory"] - less["memory"]
+                    t = max(t * 0.05, t - calls * mem["per_call_s"] - census.units["memory"] * mem["per_unit_s"])
                 thin = (census.thin[kind],) if kind in ("conv", "matmul") else ()
-                points.append((census.calls[kind], census.units[kind], *thin, t))
+                points.append((max(1, census.calls[kind] - less[kind]), census.units[kind], *thin, t))
             ops[f"{kind}@{d}"] = fit_per_call(points)
     return ops
 
 
 def measure_optimizer(device: str) -> dict[str, float]:
-    """Adam (torch's default foreach path) on one 1M-element tensor and on 200 tensors of 1K."""
+    """The runs' optimizer (``optim.optimizer_factory`` with the trainer's defaults: Adam, one tensor
+    at a time) on one 1M-element tensor and on 200 tensors of 1K.
+
+    Not torch's default foreach Adam: on the H100 that cost 8 us per tensor, the runs' per-tensor
+    Adam ~80 (the cnn's 10 tensors 1.0 ms, the vit's 71 5.7 ms), and the one-rank row's scale (x7.6)
+    then priced resnet18's 11M parameters at 3x their time (docs/gpu.md). On a CPU the two cost alike."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.schema import TrainerConfig
+    from parallel_lab.optim import optimizer_factory
+
+    make = optimizer_factory(OmegaConf.structured(TrainerConfig))
     points = []
     for shapes in ([(1 << 20,)], [(1024,)] * 200):
         params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
         for p in params:
             p.grad = torch.ones_like(p)
-        opt = torch.optim.Adam(params, lr=1e-3)
+        opt = make(params)
         times = []
         for _ in range(4):
             sync(device)
@@ -264,9 +315,9 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     # nothing is timed until both wait idle (with its modules imported: 6.2-7.0 s in sequence, 5.1-5.9 s so).
     procs = start_pairs(device)
     try:
-        censuses = bench_censuses()
+        censuses = bench_censuses(device)
         wait_ready(procs)
-        ops = measure_ops(device, censuses=censuses)
+        ops, pass_s, bench_s = measure_ops(device, censuses=censuses)
         optimizer = measure_optimizer(device)
         solo = contention_probe(device)  # alone, before the two processes compute
     except BaseException:
@@ -280,6 +331,8 @@ def measure_calibration(device: str = "cpu") -> Calibration:
         cpu_count=os.cpu_count() or 1,
         loadavg_1m=os.getloadavg()[0],
         ops=ops,
+        pass_s=pass_s,
+        bench_s=bench_s,
         optimizer=optimizer,
         contention=pair["contention"],
         collectives=pair["collectives"],

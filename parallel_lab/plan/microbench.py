@@ -25,17 +25,28 @@ def sync(device: str) -> None:
 
 def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
     """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
-    the least interference, what the calibration set's scale then corrects for the real run."""
+    the least interference, what the calibration set's scale then corrects for the real run.
+
+    On a GPU, the ``reps`` passes back to back with one synchronisation, per pass: a training step
+    launches its kernels without waiting for them, so an operator costs its launch or its kernel,
+    whichever is longer, never both plus a round trip. Timed one pass at a time, the H100's per-call
+    costs came out 40-170 us, several times a launch (docs/gpu.md)."""
     module = module.to(device=device, dtype=dtype)
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    times = []
-    for _ in range(reps + 1):
+    module(x).sum().backward()  # warm-up: allocations, kernel choice
+    if str(device).startswith("cuda"):
         sync(device)
         t0 = time.perf_counter()
-        module(x).sum().backward()
+        for _ in range(reps):
+            module(x).sum().backward()
         sync(device)
+        return (time.perf_counter() - t0) / reps
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        module(x).sum().backward()
         times.append(time.perf_counter() - t0)
-    return min(times[1:])
+    return min(times)
 
 
 def contention_probe(device: str) -> float:

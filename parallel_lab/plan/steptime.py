@@ -225,7 +225,7 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     )
     units = sum(per_kind.values()) - per_call
     # Ranks time-sliced on shared cores already pay for sharing them: the larger of the two.
-    one_pass = per_call * timeslice + units * max(timeslice, contention) / threads
+    one_pass = (per_call + calib.pass_s) * timeslice + units * max(timeslice, contention) / threads
     scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
     # A wrapper's hooks (Python, copies, DTensor dispatch) cost per unit and pass, not per FLOP.
     hooks = shape.hooked_units * calib.scale.get("unit_s", 0.0) * timeslice

@@ -391,3 +391,65 @@ def test_bench_rounds_rotate_and_run_the_calibration_set_twice(monkeypatch, tmp_
     out = plantime.measure(names, args, tmp_path, twice=("a",))
     assert calls == ["a", "a", "b", "c", "a", "b", "c", "a", "a"]
     assert {n: len(rs) for n, rs in out.items()} == {"a": 4, "b": 2, "c": 2}
+
+
+def _bench_times(censuses: dict, null_s: float, lines: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Every micro-benchmark's seconds as these per-call / per-unit lines and a null pass of
+    ``null_s`` make them: the pass once, each kind's calls beyond the null pass's, its units."""
+    out = {}
+    for (d, kind, i), census in censuses.items():
+        null = censuses[d, "pass", 0]
+        t = null_s
+        if kind != "pass":
+            for k, (call, unit) in lines.items():
+                calls = census.calls[k] - null.calls[k]
+                own = kind == k
+                t += (max(1, calls) if own else calls) * call + (census.units[k] if own or k == "memory" else 0) * unit
+        out[f"{d} {kind} {i}"] = t
+    return out
+
+
+def test_the_null_pass_is_paid_once_per_pass_not_per_call():
+    """``calibrate.fit_ops`` takes the null pass (autograd's start, the sum, its seed: what any pass
+    pays) off every benchmark before it fits the lines, and the model charges it once per pass
+    (``Calibration.pass_s``). Left in (``null_pass=False``), a kind benchmarked with one call per
+    pass is charged it on every call: the matmul line's per-call cost comes out well above its
+    own, as on the H100 (docs/gpu.md)."""
+    from parallel_lab.plan.calibrate import bench_censuses, fit_ops
+
+    censuses = bench_censuses()
+    lines = {"memory": (5e-6, BYTE_S), "matmul": (10e-6, FLOP_S), "conv": (20e-6, FLOP_S)}
+    lines |= {"pool": (3e-6, BYTE_S), "norm": (4e-6, BYTE_S)}
+    raw = _bench_times(censuses, 100e-6, lines)
+    ops = fit_ops(raw, censuses)
+    for kind, (call, unit) in lines.items():
+        if kind == "pool":  # its three benchmarks move the same bytes: only their sum is fixed
+            fit = ops["pool@fp32"]
+            units = censuses["fp32", "pool", 0].units["pool"]
+            assert 2 * fit["per_call_s"] + units * fit["per_unit_s"] == pytest.approx(2 * call + units * unit)
+            continue
+        assert ops[f"{kind}@fp32"]["per_call_s"] == pytest.approx(call, rel=1e-3), kind
+        assert ops[f"{kind}@fp32"]["per_unit_s"] == pytest.approx(unit, rel=1e-3), kind
+    assert fit_ops(raw, censuses, null_pass=False)["matmul@fp32"]["per_call_s"] > 1.3 * lines["matmul"][0]
+    # the model: one pass per micro-batch, whatever the model computes
+    base = _calib()
+    with_pass = dataclasses.replace(base, pass_s=1e-3)
+    one = (
+        _predict("single", with_pass, "world_size=1").parts["compute"]
+        - _predict("single", base, "world_size=1").parts["compute"]
+    )
+    assert one == pytest.approx(1e-3)
+    two = _predict("single", with_pass, "world_size=1", "trainer.grad_accum=2").parts["compute"]
+    assert two - _predict("single", base, "world_size=1", "trainer.grad_accum=2").parts["compute"] == pytest.approx(
+        2e-3
+    )
+
+
+def test_a_gpu_benchmarks_each_shape_at_a_larger_batch_too():
+    """On a GPU the CPU's sizes are all launch-bound: each benchmark also runs at GPU_BATCH x its batch."""
+    from parallel_lab.plan.calibrate import BENCHES, GPU_BATCH, benches_for
+
+    assert benches_for("cpu") == BENCHES
+    for kind, benches in benches_for("cuda:0").items():
+        cpu = [shape for _, shape in BENCHES[kind]]
+        assert [shape for _, shape in benches] == cpu + [(s[0] * GPU_BATCH, *s[1:]) for s in cpu], kind
