@@ -41,11 +41,11 @@ DEFAULT_PATH = Path("runs/calibration.json")
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
 VERSION = 3
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
-# docs/plan.md (the 03:53 UTC run of 2026-11-27: micro-benchmarks in interleaved rounds, the
-# straggler wait, DDP's real buckets). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
+# docs/plan.md (the 06:11 UTC run of 2026-11-27, the first with the null pass and the runs' own
+# Adam in the micro-benchmarks). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
 # low = point x exp(-DEFAULT_INTERVAL_LOW_LOG), that run's (``_plantime_score.interval_of``).
-DEFAULT_INTERVAL_LOG = 0.32
-DEFAULT_INTERVAL_LOW_LOG = 0.19
+DEFAULT_INTERVAL_LOG = 0.27
+DEFAULT_INTERVAL_LOW_LOG = 0.22
 # The model's error on configs it was never fitted on: the held-out rows' log errors (measured
 # median step over predicted), 5th / 50th / 95th percentile, pooled over the thirteen validation
 # runs of docs/plan.md replayed on this model (182 rows). ``bench plantime`` combines it with the
@@ -57,17 +57,17 @@ DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
 # (unit_s) and per DTensor the optimizer steps (dtensor_s), the ranks' relative speed spread behind
 # the wait for the slowest (straggle: ``steptime.straggler_wait``).
 DEFAULT_SCALE = {
-    "compute": 1.19,
-    "bf16": 0.94,
-    "optimizer": 1.45,
-    "comm": 2.52,
-    "comm_all_reduce": 4.14,
-    "comm_all_gather": 2.47,
-    "comm_reduce_scatter": 2.47,
+    "compute": 1.08,
+    "bf16": 0.93,
+    "optimizer": 1.97,
+    "comm": 3.22,
+    "comm_all_reduce": 2.94,
+    "comm_all_gather": 3.25,
+    "comm_reduce_scatter": 3.25,
     "hidden": 0.0,
-    "unit_s": 0.0022,
-    "dtensor_s": 0.00020,
-    "straggle": 0.073,
+    "unit_s": 0.0025,
+    "dtensor_s": 0.00030,
+    "straggle": 0.063,
 }
 
 
