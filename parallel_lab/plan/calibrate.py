@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from parallel_lab.plan.census import Census
-from parallel_lab.plan.microbench import contention_probe, sync, time_pass
+from parallel_lab.plan.microbench import contention_probe, on_gpu, sync, time_pass
 
 DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
@@ -206,7 +206,7 @@ GPU_BATCH = 32
 
 def benches_for(device: str) -> dict[str, list[tuple]]:
     """The micro-benchmarks a device runs: ``BENCHES``, and on a GPU each at ``GPU_BATCH`` x its batch too."""
-    if not str(device).startswith("cuda"):
+    if not on_gpu(device):
         return BENCHES
     return {kind: [*b, *((f, (s[0] * GPU_BATCH, *s[1:])) for f, s in b)] for kind, b in BENCHES.items()}
 
@@ -255,19 +255,20 @@ def fit_ops(raw: dict[str, float], censuses: dict, null_pass: bool = True) -> di
     share (the bench's own sum and its backward)."""
     ops: dict[str, dict[str, float]] = {}
     for d in DTYPES:
-        null, null_s = censuses[d, "pass", 0], (raw[f"{d} pass 0"] if null_pass else 0.0)
+        null = censuses[d, "pass", 0]
+        null_s, less = (raw[f"{d} pass 0"], null.calls) if null_pass else (0.0, dict.fromkeys(null.calls, 0))
         kinds = sorted({k for (dd, k, _) in censuses if dd == d} - {"pass", "memory"})
         for kind in ("memory", *kinds):  # memory first: the others subtract it
             points = []
             for i in range(sum(1 for key in censuses if key[:2] == (d, kind))):
                 census, t = censuses[d, kind, i], raw[f"{d} {kind} {i}"]
-                less = null.calls if null_pass else dict.fromkeys(census.calls, 0)
                 t = max(0.05 * t, t - null_s)
                 if kind != "memory":
                     mem = ops[f"memory@{d}"]
                     calls = census.calls["memory"] - less["memory"]
                     t = max(t * 0.05, t - calls * mem["per_call_s"] - census.units["memory"] * mem["per_unit_s"])
                 thin = (census.thin[kind],) if kind in ("conv", "matmul") else ()
+                # at least one call: ReLU's census counts as many memory calls as the null pass's
                 points.append((max(1, census.calls[kind] - less[kind]), census.units[kind], *thin, t))
             ops[f"{kind}@{d}"] = fit_per_call(points)
     return ops

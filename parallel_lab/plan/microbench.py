@@ -18,8 +18,12 @@ COMM_SIZES = (4096, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
+def on_gpu(device: str) -> bool:
+    return str(device).startswith("cuda")  # "cuda" or a rank's "cuda:<k>"
+
+
 def sync(device: str) -> None:
-    if str(device).startswith("cuda"):  # "cuda" or a rank's "cuda:<k>"
+    if on_gpu(device):
         torch.cuda.synchronize(device)
 
 
@@ -34,7 +38,7 @@ def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device:
     module = module.to(device=device, dtype=dtype)
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
     module(x).sum().backward()  # warm-up: allocations, kernel choice
-    if str(device).startswith("cuda"):
+    if on_gpu(device):
         sync(device)
         t0 = time.perf_counter()
         for _ in range(reps):
