@@ -14,10 +14,14 @@ venv: $(STAMP)
 
 # torch goes in FIRST and pinned (CPU wheel on disk); then the project with every extra.
 # DS_BUILD_OPS=0: DeepSpeed builds its ops lazily at first use instead of at install.
+# --no-compile, then compileall on every core: pip compiles the bytecode on one core (56 s of
+# installing against 37 s so, measured side by side on 2 cores); a file that does not compile
+# (packages ship some) is skipped, as pip skips it.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 numpy setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
 
 demo: $(STAMP)
