@@ -14,15 +14,18 @@ venv: $(STAMP)
 
 # torch goes in FIRST and pinned (CPU wheel on disk); then the project with every extra.
 # DS_BUILD_OPS=0: DeepSpeed builds its ops lazily at first use instead of at install.
-# --no-compile, then compileall on every core: pip compiles the bytecode on one core (56 s of
-# installing against 37 s so, measured side by side on 2 cores); a file that does not compile
-# (packages ship some) is skipped, as pip skips it.
+# --no-compile: no bytecode at install; the first import of each module writes its own (below).
+# pip compiles every file of every package on one core (56 s of installing); compileall on both
+# cores 16 s more; compiling only what the runs import, once, ~7 s (docs/testing.md).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 numpy setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e ".[all,dev]"
-	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
+
+# Bytecode is written at first import: a machine that sets PYTHONDONTWRITEBYTECODE (this one does)
+# would otherwise compile torch again in every process (6.0 s of imports against 2.2 s, measured).
+unexport PYTHONDONTWRITEBYTECODE
 
 demo: $(STAMP)
 	$(PY) -m parallel_lab +experiment=compare_all

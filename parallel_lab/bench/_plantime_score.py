@@ -59,7 +59,7 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
 
 def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
     """``fit`` less the interval; what no row of ``cal_runs`` can fit keeps ``calib``'s value."""
-    raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_s": 0.0}, interval_log=0.0)
+    raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_step_s": 0.0}, interval_log=0.0)
     ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
     comm: dict[str, list[float]] = {}
     several: list[dict] = []
@@ -82,7 +82,7 @@ def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
     scale = dict(calib.scale)  # what no row of this set can fit keeps its value (--calibrate-only)
     compute = _typical(ratios["fp32"]) if ratios["fp32"] else scale.get("compute", 1.0)
-    scale.update(compute=compute, unit_s=0.0, dtensor_s=0.0)
+    scale.update(compute=compute, unit_s=0.0, dtensor_step_s=0.0)
     if ratios["optimizer"]:
         scale["optimizer"] = _typical(ratios["optimizer"])
     if ratios["bf16"]:
@@ -136,14 +136,14 @@ def _shape(cfg):
 
 
 def _fit_wrappers(fitted: Calibration, cal_runs, names, config_of, before: dict) -> Calibration:
-    """``unit_s`` and ``dtensor_s``: each row's value that closes its compute / optimizer gap, the
+    """``unit_s`` and ``dtensor_step_s``: each row's value that closes its compute / optimizer gap, the
     median over rows and rounds; no such row: the values ``before`` had."""
-    found: dict[str, list[float]] = {"unit_s": [], "dtensor_s": []}
+    found: dict[str, list[float]] = {"unit_s": [], "dtensor_step_s": []}
     for name, runs in cal_runs.items():
         shape = _shape(config_of(names[name]))
         for key, part, has in (
             ("unit_s", "compute", shape.hooked_units),
-            ("dtensor_s", "optimizer", shape.dtensor_optimizer),
+            ("dtensor_step_s", "optimizer", shape.dtensor_optimizer),
         ):
             if has:
                 found[key] += [_marginal(fitted, key, part, name, names, config_of, r["parts"][part]) for r in runs]
@@ -278,7 +278,9 @@ def header(calib: Calibration, runs: dict, args) -> str:
         f"(per core max {max(loads) / cpus:.2f}: {'below' if max(loads) < cpus else 'NOT below'} one per core); "
         f"{runs.get('_loadavg', [{}])[0]}\n"
         f"calibration (units: FLOP or byte per s): {ops}; Adam {calib.optimizer['per_param_s'] * 1e9:.2f} ns/param "
-        f"+ {calib.optimizer['per_tensor_s'] * 1e6:.0f} us/tensor; contention {calib.contention:.2f}; "
+        f"+ {calib.optimizer['per_tensor_s'] * 1e6:.0f} us/tensor "
+        f"(+ {calib.optimizer.get('dtensor_per_tensor_s', 0) * 1e6:.0f} as a DTensor); "
+        f"contention {calib.contention:.2f}; "
         f"fitted on the calibration set: {', '.join(f'{k} {v:.3g}' for k, v in sorted(s.items()))}; "
         f"interval x{math.exp(-calib.interval_low_log):.2f} to x{math.exp(calib.interval_log):.2f}\n"
     )

@@ -10,6 +10,7 @@ What is measured (one thread, the run's device):
   forward+backward of a conv / linear / ReLU at 3-4 sizes, fitted to ``calls x per_call_s + units x
   per_unit_s`` (units: FLOPs, or bytes read+written) by least squares in relative error;
 - ``optimizer``: torch's Adam on one large and many small tensors: ``per_param_s``, ``per_tensor_s``;
+  and what each tensor adds as a DTensor shard (FSDP2): ``dtensor_per_tensor_s``;
 - ``contention``: how much slower one process computes while a second computes too, measured with
   two real processes (shared caches, memory bandwidth, SMT siblings; 1.0 on a GPU);
 - ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-16 MiB, each op fitted
@@ -27,19 +28,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from parallel_lab.errors import one_line
 from parallel_lab.plan.census import Census
 from parallel_lab.plan.microbench import contention_probe, on_gpu, sync, time_pass
 
 DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
-# per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides.
-VERSION = 3
+# per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides; 4: DTensor's
+# per-tensor optimizer cost measured (optimizer["dtensor_per_tensor_s"]), its per-step part fitted.
+VERSION = 4
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
 # docs/plan.md (the 06:11 UTC run of 2026-11-27, the first with the null pass and the runs' own
 # Adam in the micro-benchmarks). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
@@ -54,8 +58,12 @@ DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
 # The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
-# (unit_s) and per DTensor the optimizer steps (dtensor_s), the ranks' relative speed spread behind
+# (unit_s) and per step of an optimizer over DTensors beyond their measured per-tensor dispatch
+# (dtensor_step_s: ``measure_dtensor_optimizer``), the ranks' relative speed spread behind
 # the wait for the slowest (straggle: ``steptime.straggler_wait``).
+# DTensor's optimizer cost per tensor for replaying a CPU calibration measured before version 4:
+# 0.106 (cnn) and 0.113 ms (vit), Adam around fully_shard at world 1 on the 2-core CPU (docs/gpu.md).
+REPLAY_DTENSOR_PER_TENSOR_S = 0.00011
 DEFAULT_SCALE = {
     "compute": 1.08,
     "bf16": 0.93,
@@ -66,7 +74,7 @@ DEFAULT_SCALE = {
     "comm_reduce_scatter": 3.25,
     "hidden": 0.0,
     "unit_s": 0.0025,
-    "dtensor_s": 0.00030,
+    "dtensor_step_s": 0.0,
     "straggle": 0.063,
 }
 
@@ -81,7 +89,7 @@ class Calibration:
     ops: dict[str, dict[str, float]] = field(default_factory=dict)  # "<kind>@<dtype>" -> per_call_s, per_unit_s
     pass_s: float = 0.0  # a forward+backward pass's own cost, whatever it computes (calibrate.NULL_PASS)
     bench_s: dict[str, float] = field(default_factory=dict)  # every micro-benchmark's fastest seconds
-    optimizer: dict[str, float] = field(default_factory=dict)  # per_param_s, per_tensor_s
+    optimizer: dict[str, float] = field(default_factory=dict)  # per_param_s, per_tensor_s, dtensor_per_tensor_s
     contention: float = 1.0  # one process's slowdown while another computes beside it (>= 1)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
     comm_world: int = 2  # the world size the collectives were measured at
@@ -110,7 +118,10 @@ class Calibration:
         if not {"pool@fp32", "norm@fp32"} <= set(data.get("ops", {})):
             raise ValueError("calibration lacks the pool and norm kinds (version 1); measure it again")
         known = {f.name for f in dataclasses.fields(cls)} - {"scale", "version"}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        calib = cls(**{k: v for k, v in data.items() if k in known})
+        if calib.device == "cpu":  # before version 4: as measured alone on the 2-core CPU (docs/gpu.md)
+            calib.optimizer.setdefault("dtensor_per_tensor_s", REPLAY_DTENSOR_PER_TENSOR_S)
+        return calib
 
 
 def load_or_measure_calibration(path: Path | None = None, device: str | None = None) -> Calibration:
@@ -305,6 +316,78 @@ def measure_optimizer(device: str) -> dict[str, float]:
     return {"per_tensor_s": fit["per_call_s"], "per_param_s": fit["per_unit_s"]}
 
 
+DTENSOR_BENCH_TENSORS = 64  # enough that a per-step part, were there one, is lost in the per-tensor one
+
+
+def measure_dtensor_optimizer(device: str, reps: int = 8) -> float:
+    """What FSDP2's optimizer pays per parameter tensor beyond plain Adam: the runs' Adam stepped on
+    ``DTENSOR_BENCH_TENSORS`` 1K-element DTensors (one-rank mesh) against the same plain tensors.
+
+    Every elementwise operation on a DTensor goes through DTensor's dispatch (sharding propagation,
+    unwrapping, rewrapping): 0.11 ms per tensor on this 2-core CPU for the cnn and the vit alike,
+    timed around ``fully_shard`` at world 1 (docs/gpu.md), a cost that grows with the tensors, not
+    their size. Measured here, not fitted on a run: fitted on the cnn's 10 tensors, the run's own
+    per-step extra was priced per tensor and the vit's 71 came out 2-3x (docs/gpu.md). The two
+    steps alternate and each keeps its fastest, so a slower moment of the machine falls on both.
+    The group is a one-rank gloo group over an in-memory store (no port); one already open is used."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    opened = not dist.is_initialized()
+    if opened:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        plain = [torch.zeros(1024, device=device) for _ in range(DTENSOR_BENCH_TENSORS)]
+        steps = [_adam_step(plain, device), _adam_step([distribute_tensor(t, mesh, [Shard(0)]) for t in plain], device)]
+        best = _alternating(steps, reps)
+    finally:
+        if opened:
+            dist.destroy_process_group()
+    return max(0.0, (best[1] - best[0]) / DTENSOR_BENCH_TENSORS)
+
+
+def _alternating(steps: list, reps: int) -> list[float]:
+    """Each step's fastest of ``reps`` timings, the steps taking turns (after one untimed round)."""
+    for step in steps:
+        step()
+    times = [[step() for step in steps] for _ in range(reps)]
+    return [min(column) for column in zip(*times)]
+
+
+def _dtensor_or_none(device: str, reps: int = 8) -> float:
+    """``measure_dtensor_optimizer``, or 0 with a line on stderr where DTensor cannot be built here
+    (FSDP2's optimizer is then priced by its fitted per-step part alone, as before version 4)."""
+    try:
+        return measure_dtensor_optimizer(device, reps)
+    except (RuntimeError, ValueError, ImportError) as err:
+        print(f"calibration: DTensor's optimizer cost not measured ({one_line(err)}); counted as 0", file=sys.stderr)
+        return 0.0
+
+
+def _adam_step(tensors: list[torch.Tensor], device: str):
+    """A function that times one step (seconds) of the runs' Adam over ``tensors`` as parameters
+    with gradients of ones."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.schema import TrainerConfig
+    from parallel_lab.optim import optimizer_factory
+
+    params = [torch.nn.Parameter(t.clone()) for t in tensors]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = optimizer_factory(OmegaConf.structured(TrainerConfig))(params)
+
+    def step() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        return time.perf_counter() - t0
+
+    return step
+
+
 def measure_calibration(device: str = "cpu") -> Calibration:
     """A quick calibration of this machine (<= 8 s on 2 CPU cores; no training run)."""
     from parallel_lab.plan.comm_calibration import finish_pairs, start_pairs, stop_pairs, wait_ready
@@ -317,9 +400,11 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     procs = start_pairs(device)
     try:
         censuses = bench_censuses(device)
+        _dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
         wait_ready(procs)
         ops, pass_s, bench_s = measure_ops(device, censuses=censuses)
         optimizer = measure_optimizer(device)
+        optimizer["dtensor_per_tensor_s"] = _dtensor_or_none(device)
         solo = contention_probe(device)  # alone, before the two processes compute
     except BaseException:
         stop_pairs(procs)

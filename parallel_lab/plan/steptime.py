@@ -13,8 +13,9 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   ``PlanRules.compute_shape``'s slots x flop share of such passes (pipeline: the idle slots are
   ``idle``).
 * Wrappers: ``ComputeShape.hooked_units`` (FSDP's units, ZeRO-3's modules) cost ``unit_s`` each
-  per pass (their hooks' Python, copies and DTensor dispatch), and an optimizer over DTensor shards
-  (``dtensor_optimizer``: FSDP2) ``dtensor_s`` per tensor; both fitted on the calibration set.
+  per pass (their hooks' Python, copies and DTensor dispatch), fitted on the calibration set; an
+  optimizer over DTensor shards (``dtensor_optimizer``: FSDP2) costs DTensor's dispatch per tensor,
+  measured (``optimizer["dtensor_per_tensor_s"]``), and ``dtensor_step_s`` per step, fitted.
 * Cores: ranks x threads (+ a background load) over ``os.cpu_count()``: each busy rank gets its
   share of a core (time-slicing), never less slowdown than the contention two computing processes
   were measured to cause each other. Data-parallel ranks compute in lockstep (each step ends in
@@ -236,8 +237,9 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
     optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * calib.scale.get("optimizer", 1.0)
-    if shape.dtensor_optimizer:  # every DTensor's update goes through DTensor's dispatch
-        optimizer += len(list(model.parameters())) * calib.scale.get("dtensor_s", 0.0)
+    if shape.dtensor_optimizer:  # every DTensor's update goes through DTensor's dispatch, and the step
+        dispatch = opt.get("dtensor_per_tensor_s", 0.0)  # has a part of its own (docs/gpu.md)
+        optimizer += len(list(model.parameters())) * dispatch + calib.scale.get("dtensor_step_s", 0.0)
     return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
 
 

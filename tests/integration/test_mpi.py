@@ -187,6 +187,7 @@ def test_exception_on_one_rank_aborts_the_whole_job(ranks):
     assert time.monotonic() - start < 45, "the abort took too long"
 
 
+@pytest.mark.extra  # a control that waits out its 5 s: make test runs the test above, with the hook
 @pytest.mark.usefixtures("aborted_mpich_segments")
 def test_without_the_hook_the_same_job_hangs():
     """The control: proves the test above is about the hook, not about mpiexec cleaning up."""
@@ -247,7 +248,7 @@ SMALL = ("strategy=ddp", "trainer.steps=3", "trainer.global_batch=32", "model=cn
 
 
 @pytest.mark.slow
-@pytest.mark.extra  # make test: test_spine.py runs the same ddp under spawn, torchrun and mpirun
+@pytest.mark.extra  # make test: the mpirun launcher's run equals raw mpiexec's (run_mpi.sh, below)
 def test_cli_launcher_mpirun_matches_spawn(cli):
     spawn = cli(*SMALL, "launcher=spawn")
     mpirun = cli(*SMALL, "launcher=mpirun")

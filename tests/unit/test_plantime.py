@@ -14,7 +14,13 @@ import torch
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import layer_flops
-from parallel_lab.plan.calibrate import VERSION, Calibration, fit_per_call, load_or_measure_calibration
+from parallel_lab.plan.calibrate import (
+    REPLAY_DTENSOR_PER_TENSOR_S,
+    VERSION,
+    Calibration,
+    fit_per_call,
+    load_or_measure_calibration,
+)
 from parallel_lab.plan.census import KINDS, census_of
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.plan.steptime import (
@@ -255,15 +261,17 @@ def test_recompute_counts_the_forward_it_replays():
 def test_wrappers_pay_per_hooked_unit_and_per_dtensor():
     """FSDP's units (cnn: block1-3, fc1, fc2, then the root) and ZeRO-3's parameter-owning modules
     (the same five, and the root) run hooks around every pass: ``unit_s`` each; FSDP2's optimizer
-    steps DTensors, ``dtensor_s`` per tensor (FSDP1's flat parameters are plain tensors). DDP and
-    ZeRO-2 hook nothing of the kind."""
-    calib = _calib(scale={"hidden": 0.5, "unit_s": 1e-3, "dtensor_s": 1e-4})
+    steps DTensors: the measured ``dtensor_per_tensor_s`` per tensor and ``dtensor_step_s`` once
+    (FSDP1's flat parameters are plain tensors). DDP and ZeRO-2 hook nothing of the kind."""
+    calib = _calib(scale={"hidden": 0.5, "unit_s": 1e-3, "dtensor_step_s": 5e-3})
+    calib.optimizer["dtensor_per_tensor_s"] = 1e-4
     ddp = _predict("ddp", calib).parts
     units, tensors = 6, len(list(_model().parameters()))
-    for strategy, extra_compute, extra_opt in (("fsdp", units, tensors), ("zero3", units, 0), ("zero2", 0, 0)):
+    fsdp_opt = tensors * 1e-4 + 5e-3
+    for strategy, extra_compute, extra_opt in (("fsdp", units, fsdp_opt), ("zero3", units, 0), ("zero2", 0, 0)):
         parts = _predict(strategy, calib).parts
         assert parts["compute"] == pytest.approx(ddp["compute"] + extra_compute * 1e-3), strategy
-        assert parts["optimizer"] == pytest.approx(extra_opt * 1e-4), strategy  # Adam itself free here
+        assert parts["optimizer"] == pytest.approx(extra_opt), strategy  # Adam itself free here
     assert _predict("fsdp", calib, "strategy.version=1").parts["optimizer"] == 0.0
     two = _predict("fsdp", calib, "trainer.grad_accum=2").parts["compute"]  # the hooks run every pass
     assert two == pytest.approx(2 * (_pass_seconds(16) + units * 1e-3))
@@ -288,7 +296,7 @@ def test_bench_fit_recovers_the_corrections_that_made_its_runs():
 
     config_of = functools.cache(lambda overrides: plantime.config_of(list(overrides)))
     names = {n: tuple(o) for n, o in plantime.CALIBRATION.items()}
-    scale = {"compute": 1.1, "bf16": 0.9, "optimizer": 2.0, "hidden": 0.0, "unit_s": 2e-3, "dtensor_s": 3e-4}
+    scale = {"compute": 1.1, "bf16": 0.9, "optimizer": 2.0, "hidden": 0.0, "unit_s": 2e-3, "dtensor_step_s": 3e-3}
     scale.update(comm=2.5, comm_all_reduce=3.0, comm_all_gather=2.5, comm_reduce_scatter=2.5, straggle=0.08)
     truth = _calib(cpus=2, contention=1.2, scale=scale, per_param=1e-9)
     runs = {}
@@ -366,6 +374,7 @@ def test_older_calibrations_are_replayed_with_this_versions_defaults():
     old.update(version=VERSION - 1, scale={"compute": 9.0})
     upgraded = Calibration.upgraded(old)
     assert upgraded.contention == 1.4 and upgraded.version == VERSION and upgraded.scale["compute"] != 9.0
+    assert upgraded.optimizer["dtensor_per_tensor_s"] == REPLAY_DTENSOR_PER_TENSOR_S  # unmeasured before 4
     del old["ops"]["pool@fp32"]
     with pytest.raises(ValueError, match="pool and norm"):
         Calibration.upgraded(old)
@@ -453,3 +462,20 @@ def test_a_gpu_benchmarks_each_shape_at_a_larger_batch_too():
     for kind, benches in benches_for("cuda:0").items():
         cpu = [shape for _, shape in BENCHES[kind]]
         assert [shape for _, shape in benches] == cpu + [(s[0] * GPU_BATCH, *s[1:]) for s in cpu], kind
+
+
+def test_dtensor_dispatch_is_measured_per_tensor_and_fails_when_it_is_not_there():
+    """``measure_dtensor_optimizer`` times the runs' Adam on DTensor shards against the same plain
+    tensors: DTensor's dispatch costs every tensor tens of us on a CPU, more than plain Adam's own
+    step. Seen failing with plain tensors on both sides (no DTensor: 0 per tensor)."""
+    from parallel_lab.plan import calibrate
+
+    torch.set_num_threads(1)
+    per_tensor = calibrate.measure_dtensor_optimizer("cpu")
+    step = calibrate._adam_step([torch.zeros(1024) for _ in range(calibrate.DTENSOR_BENCH_TENSORS)], "cpu")
+    plain = min(step() for _ in range(5))
+    assert 10e-6 < per_tensor < 2e-3, per_tensor
+    assert per_tensor * calibrate.DTENSOR_BENCH_TENSORS > 0.5 * plain  # dispatch is the larger part
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the one-rank group it opened is closed again
