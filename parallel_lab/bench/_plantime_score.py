@@ -60,7 +60,8 @@ def fit(calib: Calibration, cal_runs: dict[str, list[dict]], names: dict[str, li
 def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
     """``fit`` less the interval; what no row of ``cal_runs`` can fit keeps ``calib``'s value."""
     raw = dataclasses.replace(calib, scale={"hidden": 0.0, "unit_s": 0.0, "dtensor_step_s": 0.0}, interval_log=0.0)
-    ratios: dict[str, list[float]] = {"fp32": [], "bf16": [], "shared": [], "optimizer": [], "hidden": []}
+    ratios: dict[str, list[float]] = {"optimizer": [], "hidden": []}
+    points: dict[str, list[tuple]] = {"fp32": [], "bf16": [], "shared": []}  # (name, line s, measured s, passes)
     comm: dict[str, list[float]] = {}
     several: list[dict] = []
     for name, runs in cal_runs.items():
@@ -72,7 +73,7 @@ def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
         for r in runs:
             m = _less_wait(r)
             if not shape.hooked_units:
-                ratios[solo].append(m["compute"] / pred.parts["compute"])
+                points[solo].append((name, pred.parts["compute"], m["compute"], shape.slots))
             if not shape.dtensor_optimizer:
                 ratios["optimizer"].append(m["optimizer"] / pred.parts["optimizer"])
             total = sum(pred.comm_raw.values())
@@ -81,21 +82,56 @@ def _corrections(calib: Calibration, cal_runs, names, config_of) -> Calibration:
                     comm.setdefault(op, []).append(m["comm"] / total)
                 ratios["hidden"].append(min(1.0, max(0.0, 1 - m["exposed_comm"] / m["comm"])))
     scale = dict(calib.scale)  # what no row of this set can fit keeps its value (--calibrate-only)
-    compute = _typical(ratios["fp32"]) if ratios["fp32"] else scale.get("compute", 1.0)
-    scale.update(compute=compute, unit_s=0.0, dtensor_step_s=0.0)
+    if points["fp32"]:
+        scale["compute"], scale["loop_s"] = compute_line(points["fp32"])
+    compute, loop = scale.get("compute", 1.0), scale.get("loop_s", 0.0)
+    scale.update(unit_s=0.0, dtensor_step_s=0.0)
+    beyond = {k: [(m - loop * n) / p for _, p, m, n in xs] for k, xs in points.items()}  # ratios, loop taken off
     if ratios["optimizer"]:
         scale["optimizer"] = _typical(ratios["optimizer"])
-    if ratios["bf16"]:
-        scale["bf16"] = _typical(ratios["bf16"]) / compute
+    if beyond["bf16"]:
+        scale["bf16"] = _typical(beyond["bf16"]) / compute
     if comm:
         scale["comm"] = _typical([x for xs in comm.values() for x in xs])  # collectives no row used
         scale.update({f"comm_{op}": _typical(xs) for op, xs in comm.items()})
         scale["hidden"] = statistics.median(ratios["hidden"])
     scale["straggle"] = _straggle(several, calib.scale.get("straggle", 0.0))
     # contention as the several-rank rows show it beyond the one-rank compute
-    contention = calib.contention * (_typical(ratios["shared"]) / compute if ratios["shared"] else 1.0)
+    contention = calib.contention * (_typical(beyond["shared"]) / compute if beyond["shared"] else 1.0)
     fitted = dataclasses.replace(calib, scale=scale, contention=max(1.0, contention), interval_log=0.0)
     return _fit_wrappers(fitted, cal_runs, names, config_of, calib.scale)
+
+
+LOOP_FIT_SPREAD = 1.5  # the one-rank rows' lines must differ this much to tell a constant from a scale
+
+
+def compute_line(points: list[tuple]) -> tuple[float, float]:
+    """(compute, loop_s): the one-rank fp32 rows' measured compute as ``compute x line + loop_s x
+    passes``, where line is the micro-benchmarks' prediction.
+
+    One model's rows (the CPU set: all cnn) cannot tell a multiplier from a per-pass constant, so
+    they fit the multiplier alone (loop_s 0). Rows of models whose lines differ by
+    ``LOOP_FIT_SPREAD`` or more fit both, by least squares in relative error: on the H100 the cnn
+    measured 2.4-3.1x its line and the vit 1.5x, so one multiplier from the cnn priced the vit and
+    resnet18 35-50% high; what the loop costs per pass whatever it computes (the loss, the batch's
+    copy, Python between launches) is that constant (docs/gpu.md). A negative fitted constant
+    falls back to the multiplier alone."""
+    by_name: dict[str, tuple[float, int, list[float]]] = {}
+    for name, line, measured, passes in points:
+        by_name.setdefault(name, (line, passes, []))[2].append(measured)
+    rows = [(line, passes, statistics.median(ms)) for line, passes, ms in by_name.values()]
+    lines = [line for line, _, _ in rows]
+    if len(rows) >= 2 and max(lines) >= LOOP_FIT_SPREAD * min(lines):
+        a = [line / m for line, _, m in rows]
+        b = [n / m for _, n, m in rows]
+        saa, sab, sbb = sum(x * x for x in a), sum(x * y for x, y in zip(a, b)), sum(y * y for y in b)
+        det = saa * sbb - sab * sab
+        if det > 0:
+            k = (sum(a) * sbb - sum(b) * sab) / det
+            c = (saa * sum(b) - sab * sum(a)) / det
+            if k > 0 and c >= 0:
+                return k, c
+    return _typical([m / line for _, line, m, _ in points]), 0.0
 
 
 def _less_wait(run: dict) -> dict:

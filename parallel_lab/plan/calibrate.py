@@ -55,7 +55,8 @@ DEFAULT_INTERVAL_LOW_LOG = 0.22
 # runs of docs/plan.md replayed on this model (182 rows). ``bench plantime`` combines it with the
 # noise it measures (``interval_of``) and prints this run's, for the next.
 DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
-# The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, each
+# The corrections: compute, bf16 and Adam multipliers on the micro-benchmarks' lines, the loop's
+# seconds per pass beyond them (loop_s: fitted where the set has two models' one-rank rows), each
 # collective family's multiplier on its alpha-beta time ("comm": families no calibration row used),
 # the share of overlapped communication found hidden, a wrapper's seconds per hooked unit and pass
 # (unit_s) and per step of an optimizer over DTensors beyond their measured per-tensor dispatch
@@ -66,6 +67,7 @@ DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
 REPLAY_DTENSOR_PER_TENSOR_S = 0.00011
 DEFAULT_SCALE = {
     "compute": 1.08,
+    "loop_s": 0.0,
     "bf16": 0.93,
     "optimizer": 1.97,
     "comm": 3.22,

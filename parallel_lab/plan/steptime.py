@@ -230,7 +230,10 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     scale = calib.scale.get("compute", 1.0) * (calib.scale.get("bf16", 1.0) if dtype == "bf16" else 1.0)
     # A wrapper's hooks (Python, copies, DTensor dispatch) cost per unit and pass, not per FLOP.
     hooks = shape.hooked_units * calib.scale.get("unit_s", 0.0) * timeslice
-    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks)
+    # The loop's own cost per pass (the loss, the batch's copy, Python between launches), whatever
+    # the pass computes: fitted only where the calibration set has rows of two models (a GPU's).
+    loop = calib.scale.get("loop_s", 0.0) * timeslice
+    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks + loop)
     dp = strategy_cls.plan.data_parallel_size(cfg)
     passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
