@@ -194,8 +194,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--limit", type=int, default=0, help="run only the first N dispatches (0: all)")
     parser.add_argument(
         "--mark",
-        default="parity and not extra",
-        help="pytest -m expression (default: the tests make test judges twice)",
+        default="parity and (not extra or robustness)",
+        help="pytest -m expression (default: make test's parity tests and SGD's pair from make test-all)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="folder for the logs (default runs/parity_robustness/<time>)"

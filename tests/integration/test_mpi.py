@@ -177,7 +177,7 @@ def aborted_mpich_segments():
         leftover.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.extra)])  # one bystander at 2, two at 3
 @pytest.mark.usefixtures("aborted_mpich_segments")
 def test_exception_on_one_rank_aborts_the_whole_job(ranks):
     start = time.monotonic()
@@ -217,7 +217,9 @@ def mirror_expected(size: int, k: int) -> dict[str, list[float] | None]:
     return {name: list(v) for name, v in exp.items()}
 
 
-@pytest.mark.parametrize("ranks", [0, 2, 3])
+# 3 ranks in make test-all: make test runs every mpi4py collective at 3 (test_collectives_match_numpy)
+# and torch's at 3 (test_collectives.py); the mirror's claim, MPI equals torch, holds at 1 and 2 here.
+@pytest.mark.parametrize("ranks", [0, 2, pytest.param(3, marks=pytest.mark.extra)])
 def test_mirror_mpi_equals_torch_distributed(ranks, tmp_path):
     size, k = ranks or 1, 3
     out = ok(mpi(ranks, str(EXAMPLES / "mirror.py"), "--k", str(k), "--json", str(tmp_path / "m.json")))

@@ -71,7 +71,10 @@ def variant_runs(tmp_path_factory, request) -> dict[int, tuple[list[float], str]
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "index",
-    [pytest.param(i, marks=() if opt in IN_MAKE_TEST else pytest.mark.extra) for i, (opt, _, _) in enumerate(VARIANTS)],
+    [
+        pytest.param(i, marks=() if opt in IN_MAKE_TEST else (pytest.mark.extra, pytest.mark.robustness))
+        for i, (opt, _, _) in enumerate(VARIANTS)
+    ],
     ids=[f"{opt}-{variant or 'manual_ddp'}" for opt, variant, _ in VARIANTS],
 )
 def test_broken_data_parallelism_fails_and_the_real_strategy_passes(variant_runs, index):
