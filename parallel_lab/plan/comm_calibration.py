@@ -75,7 +75,7 @@ def _worker(rank: int, port: int, device: str) -> None:
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     try:
         dist.barrier()
-        both = contention_probe(dev)  # both ranks at once; the parent timed it alone
+        both = contention_probe(dev, before_each=dist.barrier)  # both ranks' passes at once; the parent timed it alone
         impls = ["gloo" if device == "cpu" else "nccl"] + (["hand"] if device == "cpu" else [])
         points = [(i, op, s) for i in impls for op in (COMM_OPS if i != "hand" else HAND_OPS) for s in COMM_SIZES]
         fastest = dict.fromkeys(points, float("inf"))

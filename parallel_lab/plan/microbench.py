@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 
 import torch
@@ -53,9 +54,31 @@ def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device:
     return min(times)
 
 
-def contention_probe(device: str) -> float:
-    """One process's time of the probe pass (a 512x1024 linear), alone."""
-    return time_pass(torch.nn.Linear(1024, 1024), (256, 1024), torch.float32, device, reps=5)
+PROBE_REPS = 7
+
+
+def contention_probe(device: str, before_each=None) -> float:
+    """The median time of ``PROBE_REPS`` probe passes (a 256x1024 by 1024x1024 linear, forward and
+    backward), after one warm-up. ``before_each``: called untimed before every pass (the two
+    processes' barrier, so each pass of one runs while the other's does).
+
+    The median, not the fastest: timed as the fastest of 5 free-running passes, the pair's ratio
+    came out either ~1.03 or ~1.27 (ten quick calibrations in a row: five of each kind, one
+    process having finished while the other still timed), and once 1.88, which priced every
+    two-rank candidate of ``bench recommend`` 1.6x high (docs/plan.md)."""
+    module = torch.nn.Linear(1024, 1024).to(device)
+    x = torch.randn(256, 1024, device=device, requires_grad=True)
+    module(x).sum().backward()
+    times = []
+    for _ in range(PROBE_REPS):
+        if before_each is not None:
+            before_each()
+        sync(device)
+        t0 = time.perf_counter()
+        module(x).sum().backward()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def free_port() -> int:
