@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -479,3 +480,19 @@ def test_dtensor_dispatch_is_measured_per_tensor_and_fails_when_it_is_not_there(
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the one-rank group it opened is closed again
+
+
+def test_loop_cost_is_told_from_the_compute_scale_only_with_two_models():
+    """``compute_line``: one-rank rows of two models whose lines differ fit ``compute x line +
+    loop_s x passes`` (three rounds each, one 10% slow); rows of one model fit the multiplier alone
+    (a constant and a scale cannot be told apart on one line), and so do two lines too close."""
+    from parallel_lab.bench._plantime_score import LOOP_FIT_SPREAD, compute_line
+
+    def rows(lines: dict[str, float], k: float, c: float) -> list[tuple]:
+        return [(n, line, (k * line + c) * f, 1) for n, line in lines.items() for f in (1.0, 1.0, 1.1)]
+
+    k, c = compute_line(rows({"cnn": 1.9e-3, "vit": 13.8e-3}, 1.3, 2e-3))
+    assert (k, c) == (pytest.approx(1.3, rel=1e-6), pytest.approx(2e-3, rel=1e-6))
+    one_model = rows({"cnn": 1.9e-3, "cnn b256": 1.9e-3 * (LOOP_FIT_SPREAD - 0.1)}, 1.3, 2e-3)
+    k, c = compute_line(one_model)
+    assert c == 0.0 and k == pytest.approx(statistics.median(m / line for _, line, m, _ in one_model))
