@@ -14,13 +14,15 @@ venv: $(STAMP)
 
 # torch goes in FIRST and pinned (CPU wheel on disk); then the project with every extra.
 # DS_BUILD_OPS=0: DeepSpeed builds its ops lazily at first use instead of at install.
-# --no-compile: no bytecode at install; the first import of each module writes its own (below).
-# pip compiles every file of every package on one core (56 s of installing); compileall on both
-# cores 16 s more; compiling only what the runs import, once, ~7 s (docs/testing.md).
+# --no-compile: pip would compile every file of every package on one core (56 s of installing;
+# compileall on both cores 16 s more). Instead, one import of what every run imports writes their
+# bytecode here (~7 s), so the first run after installing starts as fast as the next; any other
+# module writes its own at its first import (below; docs/testing.md).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 numpy setuptools wheel
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	$(PY) -c "import torch._dynamo, torch.distributed, deepspeed, hydra, parallel_lab.worker.main"
 	touch $@
 
 # Bytecode is written at first import: a machine that sets PYTHONDONTWRITEBYTECODE (this one does)

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from parallel_lab.errors import one_line
 from parallel_lab.plan.census import Census
-from parallel_lab.plan.microbench import contention_probe, on_gpu, sync, time_pass
+from parallel_lab.plan.microbench import contention_probe, on_gpu, time_pass
+from parallel_lab.plan.optimizer_calibration import adam_step, dtensor_or_none
 
 DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
@@ -289,108 +289,19 @@ def fit_ops(raw: dict[str, float], censuses: dict, null_pass: bool = True) -> di
 
 def measure_optimizer(device: str) -> dict[str, float]:
     """The runs' optimizer (``optim.optimizer_factory`` with the trainer's defaults: Adam, one tensor
-    at a time) on one 1M-element tensor and on 200 tensors of 1K.
+    at a time) on one 1M-element tensor and on 200 tensors of 1K: the fastest of 3 steps after the
+    first (which creates the state), fitted per tensor and per parameter.
 
     Not torch's default foreach Adam: on the H100 that cost 8 us per tensor, the runs' per-tensor
     Adam ~80 (the cnn's 10 tensors 1.0 ms, the vit's 71 5.7 ms), and the one-rank row's scale (x7.6)
     then priced resnet18's 11M parameters at 3x their time (docs/gpu.md). On a CPU the two cost alike."""
-    from omegaconf import OmegaConf
-
-    from parallel_lab.config.schema import TrainerConfig
-    from parallel_lab.optim import optimizer_factory
-
-    make = optimizer_factory(OmegaConf.structured(TrainerConfig))
     points = []
     for shapes in ([(1 << 20,)], [(1024,)] * 200):
-        params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
-        for p in params:
-            p.grad = torch.ones_like(p)
-        opt = make(params)
-        times = []
-        for _ in range(4):
-            sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        points.append((len(params), sum(p.numel() for p in params), min(times[1:])))
+        step = adam_step([torch.zeros(s, device=device) for s in shapes], device)
+        times = [step() for _ in range(4)]
+        points.append((len(shapes), sum(math.prod(s) for s in shapes), min(times[1:])))
     fit = fit_per_call(points)
     return {"per_tensor_s": fit["per_call_s"], "per_param_s": fit["per_unit_s"]}
-
-
-DTENSOR_BENCH_TENSORS = 64  # enough that a per-step part, were there one, is lost in the per-tensor one
-
-
-def measure_dtensor_optimizer(device: str, reps: int = 8) -> float:
-    """What FSDP2's optimizer pays per parameter tensor beyond plain Adam: the runs' Adam stepped on
-    ``DTENSOR_BENCH_TENSORS`` 1K-element DTensors (one-rank mesh) against the same plain tensors.
-
-    Every elementwise operation on a DTensor goes through DTensor's dispatch (sharding propagation,
-    unwrapping, rewrapping): 0.11 ms per tensor on this 2-core CPU for the cnn and the vit alike,
-    timed around ``fully_shard`` at world 1 (docs/gpu.md), a cost that grows with the tensors, not
-    their size. Measured here, not fitted on a run: fitted on the cnn's 10 tensors, the run's own
-    per-step extra was priced per tensor and the vit's 71 came out 2-3x (docs/gpu.md). The two
-    steps alternate and each keeps its fastest, so a slower moment of the machine falls on both.
-    The group is a one-rank gloo group over an in-memory store (no port); one already open is used."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-
-    opened = not dist.is_initialized()
-    if opened:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
-        plain = [torch.zeros(1024, device=device) for _ in range(DTENSOR_BENCH_TENSORS)]
-        # src_data_rank=None: each rank shards its own tensors, no collective (nor does Adam's
-        # elementwise arithmetic issue one), so a rank of an open group may measure alone.
-        shards = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in plain]
-        steps = [_adam_step(plain, device), _adam_step(shards, device)]
-        best = _alternating(steps, reps)
-    finally:
-        if opened:
-            dist.destroy_process_group()
-    return max(0.0, (best[1] - best[0]) / DTENSOR_BENCH_TENSORS)
-
-
-def _alternating(steps: list, reps: int) -> list[float]:
-    """Each step's fastest of ``reps`` timings, the steps taking turns (after one untimed round)."""
-    for step in steps:
-        step()
-    times = [[step() for step in steps] for _ in range(reps)]
-    return [min(column) for column in zip(*times)]
-
-
-def _dtensor_or_none(device: str, reps: int = 8) -> float:
-    """``measure_dtensor_optimizer``, or 0 with a line on stderr where DTensor cannot be built here
-    (FSDP2's optimizer is then priced by its fitted per-step part alone, as before version 4)."""
-    try:
-        return measure_dtensor_optimizer(device, reps)
-    except (RuntimeError, ValueError, ImportError) as err:
-        print(f"calibration: DTensor's optimizer cost not measured ({one_line(err)}); counted as 0", file=sys.stderr)
-        return 0.0
-
-
-def _adam_step(tensors: list[torch.Tensor], device: str):
-    """A function that times one step (seconds) of the runs' Adam over ``tensors`` as parameters
-    with gradients of ones."""
-    from omegaconf import OmegaConf
-
-    from parallel_lab.config.schema import TrainerConfig
-    from parallel_lab.optim import optimizer_factory
-
-    params = [torch.nn.Parameter(t.clone()) for t in tensors]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt = optimizer_factory(OmegaConf.structured(TrainerConfig))(params)
-
-    def step() -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        return time.perf_counter() - t0
-
-    return step
 
 
 def measure_calibration(device: str = "cpu") -> Calibration:
@@ -405,11 +316,11 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     procs = start_pairs(device)
     try:
         censuses = bench_censuses(device)
-        _dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
+        dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
         wait_ready(procs)
         ops, pass_s, bench_s = measure_ops(device, censuses=censuses)
         optimizer = measure_optimizer(device)
-        optimizer["dtensor_per_tensor_s"] = _dtensor_or_none(device)
+        optimizer["dtensor_per_tensor_s"] = dtensor_or_none(device)
         solo = contention_probe(device)  # alone, before the two processes compute
     except BaseException:
         stop_pairs(procs)

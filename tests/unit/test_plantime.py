@@ -469,14 +469,18 @@ def test_dtensor_dispatch_is_measured_per_tensor_and_fails_when_it_is_not_there(
     """``measure_dtensor_optimizer`` times the runs' Adam on DTensor shards against the same plain
     tensors: DTensor's dispatch costs every tensor tens of us on a CPU, more than plain Adam's own
     step. Seen failing with plain tensors on both sides (no DTensor: 0 per tensor)."""
-    from parallel_lab.plan import calibrate
+    from parallel_lab.plan import optimizer_calibration as bench
 
-    torch.set_num_threads(1)
-    per_tensor = calibrate.measure_dtensor_optimizer("cpu")
-    step = calibrate._adam_step([torch.zeros(1024) for _ in range(calibrate.DTENSOR_BENCH_TENSORS)], "cpu")
-    plain = min(step() for _ in range(5))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the calibration measures it
+    try:
+        per_tensor = bench.measure_dtensor_optimizer("cpu")
+        step = bench.adam_step([torch.zeros(1024) for _ in range(bench.DTENSOR_BENCH_TENSORS)], "cpu")
+        plain = min(step() for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
     assert 10e-6 < per_tensor < 2e-3, per_tensor
-    assert per_tensor * calibrate.DTENSOR_BENCH_TENSORS > 0.5 * plain  # dispatch is the larger part
+    assert per_tensor * bench.DTENSOR_BENCH_TENSORS > 0.5 * plain  # dispatch is the larger part
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # the one-rank group it opened is closed again
