@@ -283,6 +283,33 @@ def ranking(rs: list[dict]) -> tuple[int, int]:
     return agree, total
 
 
+FLOOR_COVER = 0.90  # item 2's coverage goal: the floor is read at the same share
+
+
+def noise_floor(rs: list[dict], cover: float = FLOOR_COVER) -> float:
+    """The narrowest interval any prediction could have drawn around these rows, as a half-width.
+
+    Every round's step against its own config's measured median (log), then the shortest window
+    holding ``cover`` of those deviations: what an oracle that knew each config's median exactly,
+    and nothing of the round to come, would still need. It is in-sample, so a lower bound. On this
+    2-core VM one process's level moves ±10-20% and holds for the whole run (docs/plan.md, "The
+    noise floor"): the pooled floor over 18 runs is 17%; against each config's level over all runs,
+    19%."""
+    devs = sorted(math.log(s / r["step_s"]) for r in rs for s in r["steps"])
+    k = max(1, math.ceil(cover * len(devs)))
+    widths = [math.exp(devs[i + k - 1]) - math.exp(devs[i]) for i in range(len(devs) - k + 1)]
+    return min(widths) / 2
+
+
+def floor_line(rs: list[dict]) -> str:
+    """The line before the last: how close the interval's half-width is to the noise floor."""
+    return (
+        f"noise floor: around each config's own measured median, {100 * FLOOR_COVER:.0f}% of these "
+        f"{sum(len(r['steps']) for r in rs)} rounds need a half-width of {100 * noise_floor(rs):.0f}% "
+        "(no prediction can be narrower and cover as many)"
+    )
+
+
 def last_line(rs: list[dict]) -> str:
     errors = [abs(r["error"]) for r in rs]
     worst = max(rs, key=lambda r: abs(r["error"]))

@@ -19,9 +19,11 @@
      in the last validation, ``Calibration.model_error_log``);
    - the held-out set (its ``held_out``): other models, world 3/4, bf16, micro-batches, offload,
      bucket sizes, every other strategy: predicted from that fit, never fitted on.
-3. A table per config: predicted parts beside measured parts, the interval, the error; then the
-   last line (docs/plan.md): ``median |error| X%; worst Y% (config); interval coverage C/N (median
-   half-width W%); ranking agreement K/M``.
+3. A table per config: predicted parts beside measured parts, the interval, the error; the noise
+   floor (``_plantime_score.noise_floor``: the half-width that even each config's own measured
+   median would need to hold 90% of the rounds); then the last line (docs/plan.md): ``median
+   |error| X%; worst Y% (config); interval coverage C/N (median half-width W%); ranking agreement
+   K/M``.
 
 The measured step is the profile's ``unprofiled_step_s``: the median of the steps after the 4
 warm-up steps and the 2 traced ones (14 of the default 20; with 4 timed steps after 2 warm-up ones,
@@ -101,7 +103,16 @@ def run_once(overrides: list[str], steps: int, workdir: Path, timeout: float, de
     measured["compute"] = (parts["compute"] + parts["other"]) / 1e3 * k
     # every rank's traced compute: how far the ranks' speeds spread (_plantime_score's straggler fit)
     ranks = [(r["time_ms"]["compute"] + r["time_ms"]["other"]) / 1e3 * k for r in m["ranks"]]
-    return {"step_s": step, "parts": measured, "rank_compute": ranks, "loadavg_1m": m["machine"]["start"]["loadavg"][0]}
+    load = m["machine"]["start"]["loadavg"][0]
+    # step_times_s: every step, warm-up and traced ones included, to see whether a run's level holds
+    # or drifts within it (docs/plan.md, "The noise floor")
+    return {
+        "step_s": step,
+        "parts": measured,
+        "rank_compute": ranks,
+        "loadavg_1m": load,
+        "step_times_s": m["step_times_s"],
+    }
 
 
 def measure(names: dict[str, list[str]], args, workdir: Path, twice: tuple[str, ...] = ()) -> dict[str, list[dict]]:
@@ -190,5 +201,6 @@ def main(argv: list[str]) -> int:
             payload = json.loads(fitted.to_json())  # the calibration itself, for load_or_measure_calibration
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
     if held_rows:
+        print(score.floor_line(rows))
         print(score.last_line(held_rows))
     return 0

@@ -500,3 +500,31 @@ def test_loop_cost_is_told_from_the_compute_scale_only_with_two_models():
     one_model = rows({"cnn": 1.9e-3, "cnn b256": 1.9e-3 * (LOOP_FIT_SPREAD - 0.1)}, 1.3, 2e-3)
     k, c = compute_line(one_model)
     assert c == 0.0 and k == pytest.approx(statistics.median(m / line for _, line, m, _ in one_model))
+
+
+def test_noise_floor_is_the_shortest_window_around_each_configs_own_median():
+    """bench plantime's floor: rounds against their own config's measured median, the narrowest
+    window holding 90% of them. The reference is brute force over every pair of deviations."""
+    from types import SimpleNamespace
+
+    from parallel_lab.bench import _plantime_score as score
+
+    def row(steps):
+        return {"step_s": statistics.median(steps), "steps": steps, "pred": SimpleNamespace(point_s=1.0)}
+
+    # one config: 19 rounds spread over +-5% and one far slow round; another: three rounds on its
+    # median and one far fast round. 24 rounds, 22 to hold: both far ones fall outside.
+    rs = [
+        row([math.exp(0.05 * (i - 9) / 9) for i in range(19)] + [math.exp(0.8)]),
+        row([2.0, 2.0, 2.0, 2.0 * math.exp(-0.6)]),
+    ]
+    devs = [math.log(s / r["step_s"]) for r in rs for s in r["steps"]]
+    need = math.ceil(0.9 * len(devs))
+    best = (
+        min(math.exp(hi) - math.exp(lo) for lo in devs for hi in devs if sum(lo <= d <= hi for d in devs) >= need) / 2
+    )
+    assert score.noise_floor(rs) == pytest.approx(best)
+    assert score.noise_floor(rs) < 0.05  # the far rounds left out, not averaged in
+    assert f"of these 24 rounds need a half-width of {100 * best:.0f}%" in score.floor_line(rs)
+    # every round: the far ones must be inside
+    assert score.noise_floor(rs, cover=1.0) == pytest.approx((math.exp(max(devs)) - math.exp(min(devs))) / 2)
