@@ -123,11 +123,39 @@ def check_memory(cfg: DictConfig, micro_batch: int) -> None:
     )
 
 
+def allowed_cores() -> list[int]:
+    """The cores this process may run on, in order ([] where the OS cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def cpu_cores() -> int:
     """Cores this process may run on (its affinity, which containers and taskset narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(allowed_cores()) or os.cpu_count() or 1
+
+
+def pin_to_cores(local_rank: int, threads: int) -> list[int]:
+    """trainer.pin_cores: bind this process to the ``local_rank``-th group of ``threads`` cores among
+    those it may use. Where that group does not exist (a launcher already bound each rank to fewer
+    cores) nothing changes. Called before the process starts any thread of its own, so those
+    threads inherit the binding. Returns the cores it may run on now."""
+    group = allowed_cores()[local_rank * threads : (local_rank + 1) * threads]
+    if len(group) == threads:
+        os.sched_setaffinity(0, group)
+    return allowed_cores()
+
+
+def check_pinning_fits(cfg: DictConfig) -> None:
+    """trainer.pin_cores=true with more threads on a host than cores: refused, naming the figures."""
+    if not cfg.trainer.pin_cores or cfg.device == "cuda":
+        return
+    per_host = cfg.launcher.nproc_per_node or cfg.world_size
+    cores, threads = cpu_cores(), cfg.trainer.threads
+    if per_host * threads > cores:
+        raise ConfigError(
+            f"trainer.pin_cores=true needs {per_host} ranks per host x trainer.threads={threads} = "
+            f"{per_host * threads} cores, this machine allows {cores}; use trainer.pin_cores=false, or at most "
+            f"{max(1, cores // threads)} ranks per host"
+        )
 
 
 def warn_if_oversubscribed(cfg: DictConfig, warn: Warn = print_warning) -> None:
@@ -144,4 +172,5 @@ def warn_if_oversubscribed(cfg: DictConfig, warn: Warn = print_warning) -> None:
 def check_machine_fits(cfg: DictConfig, micro_batch: int, warn: Warn = print_warning) -> None:
     """Refuse a run the memory cannot hold; warn about one the cores can only time-slice."""
     check_memory(cfg, micro_batch)
+    check_pinning_fits(cfg)
     warn_if_oversubscribed(cfg, warn)

@@ -22,6 +22,7 @@ import torch
 
 from parallel_lab.comm.dist_env import DistEnv, read_dist_env, read_rank
 from parallel_lab.config import load_run_config
+from parallel_lab.config.resources import pin_to_cores
 from parallel_lab.errors import ConfigError, one_line
 from parallel_lab.protocol import (
     ERRORS_DIR,
@@ -105,6 +106,8 @@ def run_worker(config_path: str) -> RunMetrics:
             f"config.yaml was resolved for world_size={cfg.world_size} but the launcher started "
             f"{env.world_size} processes; start {cfg.world_size} (e.g. --nproc_per_node {cfg.world_size})"
         )
+    if cfg.trainer.pin_cores and env.device.type == "cpu":
+        pin_to_cores(env.local_rank, cfg.trainer.threads)  # first: the threads started below inherit it
     torch.set_num_threads(cfg.trainer.threads)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy = None

@@ -19,6 +19,7 @@ from parallel_lab.checkpoint import Checkpointer, Resumed
 from parallel_lab.comm.counter import CommCounter
 from parallel_lab.comm.dist_env import DistEnv
 from parallel_lab.comm.placement import inter_host_bytes_per_step
+from parallel_lab.config.resources import allowed_cores
 from parallel_lab.data import eval_batches, load_datasets, train_batches
 from parallel_lab.models import build_meta_model, build_model, count_params, norm_of
 from parallel_lab.models.recompute import set_recompute
@@ -289,6 +290,7 @@ def _rank_info(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord
     predicted = predicted_metrics(cfg, type(strategy), build_meta_model(cfg.model), env.rank)
     return {
         "rank": env.rank,
+        "cores": allowed_cores(),  # where it ran: its own trainer.threads cores under trainer.pin_cores
         "peak_rss_bytes": peak_rss_bytes(),
         **run.memory,
         **analytic,

@@ -65,3 +65,15 @@ def test_more_threads_than_cores_warns_once_and_goes_on(monkeypatch, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("parallel_lab: warning: world_size=5 x trainer.threads=1 = 5")
     assert "<= 2" in lines[0]
+
+
+def test_pinning_more_threads_than_cores_is_refused(monkeypatch):
+    monkeypatch.setattr(resources, "cpu_cores", lambda: 2)
+    validate(compose_cfg("strategy=ddp", "world_size=2", "trainer.pin_cores=true"))  # a core each: fine
+    validate(compose_cfg("strategy=ddp", "world_size=3", "trainer.global_batch=66"))  # unpinned: a warning at most
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.pin_cores=true needs 3 ranks per host x trainer\.threads=1 = 3 cores, this machine "
+        r"allows 2; use trainer\.pin_cores=false, or at most 2 ranks per host$",
+    ):
+        validate(compose_cfg("strategy=ddp", "world_size=3", "trainer.global_batch=66", "trainer.pin_cores=true"))
