@@ -133,15 +133,13 @@ def cpu_cores() -> int:
     return len(allowed_cores()) or os.cpu_count() or 1
 
 
-def pin_to_cores(local_rank: int, threads: int) -> list[int]:
+def pin_to_cores(local_rank: int, threads: int) -> None:
     """trainer.pin_cores: bind this process to the ``local_rank``-th group of ``threads`` cores among
     those it may use. Where that group does not exist (a launcher already bound each rank to fewer
-    cores) nothing changes. Called before the process starts any thread of its own, so those
-    threads inherit the binding. Returns the cores it may run on now."""
+    cores) nothing changes. Call it before the process starts threads of its own: they inherit it."""
     group = allowed_cores()[local_rank * threads : (local_rank + 1) * threads]
     if len(group) == threads:
         os.sched_setaffinity(0, group)
-    return allowed_cores()
 
 
 def check_pinning_fits(cfg: DictConfig) -> None:
