@@ -158,8 +158,8 @@ class TrainerConfig:
     )
     # true: each process of a CPU run is bound to its own trainer.threads cores (the host's k-th rank
     # to the k-th group of the cores it may use), so the scheduler neither moves a rank nor stacks two
-    # on one core. On 2 cores it halved the step-to-step jitter inside a run and made ddp cnn 5%
-    # faster; each process's own level was unchanged (docs/plan.md, "The noise floor"). Needs ranks
+    # on one core. On 2 cores it halved the step-to-step jitter inside a run; each process's own
+    # level was unchanged (docs/plan.md, "The noise floor"). Needs ranks
     # per host x threads <= cores. A launcher that already bound each rank narrower (mpirun's
     # --bind-to core) is left as it is; a GPU run is never bound. metrics.json's ranks[k].cores
     # records where each rank ran, bound or not.
