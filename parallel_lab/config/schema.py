@@ -222,6 +222,15 @@ class ModelConfig:
     # in [0, 1); 0.0 = off. Masks are keyed by the sample (models/dropout.py), so data-parallel rows
     # draw single's masks; later pipeline stages do not (docs/vit.md).
     dropout: Optional[float] = ranged(None, 0, 1, example=0.1)
+    # Mixture of experts on the vit (models/moe.py, docs/moe.md); null = the default in
+    # parallel_lab/models/moe.py MOE_DEFAULTS. moe_experts=0: dense MLPs (the default).
+    moe_experts: Optional[int] = ranged(None, 0, example=4)  # E experts in each MoE block's MLP
+    moe_topk: Optional[int] = ranged(None, 1, example=2)  # experts per token (1), <= moe_experts
+    moe_every: Optional[int] = ranged(None, 1, example=2)  # every n-th block's MLP is MoE (2: blocks 1, 3, ...)
+    # weight of the Switch load-balancing loss E * sum_e f_e P_e, added to the training loss (0.01)
+    moe_aux_weight: Optional[float] = ranged(None, 0, example=0.01)
+    # copies an expert takes per sample: ceil(cf * topk * tokens / experts); null = dropless (none dropped)
+    moe_capacity_factor: Optional[float] = ranged(None, 0, low_open=True, example=1.25)
 
 
 @dataclass

@@ -6,11 +6,14 @@ contiguous stages, and all a tensor-parallel strategy needs to find the layers i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.models.moe import MOE_DEFAULTS, moe_layers
 from parallel_lab.models.resnet import ResNet18
 from parallel_lab.models.vit import DEFAULTS as VIT_DEFAULTS
 from parallel_lab.models.vit import IMAGE, ViT
@@ -35,11 +38,46 @@ def validate_model_config(cfg: DictConfig) -> None:
         raise ConfigError(f"model.norm={norm_of(cfg)} is unknown; use model.norm={'|'.join(NORMS)} (default group)")
     if cfg.name == "vit":
         _validate_vit(cfg)
+    _validate_moe(cfg)
 
 
 def vit_sizes(cfg: DictConfig) -> dict:
     """The vit's sizes: each model.<key> the config sets, else the vit's default (models/vit.py)."""
     return {key: default if cfg.get(key) is None else cfg.get(key) for key, default in VIT_DEFAULTS.items()}
+
+
+def moe_options(cfg: DictConfig) -> dict:
+    """The model.moe_* keys: each the config sets, else its default (models/moe.py MOE_DEFAULTS)."""
+    return {key: default if cfg.get(key) is None else cfg.get(key) for key, default in MOE_DEFAULTS.items()}
+
+
+def _validate_moe(cfg: DictConfig) -> None:
+    m = moe_options(cfg)
+    if not m["moe_experts"]:
+        return
+    if cfg.name != "vit":
+        raise ConfigError(f"model.moe_experts={m['moe_experts']}: only the vit has MoE layers; use model=vit")
+    for key, low in (("moe_experts", 1), ("moe_topk", 1), ("moe_every", 1)):
+        if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < low:
+            raise ConfigError(f"model.{key}={m[key]} must be an integer >= {low}; e.g. model.{key}=2")
+    if m["moe_topk"] > m["moe_experts"]:
+        raise ConfigError(
+            f"model.moe_topk={m['moe_topk']} exceeds model.moe_experts={m['moe_experts']}; "
+            f"use model.moe_topk<={m['moe_experts']}"
+        )
+    if m["moe_every"] > vit_sizes(cfg)["depth"]:
+        raise ConfigError(
+            f"model.moe_every={m['moe_every']} > model.depth={vit_sizes(cfg)['depth']} leaves no MoE block; "
+            "use model.moe_every=2"
+        )
+    cf = m["moe_capacity_factor"]
+    if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+        raise ConfigError(f"model.moe_capacity_factor={cf} must be > 0 (null = dropless); e.g. 1.25")
+    if vit_sizes(cfg)["dropout"]:
+        raise ConfigError(
+            f"model.dropout={vit_sizes(cfg)['dropout']} with MoE layers: experts reorder tokens, a sample's "
+            "mask cannot follow them; use model.dropout=0"
+        )
 
 
 def _validate_vit(cfg: DictConfig) -> None:
@@ -66,7 +104,7 @@ def _validate_vit(cfg: DictConfig) -> None:
 
 def _kwargs(cfg: DictConfig) -> dict:
     common = {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0)), "norm": norm_of(cfg)}
-    return {**common, **vit_sizes(cfg)} if cfg.name == "vit" else common
+    return {**common, **vit_sizes(cfg), **moe_options(cfg)} if cfg.name == "vit" else common
 
 
 def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
@@ -87,3 +125,17 @@ def build_meta_model(cfg: DictConfig) -> torch.nn.Sequential:
 
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def training_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss the strategies backpropagate: cross-entropy, plus the MoE layers' weighted
+    load-balancing losses of the same forward where the model has any (models/moe.py)."""
+    cross_entropy = torch.nn.CrossEntropyLoss()
+    aux = getattr(model, "aux", None)
+    if aux is None or not moe_layers(model):
+        return cross_entropy
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets) + aux.total().to(logits.dtype)
+
+    return loss

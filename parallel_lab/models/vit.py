@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.models.dropout import SampleDropout, SampleKeys
+from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
 from parallel_lab.models.recompute import FULL, SELECTIVE, Recompute
 
 # The vit's sizes: the one home of their defaults (config/schema.py ModelConfig leaves them null).
@@ -118,12 +119,15 @@ class Block(nn.Module):
     """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)). Recomputed whole in backward under
     trainer.recompute=full (only its input kept), its attention core alone under selective."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, drop: Dropout, recompute: Recompute) -> None:
+    def __init__(
+        self, dim: int, heads: int, hidden: int, drop: Dropout, recompute: Recompute, mlp: nn.Module | None = None
+    ) -> None:
+        """mlp: the block's MLP when it is not the dense one (an MoE layer, models/moe.py)."""
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads, drop, recompute)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, hidden, drop)
+        self.mlp = mlp if mlp is not None else MLP(dim, hidden, drop)
         self.recompute = recompute  # shared by the model's blocks: a plain attribute, no state_dict key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,9 +176,16 @@ class ViT(nn.Sequential):
         dropout: float = DEFAULTS["dropout"],
         seed: int = 0,
         recompute: str = "none",
+        moe_experts: int = MOE_DEFAULTS["moe_experts"],
+        moe_topk: int = MOE_DEFAULTS["moe_topk"],
+        moe_every: int = MOE_DEFAULTS["moe_every"],
+        moe_aux_weight: float = MOE_DEFAULTS["moe_aux_weight"],
+        moe_capacity_factor: float | None = MOE_DEFAULTS["moe_capacity_factor"],
     ) -> None:
         """seed: of the dropout masks (models/dropout.py), build_model's seed. recompute: none |
-        selective | full (models/recompute.py; set_recompute changes it after the build)."""
+        selective | full (models/recompute.py; set_recompute changes it after the build).
+        moe_experts > 0: every moe_every-th block's MLP (blocks moe_every-1, 2*moe_every-1, ...,
+        V-MoE's layout) is a mixture of that many experts (models/moe.py)."""
         super().__init__()
         del norm  # LayerNorm always: validate_model_config refuses batch/syncbatch for the vit
         dim = scaled_dim(dim, heads, width)
@@ -182,6 +193,10 @@ class ViT(nn.Sequential):
         drop = dropouts(dropout, keys)
         setting = Recompute(recompute, keys)
         self.add_module("embed", PatchEmbedding(dim, patch, drop, keys))
+        hidden = round(dim * mlp_ratio)
+        self.aux = AuxLosses()  # the MoE layers' load-balancing losses (a plain attribute)
         for i in range(depth):
-            self.add_module(f"block{i}", Block(dim, heads, round(dim * mlp_ratio), drop, setting))
+            moe = moe_experts > 0 and i % moe_every == moe_every - 1
+            args = (dim, hidden, moe_experts, moe_topk, moe_capacity_factor, moe_aux_weight, i, self.aux)
+            self.add_module(f"block{i}", Block(dim, heads, hidden, drop, setting, MoEMLP(*args) if moe else None))
         self.add_module("head", Head(dim, num_classes))

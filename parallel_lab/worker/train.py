@@ -21,7 +21,7 @@ from parallel_lab.comm.dist_env import DistEnv
 from parallel_lab.comm.placement import inter_host_bytes_per_step
 from parallel_lab.config.resources import allowed_cores
 from parallel_lab.data import eval_batches, load_datasets, train_batches
-from parallel_lab.models import build_meta_model, build_model, count_params, norm_of
+from parallel_lab.models import build_meta_model, build_model, count_params, norm_of, training_loss
 from parallel_lab.models.recompute import set_recompute
 from parallel_lab.optim import make_scheduler, optimizer_factory
 from parallel_lab.plan.predict import predicted_metrics
@@ -196,6 +196,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     counter = strategy.comm.install() if dist.is_initialized() else strategy.comm
     num_params = count_params(model)
     model = strategy.norm.convert(model)  # model.norm=syncbatch (strategies/batchnorm.py)
+    strategy.loss_fn = training_loss(model)  # + the MoE layers' load-balancing loss (models/moe.py)
     strategy.setup(model, optimizer_factory(t))
     probe = batchnorm.StatisticsProbe(strategy.model)
     checkpointer = Checkpointer(cfg, env, strategy)
