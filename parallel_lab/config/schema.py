@@ -203,7 +203,7 @@ class Norm(Choice):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # cnn | resnet18 | vit
+    name: str = MISSING  # cnn | resnet18 | vit | gpt
     num_classes: int = ranged(10, 10, note=" (the data's labels are 0-9)")
     # Multiplier on every channel/feature width (1.0 = the models as they are, bit-identical);
     # parameters grow about width^2: cnn x 180 and resnet18 x 30 reach ~10B (python -m parallel_lab.plan).
@@ -217,7 +217,7 @@ class ModelConfig:
     patch: Optional[int] = ranged(None, 1, example=4)  # side of a square patch, divides 32: 4 -> 64 tokens
     dim: Optional[int] = ranged(None, 1, example=64)  # token width (64), a multiple of heads
     depth: Optional[int] = ranged(None, 1, example=4)  # transformer blocks (4), each a pipeline stage boundary
-    heads: Optional[int] = ranged(None, 1, example=4)  # attention heads (4), head width dim / heads
+    heads: Optional[int] = ranged(None, 1, example=4)  # attention heads (4), head width dim (gpt: hidden) / heads
     mlp_ratio: Optional[float] = ranged(None, 0, low_open=True, example=2.0)  # MLP hidden width / dim (2.0)
     # in [0, 1); 0.0 = off. Masks are keyed by the sample (models/dropout.py), so data-parallel rows
     # draw single's masks; later pipeline stages do not (docs/vit.md).
@@ -231,6 +231,20 @@ class ModelConfig:
     moe_aux_weight: Optional[float] = ranged(None, 0, example=0.01)
     # copies an expert takes per sample: ceil(cf * topk * tokens / experts); null = dropless (none dropped)
     moe_capacity_factor: Optional[float] = ranged(None, 0, low_open=True, example=1.25)
+    # gpt only (docs/gpt.md; models/gpt.py): null = the preset's value, else the tiny default of
+    # models/gpt.py DEFAULTS; the parent writes the resolved sizes into config.yaml. model.heads and
+    # model.dropout (above) are the gpt's too.
+    preset: Optional[str] = None  # a published shape (models/gpt.py PRESETS: gpt3_175b, llama3_405b, ...)
+    layers: Optional[int] = ranged(None, 1, example=2)  # transformer blocks (2)
+    hidden: Optional[int] = ranged(None, 1, example=64)  # model width (64), a multiple of heads
+    kv_heads: Optional[int] = ranged(None, 1, example=4)  # key/value heads, divides heads (null = heads; fewer: GQA)
+    ffn: Optional[int] = ranged(None, 1, example=256)  # MLP width (null = 4 x hidden)
+    seq: Optional[int] = ranged(None, 1, example=64)  # context length (64): the data's sequence length
+    vocab: Optional[int] = ranged(None, 1, example=256)  # vocabulary (256), at least the data's
+    tied: Optional[bool] = None  # true (default): the output projection is the token embedding's weight
+    positions: Optional[str] = None  # learned (default) | rotary
+    mlp: Optional[str] = None  # gelu (default: fc1, GELU, fc2) | swiglu (Llama's gated MLP)
+    bias: Optional[bool] = None  # true (default): Linear biases (GPT-2, Megatron); false: none (Llama)
 
 
 @dataclass

@@ -137,6 +137,16 @@ def _check_recompute(cfg: DictConfig, strategy_cls: type) -> None:
         )
 
 
+def resolve_model_sizes(model: DictConfig) -> None:
+    """model=gpt: every size written out (the preset's row or the default, under what was given), so
+    config.yaml records the model that ran and the strategies' rules read plain values."""
+    if model.name == "gpt":
+        from parallel_lab.models.gpt import gpt_sizes
+
+        for key, value in gpt_sizes(model).items():
+            model[key] = value
+
+
 def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     """What a run and the planner (``parallel_lab.plan``) both check, whatever the machine: the
     strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
@@ -145,6 +155,7 @@ def check_split(cfg: DictConfig, strategy_cls: type) -> int:
     from parallel_lab.strategies.options import validate_options
 
     validate_model_config(cfg.model)
+    resolve_model_sizes(cfg.model)
     _check_recompute(cfg, strategy_cls)
     cfg.strategy = validate_options(strategy_cls, cfg)
     refusal = strategy_cls.Norm.refusal(
@@ -263,6 +274,7 @@ def validate(
     from parallel_lab.data import validate_data_config
 
     validate_data_config(cfg.data, cfg.trainer)
+    _check_model_takes_data(cfg)
     _check_data_files(cfg)
     from parallel_lab.checkpoint import validate_checkpoint_config
 
@@ -278,6 +290,15 @@ def validate(
     resolve_device(cfg, warn)
     check_machine_fits(cfg, t.global_batch // (dp * t.grad_accum), warn)  # last: every value is known good
     return cfg
+
+
+def _check_model_takes_data(cfg: DictConfig) -> None:
+    """model=gpt reads token ids; the image models read images."""
+    tokens = cfg.data.name == "tokens"
+    if (cfg.model.name == "gpt") != tokens:
+        fix = "use data=tokens" if cfg.model.name == "gpt" else "use model=gpt, or data=synthetic|cifar10"
+        kind = "token ids" if cfg.model.name == "gpt" else "images"
+        raise ConfigError(f"model={cfg.model.name} reads {kind}, not data={cfg.data.name}; {fix}")
 
 
 def _check_data_files(cfg: DictConfig) -> None:

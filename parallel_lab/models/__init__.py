@@ -1,4 +1,5 @@
-"""Models: plain single-device CIFAR-10 networks. They know nothing of parallelism.
+"""Models: plain single-device networks (CIFAR-10 classifiers and a GPT on token data). They know
+nothing of parallelism.
 
 All are ``nn.Sequential`` of coarse blocks, which is all a pipeline strategy needs to cut them into
 contiguous stages, and all a tensor-parallel strategy needs to find the layers it splits.
@@ -13,12 +14,14 @@ from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.models.gpt import GPT, MLPS, POSITIONS, PRESETS, gpt_sizes
 from parallel_lab.models.moe import MOE_DEFAULTS, moe_layers
 from parallel_lab.models.resnet import ResNet18
 from parallel_lab.models.vit import DEFAULTS as VIT_DEFAULTS
 from parallel_lab.models.vit import IMAGE, ViT
 
-MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "vit": ViT}
+MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "vit": ViT, "gpt": GPT}
+IMAGE_SHAPE = (3, IMAGE, IMAGE)  # one CIFAR image: the input of cnn, resnet18 and vit
 NORMS = ("group", "batch", "syncbatch")  # model.norm (config/schema.py Norm)
 
 
@@ -39,6 +42,8 @@ def validate_model_config(cfg: DictConfig) -> None:
     if cfg.name == "vit":
         _validate_vit(cfg)
     _validate_moe(cfg)
+    if cfg.name == "gpt":
+        _validate_gpt(cfg)
 
 
 def vit_sizes(cfg: DictConfig) -> dict:
@@ -102,16 +107,74 @@ def _validate_vit(cfg: DictConfig) -> None:
         raise ConfigError(f"model.dropout={s['dropout']} must be in [0, 1); use model.dropout=0 (off, the default)")
 
 
+def _validate_gpt(cfg: DictConfig) -> None:
+    preset = cfg.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"model.preset={preset} is unknown; use one of: {', '.join(PRESETS)}")
+    if norm_of(cfg) != "group" or float(cfg.get("width", 1.0)) != 1.0:
+        raise ConfigError(
+            "model=gpt has LayerNorm and takes its widths from model.hidden/model.ffn; "
+            "drop model.norm and model.width (use model.hidden=<n>)"
+        )
+    s = gpt_sizes(cfg)
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab"):
+        if not isinstance(s[key], int) or isinstance(s[key], bool) or s[key] < 1:
+            raise ConfigError(f"model.{key}={s[key]} must be an integer >= 1; e.g. model.{key}=64")
+    if s["hidden"] % s["heads"] or (s["hidden"] // s["heads"]) % 2:
+        raise ConfigError(
+            f"model.heads={s['heads']} must divide model.hidden={s['hidden']} into an even head width; "
+            f"use e.g. model.hidden={s['heads'] * 16}"
+        )
+    if s["heads"] % s["kv_heads"]:
+        raise ConfigError(
+            f"model.kv_heads={s['kv_heads']} must divide model.heads={s['heads']} (each kv head serves "
+            f"heads / kv_heads query heads); use model.kv_heads={s['heads']} or a divisor of it"
+        )
+    for key, allowed in (("positions", POSITIONS), ("mlp", MLPS)):
+        if s[key] not in allowed:
+            raise ConfigError(f"model.{key}={s[key]} is unknown; use model.{key}={'|'.join(allowed)}")
+    if not (isinstance(s["dropout"], (int, float)) and 0 <= s["dropout"] < 1):
+        raise ConfigError(f"model.dropout={s['dropout']} must be in [0, 1); use model.dropout=0 (off, the default)")
+
+
 def _kwargs(cfg: DictConfig) -> dict:
+    if cfg.name == "gpt":
+        return gpt_sizes(cfg)
     common = {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0)), "norm": norm_of(cfg)}
     return {**common, **vit_sizes(cfg), **moe_options(cfg)} if cfg.name == "vit" else common
+
+
+def sample_shape(cfg: DictConfig) -> tuple[int, ...]:
+    """One sample's input shape: a CIFAR image (3, 32, 32), or gpt's sequence of model.seq token ids."""
+    return (gpt_sizes(cfg)["seq"],) if cfg.name == "gpt" else IMAGE_SHAPE
+
+
+def input_shape(model: torch.nn.Module) -> tuple[int, ...]:
+    """One sample's input shape for a built model: its ``input_shape`` (gpt: (seq,)), else an image."""
+    return tuple(getattr(model, "input_shape", IMAGE_SHAPE))
+
+
+def sample_input(
+    module: torch.nn.Module, batch: int, shape: tuple, dtype: torch.dtype = torch.float32, device: str = "meta"
+) -> torch.Tensor:
+    """A batch of ``module``'s input (a model, or a pipeline stage of one): int64 token ids where
+    its first layer embeds tokens (gpt's ``embed``), else ``dtype`` values (images, activations)."""
+    first = next(iter(module.children()), module) if isinstance(module, torch.nn.Sequential) else module
+    if getattr(first, "takes_tokens", False):
+        return torch.zeros(batch, *shape, dtype=torch.long, device=device)
+    return torch.empty(batch, *shape, dtype=dtype, device=device)
+
+
+def loss_target(logits: torch.Tensor) -> torch.Tensor:
+    """Class-index labels shaped for ``logits`` (classes in dim 1): (batch,) or gpt's (batch, seq)."""
+    return torch.zeros(logits.shape[:1] + logits.shape[2:], dtype=torch.long, device=logits.device)
 
 
 def build_model(cfg: DictConfig, seed: int) -> torch.nn.Sequential:
     """The same weights for the same seed, in every process and every strategy."""
     validate_model_config(cfg)
     torch.manual_seed(seed)
-    extra = {"seed": seed} if cfg.name == "vit" else {}  # the vit's dropout masks are keyed by it
+    extra = {"seed": seed} if cfg.name in ("vit", "gpt") else {}  # dropout masks are keyed by it
     return MODELS[cfg.name](**_kwargs(cfg), **extra)
 
 

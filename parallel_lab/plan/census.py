@@ -103,15 +103,18 @@ def _is_view(func, args, out) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
-def count_pass(model: torch.nn.Module, batch: int, sample_shape: tuple = (3, 32, 32)) -> Census:
+def count_pass(model: torch.nn.Module, batch: int, sample_shape: tuple | None = None) -> Census:
     """The operators of one forward, cross-entropy loss and backward of ``model`` (a meta model) on
-    ``batch`` samples; the model's own dtype (a bf16 run: ``model.to(torch.bfloat16)`` first)."""
+    ``batch`` samples of ``sample_shape`` (default: the model's own input, models.input_shape); the
+    model's own dtype (a bf16 run: ``model.to(torch.bfloat16)`` first)."""
+    from parallel_lab.models import input_shape, loss_target, sample_input
+
     dtype = next(model.parameters()).dtype
-    x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
-    y = torch.zeros(batch, dtype=torch.long, device="meta")
+    x = sample_input(model, batch, sample_shape or input_shape(model), dtype)
     counter = _Counter()
     with counter:
-        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), loss_target(logits))
         loss.backward()
     for p in model.parameters():
         p.grad = None
