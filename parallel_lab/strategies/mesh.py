@@ -1,5 +1,5 @@
 """One device mesh for every layout: ``MeshDims`` says how many ways the world is split along each
-dimension (data-parallel ``replicate`` and ``shard``, pipeline ``pp``, tensor ``tp``); a strategy
+dimension (data-parallel ``replicate`` and ``shard``, context ``cp``, pipeline ``pp``, tensor ``tp``); a strategy
 declares its dims from its options (``PlanRules.dims``) and a dp x tp x pp layout is one more
 ``MeshDims``, not new mesh code.
 
@@ -33,7 +33,10 @@ from parallel_lab.strategies.memory import local_tensor
 REPLICATE = "replicate"  # the mesh dimension data parallelism runs over, in every layout
 # Outermost first. Data parallelism outside model parallelism: a pipeline or a tp group is a run of
 # consecutive ranks (the layouts of dp x pp and dp x tp keep the rank numbering they always had).
-DIM_ORDER = (REPLICATE, "shard", "pp", "tp")
+# Context parallelism (cp) sits with the data-parallel dims: its ranks read the same samples, each a
+# slice of their tokens, and their gradients are averaged like data parallelism's (torchtitan's FSDP
+# shards over shard x cp).
+DIM_ORDER = (REPLICATE, "shard", "cp", "pp", "tp")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class MeshDims:
 
     replicate: int = 1  # data-parallel replicas (each holds the whole model state, or one shard group's)
     shard: int = 1  # data-parallel ranks one copy of the model state is sharded over (FSDP)
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sample's tokens (strategies/cp)
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor-parallel degree
     # Dims laid out even at size 1: the groups the strategy's code talks over (tp's f/g, a

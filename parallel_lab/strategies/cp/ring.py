@@ -1,0 +1,96 @@
+"""Ring attention (Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context", arXiv 2310.01889): each cp rank holds a block of the tokens' queries, keys
+and values; the K/V blocks go around the ring of cp ranks (send to the next, receive from the
+previous, overlapped with the block's computation), and each rank merges the attention of its
+queries over every K/V block with an online softmax, so no rank ever holds all the keys.
+
+Forward, per block j: scores s_j = q k_j^T * scale, the block's log-sum-exp l_j = logsumexp(s_j)
+and output o_j = exp(s_j - l_j) v_j; blocks merge by l = logaddexp(l_a, l_b), o = o_a exp(l_a - l)
++ o_b exp(l_b - l): the softmax over all keys, exact, block by block. cp - 1 hops of K/V.
+
+Backward (its own, a custom autograd Function): the forward keeps q, k, v, the output o and the
+row log-sum-exp l (not the tokens x tokens probabilities). With D = rowsum(dO * o), each block's
+probabilities are recomputed as p_j = exp(s_j - l), then dv_j = p_j^T dO, ds_j = p_j * (dO v_j^T - D),
+dq += ds_j k_j * scale, dk_j = ds_j^T q * scale. The K/V blocks go around the ring again (cp - 1
+hops), and each block's dK/dV accumulator travels with it from the rank after its owner, collecting
+every rank's share, and arrives home on the last hop (cp - 1 hops); the owner adds its own share.
+So a step's bytes per rank per attention: forward (cp - 1) x (K, V); backward (cp - 1) x (K, V) and
+(cp - 1) x (dK, dV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_lab.strategies.cp.comm import CPGroup, RingPass
+
+KV_TAG, DKV_TAG = 11, 12  # the two kinds of hops in flight at once in backward
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's attention output and its rows' log-sum-exp."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v), lse
+
+
+def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax: two partial attentions over disjoint keys -> the attention over both."""
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
+
+
+def _block_grads(q, k, v, dout, lse, delta, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one K/V block, its probabilities recomputed from the saved log-sum-exp."""
+    probs = torch.exp(torch.matmul(q, k.transpose(-2, -1)) * scale - lse)
+    dv = torch.matmul(probs.transpose(-2, -1), dout)
+    dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
+    return torch.matmul(dscores, k) * scale, torch.matmul(dscores.transpose(-2, -1), q) * scale, dv
+
+
+class RingAttention(torch.autograd.Function):
+    """softmax(q k^T * scale) v over every cp rank's keys, for this rank's queries: (batch, heads,
+    tokens/cp, head_dim) in and out."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:
+        kv = torch.stack([k, v])  # one message per hop
+        out = lse = None
+        for step in range(cp.size):
+            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None  # the next block, in flight
+            out, lse = _merge(out, lse, *_block(q, kv[0], kv[1], scale))
+            if hop is not None:
+                kv = hop.wait()
+        ctx.scale, ctx.cp = scale, cp
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, cp = ctx.scale, ctx.cp
+        delta = (dout * out).sum(dim=-1, keepdim=True)
+        kv, dq, own, carried = torch.stack([k, v]), torch.zeros_like(q), None, None
+        for step in range(cp.size):
+            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None
+            dq_j, dk_j, dv_j = _block_grads(q, kv[0], kv[1], dout, lse, delta, scale)
+            dq += dq_j
+            dkv = torch.stack([dk_j, dv_j])
+            if step == 0:
+                own = dkv  # this rank's share of its own block: stays home
+            else:  # this block's accumulator, from the rank before (it started one rank after the owner)
+                if carried is not None:
+                    dkv += carried.wait()
+                carried = RingPass(dkv, cp, DKV_TAG)
+            if hop is not None:
+                kv = hop.wait()
+        if carried is not None:  # the last hop brought every other rank's share of this rank's block
+            own = own + carried.wait()
+        return dq, own[0], own[1], None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:
+    """Attention of this rank's queries over every cp rank's keys and values (``RingAttention``)."""
+    return RingAttention.apply(q, k, v, scale, cp)

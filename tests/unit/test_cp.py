@@ -1,0 +1,79 @@
+"""Context parallelism's pieces (parallel_lab/strategies/cp) on 2 real gloo ranks, each against
+plain full attention computed here: ring attention's forward and its own backward (dq, dk, dv),
+Ulysses' all-to-alls, and the bytes each sends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+B, H, T, D = 2, 4, 8, 3  # tiny: batch, heads, tokens (all ranks), head_dim
+
+
+def _full(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4))  # q, k, v, dout
+
+
+def _reference() -> tuple[torch.Tensor, ...]:
+    """Full attention on one process: output and dq, dk, dv for the upstream gradient dout."""
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_full(0)))
+    out = torch.softmax(q @ k.transpose(-2, -1) / D**0.5, dim=-1) @ v
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def cp_attention_body(rank: int, world_size: int) -> None:
+    """This rank's tokens of q, k, v through each cp attention; prints its outputs, grads and bytes."""
+    print(json.dumps({impl: _attend(rank, world_size, impl) for impl in IMPLS}))
+
+
+def _attend(rank: int, world_size: int, impl: str) -> dict:
+    from parallel_lab.comm.counter import CommCounter
+    from parallel_lab.strategies.cp.comm import CPGroup, to_heads, to_sequence
+    from parallel_lab.strategies.cp.ring import ring_attention
+
+    cp = CPGroup(None, rank, world_size, tuple(range(world_size)))
+    mine = [t.chunk(world_size, dim=2)[rank].clone() for t in _full(0)]
+    q, k, v = (t.requires_grad_() for t in mine[:3])
+    counter = CommCounter().install()
+    with counter.counting():
+        if impl == "ring":
+            out = ring_attention(q, k, v, 1 / D**0.5, cp)
+        else:
+            qh, kh, vh = (to_heads(t, cp) for t in (q, k, v))
+            out = to_sequence(torch.softmax(qh @ kh.transpose(-2, -1) / D**0.5, dim=-1) @ vh, cp)
+        out.backward(mine[3])
+    counter.uninstall()
+    tensors = [out.detach(), q.grad, k.grad, v.grad]
+    return {"tensors": [t.tolist() for t in tensors], "bytes": dict(counter.bytes_by_op)}
+
+
+@pytest.fixture(scope="module")
+def cp_outputs() -> list[dict]:
+    """Both impls in one set of 2 ranks: each rank's JSON."""
+    from parallel_lab.cli.run import run_ranks
+
+    return [json.loads(o.strip().splitlines()[-1]) for o in run_ranks(cp_attention_body, 2, timeout=120)]
+
+
+IMPLS = ("ring", "ulysses")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cp_attention_is_full_attention_forward_and_backward(cp_outputs, impl):
+    """Each rank's output and dq, dk, dv are its tokens' rows of full attention's (float64, to
+    rounding); the bytes are the formula's: ring, 1 hop of K/V forward, 1 of K/V and 1 of dK/dV
+    backward (cp - 1 = 1 each); Ulysses, 4 all-to-alls each way of one (B, H, T/2, D) tensor."""
+    ref = _reference()
+    outs = [o[impl] for o in cp_outputs]
+    block = B * H * (T // 2) * D * 8  # one rank's k (or v), float64
+    want = {"isend": 3 * 2 * block} if impl == "ring" else {"all_to_all_single": 8 * block}
+    for rank, got in enumerate(outs):
+        for name, mine, full in zip(("out", "dq", "dk", "dv"), got["tensors"], ref, strict=True):
+            expected = full.chunk(2, dim=2)[rank]
+            assert torch.allclose(torch.tensor(mine, dtype=torch.float64), expected, atol=1e-12), (rank, name)
+        assert got["bytes"] == want, (rank, got["bytes"], want)
