@@ -22,15 +22,7 @@ README_LIMIT = 150  # lines of README.md
 
 # Pages not yet restructured into reference (history still inside): skipped by the length and the
 # dated-line checks only. This list only shrinks; it is empty when issue 48 item 1 is done.
-PENDING: set[str] = {
-    "docs/testing.md",
-    "docs/gpu.md",
-    "docs/parity.md",
-    "docs/facts.md",
-    "docs/results.md",
-    "docs/checkpoints.md",
-    "docs/mpi_transport.md",
-}
+PENDING: set[str] = set()
 
 # Terms a newcomer trips on: each must have a heading in docs/glossary.md (its anchor is the
 # key), and a page that uses one must link docs/glossary.md. The pattern is what counts as a use.
@@ -59,6 +51,9 @@ TERMS: dict[str, str] = {
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|(?<!\d)20\d{6}T\d{4}")
 CLOCK = re.compile(r"(?<![\w.:/\[-])\d{1,2}:[0-5]\d(:[0-5]\d)?(?![\w:/])")
 RESULTS_PATH = re.compile(r"benchmarks/results/[\w./-]*")
+# Ψ is fp32 parameter bytes everywhere (docs/glossary.md#psi): "Ψ = 321,290 parameters" or "Ψ parameters"
+# uses it as a count.
+PSI_AS_COUNT = re.compile(r"Ψ\s*=\s*[\d.,]+\s*[KMB]?\s*param|Ψ\s+param", re.IGNORECASE)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 COMMAND = re.compile(r"python -m (parallel_lab(?:\.[\w.]+)?)\b(.*)")
 
@@ -170,6 +165,13 @@ def check_terms(root: Path) -> list[str]:
     ]
     for page in pages(root):
         name = rel(root, page)
+        for number, line in prose_lines(page.read_text()):
+            found = PSI_AS_COUNT.search(re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", line))  # [Ψ](link) reads as Ψ
+            if found:
+                errors.append(
+                    f"{name}:{number}: Ψ used as a parameter count ('{found.group(0)}'): Ψ is the "
+                    f"fp32 parameter bytes (glossary.md#psi); write the count as n parameters (Ψ = 4n bytes)"
+                )
         if page == glossary:
             continue
         text = page.read_text()
@@ -403,6 +405,13 @@ def test_a_term_undefined_or_unlinked_fails(site):
     assert any("'busbw' is not defined" in e for e in errors), errors
     assert any(e.startswith("docs/other.md: uses mfu but never links the glossary") for e in errors), errors
     assert len(errors) == 2
+    (site / "docs" / "other.md").write_text("# Other\n\n[Ψ](glossary.md#psi) = 321,290 parameters; Ψ = 4n bytes.\n")
+    (site / "docs" / "third.md").write_text("# Third\n\n[model](glossary.md#psi) of Ψ = 7.5 B parameters.\n")
+    errors = check_terms(site)
+    assert sum("Ψ used as a parameter count" in e for e in errors) == 2, errors
+    assert any(e.startswith("docs/other.md:3:") for e in errors) and any(
+        e.startswith("docs/third.md:3:") for e in errors
+    )
 
 
 def test_a_command_hydra_cannot_compose_fails(site):
