@@ -185,6 +185,45 @@ def check_terms(root: Path) -> list[str]:
     return errors
 
 
+COMMAND_WITHIN = 15  # a page's first fenced block (what the reader can run there) starts by this line
+NO_COMMAND = {"docs/glossary.md"}  # pages with nothing to run
+FIRST_SCREEN = 30  # README lines a reader sees first: exactly `make demo` and `make test` to run there
+
+
+def check_openings(root: Path) -> list[str]:
+    """Every docs page starts with what the reader can do there (a command block near the top); the
+    README's first screen has exactly two commands, make demo and make test, and it links every page."""
+    errors = []
+    for page in pages(root):
+        name = rel(root, page)
+        lines = page.read_text().splitlines()
+        fences = [i for i, line in enumerate(lines, 1) if line.lstrip().startswith("```")]
+        if name.startswith("docs/") and name not in NO_COMMAND and not (fences and fences[0] <= COMMAND_WITHIN):
+            errors.append(
+                f"{name}: no command block in its first {COMMAND_WITHIN} lines: start the page with what the reader "
+                f"can run there (a ```bash block right under the title), then the prose"
+            )
+    readme = root / "README.md"
+    if readme.exists():
+        lines = readme.read_text().splitlines()[:FIRST_SCREEN]
+        commands, fenced = [], False
+        for line in lines:
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif fenced and line.split("#")[0].strip():
+                commands.append(line.split("#")[0].strip())
+        if commands != ["make demo", "make test"]:
+            errors.append(
+                f"README.md: its first {FIRST_SCREEN} lines must hold exactly two commands, `make demo` and "
+                f"`make test`, in one block; found {commands}"
+            )
+        text = readme.read_text()
+        for page in sorted((root / "docs").glob("*.md")):
+            if f"(docs/{page.name})" not in text and f"(docs/{page.name}#" not in text:
+                errors.append(f"README.md: does not link docs/{page.name}: add a row to its Documentation table")
+    return errors
+
+
 def documented_commands(root: Path) -> list[tuple[str, int, str, list[str]]]:
     """(page, line, module, arguments) of every `python -m parallel_lab...` in code: fenced blocks
     (backslash continuations joined, `# comments` dropped) and inline code spans. A command with a
@@ -332,6 +371,10 @@ def test_every_listed_term_is_defined_and_linked():
     assert not check_terms(ROOT), "\n".join(check_terms(ROOT))
 
 
+def test_pages_open_with_commands_and_the_readme_links_every_page():
+    assert not check_openings(ROOT), "\n".join(check_openings(ROOT))
+
+
 def test_every_documented_command_composes():
     commands = documented_commands(ROOT)
     assert len(commands) > 20  # the extraction finds the docs' commands
@@ -347,14 +390,19 @@ def site(tmp_path):
     (tmp_path / "docs").mkdir()
     headings = "\n\n".join(f"## {key.replace('-', ' ')}\n\nwhat it means." for key in TERMS)
     (tmp_path / "docs" / "glossary.md").write_text(f"# Glossary\n\n{headings}\n")
-    (tmp_path / "docs" / "page.md").write_text("# Page\n\n## Section one\n\nSee [Ψ](glossary.md#psi).\n")
-    (tmp_path / "README.md").write_text("# Readme\n\n[page](docs/page.md#section-one)\n")
+    page = "# Page\n\n```bash\nmake demo\n```\n\n## Section one\n\nSee [Ψ](glossary.md#psi).\n"
+    (tmp_path / "docs" / "page.md").write_text(page)
+    (tmp_path / "README.md").write_text(
+        "# Readme\n\n```bash\nmake demo   # the table\nmake test\n```\n\n"
+        "[page](docs/page.md#section-one), [terms](docs/glossary.md)\n"
+    )
     return tmp_path
 
 
 def test_a_compliant_site_passes(site):
     assert {"psi", "noise-floor", "held-out"} <= anchors(site / "docs" / "glossary.md")
-    assert not (check_length(site) + check_dates(site) + check_links(site) + check_terms(site) + check_commands(site))
+    checks = (check_length, check_dates, check_links, check_terms, check_commands, check_openings)
+    assert not [e for check in checks for e in check(site)]
 
 
 def test_a_page_over_the_limit_fails(site):
@@ -385,6 +433,17 @@ def test_a_dated_line_fails(site, line, bad):
     assert bool(errors) == bad, errors
     if bad:
         assert errors[0].startswith("docs/page.md:3: dated line") and "CHANGELOG.md" in errors[0]
+
+
+def test_a_page_without_a_command_or_unlinked_from_the_readme_fails(site):
+    assert not check_openings(site), check_openings(site)
+    (site / "docs" / "new.md").write_text("# New\n\n" + "prose\n" * COMMAND_WITHIN + "```bash\nmake demo\n```\n")
+    readme = site / "README.md"
+    readme.write_text(readme.read_text().replace("make test\n", "make test\npython -m parallel_lab\n"))
+    errors = check_openings(site)
+    assert errors[0].startswith("docs/new.md: no command block in its first 15 lines"), errors
+    assert "exactly two commands" in errors[1] and "README.md: does not link docs/new.md" in errors[2]
+    assert len(errors) == 3
 
 
 def test_a_dead_link_or_anchor_fails(site):
@@ -428,6 +487,6 @@ def test_a_command_hydra_cannot_compose_fails(site):
     )
     errors = check_commands(site)
     assert len(errors) == 4, errors
-    assert "page.md:11:" in errors[0] and "unknown strategy 'nope'" in errors[0]
-    assert "page.md:13:" in errors[1] and "stesp" in errors[1]
+    assert "page.md:15:" in errors[0] and "unknown strategy 'nope'" in errors[0]
+    assert "page.md:17:" in errors[1] and "stesp" in errors[1]
     assert "trainer.steps" in errors[2] and "no benchmark 'nope'" in errors[3]
