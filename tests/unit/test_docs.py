@@ -133,8 +133,10 @@ def check_dates(root: Path, pending: set[str] = frozenset()) -> list[str]:
 
 
 def check_links(root: Path) -> list[str]:
+    """Dead relative links and anchors in the pages, CHANGELOG.md and benchmarks/results/*.md."""
+    extra = [root / "CHANGELOG.md", *sorted((root / "benchmarks" / "results").glob("*.md"))]
     errors = []
-    for page in pages(root):
+    for page in pages(root) + [p for p in extra if p.exists()]:
         name = rel(root, page)
         for number, line in enumerate(page.read_text().splitlines(), 1):
             for m in LINK.finditer(line):
@@ -453,6 +455,14 @@ def test_a_dead_link_or_anchor_fails(site):
     errors = check_links(site)
     assert len(errors) == 2, errors
     assert "dead link 'missing.md'" in errors[0] and "dead anchor 'glossary.md#no-such-term'" in errors[1]
+    (site / "benchmarks" / "results").mkdir(parents=True)
+    (site / "benchmarks" / "results" / "run.md").write_text(
+        "# Run\n\n[page](../../docs/page.md) [gone](../../docs/gone.md)\n"
+    )
+    errors = check_links(site)
+    assert len(errors) == 3 and errors[2].startswith("benchmarks/results/run.md:3: dead link '../../docs/gone.md'"), (
+        errors
+    )
 
 
 def test_a_term_undefined_or_unlinked_fails(site):
