@@ -49,6 +49,29 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise ConfigError(f"unknown {key} '{choice}'; choose one of: {', '.join(options)} ({key}=<name>)")
 
 
+HARDWARE = "hardware"  # conf/hardware/<name>.yaml: the GPU cluster profiles plan.hardware=<name> selects
+
+
+def hardware_overrides(argv: list[str]) -> list[str]:
+    """``plan.hardware=<name>`` as the Hydra override that loads conf/hardware/<name>.yaml into
+    ``plan.hardware`` (its fields then overridable: ``plan.hardware.inter_node_gbps=800``); an
+    unknown name is one line naming the profiles."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key.lstrip("+") != "plan.hardware" or not sep or value in ("null", ""):
+            out.append(arg)
+            continue
+        options = available_options(HARDWARE)
+        if value not in options:
+            raise ConfigError(
+                f"unknown plan.hardware '{value}'; choose one of: {', '.join(options)} "
+                f"(or write conf/{HARDWARE}/{value}.yaml: python -m parallel_lab.bench hardware --out ...)"
+            )
+        out.append(f"+{HARDWARE}@plan.hardware={value}")
+    return out
+
+
 def describe_compose_error(exc: BaseException) -> str:
     """Hydra/OmegaConf's multi-line error as one line naming the key, value and fix."""
     chain = []
@@ -127,10 +150,11 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool
     from hydra import compose, initialize_config_dir
 
     check_group_overrides(list(overrides))
+    overrides = hardware_overrides(list(overrides))
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
+            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
     except Exception as exc:  # every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None
 

@@ -321,6 +321,17 @@ class PlanConfig:
     # main options x micro-batches x recompute, plan/candidates.py) by predicted samples/s among those
     # that fit device_memory, with no run (plan/recommend.py, docs/plan.md); writes recommend.md/.json.
     recommend: bool = False
+    # A GPU cluster to plan for instead of this machine (parallel_lab/plan/cluster, docs/cluster.md):
+    # plan.hardware=<name> loads conf/hardware/<name>.yaml (a100_40g, a100_80g, h100_sxm, h200,
+    # this_machine), each field then overridable, e.g. plan.hardware.inter_node_gbps=800. null = the
+    # CPU planner of this machine.
+    hardware: Optional[Any] = None
+    # GPUs of the cluster plan (plan.hardware): the world the strategy's degrees multiply to (a
+    # strategy.replicate or pipeline stages left unset is derived from it). null = world_size.
+    gpus: Optional[int] = ranged(None, 1, example=1024)
+    # The cluster plan's compute precision: bf16 | fp16 | fp32; null = trainer.precision. tp and pp
+    # are planned in bf16 or fp16 too (Megatron's mixed precision), whatever the CPU runs support.
+    precision: Optional[str] = None
 
 
 @dataclass

@@ -92,8 +92,16 @@ def run(overrides: list[str]) -> Path:
     from parallel_lab.config import compose_config
 
     cfg = compose_config(overrides)
-    device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     out = Path(cfg.plan.out or f"runs/plan/{time.strftime('%Y-%m-%d_%H-%M-%S')}").expanduser()
+    if cfg.plan.hardware is not None:  # a GPU cluster (plan/cluster): no measurement of this machine
+        if cfg.plan.recommend:
+            from parallel_lab.plan.cluster.recommend import run_recommend
+
+            return run_recommend(cfg, overrides, out)
+        from parallel_lab.plan.cluster.run import run_cluster
+
+        return run_cluster(cfg, overrides, out)
+    device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     if cfg.plan.recommend:
         from parallel_lab.plan.recommend import run as recommend
 
@@ -146,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(2)
     out = table.parent
     print(table.read_text())
-    if table.name == "recommend.md":
+    if table.name.startswith("cluster_"):  # plan/cluster: the text and its json
+        data = "plan.json" if table.name == "cluster_plan.md" else table.with_suffix(".json").name
+        print(f"written: {out}/{table.name} {data}")
+    elif table.name == "recommend.md":
         print(f"written: {out}/recommend.md .json")
     else:
         print(f"written: {out}/plan.md .csv .json .png" + (" scaling.png" if (out / "scaling.png").exists() else ""))

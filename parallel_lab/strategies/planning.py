@@ -38,6 +38,23 @@ class ComputeShape:
     dtensor_optimizer: bool = False
 
 
+@dataclass(frozen=True)
+class ClusterLayout:
+    """What the cluster planner (``parallel_lab.plan.cluster``) needs of a strategy at GPU scale
+    (``PlanRules.cluster_layout``): the mesh, how far the data-parallel ranks shard the model state
+    (ZeRO's stages, arXiv 1910.02054), the pipeline's schedule, and which collectives it schedules
+    under compute (``overlapped_collectives``)."""
+
+    dims: MeshDims
+    shard_stage: int = 0  # 0 replicas; 1 optimizer state sharded; 2 and gradients; 3 and parameters
+    shard_ways: int = 1  # data-parallel ranks one copy of the model state is sharded over (consecutive ones)
+    schedule: str | None = None  # pipeline schedule (pp/schedules.py names); None: no pipeline
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    microbatches: int = 1  # forward+backward passes per step on each rank (pipeline micro-batches or grad_accum)
+    sequence_parallel: bool = False  # tp's token regions hold tokens/tp (arXiv 2205.05198)
+    overlapped: frozenset[str] = frozenset()  # collectives issued while backward (or forward) still computes
+
+
 class PlanRules:
     """Defaults: one process per data-parallel rank, the whole model on each, nothing predicted."""
 
@@ -70,6 +87,14 @@ class PlanRules:
         """Per-step communication volume per rank in units of Ψ fp32 parameter bytes, as the ZeRO
         paper derives it (2 for an all-reduce of the gradients, 3 for ZeRO-3); None: no formula applies."""
         return None
+
+    @classmethod
+    def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
+        """The layout at ``cfg.world_size`` GPUs (the cluster planner sets it to ``plan.gpus``): by
+        default replicas, one pass per ``trainer.grad_accum`` micro-batch."""
+        return ClusterLayout(
+            dims=cls.dims(cfg), microbatches=cfg.trainer.grad_accum, overlapped=cls.overlapped_collectives(cfg)
+        )
 
     @classmethod
     def min_global_batch(cls, cfg: DictConfig) -> int:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
 
 
 def shard_size(cfg: DictConfig) -> int:
@@ -26,7 +26,19 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
 
 
+SHARD_STAGE = {"full": 3, "hybrid": 3, "grad_op": 2, "no_shard": 0}  # strategy.sharding -> the ZeRO stage it resembles
+
+
 class FSDPPlan(PlanRules):
+    @classmethod
+    def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
+        """Sharded over the shard dim (hybrid: replicated across strategy.replicate); FSDP2 x TP
+        shards over the ranks of one tp coordinate."""
+        layout = super().cluster_layout(cfg)
+        stage = SHARD_STAGE[str(cfg.strategy.sharding)]
+        ways = layout.dims.shard if stage else 1
+        return dataclasses.replace(layout, shard_stage=stage if ways > 1 else 0, shard_ways=ways)
+
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:
         """hybrid: a replicate x shard mesh (both laid out, whatever their sizes: FSDP2 needs the

@@ -16,7 +16,7 @@ from torch import nn
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.memory import predicted_optimizer_bytes
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.pp.plan import block_costs, cuttable_blocks, plan_stages, rank_chunks, stage_shares
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, peak_in_flight, rank_orders
 from parallel_lab.strategies.pp.tensor import (
@@ -209,6 +209,23 @@ def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
 class PPPlan(PlanRules):
     degree_key = "stages"
     ranks_differ = True  # each stage holds, stashes and sends its own part
+
+    @classmethod
+    def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
+        """The schedule's micro-batches and chunks per rank (arXiv 2104.04473), each stage split
+        over strategy.tp (sequence-parallel or not)."""
+        opts = cfg.strategy
+        schedule = str(opts.schedule)
+        if opts.virtual_stages > 1 and schedule not in INTERLEAVED:  # only these run several chunks per rank
+            schedule = INTERLEAVED[0]
+        return ClusterLayout(
+            dims=cls.dims(cfg),
+            schedule=schedule,
+            virtual_stages=opts.virtual_stages,
+            microbatches=opts.microbatches * cfg.trainer.grad_accum,
+            sequence_parallel=bool(opts.get("sequence_parallel", False)),
+            overlapped=cls.overlapped_collectives(cfg),
+        )
 
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:

@@ -3,12 +3,14 @@ the (replicate, tp) mesh it lays out, and what the planner predicts (``predict.p
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
 # vit: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``).
@@ -70,6 +72,12 @@ def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str
 
 class TPPlan(PlanRules):
     degree_key = "tp"
+
+    @classmethod
+    def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
+        """Megatron's split (arXiv 1909.08053), optionally sequence-parallel (arXiv 2205.05198)."""
+        layout = super().cluster_layout(cfg)
+        return dataclasses.replace(layout, sequence_parallel=bool(cfg.strategy.get("sequence_parallel", False)))
 
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:

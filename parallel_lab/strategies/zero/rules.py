@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.planning import ComputeShape, PlanRules
+from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES, build_ds_config
 
 STAGES = (0, 1, 2, 3)
@@ -36,6 +36,13 @@ def _cpu_only(cfg: DictConfig) -> bool:
 
 
 class ZeroPlan(PlanRules):
+    @classmethod
+    def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
+        """Every rank a data-parallel one; the stage shards the state over all of them (ZeRO, arXiv 1910.02054)."""
+        layout = super().cluster_layout(cfg)
+        stage = zero_stage(cfg.strategy.name) or 0
+        return dataclasses.replace(layout, shard_stage=stage, shard_ways=layout.dims.data_parallel_size if stage else 1)
+
     @classmethod
     def comm_theory_psi(cls, cfg: DictConfig) -> float:
         # ZeRO paper section 7: stages 0-2 move 2Ψ per step (reduce-scatter + all-gather of the

@@ -1,0 +1,130 @@
+"""Every operator of one transformer block's forward and backward, counted on the meta device at
+one micro-batch: the GEMMs with their M, K, N (and batch, for the attention's batched products),
+every other operator with the bytes it reads and writes. Nothing is allocated.
+
+The block is the real module's (``model=gpt``'s block where this checkout has it, else the vit's
+``Block``, the same pre-LN attention + MLP); every block of the model is the same, so one is
+counted and the planner multiplies. Under tensor parallelism each rank runs the same operators on
+its shard (Megatron, arXiv 1909.08053): ``OpRecord.on_tp_rank`` divides what it splits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from parallel_lab.plan.census import _is_view, _tensors
+from parallel_lab.plan.cluster.shape import ModelShape, gpt_module
+
+_GEMMS = ("mm", "addmm")
+_BATCHED = ("bmm", "baddbmm")
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One operator call: a GEMM (m, k, n, batch) with its FLOPs, or memory traffic in bytes."""
+
+    kind: str  # "gemm", "bmm", "attention" (a fused kernel, FLOPs only), "memory"
+    phase: str  # "fwd" or "bwd"
+    flops: float = 0.0
+    bytes: float = 0.0
+    m: int = 0
+    k: int = 0
+    n: int = 0
+    batch: int = 1
+    token_sized: bool = False  # a memory op over (tokens, hidden): replicated under plain tp, split under sp
+    attention_core: bool = False  # scores, softmax, weighted sum: what selective recomputation repeats
+
+    def on_tp_rank(self, tp: int, tokens: int, sequence_parallel: bool) -> OpRecord:
+        """This op on one of tp ranks: a GEMM's split dimension (its largest one that is not the
+        tokens) divided, a batched product's heads, memory traffic unless it is a token region
+        that plain tp replicates."""
+        if tp == 1:
+            return self
+        if self.kind == "gemm":
+            dims = [self.m, self.k, self.n]
+            split = max((i for i in range(3) if dims[i] != tokens), key=lambda i: dims[i], default=2)
+            dims[split] = max(1, dims[split] // tp)
+            return replace(self, m=dims[0], k=dims[1], n=dims[2], flops=self.flops / tp)
+        if self.kind in ("bmm", "attention"):
+            return replace(self, batch=max(1, self.batch // tp), flops=self.flops / tp, bytes=self.bytes / tp)
+        if self.token_sized and not sequence_parallel:
+            return self
+        return replace(self, bytes=self.bytes / tp)
+
+
+def _dims(name: str, args) -> tuple[int, int, int, int]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    a, b = tensors[-2], tensors[-1]
+    if name in _BATCHED:
+        return a.shape[-2], a.shape[-1], b.shape[-1], a.shape[0]
+    return a.shape[0], a.shape[1], b.shape[1], 1
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tokens: int, hidden: int, score_numel: int) -> None:
+        super().__init__()
+        self.phase, self.tokens, self.hidden, self.score_numel = "fwd", tokens, hidden, score_numel
+        self.ops: list[OpRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.overloadpacket in flop_registry:
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            if name in _GEMMS or name in _BATCHED:
+                m, k, n, batch = _dims(name, args)
+                kind = "gemm" if name in _GEMMS else "bmm"
+                self.ops.append(OpRecord(kind, self.phase, flops, 0.0, m, k, n, batch, attention_core=kind == "bmm"))
+            else:  # a fused attention kernel (scaled_dot_product_*): its FLOPs, its heads as the batch
+                q = next(t for t in _tensors(args))
+                self.ops.append(
+                    OpRecord("attention", self.phase, flops, batch=q.shape[0] * q.shape[1], attention_core=True)
+                )
+        elif not _is_view(func, args, out):
+            tensors = _tensors((args, kwargs, out))
+            moved = float(sum(t.numel() * t.element_size() for t in tensors))
+            numels = {t.numel() for t in _tensors(out)}
+            self.ops.append(
+                OpRecord(
+                    "memory",
+                    self.phase,
+                    bytes=moved,
+                    token_sized=self.tokens * self.hidden in numels,
+                    attention_core=self.score_numel in numels,
+                )
+            )
+        return out
+
+
+def _block(shape: ModelShape) -> torch.nn.Module:
+    """One block of the real model on meta: the gpt's (when present), else the vit's Block with the
+    same widths (a SwiGLU MLP's FLOPs as 1.5x its width)."""
+    with torch.device("meta"):
+        gpt = gpt_module()
+        if gpt is not None and hasattr(gpt, "block_for_planning"):
+            return gpt.block_for_planning(shape)
+        from parallel_lab.models.recompute import Recompute
+        from parallel_lab.models.vit import Block
+
+        hidden = shape.ffn * 3 // 2 if shape.gated else shape.ffn
+        return Block(shape.hidden, shape.heads, hidden, torch.nn.Identity, Recompute())
+
+
+@functools.lru_cache(maxsize=256)
+def block_ops(shape: ModelShape, micro_batch: int, dtype: torch.dtype = torch.bfloat16) -> tuple[OpRecord, ...]:
+    """One block's forward and backward on ``micro_batch`` sequences, every operator (cached:
+    the recommender asks for the same shapes many times)."""
+    block = _block(shape).to(dtype)
+    x = torch.empty(micro_batch, shape.seq, shape.hidden, device="meta", dtype=dtype, requires_grad=True)
+    recorder = _Recorder(micro_batch * shape.seq, shape.hidden, micro_batch * shape.heads * shape.seq * shape.seq)
+    with recorder:
+        y = block(x)
+        recorder.phase = "bwd"
+        y.backward(torch.empty_like(y))
+    return tuple(recorder.ops)

@@ -1,0 +1,71 @@
+"""Each operator's time on one GPU from its shape: a GEMM runs at a share of the dtype's peak that
+falls with each of its dimensions (d / (d + gemm_half_dim): thin GEMMs leave the tensor cores
+idle, tile and wave quantisation), and never faster than HBM can feed it (roofline); every other
+operator moves its bytes at ``memory_efficiency`` of the HBM bandwidth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel_lab.plan.cluster.census import OpRecord
+from parallel_lab.plan.cluster.hardware import Hardware
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def gemm_share(hw: Hardware, m: int, k: int, n: int) -> float:
+    """The share of peak a (m x k) @ (k x n) GEMM reaches: the fitted ceiling times each dimension's factor."""
+    half = hw.gemm_half_dim
+    return hw.gemm_efficiency * (m / (m + half)) * (k / (k + half)) * (n / (n + half))
+
+
+def op_seconds(op: OpRecord, hw: Hardware, dtype: str) -> float:
+    """One operator's seconds: GEMMs by their shape (bounded by their operands' traffic), the rest by bytes."""
+    bandwidth = hw.hbm_gb_per_s * 1e9 * hw.memory_efficiency
+    if op.kind == "memory":
+        return op.bytes / bandwidth
+    if op.kind == "attention":  # a fused kernel: its heads' GEMMs of (seq x head_dim) at the head dimension's share
+        return op.flops / (hw.peak_flops(dtype) * hw.gemm_efficiency)
+    width = DTYPE_BYTES[dtype]
+    traffic = op.batch * width * (op.m * op.k + op.k * op.n + op.m * op.n)
+    compute = op.flops / (hw.peak_flops(dtype) * gemm_share(hw, op.m, op.k, op.n))
+    return max(compute, traffic / bandwidth)
+
+
+@dataclass(frozen=True)
+class PassTime:
+    """One micro-batch through one block on one rank: forward, backward and the recomputed forward."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s
+
+
+def block_pass(
+    ops: tuple[OpRecord, ...], hw: Hardware, dtype: str, tp: int, tokens: int, sequence_parallel: bool, recompute: str
+) -> PassTime:
+    """A block's forward, backward and recomputation seconds on one of ``tp`` ranks. Full
+    recomputation repeats the forward in backward; selective only the attention core (scores,
+    softmax, weighted sum: Korthikanti et al., arXiv 2205.05198, section 5)."""
+    fwd = bwd = again = 0.0
+    for op in ops:
+        seconds = op_seconds(op.on_tp_rank(tp, tokens, sequence_parallel), hw, dtype)
+        if op.phase == "bwd":
+            bwd += seconds
+            continue
+        fwd += seconds
+        if recompute == "full" or (recompute == "selective" and op.attention_core):
+            again += seconds
+    return PassTime(fwd, bwd, again)
+
+
+def logits_pass(tokens: int, hidden: int, vocab: int, tp: int, hw: Hardware, dtype: str) -> float:
+    """The output layer (vocab-parallel over tp, Megatron) and its cross-entropy: one GEMM forward,
+    two backward, and the fp32 logits read and written about four times."""
+    gemm = OpRecord("gemm", "fwd", 2.0 * tokens * hidden * vocab / tp, m=tokens, k=hidden, n=max(1, vocab // tp))
+    loss = OpRecord("memory", "fwd", bytes=4.0 * 4 * tokens * vocab / tp)
+    return 3 * op_seconds(gemm, hw, dtype) + op_seconds(loss, hw, dtype)

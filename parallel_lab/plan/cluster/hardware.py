@@ -1,0 +1,96 @@
+"""A GPU cluster's profile: ``conf/hardware/<name>.yaml`` as ``plan.hardware`` composed it (each
+field overridable), or a profile named in a table row (``a100_80g;inter_node_gbps=800``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from parallel_lab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU's and its cluster's figures (docs/cluster.md explains each; the yaml names sources)."""
+
+    name: str
+    peak_tflops: dict[str, float]  # dense TFLOP/s per dtype (bf16, fp16, fp32)
+    hbm_bytes: int
+    hbm_gb_per_s: float
+    gpus_per_node: int
+    intra_node_gb_per_s: float  # per GPU per direction
+    inter_node_gbps: float  # per GPU, gigabits
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+    gemm_efficiency: float  # a large GEMM's share of peak
+    gemm_half_dim: float  # dimension d runs at d / (d + gemm_half_dim) of it
+    memory_efficiency: float  # share of HBM bandwidth elementwise kernels reach
+    link_efficiency: float  # collectives' bus bandwidth as a share of the link
+    overhead_bytes: int  # context, workspaces, communication buffers
+    extra: dict = field(default_factory=dict)  # fields the model does not read (kept for the yaml)
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.peak_tflops:
+            raise ConfigError(
+                f"plan.hardware={self.name} has no peak for {dtype}; add plan.hardware.peak_tflops.{dtype}=<TFLOP/s>"
+            )
+        return float(self.peak_tflops[dtype]) * 1e12
+
+
+FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "extra"]
+
+
+def from_config(node: DictConfig | dict) -> Hardware:
+    """The profile from its composed node (``cfg.plan.hardware``) or a plain dict; a missing field is one line."""
+    data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    missing = [name for name in FIELDS if name not in data]
+    if missing:
+        raise ConfigError(
+            f"plan.hardware={data.get('name', '?')} lacks {', '.join(missing)}; "
+            f"add them to its yaml or set plan.hardware.{missing[0]}=<value>"
+        )
+    known = {k: data[k] for k in FIELDS}
+    known["peak_tflops"] = {str(k): float(v) for k, v in known["peak_tflops"].items()}
+    return Hardware(**known, extra={k: v for k, v in data.items() if k not in FIELDS})
+
+
+def profile_path(name: str) -> Path:
+    from parallel_lab.config.compose import CONF_DIR, HARDWARE
+
+    return CONF_DIR / HARDWARE / f"{name}.yaml"
+
+
+def from_spec(spec: str) -> Hardware:
+    """``a100_80g`` or ``a100_80g;inter_node_gbps=800;peak_tflops.bf16=300``: a profile and its overrides."""
+    name, *pairs = [part.strip() for part in spec.split(";") if part.strip()]
+    path = profile_path(name)
+    if not path.is_file():
+        from parallel_lab.config.compose import HARDWARE, available_options
+
+        raise ConfigError(f"unknown hardware '{name}'; choose one of: {', '.join(available_options(HARDWARE))}")
+    node = OmegaConf.load(path)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or OmegaConf.select(node, key.strip()) is None:
+            raise ConfigError(
+                f"bad hardware override '{pair}' in '{spec}'; write <field>=<number>, e.g. inter_node_gbps=800"
+            )
+        OmegaConf.update(node, key.strip(), float(value))
+    return from_config(node)
+
+
+def to_yaml(values: dict, sources: dict[str, str]) -> str:
+    """A profile's yaml, each field followed by the comment naming its source."""
+    lines = [f"# {values['name']}: written by python -m parallel_lab.bench hardware (measured where it says so)."]
+    for key in ["name", *[k for k in FIELDS if k != "name"]]:
+        value = values[key]
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {v:.6g}  # {sources.get(f'{key}.{k}', sources.get(key, ''))}" for k, v in value.items()]
+        else:
+            shown = f"{value:.6g}" if isinstance(value, float) else str(value)
+            lines.append(f"{key}: {shown}  # {sources.get(key, '')}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,85 @@
+"""Per-GPU memory of a cluster layout: model state as ZeRO counts it (arXiv 1910.02054: 2 bytes of
+16-bit weights, 2 of gradients, 12 of fp32 master weights and Adam's two moments per parameter;
+fp32 training 4 + 4 + 8), sharded by the layout's stage; activations per layer from Korthikanti et
+al. (arXiv 2205.05198, Table 2) times the micro-batches the pipeline schedule keeps in flight; and
+the buffers (gathered parameters of ZeRO-3/FSDP, the profile's fixed overhead)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel_lab.plan.cluster.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each part of the model state, before sharding."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+
+def state_bytes(precision: str, optimizer: str) -> StateBytes:
+    """Mixed precision keeps fp32 master weights beside Adam's moments (K = 12); fp32 none (K = 8);
+    SGD with momentum keeps one moment."""
+    moments = 8 if optimizer in ("adam", "adamw") else 4
+    if precision == "fp32":
+        return StateBytes(4, 4, moments)
+    return StateBytes(2, 2, moments + 4)
+
+
+def params_on_rank(shape: ModelShape, tp: int, pp: int, first: bool) -> int:
+    """Parameters the first (or the last) pipeline stage of one tp rank holds: its blocks, and the
+    embedding (first) or the output layer (last: a tied one keeps its own copy, as Megatron does)."""
+    blocks = shape.layers // pp * shape.layer_params()
+    ends = shape.vocab * shape.hidden
+    if pp == 1:
+        ends = shape.embedding_params()
+    return (blocks + ends) // tp
+
+
+def model_state(params: int, kind: StateBytes, stage: int, ways: int) -> dict[str, int]:
+    """Weights, gradients and optimizer state of ``params`` parameters, the parts ZeRO's ``stage``
+    shards divided over ``ways`` data-parallel ranks."""
+
+    def part(per_param: int, sharded: bool) -> int:
+        return params * per_param // (ways if sharded else 1)
+
+    return {
+        "weights": part(kind.weights, stage >= 3),
+        "grads": part(kind.grads, stage >= 2),
+        "optimizer": part(kind.optimizer, stage >= 1),
+    }
+
+
+def layer_activation_bytes(
+    shape: ModelShape, micro: int, tp: int, sequence_parallel: bool, recompute: str, flash: bool
+) -> float:
+    """Bytes one block keeps for backward per micro-batch (Korthikanti et al. Table 2, 16-bit
+    activations, 1-byte dropout masks): sbh(10 + 24/t + 5as/(ht)) under tp, 34/t for the first term
+    with sequence parallelism, the attention term gone under selective recomputation (and under a
+    fused attention kernel, which keeps no scores), 2sbh (/t with sp) under full recomputation."""
+    s, b, h, a, t = shape.seq, micro, shape.hidden, shape.heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    linear = 34 / t if sequence_parallel else 10 + 24 / t
+    scores = 0.0 if (recompute == "selective" or flash) else 5 * a * s / (h * t)
+    return sbh * (linear + scores)
+
+
+def in_flight(schedule: str | None, pp: int, microbatches: int, virtual: int) -> float:
+    """Micro-batches of its own layers the first stage holds at once: GPipe all m, 1F1B p, the
+    interleaved schedule p(1 + (p-1)/(pv)) (arXiv 2104.04473 section 2.2; 2205.05198 section 4.2)."""
+    if schedule is None or pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    extra = (pp - 1) / (pp * virtual) if virtual > 1 else 0.0
+    return min(microbatches, pp) * (1 + extra)
+
+
+def logits_bytes(shape: ModelShape, micro: int, tp: int) -> float:
+    """The last stage's fp32 logits and their gradient (vocab-parallel over tp)."""
+    return 2 * 4.0 * shape.seq * micro * shape.vocab / tp

@@ -1,0 +1,197 @@
+"""One training step on the cluster, split the way the issue asks: compute, exposed tensor-parallel
+communication, the pipeline bubble (and its sends), exposed data-parallel/ZeRO/FSDP communication,
+and the optimizer; per-GPU memory beside it.
+
+- compute: ``layers/pp`` blocks per micro-batch on the slowest stage (the last: it also computes
+  the logits), each operator timed by its shape (``compute.py``), recomputation included;
+- tensor parallelism (Megatron, arXiv 1909.08053): two all-reduces of the (b, s, h) activation per
+  block in forward, two in backward, two more in a fully recomputed forward; with sequence
+  parallelism each becomes an all-gather plus a reduce-scatter of the same bytes (arXiv
+  2205.05198). Megatron issues them in line: exposed;
+- pipeline (arXiv 2104.04473): the bubble is (p - 1)/v of one micro-batch's stage time, and each
+  micro-batch sends its activation forward and its gradient back at every chunk boundary;
+- data parallelism: the gradients' all-reduce (ZeRO-1/2: reduce-scatter then all-gather, the same
+  ring volume), ZeRO-3/FSDP's per-micro-batch parameter all-gathers (forward and backward) and
+  gradient reduce-scatter. What the strategy overlaps (``overlapped_collectives``) hides behind the
+  backward it runs under; the rest is exposed;
+- optimizer: Adam reads and writes about 30 bytes per local parameter at HBM speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from parallel_lab.plan.cluster import comm, memory
+from parallel_lab.plan.cluster.census import block_ops
+from parallel_lab.plan.cluster.compute import DTYPE_BYTES, PassTime, block_pass, logits_pass
+from parallel_lab.plan.cluster.hardware import Hardware
+from parallel_lab.plan.cluster.shape import ModelShape
+from parallel_lab.strategies.planning import ClusterLayout
+
+ADAM_BYTES_PER_PARAM = 30.0  # read w, g, master, m, v; write w, master, m, v (16-bit w and g)
+GRAD_OVERLAP = {"all_reduce", "reduce_scatter"}
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    """Everything one prediction needs: the model, the machine, the layout and the training settings."""
+
+    shape: ModelShape
+    hw: Hardware
+    layout: ClusterLayout
+    global_batch: int
+    precision: str = "bf16"
+    recompute: str = "none"
+    optimizer: str = "adam"
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.dims.world
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dims.data_parallel_size
+
+    @property
+    def micro_batch(self) -> int:
+        return max(1, self.global_batch // (self.dp * self.layout.microbatches))
+
+
+@dataclass(frozen=True)
+class ClusterPrediction:
+    """Seconds per step by part, bytes per GPU by part, and the rates they give."""
+
+    compute_s: float
+    tp_comm_s: float
+    bubble_s: float
+    pp_p2p_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    memory: dict
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    micro_batch: int
+
+    @property
+    def memory_bytes_per_gpu(self) -> int:
+        return int(sum(self.memory.values()))
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "memory_bytes_per_gpu": self.memory_bytes_per_gpu}
+
+
+def _tp_block_s(run: ClusterRun, tokens: int) -> float:
+    dims, hw = run.layout.dims, run.hw
+    payload = tokens * run.shape.hidden * DTYPE_BYTES[run.precision]
+    calls = 4 + (2 if run.recompute == "full" else 0)
+    return calls * comm.all_reduce_s(hw, payload, dims.tp, 1)
+
+
+def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float]:
+    """(the slowest stage's compute for one micro-batch, its tensor-parallel communication)."""
+    dims = run.layout.dims
+    ops = block_ops(run.shape, run.micro_batch)
+    one = block_pass(ops, run.hw, run.precision, dims.tp, tokens, run.layout.sequence_parallel, run.recompute)
+    blocks = run.shape.layers / dims.pp
+    logits = logits_pass(tokens, run.shape.hidden, run.shape.vocab, dims.tp, run.hw, run.precision)
+    stage = PassTime(
+        one.forward_s * blocks + logits / 3, one.backward_s * blocks + 2 * logits / 3, one.recompute_s * blocks
+    )
+    return stage, blocks * _tp_block_s(run, tokens)
+
+
+def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
+    """Exposed data-parallel seconds per step: what the strategy does not overlap, and what its
+    overlap cannot hide behind the backward (ZeRO-3/FSDP: behind each micro-batch's pass)."""
+    lay, dims, hw = run.layout, run.layout.dims, run.hw
+    if run.dp == 1:
+        return 0.0
+    params = memory.params_on_rank(run.shape, dims.tp, dims.pp, first=True)
+    width = DTYPE_BYTES[run.precision]
+    stride, ways = dims.tp * dims.pp, max(1, lay.shard_ways)
+    replicas = run.dp // ways
+    grads = params * width
+    if lay.shard_stage >= 3:
+        gathers = 2 * comm.all_gather_s(hw, grads, ways, stride) + comm.reduce_scatter_s(hw, grads, ways, stride)
+        per_micro = gathers + comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
+        hidden = stage.total_s if "all_gather" in lay.overlapped else 0.0
+        return lay.microbatches * max(0.0, per_micro - hidden)
+    if lay.shard_stage >= 1:
+        total = comm.reduce_scatter_s(hw, grads, ways, stride) + comm.all_gather_s(hw, grads, ways, stride)
+        total += comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
+    else:
+        total = comm.all_reduce_s(hw, grads, run.dp, stride)
+    hidden = stage.backward_s + stage.recompute_s if GRAD_OVERLAP & lay.overlapped else 0.0
+    return max(0.0, total - hidden)
+
+
+def _pipeline(run: ClusterRun, per_micro: float, tokens: int) -> tuple[float, float]:
+    """(bubble seconds, exposed send seconds) of the schedule."""
+    dims, lay = run.layout.dims, run.layout
+    if dims.pp == 1:
+        return 0.0, 0.0
+    virtual = lay.virtual_stages if lay.schedule and "interleaved" in lay.schedule else 1
+    bubble = (dims.pp - 1) / virtual * per_micro
+    payload = tokens * run.shape.hidden * DTYPE_BYTES[run.precision] / dims.tp  # scatter/gather over tp
+    sends = 2 * virtual * lay.microbatches * comm.send_s(run.hw, payload, dims.tp)
+    return bubble, sends
+
+
+def predict(run: ClusterRun) -> ClusterPrediction:
+    """The step's parts, memory and rates of ``run``."""
+    lay, dims = run.layout, run.layout.dims
+    tokens = run.micro_batch * run.shape.seq
+    stage, tp_s = _stage_pass(run, tokens)
+    compute = lay.microbatches * stage.total_s
+    tp_comm = lay.microbatches * tp_s
+    bubble, sends = _pipeline(run, stage.total_s + tp_s, tokens)
+    dp = _dp_comm(run, stage)
+    local = memory.params_on_rank(run.shape, dims.tp, dims.pp, first=True)
+    local //= max(1, lay.shard_ways) if lay.shard_stage >= 1 else 1
+    optimizer = local * ADAM_BYTES_PER_PARAM / (run.hw.hbm_gb_per_s * 1e9 * run.hw.memory_efficiency)
+    step = compute + tp_comm + bubble + sends + dp + optimizer
+    step_tokens = run.global_batch * run.shape.seq
+    peak = run.hw.peak_flops(run.precision)
+    hardware_flops = run.shape.flops_per_token(run.recompute) * step_tokens / (step * run.gpus)
+    model_flops = run.shape.flops_per_token("none") * step_tokens / (step * run.gpus)
+    return ClusterPrediction(
+        compute_s=compute,
+        tp_comm_s=tp_comm,
+        bubble_s=bubble,
+        pp_p2p_s=sends,
+        dp_comm_s=dp,
+        optimizer_s=optimizer,
+        memory=memory_parts(run),
+        step_time_s=step,
+        tokens_per_s_per_gpu=step_tokens / (step * run.gpus),
+        tflops_per_gpu=hardware_flops / 1e12,
+        mfu=model_flops / peak,
+        micro_batch=run.micro_batch,
+    )
+
+
+def memory_parts(run: ClusterRun) -> dict[str, int]:
+    """Bytes on the GPU holding the most (the first stage, or the last with its logits)."""
+    lay, dims, shape = run.layout, run.layout.dims, run.shape
+    kind = memory.state_bytes(run.precision, run.optimizer)
+    flash = any(op.kind == "attention" for op in block_ops(shape, run.micro_batch))
+    per_layer = memory.layer_activation_bytes(
+        shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, flash
+    )
+    flight = memory.in_flight(lay.schedule, dims.pp, lay.microbatches, lay.virtual_stages)
+    first = shape.layers // dims.pp * per_layer * flight
+    last = shape.layers // dims.pp * per_layer + memory.logits_bytes(shape, run.micro_batch, dims.tp)
+    activations = max(first + (memory.logits_bytes(shape, run.micro_batch, dims.tp) if dims.pp == 1 else 0), last)
+    state = memory.model_state(
+        memory.params_on_rank(shape, dims.tp, dims.pp, True), kind, lay.shard_stage, lay.shard_ways
+    )
+    gathered = 0
+    if lay.shard_stage >= 3:  # the unit being computed and the one prefetched, whole
+        gathered = 2 * shape.layer_params() // dims.tp * kind.weights
+    return {
+        **{f"model_state_{k}": v for k, v in state.items()},
+        "activations": int(activations),
+        "buffers": int(gathered + run.hw.overhead_bytes),
+    }

@@ -1,0 +1,102 @@
+"""The cluster planner (parallel_lab/plan/cluster): each formula against an independent hand
+computation in the test, the profiles and their one-line refusals, plan.json's fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.plan.cluster import comm, memory
+from parallel_lab.plan.cluster.hardware import from_spec
+from parallel_lab.plan.cluster.shape import ModelShape
+
+GPT3 = ModelShape(layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, seq=2048, vocab=51200)
+
+
+def test_ring_collectives_against_hand_computation():
+    """An 8-GPU all-reduce of 1 GB inside a node, and one of 16 ranks 64 apart across nodes."""
+    hw = from_spec("a100_80g")
+    nvlink = 300e9 * hw.link_efficiency
+    assert comm.all_reduce_s(hw, 1e9, 8, 1) == pytest.approx(14 * 5e-6 + 1.75e9 / nvlink)
+    nic = 200e9 / 8 * hw.link_efficiency
+    assert comm.all_reduce_s(hw, 1e9, 16, 64) == pytest.approx(30 * 10e-6 + (30 / 16) * 1e9 / nic)
+    assert comm.all_gather_s(hw, 8e8, 4, 2) == pytest.approx(3 * 5e-6 + 0.75 * 8e8 / nvlink)
+    assert comm.send_s(hw, 1e6, 8) == pytest.approx(10e-6 + 1e6 / nic)  # neighbours 8 apart: another node
+    assert comm.all_reduce_s(hw, 1e9, 1, 1) == 0.0
+
+
+def test_activations_against_korthikanti_table2():
+    """Per-layer bytes of Korthikanti et al. (arXiv 2205.05198) Table 2, written out here."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    cases = {
+        (1, False, "none"): sbh * (34 + 5 * a * s / h),
+        (t, False, "none"): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        (t, True, "none"): sbh * (34 / t + 5 * a * s / (h * t)),
+        (t, False, "selective"): sbh * (10 + 24 / t),
+        (t, True, "selective"): sbh * 34 / t,
+        (1, False, "full"): 2 * sbh,
+    }
+    for (tp, sp, recompute), want in cases.items():
+        got = memory.layer_activation_bytes(GPT3, b, tp, sp, recompute, flash=False)
+        assert got == pytest.approx(want), (tp, sp, recompute)
+
+
+def test_model_state_zero_stages():
+    """ZeRO's per-GPU bytes (arXiv 1910.02054 section 5: 2+2+12 per parameter, Nd ways)."""
+    kind = memory.state_bytes("bf16", "adam")
+    psi, nd = 7_500_000_000, 64
+    assert sum(memory.model_state(psi, kind, 0, nd).values()) == 16 * psi
+    assert sum(memory.model_state(psi, kind, 1, nd).values()) == 4 * psi + 12 * psi // nd
+    assert sum(memory.model_state(psi, kind, 2, nd).values()) == 2 * psi + 2 * psi // nd + 12 * psi // nd
+    assert sum(memory.model_state(psi, kind, 3, nd).values()) == 3 * (psi * 2 // nd) + 10 * psi // nd
+
+
+def test_hardware_profiles_and_refusals():
+    hw = from_spec("h100_sxm;inter_node_gbps=800")
+    assert hw.inter_node_gbps == 800 and hw.peak_flops("bf16") == 989e12
+    with pytest.raises(ConfigError, match="unknown hardware 'a100_81g'; choose one of: a100_40g"):
+        from_spec("a100_81g")
+    with pytest.raises(ConfigError, match="bad hardware override"):
+        from_spec("a100_80g;inter_node_gpbs=800")
+    from parallel_lab.config import compose_config
+
+    with pytest.raises(ConfigError) as info:
+        compose_config(["plan.hardware=h100"])
+    assert "unknown plan.hardware 'h100'" in str(info.value) and "\n" not in str(info.value)
+    cfg = compose_config(["plan.hardware=a100_80g", "plan.hardware.inter_node_gbps=800"])
+    assert cfg.plan.hardware.inter_node_gbps == 800 and cfg.plan.hardware.peak_tflops.bf16 == 312
+
+
+def test_plan_json_fields(tmp_path):
+    """The command writes plan.json with the issue's fields, its parts summing to the step."""
+    from parallel_lab.plan.main import run
+
+    run(
+        [
+            "model=vit",
+            "model.dim=1024",
+            "model.depth=8",
+            "model.heads=16",
+            "model.patch=2",
+            "plan.hardware=h100_sxm",
+            "plan.gpus=64",
+            "strategy=pp",
+            "strategy.tp=4",
+            "strategy.replicate=4",
+            "strategy.virtual_stages=2",
+            "strategy.microbatches=8",
+            "trainer.global_batch=64",
+            "trainer.recompute=selective",
+            "plan.precision=bf16",
+            f"plan.out={tmp_path}",
+        ]
+    )
+    data = json.loads((tmp_path / "plan.json").read_text())
+    parts = ("compute_s", "tp_comm_s", "bubble_s", "pp_p2p_s", "dp_comm_s", "optimizer_s")
+    assert data["step_time_s"] == pytest.approx(sum(data[k] for k in parts))
+    assert data["memory_bytes_per_gpu"] == sum(data["memory"].values())
+    assert 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
+    assert data["gpus"] == 64 and "pp 4 x tp 4" in data["layout"]
