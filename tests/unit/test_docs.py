@@ -308,7 +308,8 @@ def compose_errors(commands: list[list[str]]) -> list[str | None]:
     from parallel_lab.config.schema import CONFIG_GROUPS
 
     def is_group(override: str) -> bool:
-        return override.lstrip("+~").partition("=")[0] in (*CONFIG_GROUPS, "experiment")
+        # plan.hardware=<name> is a group in disguise (compose_config loads conf/hardware/<name>.yaml)
+        return override.lstrip("+~").partition("=")[0] in (*CONFIG_GROUPS, "experiment", "plan.hardware")
 
     errors: list[str | None] = [None] * len(commands)
     bases: dict[tuple[str, ...], object] = {}
