@@ -35,7 +35,7 @@ RUN = ["model=vit", "model.depth=8", "trainer.eval_batches=0", "trainer.warmup_s
 def pipeline_name() -> str:
     """The pipeline strategy's registered name (strategy=<name>)."""
     from parallel_lab.strategies import get_strategy_class, registered_names
-    from parallel_lab.strategies.pp import PipelineParallelStrategy
+    from parallel_lab.strategies.pp.strategy import PipelineParallelStrategy
 
     return next(n for n in registered_names() if get_strategy_class(n) is PipelineParallelStrategy)
 

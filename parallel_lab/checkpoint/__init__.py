@@ -23,9 +23,11 @@ What is saved where is the strategy's business (its ``State`` part: ``save``/``l
 replicated strategies write one copy from rank 0, FSDP uses torch Distributed Checkpoint, ZeRO
 uses DeepSpeed's own save_checkpoint/load_checkpoint, tensor/pipeline parallel write one shard
 per rank. Everything is read back with ``torch.load(..., weights_only=True)``.
+
+This package's root is torch-free (names, manifests, the resume policy: the parent checks them
+before importing torch); ``Checkpointer`` and ``Resumed`` load ``checkpointer.py`` at first use.
 """
 
-from parallel_lab.checkpoint.checkpointer import Checkpointer, Resumed
 from parallel_lab.checkpoint.manifest import (
     COMPLETE,
     CheckpointError,
@@ -48,3 +50,13 @@ __all__ = [
     "sha256_file",
     "validate_checkpoint_config",
 ]
+CHECKPOINTER = ("Checkpointer", "Resumed")  # checkpointer.py's (torch), loaded at first use
+
+
+def __getattr__(name: str):
+    """PEP 562: ``CHECKPOINTER``'s names import checkpointer.py (and torch) when first asked for."""
+    if name in CHECKPOINTER:
+        from parallel_lab.checkpoint import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,10 +60,10 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.comm import ring
+from parallel_lab.comm.algorithms import ALGORITHMS
 from parallel_lab.comm.ring import RING_WINDOW, SEGMENT_BYTES, ring_chunks
 
 OPS = ("sum", "mean")
-ALGORITHMS = ("star", "ring", "builtin", "mpi")
 # all_reduce(ring) over gloo (not shm) at or below this size runs recursive doubling instead. Measured at world 2
 # (bench collectives, 7 rounds, 2 shared cores): recursive doubling takes 0.74-0.85x gloo's time
 # from 1 KiB to 256 KiB; at 1 MiB it is 1.57x gloo's, but the ring was no better there (1.2x to

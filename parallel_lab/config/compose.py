@@ -127,6 +127,8 @@ def check_overrides_compose(argv: list[str]) -> None:
     except Exception as exc:  # a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
     configs = [compose_config(variant, with_hydra=True) for variant in variants]
+    if known.help or known.hydra_help:  # nothing runs: the help text only
+        return
     if len(configs) == 1 and not known.multirun and configs[0].hydra.mode != RunMode.MULTIRUN:
         _validate_before_hydra(configs[0], overrides)
 

@@ -116,21 +116,20 @@ def use_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     cfg.trainer.checkpoint_dir = str(Path(cfg.trainer.checkpoint_dir).expanduser().resolve())
 
 
-def _check_recompute(cfg: DictConfig, strategy_cls: type) -> None:
+def _check_recompute(cfg: DictConfig, plan: type) -> None:
     """trainer.recompute recomputes transformer blocks: a model without them has nothing to recompute.
     full under single/ddp's bf16 (a bf16 copy of every weight per forward, through
     torch.func.functional_call): the recomputation runs after the copies are swapped back out,
     so it would compute with the fp32 weights (docs/vit.md, known gaps)."""
-    from parallel_lab.models import MODELS
-    from parallel_lab.strategies.precision import Bf16Compute
+    from parallel_lab.models import RECOMPUTABLE
 
     mode = getattr(cfg.trainer.recompute, "value", cfg.trainer.recompute)
-    if mode != "none" and not getattr(MODELS[cfg.model.name], "recomputable", False):
+    if mode != "none" and cfg.model.name not in RECOMPUTABLE:
         raise ConfigError(
             f"trainer.recompute={mode} needs a model with transformer blocks (model={cfg.model.name} has none); "
             "use model=vit or trainer.recompute=none"
         )
-    if mode == "full" and issubclass(strategy_cls, Bf16Compute) and cfg.strategy.get("precision") == "bf16":
+    if mode == "full" and plan.weight_copies and cfg.strategy.get("precision") == "bf16":
         raise ConfigError(
             f"trainer.recompute=full cannot recompute strategy={cfg.strategy.name}'s per-forward bf16 weight "
             "copies; use trainer.recompute=selective, or strategy.precision=fp32"
@@ -147,24 +146,23 @@ def resolve_model_sizes(model: DictConfig) -> None:
             model[key] = value
 
 
-def check_split(cfg: DictConfig, strategy_cls: type) -> int:
+def check_split(cfg: DictConfig, plan: type) -> int:
     """What a run and the planner (``parallel_lab.plan``) both check, whatever the machine: the
-    strategy's options (a tp degree that does not divide a width, more pp stages than blocks...),
-    the model, and the global batch splitting into the data-parallel ranks. Returns that size."""
+    strategy's options (``plan``: its ``PlanRules``; a tp degree that does not divide a width, more
+    pp stages than blocks...), the model, and the global batch splitting into the data-parallel
+    ranks. Returns that size."""
     from parallel_lab.models import validate_model_config
     from parallel_lab.strategies.options import validate_options
 
     validate_model_config(cfg.model)
     resolve_model_sizes(cfg.model)
-    _check_recompute(cfg, strategy_cls)
-    cfg.strategy = validate_options(strategy_cls, cfg)
-    refusal = strategy_cls.Norm.refusal(
-        cfg, strategy_cls.plan.single_process
-    )  # BatchNorm: what this strategy can do with model.norm
+    _check_recompute(cfg, plan)
+    cfg.strategy = validate_options(plan, cfg)
+    refusal = plan.norm_refusal(cfg)  # BatchNorm: what this strategy can do with model.norm
     if refusal:
         raise ConfigError(refusal)
     t = cfg.trainer
-    dp = strategy_cls.plan.data_parallel_size(cfg)
+    dp = plan.data_parallel_size(cfg)
     if t.global_batch % (dp * t.grad_accum):
         raise ConfigError(
             f"trainer.global_batch={t.global_batch} is not divisible by data-parallel size {dp} x "
@@ -240,12 +238,12 @@ def validate(
     ``warn``: where warnings go (a check that runs again later passes one that drops them)."""
     if run_dir is not None:
         use_run_dir(cfg, run_dir)
-    from parallel_lab.strategies import get_strategy_class
+    from parallel_lab.strategies import get_strategy_rules
 
     _adopt_ds_files(cfg, explicit)
     apply_precision(cfg, explicit)
-    strategy_cls = get_strategy_class(cfg.strategy.name)
-    check_ranges(cfg, strategy_cls.Options)
+    plan = get_strategy_rules(cfg.strategy.name)  # torch-free: bad input is refused before torch loads
+    check_ranges(cfg, plan.Options)
     ws, t = cfg.world_size, cfg.trainer
     _check_profile(t)
     if t.lr_scheduler:
@@ -266,11 +264,11 @@ def validate(
     requested_world = ws
     from parallel_lab.config.hosts import resolve_hosts
 
-    resolve_hosts(cfg, requested_world, strategy_cls.plan.single_process)
-    if strategy_cls.plan.single_process:
+    resolve_hosts(cfg, requested_world, plan.single_process)
+    if plan.single_process:
         ws = cfg.world_size = 1
-    t.threads = _resolve_threads(t, requested_world, strategy_cls.plan.single_process)
-    dp = check_split(cfg, strategy_cls)
+    t.threads = _resolve_threads(t, requested_world, plan.single_process)
+    dp = check_split(cfg, plan)
     from parallel_lab.data import validate_data_config
 
     validate_data_config(cfg.data, cfg.trainer)
@@ -280,7 +278,7 @@ def validate(
 
     _check_elastic_worlds(cfg)
     elastic = cfg.launcher.get("min_nodes") is not None  # a re-formed group reshards its checkpoint
-    refusal = strategy_cls.State.reshard_refusal(cfg) if t.reshard or elastic else None
+    refusal = plan.reshard_refusal(cfg) if t.reshard or elastic else None
     if refusal:
         raise ConfigError(refusal)
     validate_checkpoint_config(cfg)

@@ -18,14 +18,17 @@ import tarfile
 import urllib.request
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from omegaconf import DictConfig
-from torch.utils.data import TensorDataset
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.hashing import file_digest
+
+if TYPE_CHECKING:  # numpy and torch load in the functions that read or build arrays: the parent's
+    # checks of data.* import neither
+    import numpy as np
+    from torch.utils.data import TensorDataset
 
 TARBALL = "cifar-10-python.tar.gz"
 URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -34,8 +37,8 @@ TEST_MEMBER = "cifar-10-batches-py/test_batch"
 CLASSES = 10
 IMAGE_BYTES = 3 * 32 * 32  # one image in the tarball: uint8, channel-major
 DOWNLOAD_IMAGES = 60_000  # 50000 training + 10000 test images in the official tarball
-MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
-STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+MEAN = (0.4914, 0.4822, 0.4465)  # per channel
+STD = (0.2470, 0.2435, 0.2616)
 
 # The only globals a CIFAR batch pickle references (numpy 1.x and 2.x module names).
 ALLOWED_GLOBALS = {
@@ -91,6 +94,8 @@ def _field(batch: dict, key: str):
 
 
 def _read_member(tar: tarfile.TarFile, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import numpy as np
+
     try:
         raw = tar.extractfile(name).read()
         batch = restricted_loads(raw)
@@ -115,9 +120,14 @@ def _read_member(tar: tarfile.TarFile, name: str, path: Path) -> tuple[np.ndarra
 
 
 def _to_dataset(parts: list[tuple[np.ndarray, np.ndarray]]) -> TensorDataset:
+    import numpy as np
+    import torch
+    from torch.utils.data import TensorDataset
+
     images = torch.from_numpy(np.concatenate([p[0] for p in parts])).float().div_(255)
     labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-    return TensorDataset((images - MEAN) / STD, labels)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    return TensorDataset((images - mean) / std, labels)
 
 
 def _check_md5(path: Path, expected: str | None) -> None:

@@ -277,8 +277,6 @@ class Head(nn.Module):
 class GPT(nn.Sequential):
     """Token ids (batch, seq) -> ``layers`` pre-LN causal blocks -> logits (batch, vocab, seq)."""
 
-    recomputable = True  # has blocks for trainer.recompute
-
     def __init__(self, seed: int = 0, recompute: str = "none", **sizes: Any) -> None:
         """sizes: resolve_sizes' keys (missing ones take DEFAULTS). seed: of the dropout masks."""
         super().__init__()

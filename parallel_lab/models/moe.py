@@ -35,14 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# model.moe_* defaults, the one home (config/schema.py ModelConfig leaves them null).
-MOE_DEFAULTS = {
-    "moe_experts": 0,
-    "moe_topk": 1,
-    "moe_every": 2,
-    "moe_aux_weight": 0.01,
-    "moe_capacity_factor": None,
-}
+from parallel_lab.models.specs import MOE_DEFAULTS  # noqa: F401  (re-exported: its one home is specs.py)
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, nn.ModuleList], torch.Tensor]
 

@@ -28,10 +28,10 @@ import torch.nn as nn
 from parallel_lab.models.dropout import SampleDropout, SampleKeys
 from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
 from parallel_lab.models.recompute import FULL, SELECTIVE, Recompute
+from parallel_lab.models.specs import IMAGE, VIT_DEFAULTS
 
 # The vit's sizes: the one home of their defaults (config/schema.py ModelConfig leaves them null).
-DEFAULTS = {"patch": 4, "dim": 64, "depth": 4, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
-IMAGE = 32  # CIFAR-10's side
+DEFAULTS = VIT_DEFAULTS  # the sizes' one home is the package root (torch-free: the parent validates them)
 
 
 Dropout = Callable[[], nn.Module]  # makes the model's next dropout layer
@@ -161,7 +161,6 @@ class ViT(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch at the default sizes, for the memory
     # check before a run (config/resources.py); tests/unit/test_resources.py recounts them.
     activation_bytes_per_sample = 1_082_160
-    recomputable = True  # has blocks for trainer.recompute (config/validate.py refuses it elsewhere)
 
     def __init__(
         self,

@@ -118,7 +118,7 @@ def _option_choices(strategy_cls: type, world: int, overrides: list[str]) -> lis
     """Every combination of the searched option values as overrides, the defaults left out (so the
     first is the strategy as configured); a key the user gave is kept as given."""
     axes = []
-    for name, values in option_values(strategy_cls.Options, world).items():
+    for name, values in option_values(strategy_cls.plan.Options, world).items():
         if not _given(overrides, f"strategy.{name}"):
             axes.append([None if v == values[0] else f"strategy.{name}={_text(v)}" for v in values])
     return [[o for o in combo if o] for combo in itertools.product(*axes)]
@@ -135,7 +135,7 @@ def _lever_choices(
 ) -> list[list[str]]:
     """Every combination of the memory levers' other values (the configured one left out)."""
     axes = []
-    own = {f.name for f in dataclasses.fields(strategy_cls.Options)}
+    own = {f.name for f in dataclasses.fields(strategy_cls.plan.Options)}
     for name, values in _trainer_values(base, overrides, world, as_configured).items():
         if not _given(overrides, f"trainer.{name}") and OWN_SPLIT.get(name, "") not in own:
             current = _current(base, name)

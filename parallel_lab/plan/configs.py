@@ -81,7 +81,7 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
         micro = max(1, t.global_batch // (strategy_cls.plan.data_parallel_size(reference) * t.grad_accum))
         t.global_batch = micro * strategy_cls.plan.data_parallel_size(cfg) * t.grad_accum
         t.global_batch = max(t.global_batch, strategy_cls.plan.min_global_batch(cfg))
-    check_split(cfg, strategy_cls)
+    check_split(cfg, strategy_cls.plan)
     return cfg
 
 

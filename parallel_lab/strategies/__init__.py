@@ -1,10 +1,15 @@
-"""Registry of strategies: ``strategy=<name>`` -> one small Strategy class.
+"""Registry of strategies: ``strategy=<name>`` -> one small Strategy class, and its rules.
 
-Each module (or folder) in this package registers its classes with ``@register("name")``, and
-so may a plugin module outside it (``PARALLEL_LAB_PLUGINS``, see ``parallel_lab.plugins``): one
-class and one yaml is all a new strategy needs; the sweep, the report and the benchmarks list
-strategies from here. Modules must not import heavy optional packages (deepspeed) at import time:
-the parent imports them all to validate.
+Each strategy has a runtime class (a module or folder in this package, ``@register("name")``) and
+its parent-side rules, the ``PlanRules`` subclass that names its ``Options`` (``@register_rules``),
+in a module that imports no torch: ``<name>_rules.py`` beside a flat module, ``<folder>/rules.py``
+in a folder (imported by the folder's ``__init__``, whose ``load_runtime`` imports the rest). The
+parent lists, composes and validates from the rules alone (``registered_names``, ``options_schemas``,
+``get_strategy_rules``), so bad input is refused before torch is imported; workers, the planner and
+benchmarks get the classes (``get_strategy_class``). A plugin module (``PARALLEL_LAB_PLUGINS``,
+``parallel_lab.plugins``) registers a class whose ``plan`` is its rules. The sweep, the report and
+the benchmarks list strategies from here. No module may import heavy optional packages
+(deepspeed) at import time.
 """
 
 from __future__ import annotations
@@ -13,23 +18,46 @@ import importlib
 import pkgutil
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.registry import _REGISTRY, register
+from parallel_lab.strategies.registry import _REGISTRY, _RULES, register, register_rules
 
-__all__ = ["register", "registered_names", "sweep_names", "options_schemas", "get_strategy_class"]
+__all__ = [
+    "register",
+    "register_rules",
+    "registered_names",
+    "sweep_names",
+    "options_schemas",
+    "get_strategy_rules",
+    "get_strategy_class",
+]
+RULES_SUFFIX = "_rules"  # a flat strategy module's torch-free rules: <name>_rules.py
 
 
-def _discover() -> None:
+def _discover_rules() -> None:
+    """Import every rules module (torch-free) and the plugins."""
     from parallel_lab.plugins import import_plugins
 
     for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
+        if info.ispkg or info.name.endswith(RULES_SUFFIX):
             importlib.import_module(f"{__name__}.{info.name}")
     import_plugins()
 
 
+def _discover() -> None:
+    """Import every strategy module, runtime classes and all (torch)."""
+    from parallel_lab.plugins import import_plugins
+
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            load_runtime = getattr(module, "load_runtime", None)  # a folder's runtime modules (torch)
+            if load_runtime is not None:
+                load_runtime()
+    import_plugins()
+
+
 def registered_names() -> list[str]:
-    _discover()
-    return sorted(_REGISTRY)
+    _discover_rules()
+    return sorted(set(_RULES) | set(_REGISTRY))
 
 
 def sweep_names() -> list[str]:
@@ -38,10 +66,20 @@ def sweep_names() -> list[str]:
     return sorted(names, key=lambda name: (name != "single", name))
 
 
+def get_strategy_rules(name: str) -> type:
+    """The strategy's ``PlanRules`` subclass (its ``Options`` and every parent-side rule), torch-free
+    for the built-in strategies; a plugin's class's ``plan``."""
+    _discover_rules()
+    if name in _RULES:
+        return _RULES[name]
+    if name in _REGISTRY:
+        return _REGISTRY[name].plan
+    raise ConfigError(f"unknown strategy '{name}'; choose one of: {', '.join(registered_names())} (strategy=<name>)")
+
+
 def options_schemas() -> dict[str, type]:
     """name -> the Options dataclass that holds the strategy's options, defaults and their meaning."""
-    _discover()
-    return {name: cls.Options for name, cls in sorted(_REGISTRY.items())}
+    return {name: get_strategy_rules(name).Options for name in registered_names()}
 
 
 def get_strategy_class(name: str) -> type:

@@ -28,11 +28,9 @@ the step so that the replicas evaluate and checkpoint the same values).
 from __future__ import annotations
 
 import hashlib
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -233,30 +231,13 @@ def running_stats_bytes(model: nn.Module) -> int:
 class Norm(Part):
     """What a running strategy does to BatchNorm (``Strategy.norm``): which ranks' layers
     model.norm=syncbatch synchronises, and whose running statistics the others copy after each
-    step. Default: every rank a data-parallel replica of the whole world."""
-
-    # True: data-parallel ranks whose BatchNorm layers model.norm=syncbatch converts (convert).
-    syncs: ClassVar[bool] = False
+    step. Default: every rank a data-parallel replica of the whole world. What a strategy refuses
+    of model.norm is its rules' (``PlanRules.norm_refusal``, checked in the parent)."""
 
     def __init__(self, strategy) -> None:
         super().__init__(strategy)
         self._group = None  # the group BatchNorm's synchronisation uses (running_stats_group)
         self._plain: bool | None = None  # the model has BatchNorm layers that are not synchronised
-
-    @classmethod
-    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
-        """Why this strategy cannot train ``model.norm`` as asked (one line: why, and the fix), or
-        None. SyncBatchNorm synchronises a data-parallel group: one process needs none (plain
-        BatchNorm already sees the whole batch), a strategy with several must say how it applies
-        (``syncs``) or it is refused here, before any process starts."""
-        from parallel_lab.models import norm_of
-
-        if norm_of(cfg.model) != "syncbatch" or single_process or cls.syncs:
-            return None
-        return (
-            f"model.norm=syncbatch: strategy={cfg.strategy.name} has no data-parallel group to synchronise "
-            f"BatchNorm over; use model.norm=batch (docs/batchnorm.md)"
-        )
 
     def running_stats_group(self) -> tuple[object, int] | None:
         """(group, source rank): the ranks that hold replicas of the same BatchNorm layers but
@@ -293,13 +274,6 @@ class Norm(Part):
         target = self.running_stats_group() if self._plain else None
         if target is not None:
             broadcast_running_stats(self.model, *target)
-
-
-class SyncedNorm(Norm):
-    """Every rank reads its own samples: model.norm=syncbatch synchronises the whole world's
-    BatchNorm layers (ddp, manual_ddp, fsdp, zero)."""
-
-    syncs = True
 
 
 class ReplicaNorm(Norm):

@@ -11,75 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from parallel_lab.choices import Precision
-from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.batchnorm import SyncedNorm
-from parallel_lab.strategies.memory import param_numels
+from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.ddp_rules import DDPPlan
 from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.registry import register
-from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedPlan, ReplicatedState
-
-
-@dataclass
-class DDPOptions(StrategyOptions):
-    """``strategy=ddp`` options."""
-
-    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
-    gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
-    # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights, gradients all-reduced in
-    # fp32 (strategies/precision.py)
-    precision: Precision = Precision.fp32
-
-
-class DDPPlan(ReplicatedPlan):
-    allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
-
-    @classmethod
-    def comm_theory_psi(cls, cfg: DictConfig) -> float:
-        return 2.0  # one all-reduce of every gradient per step
-
-    @classmethod
-    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
-        """The reducer all-reduces each bucket from an autograd hook as soon as the bucket is full."""
-        return frozenset({"all_reduce"})
-
-    @classmethod
-    def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
-        """One all-reduce per bucket, the buckets as the reducer rebuilds them after the first step:
-        gradients in the order backward makes them (about reverse registration), each bucket
-        closed once it holds ``bucket_cap_mb`` (a tensor is never split). torch's 1 MiB first bucket
-        is only for ``bucket_cap_mb=None``; ``setup`` always passes the option, so the first bucket
-        is ``bucket_cap_mb`` too (torch 2.13, ``_BucketCapacityConfig``): the cnn's 1.3 MB of
-        gradients are one bucket at 25 MiB, two at 0.25 MiB (fc1's 1 MB weight alone fills one)."""
-        if cfg.world_size < 2:
-            return {}
-        return {"all_reduce": ddp_buckets([4 * n for n in param_numels(model)], cfg.strategy.bucket_cap_mb)}
-
-    @classmethod
-    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        if opts.bucket_cap_mb <= 0:
-            raise ConfigError(
-                f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
-            )
-
-
-def ddp_buckets(grad_bytes: list[int], cap_mb: float) -> int:
-    """Buckets of gradients of these sizes (registration order), filled in reverse, each closed at
-    ``cap_mb`` MiB or more (torch's ``_compute_bucket_assignment_by_size``)."""
-    cap, buckets, filled = cap_mb * 2**20, 0, 0
-    for size in reversed(grad_bytes):
-        filled += size
-        if filled >= cap:
-            buckets, filled = buckets + 1, 0
-    return buckets + (filled > 0)
+from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedState
 
 
 class DDPMemory(ReplicatedMemory):
@@ -103,11 +44,9 @@ NO_BUFFER_SYNC = (
 
 @register("ddp")
 class DDPStrategy(Bf16Compute, Strategy):
-    Options = DDPOptions
     plan = DDPPlan
     State = ReplicatedState
     Memory = DDPMemory
-    Norm = SyncedNorm
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)

@@ -11,35 +11,18 @@ On a CPU-only machine DataParallel just runs the wrapped module: one replica, re
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
-from parallel_lab.strategies.batchnorm import Norm
 from parallel_lab.strategies.registry import register
-from parallel_lab.strategies.replicated import OneProcessPlan, ReplicatedMemory, ReplicatedState
-
-
-class DPNorm(Norm):
-    @classmethod
-    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
-        """DataParallel's replicas are threads of one process: no process group to synchronise
-        over (torch's SyncBatchNorm works with DDP only)."""
-        from parallel_lab.models import norm_of
-
-        if norm_of(cfg.model) != "syncbatch":
-            return None
-        return (
-            "model.norm=syncbatch: strategy=dp runs its replicas in one process, where SyncBatchNorm has no "
-            "process group (torch supports it with DDP only); use strategy=ddp, or model.norm=batch"
-        )
+from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedState
+from parallel_lab.strategies.replicated_rules import DPPlan
 
 
 @register("dp")
 class DataParallelStrategy(Strategy):
-    plan = OneProcessPlan  # one process: replicas (GPUs) exchange through device copies, no collectives
+    plan = DPPlan  # one process: replicas (GPUs) exchange through device copies, no collectives
     State = ReplicatedState
     Memory = ReplicatedMemory
-    Norm = DPNorm
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)  # DataParallel wants the module on device_ids[0] (cuda:0)

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
-from parallel_lab.comm.counter import CommCounter
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.memory import local_tensor
+
+if TYPE_CHECKING:  # MeshDims and check_degrees are the parent's (torch-free) rules; Mesh runs in a rank
+    import torch
+
+    from parallel_lab.comm.counter import CommCounter
 
 REPLICATE = "replicate"  # the mesh dimension data parallelism runs over, in every layout
 # Outermost first. Data parallelism outside model parallelism: a pipeline or a tp group is a run of
@@ -147,6 +148,11 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group, size: int) ->
     """Average the gradients over a replicate group: one all-reduce of all of them (a flat copy:
     one collective instead of one per tensor), then / size. A DTensor's local shard is averaged
     with the same shard of the other replicas."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel_lab.strategies.memory import local_tensor
+
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if size == 1 or not grads:
         return

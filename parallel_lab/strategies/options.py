@@ -27,15 +27,15 @@ def _schema(options_cls: type) -> DictConfig:
     return OmegaConf.structured(options_cls)
 
 
-def validate_options(strategy_cls: type, cfg: DictConfig) -> DictConfig:
-    """Type-check ``cfg.strategy`` against ``strategy_cls.Options`` (unknown keys are errors), then
-    the strategy's own rules (``PlanRules.check_options``); the validated options."""
+def validate_options(plan: type, cfg: DictConfig) -> DictConfig:
+    """Type-check ``cfg.strategy`` against ``plan.Options`` (unknown keys are errors), then the
+    strategy's own rules (``plan.check_options``, ``PlanRules``); the validated options."""
     try:
-        schema = _schema(strategy_cls.Options)
+        schema = _schema(plan.Options)
         # As plain values: a key added with +strategy.<key> must not pass as part of the schema.
         merged = OmegaConf.merge(schema, OmegaConf.to_container(cfg.strategy, resolve=True))
     except OmegaConfBaseException as exc:
         message = choice_error(exc, prefix="strategy.")
         raise ConfigError(message or f"strategy '{cfg.strategy.get('name')}': {one_line(exc.msg)}") from None
-    strategy_cls.plan.check_options(merged, cfg)
+    plan.check_options(merged, cfg)
     return merged

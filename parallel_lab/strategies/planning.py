@@ -1,22 +1,28 @@
 """``PlanRules``: what the parent knows of a strategy before any process starts, from its config
-alone (nothing runs): the rules its options must keep, the mesh it lays the world out on, and what
-the planner (``parallel_lab.plan``) predicts of it. Every method is a classmethod of ``cfg``; a
-strategy names its rules in ``Strategy.plan`` and keeps them beside it (e.g. ``zero/plan.py``)."""
+alone (nothing runs): its options (``Options``) and the rules they must keep, the mesh it lays the
+world out on, and what the planner (``parallel_lab.plan``) predicts of it. Every method is a
+classmethod of ``cfg``; a strategy names its rules in ``Strategy.plan`` and keeps them beside it in
+a module that imports no torch at import time (``ddp_rules.py``, ``zero/rules.py``, registered with
+``@register_rules``): the parent refuses bad input before torch is imported (a model, when a rule
+needs one, is built inside the rule)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
-import torch
 from omegaconf import DictConfig
 
 from parallel_lab.strategies.mesh import MeshDims
+from parallel_lab.strategies.options import StrategyOptions
+
+if TYPE_CHECKING:
+    import torch
 
 # The planner's counter of the bytes autograd saves for backward in one forward of a module (batch,
 # sample shape, whether the loss is computed there), in the run's compute precision: handed to
 # activation_bytes (strategies sit below plan/ and cannot import it).
-SavedBytes = Callable[[torch.nn.Module, int, tuple, bool], int]
+SavedBytes = Callable[["torch.nn.Module", int, tuple, bool], int]
 SAMPLE_SHAPE = (3, 32, 32)  # one CIFAR image
 
 
@@ -58,6 +64,7 @@ class ClusterLayout:
 class PlanRules:
     """Defaults: one process per data-parallel rank, the whole model on each, nothing predicted."""
 
+    Options: ClassVar[type] = StrategyOptions  # strategy.<key>: the dataclass of its options (options.py)
     single_process: ClassVar[bool] = False  # True: the run always uses exactly one process
     needs_process_group: ClassVar[bool] = True
     degree_key: ClassVar[str | None] = None  # strategy.<key> that, times strategy.replicate, makes the world
@@ -65,11 +72,37 @@ class PlanRules:
     # Ways this strategy all-reduces gradients that ``bench allreduce`` times side by side:
     # label -> strategy.* overrides ({} for strategies that do not all-reduce gradients).
     allreduce_variants: ClassVar[dict[str, list[str]]] = {}
+    # True: each data-parallel rank's BatchNorm layers are synchronised under model.norm=syncbatch
+    # (every rank reads its own samples: ddp, manual_ddp, fsdp, zero); False: refused (norm_refusal).
+    syncs_batchnorm: ClassVar[bool] = False
+    # True: strategy.precision=bf16 computes on per-forward bf16 copies of the fp32 weights
+    # (strategies/precision.py Bf16Compute: single, ddp), which full recomputation cannot redo.
+    weight_copies: ClassVar[bool] = False
 
     # ----- validation and layout -----
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         """Strategy-specific rules on the type-checked options; raise ConfigError with a one-line fix."""
+
+    @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """Why this strategy cannot train ``model.norm`` as asked (one line: why, and the fix), or
+        None. SyncBatchNorm synchronises a data-parallel group: one process needs none (plain
+        BatchNorm already sees the whole batch), a strategy with several must say how it applies
+        (``syncs_batchnorm``; the runtime's ``Norm`` part converts the layers) or it is refused here."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch" or cls.single_process or cls.syncs_batchnorm:
+            return None
+        return (
+            f"model.norm=syncbatch: strategy={cfg.strategy.name} has no data-parallel group to synchronise "
+            f"BatchNorm over; use model.norm=batch (docs/batchnorm.md)"
+        )
+
+    @classmethod
+    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
+        """Why trainer.reshard=true cannot continue a run under this config (one line), or None."""
+        return None
 
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:

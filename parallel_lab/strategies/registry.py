@@ -1,12 +1,30 @@
 """``@register``: the table from ``strategy=<name>`` to its class, filled as each strategy module is
-imported. A module of its own, so a strategy module imports it without importing the package
-root that discovers every strategy module (no import circle: tests/unit/test_layers.py)."""
+imported; and ``@register_rules``: the table from the same name to its parent-side rules (its
+``PlanRules`` subclass, which names its ``Options``), filled by the torch-free rules modules
+(``<name>_rules.py``, ``<folder>/rules.py``), so the parent composes, lists and validates a config
+without importing torch (tests/unit/test_refusal_imports.py). A module of its own, so a strategy
+module imports it without importing the package root that discovers every strategy module (no
+import circle: tests/unit/test_layers.py)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 _REGISTRY: dict[str, type] = {}
+_RULES: dict[str, type] = {}
+
+
+def register_rules(*names: str) -> Callable[[type], type]:
+    """Class decorator for a ``PlanRules`` subclass: the parent's rules of every strategy named."""
+
+    def wrap(plan: type) -> type:
+        for name in names:
+            if name in _RULES and _RULES[name] is not plan:
+                raise RuntimeError(f"strategy '{name}' has two sets of rules: {_RULES[name].__name__}, {plan.__name__}")
+            _RULES[name] = plan
+        return plan
+
+    return wrap
 
 
 def register(*names: str) -> Callable[[type], type]:
@@ -17,6 +35,11 @@ def register(*names: str) -> Callable[[type], type]:
         for name in names:
             if name in _REGISTRY and _REGISTRY[name] is not cls:
                 raise RuntimeError(f"strategy '{name}' registered twice")
+            if name in _RULES and not issubclass(cls.plan, _RULES[name]):
+                raise RuntimeError(
+                    f"strategy '{name}' ({cls.__name__}) plans with {cls.plan.__name__}, but its rules module "
+                    f"registered {_RULES[name].__name__}: one home for its rules"
+                )
             _REGISTRY[name] = cls
         return cls
 

@@ -1,21 +1,19 @@
 """The parts of a strategy whose every rank holds the whole model and optimizer state (single, dp,
-ddp, manual_ddp): ``ReplicatedState``, ``ReplicatedMemory``, ``ReplicatedPlan``. A strategy that
-shards says so by not using them."""
+ddp, manual_ddp): ``ReplicatedState``, ``ReplicatedMemory``; their rules, ``ReplicatedPlan`` and
+``OneProcessPlan``, are in ``replicated_rules.py`` (torch-free). A strategy that shards says so by
+not using them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from parallel_lab.strategies.memory import (
     HeldMemory,
     analytic_state_bytes,
-    param_numels,
-    predicted_optimizer_bytes,
 )
-from parallel_lab.strategies.planning import PlanRules
+from parallel_lab.strategies.replicated_rules import OneProcessPlan, ReplicatedPlan  # noqa: F401  (plugins import them here)
 from parallel_lab.strategies.state import State
 
 REPLICA_FILE = "model_optimizer.pt"
@@ -83,42 +81,3 @@ class ReplicatedMemory(HeldMemory):
     def analytic(self, num_params: int) -> dict[str, int]:
         """A full replica: every parameter's weights, gradient and optimizer state."""
         return analytic_state_bytes(num_params, self.cfg.trainer)
-
-
-class ReplicatedPlan(PlanRules):
-    """Every rank (or the one process) holds the whole model and all-reduces every gradient."""
-
-    @classmethod
-    def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
-        """Every parameter and gradient whole, fp32, and torch's optimizer state for each (Adam:
-        two moments plus a 4-byte step tensor per parameter, which this measurement counts)."""
-        numels = param_numels(model)
-        held = 4 * sum(numels)
-        report = {
-            "param_bytes": held,
-            "grad_bytes": held,
-            "optim_bytes": predicted_optimizer_bytes(numels, cfg.trainer, step_counters=True),
-        }
-        # DDP without gradient_as_bucket_view keeps its flat buckets beside the .grad tensors.
-        if cfg.strategy.get("gradient_as_bucket_view") is False:
-            report["comm_buffer_bytes"] = held
-        return report
-
-    @classmethod
-    def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
-        """Data-parallel replicas all-reduce every gradient once per step (2 x its bytes, in the
-        counter's units); one process sends nothing."""
-        if cls.single_process or not cls.needs_process_group or cfg.world_size < 2:
-            return {}
-        return {"all_reduce": 2.0 * 4 * sum(param_numels(model))}
-
-
-class OneProcessPlan(ReplicatedPlan):
-    """One process, no process group, no collectives (single, dp)."""
-
-    single_process = True
-    needs_process_group = False
-
-    @classmethod
-    def comm_theory_psi(cls, cfg: DictConfig) -> float:
-        return 0.0

@@ -13,7 +13,6 @@ import abc
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.part import Part
@@ -46,8 +45,3 @@ class State(Part, abc.ABC):
         its format (FSDP: DCP's load-time resharding of a DCP checkpoint); False: not handled here,
         the full state is scattered by load_full instead."""
         return False
-
-    @classmethod
-    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
-        """Why trainer.reshard=true cannot continue a run under this config (one line), or None."""
-        return None

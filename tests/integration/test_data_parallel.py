@@ -19,7 +19,7 @@ from parallel_lab.cli.run import load_metrics, run_ranks
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.protocol import load_final_params
-from parallel_lab.strategies.ddp import DDPPlan
+from parallel_lab.strategies.ddp_rules import DDPPlan
 from tests.support.bodies.data_parallel import train_configs
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import run_cli, write_config

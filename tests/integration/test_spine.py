@@ -21,7 +21,7 @@ from parallel_lab.config import compose_config, validate
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.configs import planned_configs
 from parallel_lab.report.__main__ import main as report_main
-from parallel_lab.strategies.ddp import DDPPlan
+from parallel_lab.strategies.ddp_rules import DDPPlan
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import ROOT, run_cli
 from tests.support.reference import parity_reference

@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "parallel_lab"
 # a reader accepts, and the same line in docs/architecture.md.
 ALLOWED: dict[tuple[str, str], str] = {
     ("parallel_lab.strategies.registry", "_REGISTRY"): "the registry: @register fills it at import, once per class",
+    ("parallel_lab.strategies.registry", "_RULES"): "the rules' registry: @register_rules fills it at import, once",
     ("parallel_lab.strategies.fsdp.strategy", "FSDPStrategy"): (
         "its _by_version registry: each FSDP version's class adds itself when it is defined"
     ),

@@ -9,10 +9,10 @@ import torch
 from parallel_lab.errors import ConfigError
 from parallel_lab.models.cnn import SmallCNN
 from parallel_lab.models.flops import layer_flops
-from parallel_lab.strategies.pp import SCHEDULES, plan_stages
 from parallel_lab.strategies.pp.activations import SavedTracker
-from parallel_lab.strategies.pp.plan import block_costs, stage_shares
+from parallel_lab.strategies.pp.plan import block_costs, plan_stages, stage_shares
 from parallel_lab.strategies.pp.schedules import (
+    SCHEDULES,
     bubble_fraction,
     gpipe_first_stage_idle,
     gpipe_step_time,

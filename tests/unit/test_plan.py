@@ -138,7 +138,7 @@ def plan_cfg(*overrides: str):
     from parallel_lab.config.validate import check_split
 
     cfg = compose_config(list(overrides))
-    check_split(cfg, get_strategy_class(cfg.strategy.name))
+    check_split(cfg, get_strategy_class(cfg.strategy.name).plan)
     return cfg
 
 

@@ -1,17 +1,25 @@
-"""``fsdp``'s parent-side rules (``FSDPPlan``): its options (hybrid needs FSDP2 and a replicate
-degree), the mesh it lays out (HSDP: replicate x shard), what the ZeRO paper's formula says and
-what the planner predicts (``predict.py``)."""
+"""``fsdp``'s options (``FSDPOptions``) and parent-side rules (``FSDPPlan``): its options (hybrid
+needs FSDP2 and a replicate degree), the mesh it lays out (HSDP: replicate x shard), what the ZeRO
+paper's formula says and what the planner predicts (``predict.py``). Torch-free at import: the
+parent reads it before any process starts (strategies/planning.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-import torch
 from omegaconf import DictConfig
 
+from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims
+from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.registry import register_rules
+
+if TYPE_CHECKING:
+    import torch
 
 
 def shard_size(cfg: DictConfig) -> int:
@@ -29,7 +37,40 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 SHARD_STAGE = {"full": 3, "hybrid": 3, "grad_op": 2, "no_shard": 0}  # strategy.sharding -> the ZeRO stage it resembles
 
 
+class Sharding(Choice):
+    """strategy.sharding: what FSDP shards across the ranks (FSDPOptions.sharding)."""
+
+    full = "full"
+    grad_op = "grad_op"
+    no_shard = "no_shard"
+    hybrid = "hybrid"
+
+
+@dataclass
+class FSDPOptions(StrategyOptions):
+    """``strategy=fsdp`` options."""
+
+    version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
+    # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
+    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh)
+    # | hybrid = HSDP, FSDP2 on a replicate x shard mesh: full shard within a group, replicas across.
+    sharding: Sharding = Sharding.full
+    # hybrid only: data-parallel replicas R (the mesh's replicate dimension, e.g. one per host);
+    # R x shard group size = world_size. null = not given: hybrid is refused without it.
+    replicate: Optional[int] = None
+    # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
+    mixed_precision: Precision = Precision.fp32
+    # 2-D FSDP2 x TP (torchtitan's; model=vit, version 2, sharding=full, fp32): each run of tp
+    # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
+    # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
+    tp: int = 1
+
+
+@register_rules("fsdp")
 class FSDPPlan(PlanRules):
+    Options = FSDPOptions
+    syncs_batchnorm = True  # every rank reads its own samples, shard and replicate dimensions alike
+
     @classmethod
     def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
         """Sharded over the shard dim (hybrid: replicated across strategy.replicate); FSDP2 x TP

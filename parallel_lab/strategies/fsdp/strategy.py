@@ -48,52 +48,20 @@ tensors after the step.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from parallel_lab.choices import Choice, Precision
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.fsdp.rules import FSDPPlan, fsdp_units, shard_size  # noqa: F401  (fsdp_units: re-exported)
 from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.state import State
 
 DCP_DIR = "dcp"  # torch Distributed Checkpoint files inside one of our step_* checkpoints
-
-
-class Sharding(Choice):
-    """strategy.sharding: what FSDP shards across the ranks (FSDPOptions.sharding)."""
-
-    full = "full"
-    grad_op = "grad_op"
-    no_shard = "no_shard"
-    hybrid = "hybrid"
-
-
-@dataclass
-class FSDPOptions(StrategyOptions):
-    """``strategy=fsdp`` options."""
-
-    version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
-    # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
-    # (FSDP2: full/grad_op = reshard_after_forward True/False; no_shard = a replicate N x shard 1 mesh)
-    # | hybrid = HSDP, FSDP2 on a replicate x shard mesh: full shard within a group, replicas across.
-    sharding: Sharding = Sharding.full
-    # hybrid only: data-parallel replicas R (the mesh's replicate dimension, e.g. one per host);
-    # R x shard group size = world_size. null = not given: hybrid is refused without it.
-    replicate: Optional[int] = None
-    # fp32 | bf16 (bf16 compute and all-gathers; fp32 shards, Adam state, reductions)
-    mixed_precision: Precision = Precision.fp32
-    # 2-D FSDP2 x TP (torchtitan's; model=vit, version 2, sharding=full, fp32): each run of tp
-    # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
-    # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
-    tp: int = 1
 
 
 class FSDPState(State):
@@ -210,11 +178,9 @@ class FSDPMemory(Memory):
 class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
     """What FSDP1 and FSDP2 share; ``FSDPStrategy(cfg, env)`` builds the one strategy.version names."""
 
-    Options = FSDPOptions
     plan = FSDPPlan
     State = FSDPState
     Memory = FSDPMemory
-    Norm = SyncedNorm  # every rank reads its own samples, shard and replicate dimensions alike
 
     api_version: ClassVar[int | None] = None  # strategy.version a subclass implements
     _by_version: ClassVar[dict[int, type]] = {}  # filled as v1.py and v2.py define their class

@@ -1,9 +1,10 @@
-"""``pp``: pipeline parallelism. ``plan`` cuts the model into stages, ``schedules`` orders each
-stage's forwards and backwards, ``strategy`` runs them (send/recv, or torch.distributed.pipelining)."""
+"""``pp``: pipeline parallelism. ``rules`` holds its options and parent-side rules (torch-free),
+``plan`` cuts the model into stages, ``schedules`` orders each stage's forwards and backwards,
+``strategy`` runs them (send/recv, or torch.distributed.pipelining)."""
 
-from parallel_lab.strategies.pp import ds_pipe  # noqa: F401  (registers strategy.impl=deepspeed)
-from parallel_lab.strategies.pp.plan import plan_stages
-from parallel_lab.strategies.pp.schedules import SCHEDULES
-from parallel_lab.strategies.pp.strategy import PipelineParallelStrategy
+from parallel_lab.strategies.pp import rules  # noqa: F401  (registers pp's rules)
 
-__all__ = ["SCHEDULES", "PipelineParallelStrategy", "plan_stages"]
+
+def load_runtime() -> None:
+    """Import the modules that register pp's runtime classes (torch; strategies/__init__.py)."""
+    from parallel_lab.strategies.pp import ds_pipe, strategy  # noqa: F401  (ds_pipe: strategy.impl=deepspeed)

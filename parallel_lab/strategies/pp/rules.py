@@ -1,33 +1,32 @@
-"""``pp``'s parent-side rules (``PPPlan``): the options it refuses, the (replicate, pp) mesh it lays
-out, and what the planner predicts of each rank (the cut is ``plan.py``'s, the same setup makes;
-the schedule's order is ``schedules.py``'s, the same the manual loop runs)."""
+"""``pp``'s options (``PPOptions``) and parent-side rules (``PPPlan``): the options it refuses, the
+(replicate, pp) mesh it lays out, and what the planner predicts of each rank (the cut is
+``plan.py``'s, the same setup makes; the schedule's order is ``schedules.py``'s, the same the
+manual loop runs). Torch-free at import (the parent reads it before any process starts,
+strategies/planning.py): what needs the model (the cut, the shapes) imports torch inside."""
 
 from __future__ import annotations
 
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
+from parallel_lab.choices import Choice, make_choice
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.memory import predicted_optimizer_bytes
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
+from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
-from parallel_lab.strategies.pp.plan import block_costs, cuttable_blocks, plan_stages, rank_chunks, stage_shares
-from parallel_lab.strategies.pp.schedules import INTERLEAVED, peak_in_flight, rank_orders
-from parallel_lab.strategies.pp.tensor import (
-    boundary_shape,
-    check_pp_tp,
-    split_meta_stage,
-    stage_tp_comm,
-    tp_flop_fraction,
-)
+from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
+from parallel_lab.strategies.registry import register_rules
 
-# What each strategy.impl runs (pp/strategy.py PipelineImpl); a pair (schedules, balances) per impl.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# What each strategy.impl runs (PipelineImpl); a pair (schedules, balances) per impl.
 BALANCES = ("params", "flops", "time")
 IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "manual": (("gpipe", "1f1b", "interleaved_1f1b"), BALANCES),
@@ -35,6 +34,43 @@ IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # deepspeed.pipe's engine runs its own TrainSchedule, a 1F1B order, on the cut plan_stages makes
     "deepspeed": (("1f1b",), BALANCES),
 }
+
+
+class PipelineImpl(Choice):
+    """strategy.impl of pp: whose pipeline runs the stages (IMPLS: what each runs)."""
+
+    manual = "manual"
+    torch = "torch"
+    deepspeed = "deepspeed"  # DeepSpeed's PipelineEngine (pp/ds_pipe.py)
+
+
+Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
+Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut evens out.", __name__)
+
+
+@dataclass
+class PPOptions(StrategyOptions):
+    """``strategy=pp`` options."""
+
+    stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
+    replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
+    microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
+    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (impl=torch)
+    # manual (our send/recv loop) | torch (torch.distributed.pipelining) | deepspeed (deepspeed.pipe, 1f1b only)
+    impl: PipelineImpl = PipelineImpl.manual
+    # model chunks per rank (interleaved schedules): the model is cut into stages x virtual_stages chunks
+    virtual_stages: int = 1
+    # what the cut evens out per chunk: flops (forward FLOPs, models/flops.py) | params | time (measured)
+    balance: Balance = Balance["flops"]
+    # balance=time: each block's forward+backward seconds, measured in the parent when left [] (pp/timing.py)
+    block_times: list[float] = field(default_factory=list)
+    # names of the blocks that start chunks 2..p*v, e.g. [fc1]; [] = cut by strategy.balance
+    cuts: list[str] = field(default_factory=list)
+    # tensor-parallel degree inside each stage (vit, impl=manual: Megatron's split of its blocks,
+    # pp/tensor.py); replicate x stages x tp = world_size
+    tp: int = 1
+    # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
+    sequence_parallel: bool = False
 
 
 def meta_model(cfg: DictConfig) -> nn.Sequential:
@@ -67,6 +103,8 @@ def _meta_model(key: _ModelKey) -> nn.Sequential:
 @functools.lru_cache(maxsize=32)
 def _cut(model: nn.Sequential, stages: int, virtual: int, cuts: tuple, balance: str, times: tuple) -> tuple:
     """plan_stages of these options, once per planning (the planner asks for every rank)."""
+    from parallel_lab.strategies.pp.plan import block_costs, plan_stages
+
     costs = block_costs(model, balance, times)
     return tuple(tuple(c) for c in plan_stages(model, stages, list(cuts), costs, virtual))
 
@@ -90,6 +128,10 @@ def stage_of(cfg: DictConfig, rank: int) -> int:
 def rank_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
     """Every block rank ``rank`` holds (its chunks), in model order, unsplit (``split_meta_stage``:
     as a tp rank holds them)."""
+    from torch import nn
+
+    from parallel_lab.strategies.pp.plan import rank_chunks
+
     names = chunk_names(cfg, model)
     mine = [n for c in rank_chunks(cfg.strategy, stage_of(cfg, rank)) for n in names[c]]
     return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in mine))
@@ -114,6 +156,8 @@ def chunk_shares(cfg: DictConfig, model: nn.Sequential) -> list[float]:
 # reference: a model is not kept alive, and one built later at the same address is another key.
 @functools.lru_cache(maxsize=256)
 def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[torch.Size, ...]:
+    import torch
+
     x = torch.empty(batch, *SAMPLE_SHAPE, device="meta")
     shapes = []
     with torch.no_grad():
@@ -125,10 +169,14 @@ def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[tor
 
 @functools.lru_cache(maxsize=256)
 def _chunk_flop_shares(model_ref: weakref.ref, names: tuple) -> tuple[float, ...]:
+    from parallel_lab.strategies.pp.plan import stage_shares
+
     return tuple(stage_shares(_modules(model_ref(), names)))
 
 
 def _modules(model: nn.Sequential, names: Sequence[Sequence[str]]) -> list[nn.Sequential]:
+    from torch import nn
+
     return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in chunk)) for chunk in names]
 
 
@@ -186,9 +234,38 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
         )
 
 
+def check_pp_tp(opts: DictConfig, cfg: DictConfig) -> None:
+    """tp > 1 inside the stages: the vit under the manual loop only; the split's own rules."""
+    tp, sp = opts.get("tp", 1), bool(opts.get("sequence_parallel"))
+    if tp < 1:
+        raise ConfigError(f"strategy.tp={tp} must be >= 1 (1 = no tensor parallelism); e.g. strategy.tp=2")
+    if sp and tp < 2:
+        raise ConfigError(
+            f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={tp}); "
+            "use strategy.tp=2 or strategy.sequence_parallel=false"
+        )
+    if tp == 1:
+        return
+    if cfg.model.name != "vit":
+        raise ConfigError(
+            f"strategy.tp={tp} inside pipeline stages splits the vit's transformer blocks (Megatron), "
+            f"model={cfg.model.name} has none; use model=vit or strategy.tp=1"
+        )
+    if str(opts.impl) != "manual":
+        raise ConfigError(
+            f"strategy.tp={tp} with strategy.impl={opts.impl}: only the manual pipeline loop sends to the same "
+            "tp coordinate of the next stage; use strategy.impl=manual or strategy.tp=1"
+        )
+    from parallel_lab.strategies.tp.rules import check_vit_split
+
+    check_vit_split(cfg, tp, sp, "manual")
+
+
 def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
     """balance=time: measure each block here, once, in the parent (pp/timing.py); times given
     by hand must name every block."""
+    from parallel_lab.strategies.pp.plan import cuttable_blocks
+
     blocks = len(cuttable_blocks(meta_model(cfg)))
     if opts.block_times and str(opts.balance) != "time":
         raise ConfigError(
@@ -206,7 +283,9 @@ def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
             )
 
 
+@register_rules("pp")
 class PPPlan(PlanRules):
+    Options = PPOptions
     degree_key = "stages"
     ranks_differ = True  # each stage holds, stashes and sends its own part
 
@@ -225,6 +304,18 @@ class PPPlan(PlanRules):
             microbatches=opts.microbatches * cfg.trainer.grad_accum,
             sequence_parallel=bool(opts.get("sequence_parallel", False)),
             overlapped=cls.overlapped_collectives(cfg),
+        )
+
+    @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """A stage runs its micro-batches one after another: no collective can normalise them together."""
+        from parallel_lab.models import norm_of
+
+        if norm_of(cfg.model) != "syncbatch":
+            return None
+        return (
+            "model.norm=syncbatch: strategy=pp runs a stage's micro-batches one after another, so no collective can "
+            "normalise over them together; use model.norm=batch (statistics per micro-batch, docs/batchnorm.md)"
         )
 
     @classmethod
@@ -256,6 +347,8 @@ class PPPlan(PlanRules):
                 f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
                 f"use a divisor of {per_step}"
             )
+        from parallel_lab.strategies.pp.plan import plan_stages
+
         plan_stages(meta_model(cfg), opts.stages, list(opts.cuts), None, opts.virtual_stages)  # the cut exists
         check_balance(opts, cfg)
         if opts.impl == "deepspeed":
@@ -273,6 +366,8 @@ class PPPlan(PlanRules):
         ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
         Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473).
         strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py)."""
+        from parallel_lab.strategies.pp.tensor import tp_flop_fraction
+
         o, t = cfg.strategy, cfg.trainer
         p, m, v, tp = o.stages, o.microbatches, o.get("virtual_stages", 1), o.get("tp", 1)
         chunks = chunk_modules(cfg, model)
@@ -300,6 +395,9 @@ class PPPlan(PlanRules):
         all m micro-batches, 1f1b at most p - s, interleaved its warm-up's worth per chunk); only
         the last chunk computes the loss. zero_bubble: counted as interleaved 1F1B (its weight
         gradients keep some tensors longer: not verified)."""
+        from parallel_lab.strategies.pp.plan import rank_chunks
+        from parallel_lab.strategies.pp.tensor import boundary_shape, split_meta_stage
+
         o = cfg.strategy
         p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), stage_of(cfg, rank)
         mb = max(1, micro // m)
@@ -323,6 +421,9 @@ class PPPlan(PlanRules):
         """The rank's blocks (``plan_stages``, the same cut setup makes), held whole (with tp: as
         its tp rank splits them) with torch's optimizer state (Adam: two moments and a 4-byte step
         tensor per parameter)."""
+        from parallel_lab.strategies.memory import predicted_optimizer_bytes
+        from parallel_lab.strategies.pp.tensor import split_meta_stage
+
         numels = [p.numel() for p in split_meta_stage(cfg, rank_module(cfg, model, rank), rank).parameters()]
         return {
             "param_bytes": 4 * sum(numels),
@@ -335,6 +436,9 @@ class PPPlan(PlanRules):
         """Per step, every micro-batch's activation goes forward across each boundary after one of
         this rank's chunks and its gradient back across the one before it: isend of the whole
         step's batch (SP: its tokens). With tp, the stage's Megatron collectives (``pp/tensor.py``)."""
+        from parallel_lab.strategies.pp.plan import rank_chunks
+        from parallel_lab.strategies.pp.tensor import boundary_shape, split_meta_stage, stage_tp_comm
+
         o = cfg.strategy
         replicate, tp, sp = o.get("replicate") or 1, o.get("tp", 1), bool(o.get("sequence_parallel"))
         batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // replicate

@@ -41,25 +41,23 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from parallel_lab.choices import Choice, make_choice
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.protocol import IDLE_LABEL
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp.activations import SavedTracker
 from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
-from parallel_lab.strategies.pp.rules import BALANCES, PPPlan, chunk_modules, chunk_names, meta_model
-from parallel_lab.strategies.pp.schedules import SCHEDULES, Busy, bubble_fraction
+from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
+from parallel_lab.strategies.pp.schedules import Busy, bubble_fraction
 from parallel_lab.strategies.pp.tensor import (
     boundary_shape,
     clip_over_stages_and_tp,
@@ -73,43 +71,7 @@ from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.split import split_transformer
 
-
-class PipelineImpl(Choice):
-    """strategy.impl of pp: whose pipeline runs the stages (pp/rules.py IMPLS: what each runs)."""
-
-    manual = "manual"
-    torch = "torch"
-    deepspeed = "deepspeed"  # DeepSpeed's PipelineEngine (pp/ds_pipe.py)
-
-
-Schedule = make_choice("Schedule", SCHEDULES, "strategy.schedule of pp: the micro-batch order.", __name__)
-Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut evens out.", __name__)
 SUBCLASSES: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by pp/ds_pipe.py)
-
-
-@dataclass
-class PPOptions(StrategyOptions):
-    """``strategy=pp`` options."""
-
-    stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
-    replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
-    microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
-    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (impl=torch)
-    # manual (our send/recv loop) | torch (torch.distributed.pipelining) | deepspeed (deepspeed.pipe, 1f1b only)
-    impl: PipelineImpl = PipelineImpl.manual
-    # model chunks per rank (interleaved schedules): the model is cut into stages x virtual_stages chunks
-    virtual_stages: int = 1
-    # what the cut evens out per chunk: flops (forward FLOPs, models/flops.py) | params | time (measured)
-    balance: Balance = Balance["flops"]
-    # balance=time: each block's forward+backward seconds, measured in the parent when left [] (pp/timing.py)
-    block_times: list[float] = field(default_factory=list)
-    # names of the blocks that start chunks 2..p*v, e.g. [fc1]; [] = cut by strategy.balance
-    cuts: list[str] = field(default_factory=list)
-    # tensor-parallel degree inside each stage (vit, impl=manual: Megatron's split of its blocks,
-    # pp/tensor.py); replicate x stages x tp = world_size
-    tp: int = 1
-    # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
-    sequence_parallel: bool = False
 
 
 class PPState(RankShardState):
@@ -136,27 +98,12 @@ class PPMemory(HeldMemory):  # the model here is this stage only
         return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
 
 
-class PPNorm(ReplicaNorm):
-    @classmethod
-    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
-        """A stage runs its micro-batches one after another: no collective can normalise them together."""
-        from parallel_lab.models import norm_of
-
-        if norm_of(cfg.model) != "syncbatch":
-            return None
-        return (
-            "model.norm=syncbatch: strategy=pp runs a stage's micro-batches one after another, so no collective can "
-            "normalise over them together; use model.norm=batch (statistics per micro-batch, docs/batchnorm.md)"
-        )
-
-
 @register("pp")
 class PipelineParallelStrategy(Strategy):
-    Options = PPOptions
     plan = PPPlan
     State = PPState
     Memory = PPMemory
-    Norm = PPNorm
+    Norm = ReplicaNorm
     # dp x pp x tp (pp/tensor.py); these defaults: no split (strategy.tp=1, and impl=deepspeed's setup)
     tp_rank, tp_group, shard_dims, sp_params = 0, None, {}, []
 

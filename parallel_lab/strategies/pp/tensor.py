@@ -26,35 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.memory import local_tensor
-
-
-def check_pp_tp(opts: DictConfig, cfg: DictConfig) -> None:
-    """tp > 1 inside the stages: the vit under the manual loop only; the split's own rules."""
-    tp, sp = opts.get("tp", 1), bool(opts.get("sequence_parallel"))
-    if tp < 1:
-        raise ConfigError(f"strategy.tp={tp} must be >= 1 (1 = no tensor parallelism); e.g. strategy.tp=2")
-    if sp and tp < 2:
-        raise ConfigError(
-            f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={tp}); "
-            "use strategy.tp=2 or strategy.sequence_parallel=false"
-        )
-    if tp == 1:
-        return
-    if cfg.model.name != "vit":
-        raise ConfigError(
-            f"strategy.tp={tp} inside pipeline stages splits the vit's transformer blocks (Megatron), "
-            f"model={cfg.model.name} has none; use model=vit or strategy.tp=1"
-        )
-    if str(opts.impl) != "manual":
-        raise ConfigError(
-            f"strategy.tp={tp} with strategy.impl={opts.impl}: only the manual pipeline loop sends to the same "
-            "tp coordinate of the next stage; use strategy.impl=manual or strategy.tp=1"
-        )
-    from parallel_lab.strategies.tp.rules import check_vit_split
-
-    check_vit_split(cfg, tp, sp, "manual")
 
 
 def tp_coords(cfg: DictConfig, rank: int) -> tuple[int, int]:

@@ -1,16 +1,25 @@
-"""``tp``'s parent-side rules (``TPPlan``): what it splits of each model, the options it refuses,
-the (replicate, tp) mesh it lays out, and what the planner predicts (``predict.py``)."""
+"""``tp``'s options (``TPOptions``) and parent-side rules (``TPPlan``): what it splits of each model,
+the options it refuses, the (replicate, tp) mesh it lays out, and what the planner predicts
+(``predict.py``). Torch-free at import: the parent reads it before any process starts
+(strategies/planning.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
-from torch import nn
 
+from parallel_lab.choices import Choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
+from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.registry import register_rules
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
 # vit: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``).
@@ -42,8 +51,7 @@ def tp_dims(opts: DictConfig) -> MeshDims:
 def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
     """Megatron's split needs whole heads and hidden features per rank; sequence parallelism whole
     tokens; DTensor's SP regions would hand DTensors to the per-sample dropout (also fsdp's 2-D)."""
-    from parallel_lab.models import build_meta_model, vit_sizes
-    from parallel_lab.models.vit import IMAGE
+    from parallel_lab.models import IMAGE, build_meta_model, vit_sizes
 
     sizes = vit_sizes(cfg.model)
     if sizes["heads"] % tp:
@@ -70,7 +78,31 @@ def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str
         )
 
 
+class TensorImpl(Choice):
+    """strategy.impl of tp: whose layers split the weights."""
+
+    manual = "manual"
+    dtensor = "dtensor"
+    deepspeed = "deepspeed"  # DeepSpeed's AutoTP training (tp/ds_autotp.py)
+
+
+@dataclass
+class TPOptions(StrategyOptions):
+    """``strategy=tp`` options."""
+
+    tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
+    replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
+    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel) | deepspeed (AutoTP)
+    impl: TensorImpl = TensorImpl.manual
+    split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
+    # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
+    # tokens/tp of the tokens; each all-reduce becomes an all-gather + a reduce-scatter (tp/megatron.py)
+    sequence_parallel: bool = False
+
+
+@register_rules("tp")
 class TPPlan(PlanRules):
+    Options = TPOptions
     degree_key = "tp"
 
     @classmethod
@@ -78,6 +110,26 @@ class TPPlan(PlanRules):
         """Megatron's split (arXiv 1909.08053), optionally sequence-parallel (arXiv 2205.05198)."""
         layout = super().cluster_layout(cfg)
         return dataclasses.replace(layout, sequence_parallel=bool(cfg.strategy.get("sequence_parallel", False)))
+
+    @classmethod
+    def norm_refusal(cls, cfg: DictConfig) -> str | None:
+        """Every tp rank runs the whole batch through the replicated BatchNorm layers, so plain
+        BatchNorm already matches single; syncing over strategy.replicate copies is not built here.
+        A BatchNorm after block1's split conv would see a slice of its channels."""
+        from parallel_lab.models import norm_of
+
+        norm = norm_of(cfg.model)
+        if norm == "syncbatch":
+            return (
+                "model.norm=syncbatch: strategy=tp ranks all normalise the same whole batch (model.norm=batch "
+                "already matches single); SyncBatchNorm over strategy.replicate is not built, use model.norm=batch"
+            )
+        if norm == "batch" and cfg.strategy.get("split_conv"):
+            return (
+                "model.norm=batch with strategy.split_conv=true: block1's BatchNorm would see a slice of its "
+                "channels; set strategy.split_conv=false"
+            )
+        return None
 
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:

@@ -37,15 +37,12 @@ its (sharded or replicated) gradients with the same part in the other replicas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from parallel_lab.choices import Choice
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
+from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
@@ -58,28 +55,6 @@ from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 from parallel_lab.strategies.tp.split import split_transformer
 
 IMPLS: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by tp/ds_autotp.py)
-
-
-class TensorImpl(Choice):
-    """strategy.impl of tp: whose layers split the weights."""
-
-    manual = "manual"
-    dtensor = "dtensor"
-    deepspeed = "deepspeed"  # DeepSpeed's AutoTP training (tp/ds_autotp.py)
-
-
-@dataclass
-class TPOptions(StrategyOptions):
-    """``strategy=tp`` options."""
-
-    tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
-    replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
-    # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel) | deepspeed (AutoTP)
-    impl: TensorImpl = TensorImpl.manual
-    split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
-    # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
-    # tokens/tp of the tokens; each all-reduce becomes an all-gather + a reduce-scatter (tp/megatron.py)
-    sequence_parallel: bool = False
 
 
 class TPState(RankShardState):
@@ -111,35 +86,12 @@ class TPMemory(HeldMemory):  # the split layers count their shard
         return analytic_state_bytes(self.strategy.analytic_numel, self.cfg.trainer)
 
 
-class TPNorm(ReplicaNorm):
-    @classmethod
-    def refusal(cls, cfg: DictConfig, single_process: bool) -> str | None:
-        """Every tp rank runs the whole batch through the replicated BatchNorm layers, so plain
-        BatchNorm already matches single; syncing over strategy.replicate copies is not built here.
-        A BatchNorm after block1's split conv would see a slice of its channels."""
-        from parallel_lab.models import norm_of
-
-        norm = norm_of(cfg.model)
-        if norm == "syncbatch":
-            return (
-                "model.norm=syncbatch: strategy=tp ranks all normalise the same whole batch (model.norm=batch "
-                "already matches single); SyncBatchNorm over strategy.replicate is not built, use model.norm=batch"
-            )
-        if norm == "batch" and cfg.strategy.get("split_conv"):
-            return (
-                "model.norm=batch with strategy.split_conv=true: block1's BatchNorm would see a slice of its "
-                "channels; set strategy.split_conv=false"
-            )
-        return None
-
-
 @register("tp")
 class TensorParallelStrategy(Strategy):
-    Options = TPOptions
     plan = TPPlan
     State = TPState
     Memory = TPMemory
-    Norm = TPNorm
+    Norm = ReplicaNorm
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (IMPLS: deepspeed, tp/ds_autotp.py)."""

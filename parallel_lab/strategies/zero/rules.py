@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-import torch
 from omegaconf import DictConfig
 
+from parallel_lab.choices import Choice
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules
+from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES, build_ds_config
+
+if TYPE_CHECKING:
+    import torch
 
 STAGES = (0, 1, 2, 3)
 ZERO = "zero"  # the names are zero<stage>
@@ -32,10 +39,60 @@ def zero_name(stage: int) -> str:
 
 
 def _cpu_only(cfg: DictConfig) -> bool:
-    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.device != "auto":
+        return cfg.device == "cpu"
+    import torch  # device=auto: whether it resolves to CUDA
+
+    return not torch.cuda.is_available()
 
 
+class Offload(Choice):
+    """strategy.offload: where ZeRO keeps the optimizer state (stage 3: the parameters too)."""
+
+    none = "none"
+    cpu = "cpu"
+
+
+class ZeroPrecision(Choice):
+    """strategy.precision of zero0-3: DeepSpeed's modes (fp16 needs CUDA)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@dataclass
+class ZeroOptions(StrategyOptions):
+    """``strategy=zero0``..``zero3`` options. The stage is the name's digit."""
+
+    # Filled in from the name (zero2 -> 2) when the config is validated; setting it is only a check.
+    stage: Optional[int] = None
+    # none | cpu: optimizer state + fp32 master partition on CPU (stage 3: parameters too); stages 1-3
+    offload: Offload = Offload.none
+    precision: ZeroPrecision = ZeroPrecision.fp32  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
+    # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
+    bucket_mb: float = 25.0
+    # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
+    # clipping, optimizer, schedule, bf16, ZeRO keys); an explicit override contradicting it is refused
+    ds_config: Optional[str] = None
+
+
+@register_rules(*(f"zero{stage}" for stage in STAGES))
 class ZeroPlan(PlanRules):
+    Options = ZeroOptions
+    syncs_batchnorm = True  # every rank reads its own samples
+
+    @classmethod
+    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
+        """16-bit ZeRO keeps an fp32 master beside 16-bit weights in layouts (FP16_UnfusedOptimizer at
+        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill."""
+        if cfg.strategy.precision != "fp32" or cfg.strategy.ds_config:
+            return (
+                f"trainer.reshard=true into strategy={cfg.strategy.name} needs strategy.precision=fp32 and no "
+                f"strategy.ds_config; reshard into fp32 first, or resume with the writing strategy"
+            )
+        return None
+
     @classmethod
     def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
         """Every rank a data-parallel one; the stage shards the state over all of them (ZeRO, arXiv 1910.02054)."""

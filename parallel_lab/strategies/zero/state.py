@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.state import State
@@ -37,18 +36,7 @@ class ZeroState(State):
                 f"trainer.resume=never to start fresh"
             )
 
-    # ----- resharding (trainer.reshard=true): a full state scattered into DeepSpeed's partitions -----
-    @classmethod
-    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
-        """16-bit ZeRO keeps an fp32 master beside 16-bit weights in layouts (FP16_UnfusedOptimizer at
-        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill."""
-        if cfg.strategy.precision != "fp32" or cfg.strategy.ds_config:
-            return (
-                f"trainer.reshard=true into strategy={cfg.strategy.name} needs strategy.precision=fp32 and no "
-                f"strategy.ds_config; reshard into fp32 first, or resume with the writing strategy"
-            )
-        return None
-
+    # ----- resharding (trainer.reshard=true; what it refuses: ZeroPlan.reshard_refusal) -----
     @torch.no_grad()
     def load_full(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, dict]) -> None:
         """Stage 0 holds a plain replica; stages 1-2 get their flat fp32 partition cut from the full

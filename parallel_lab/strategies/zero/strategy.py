@@ -51,17 +51,13 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.choices import Choice
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
-from parallel_lab.strategies.base import OptimizerFactory, Strategy, StrategyOptions
-from parallel_lab.strategies.batchnorm import SyncedNorm
+from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.zero.ds_config import build_ds_config
 from parallel_lab.strategies.zero.memory import ZeroMemory
@@ -69,37 +65,6 @@ from parallel_lab.strategies.zero.rules import STAGES, ZeroPlan, zero_name, zero
 from parallel_lab.strategies.zero.state import ZeroState
 
 __all__ = ["STAGES", "ZeroStrategy", "import_deepspeed", "zero_name", "zero_stage"]
-
-
-class Offload(Choice):
-    """strategy.offload: where ZeRO keeps the optimizer state (stage 3: the parameters too)."""
-
-    none = "none"
-    cpu = "cpu"
-
-
-class ZeroPrecision(Choice):
-    """strategy.precision of zero0-3: DeepSpeed's modes (fp16 needs CUDA)."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-@dataclass
-class ZeroOptions(StrategyOptions):
-    """``strategy=zero0``..``zero3`` options. The stage is the name's digit."""
-
-    # Filled in from the name (zero2 -> 2) when the config is validated; setting it is only a check.
-    stage: Optional[int] = None
-    # none | cpu: optimizer state + fp32 master partition on CPU (stage 3: parameters too); stages 1-3
-    offload: Offload = Offload.none
-    precision: ZeroPrecision = ZeroPrecision.fp32  # fp32 | bf16 (fp16 needs CUDA: refused on CPU)
-    # reduce / all-gather bucket size in MiB (DeepSpeed's default, 500M elements, is 2 GB in fp32)
-    bucket_mb: float = 25.0
-    # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
-    # clipping, optimizer, schedule, bf16, ZeRO keys); an explicit override contradicting it is refused
-    ds_config: Optional[str] = None
 
 
 def quiet_deepspeed_warnings() -> None:
@@ -127,11 +92,9 @@ def import_deepspeed():
 
 @register("zero0", "zero1", "zero2", "zero3")
 class ZeroStrategy(Strategy):
-    Options = ZeroOptions
     plan = ZeroPlan
     State = ZeroState
     Memory = ZeroMemory
-    Norm = SyncedNorm
 
     @classmethod
     def init_distributed(cls, env: DistEnv, timeout_s: int) -> None:

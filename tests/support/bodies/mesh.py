@@ -14,8 +14,8 @@ from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.fsdp.strategy import fsdp_units
 from parallel_lab.strategies.fsdp.v2 import FSDP2
 from parallel_lab.strategies.mesh import Mesh
-from parallel_lab.strategies.pp import PipelineParallelStrategy
-from parallel_lab.strategies.tp import TensorParallelStrategy
+from parallel_lab.strategies.pp.strategy import PipelineParallelStrategy
+from parallel_lab.strategies.tp.strategy import TensorParallelStrategy
 from parallel_lab.worker.train import train
 from tests.support.model_parallel import compose_config, reference_accuracy, reference_for
 

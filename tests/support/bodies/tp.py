@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel_lab.strategies.tp import ColumnParallel, RowParallel
 from parallel_lab.strategies.tp.comm import copy_to_tp, reduce_from_tp
+from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel
 from tests.support.matrix import each_configuration
 
 

@@ -1,0 +1,78 @@
+"""``ddp``'s options (``DDPOptions``) and parent-side rules (``DDPPlan``): torch-free at import, the
+parent reads them before any process starts (strategies/planning.py). The runtime: ``ddp.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from parallel_lab.choices import Precision
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.options import StrategyOptions
+from parallel_lab.strategies.registry import register_rules
+from parallel_lab.strategies.replicated_rules import ReplicatedPlan
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class DDPOptions(StrategyOptions):
+    """``strategy=ddp`` options."""
+
+    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
+    gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
+    # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights, gradients all-reduced in
+    # fp32 (strategies/precision.py)
+    precision: Precision = Precision.fp32
+
+
+@register_rules("ddp")
+class DDPPlan(ReplicatedPlan):
+    Options = DDPOptions
+    syncs_batchnorm = True  # every rank reads its own samples
+    weight_copies = True  # strategy.precision=bf16: Bf16Compute
+    allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        return 2.0  # one all-reduce of every gradient per step
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """The reducer all-reduces each bucket from an autograd hook as soon as the bucket is full."""
+        return frozenset({"all_reduce"})
+
+    @classmethod
+    def collective_calls(cls, cfg: DictConfig, model: nn.Module) -> dict[str, int]:
+        """One all-reduce per bucket, the buckets as the reducer rebuilds them after the first step:
+        gradients in the order backward makes them (about reverse registration), each bucket
+        closed once it holds ``bucket_cap_mb`` (a tensor is never split). torch's 1 MiB first bucket
+        is only for ``bucket_cap_mb=None``; ``setup`` always passes the option, so the first bucket
+        is ``bucket_cap_mb`` too (torch 2.13, ``_BucketCapacityConfig``): the cnn's 1.3 MB of
+        gradients are one bucket at 25 MiB, two at 0.25 MiB (fc1's 1 MB weight alone fills one)."""
+        from parallel_lab.strategies.memory import param_numels
+
+        if cfg.world_size < 2:
+            return {}
+        return {"all_reduce": ddp_buckets([4 * n for n in param_numels(model)], cfg.strategy.bucket_cap_mb)}
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.bucket_cap_mb <= 0:
+            raise ConfigError(
+                f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
+            )
+
+
+def ddp_buckets(grad_bytes: list[int], cap_mb: float) -> int:
+    """Buckets of gradients of these sizes (registration order), filled in reverse, each closed at
+    ``cap_mb`` MiB or more (torch's ``_compute_bucket_assignment_by_size``)."""
+    cap, buckets, filled = cap_mb * 2**20, 0, 0
+    for size in reversed(grad_bytes):
+        filled += size
+        if filled >= cap:
+            buckets, filled = buckets + 1, 0
+    return buckets + (filled > 0)

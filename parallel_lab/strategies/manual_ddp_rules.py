@@ -1,0 +1,87 @@
+"""``manual_ddp``'s options (``ManualDDPOptions``) and parent-side rules (``ManualDDPPlan``):
+torch-free at import, the parent reads them before any process starts (strategies/planning.py).
+The runtime: ``manual_ddp.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from parallel_lab.choices import make_choice
+from parallel_lab.comm.algorithms import ALGORITHMS
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.options import StrategyOptions
+from parallel_lab.strategies.registry import register_rules
+from parallel_lab.strategies.replicated_rules import ReplicatedPlan
+
+Allreduce = make_choice(
+    "Allreduce", ALGORITHMS, "strategy.allreduce: manual_ddp's all-reduce (comm/collectives.py).", __name__
+)
+
+
+@dataclass
+class ManualDDPOptions(StrategyOptions):
+    """``strategy=manual_ddp`` options."""
+
+    # star | ring | builtin (= dist.all_reduce, for comparison) | mpi (mpi4py Allreduce on the
+    # buckets' memory; launcher=mpirun and CPU only)
+    allreduce: Allreduce = Allreduce.ring
+    # true: bucketed all-reduce launched from backward hooks, overlapping backward;
+    # false: one all-reduce of every gradient after backward (simple, no overlap)
+    bucketed: bool = True
+    bucket_mb: float = 25.0  # bucket size in MiB when bucketed (> 0)
+
+
+@register_rules("manual_ddp")
+class ManualDDPPlan(ReplicatedPlan):
+    Options = ManualDDPOptions
+    syncs_batchnorm = True  # every rank reads its own samples
+    allreduce_variants = {
+        "manual_ddp ring bucketed": ["strategy.allreduce=ring", "strategy.bucketed=true"],
+        "manual_ddp ring after backward": ["strategy.allreduce=ring", "strategy.bucketed=false"],
+    }
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+        return 2.0  # one all-reduce of every gradient per step
+
+    @classmethod
+    def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
+        """Bucketed: all-reduced from our own backward hooks, as DDP does; unbucketed: after backward."""
+        return frozenset({"all_reduce"}) if cfg.strategy.bucketed else frozenset()
+
+    @classmethod
+    def comm_impl(cls, cfg: DictConfig) -> str:
+        """Our own all-reduce (comm/collectives.py; star is timed as the ring: not benchmarked)."""
+        return "gloo" if cfg.strategy.allreduce == "builtin" else "hand"
+
+    @classmethod
+    def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        if opts.allreduce == "mpi":
+            cls._check_mpi_transport(cfg)
+        if opts.bucket_mb <= 0:
+            raise ConfigError(
+                f"strategy.bucket_mb={opts.bucket_mb} must be > 0; use strategy.bucket_mb=25, "
+                f"or strategy.bucketed=false for one all-reduce after backward"
+            )
+
+    @staticmethod
+    def _check_mpi_transport(cfg: DictConfig) -> None:
+        """MPI's COMM_WORLD exists only when mpiexec started the ranks, and mpi4py reduces host memory."""
+        if cfg.launcher.name != "mpirun":
+            raise ConfigError(
+                f"strategy.allreduce=mpi needs the ranks started by mpiexec, but launcher={cfg.launcher.name}; "
+                f"add launcher=mpirun (or use strategy.allreduce=ring|builtin)"
+            )
+        if cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available()):
+            raise ConfigError(
+                f"strategy.allreduce=mpi reduces CPU tensors through numpy views, but device={cfg.device} puts the "
+                f"gradients on CUDA; set device=cpu with launcher=mpirun, or use strategy.allreduce=builtin (nccl)"
+            )
+
+
+def _cuda_available() -> bool:
+    import torch  # only for device=auto: whether it resolves to CUDA
+
+    return torch.cuda.is_available()
