@@ -164,6 +164,7 @@ class TPPlan(PlanRules):
                 "strategy.split_conv=true needs strategy.impl=manual "
                 "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
             )
+        check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})  # before the model is built
         if model_name == "vit" or opts.sequence_parallel:
             cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):
@@ -172,7 +173,6 @@ class TPPlan(PlanRules):
                     f"strategy.tp={opts.tp} does not divide the {width} {what} of {name}; "
                     f"use a strategy.tp that divides {width} (e.g. strategy.tp=2)"
                 )
-        check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})
 
     @classmethod
     def _check_vit(cls, opts: DictConfig, cfg: DictConfig) -> None:

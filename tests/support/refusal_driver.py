@@ -1,0 +1,68 @@
+"""Runs bad inputs through the real command line, each in a process forked from one that has
+imported only what ``python -m parallel_lab`` imports before it reads its arguments: reads
+``[[case, [override, ...]], ...]`` as JSON on stdin and prints, per case, its exit code, its stderr,
+the seconds the refusal took after that start and whether torch or DeepSpeed was imported on the
+way (tests/unit/test_refusal_imports.py). The start itself is timed once: ``start_s``."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+CASE_TIMEOUT_S = 60
+
+
+def _child(overrides: list[str], write_fd: int) -> None:
+    from parallel_lab.cli.main import main
+
+    sys.argv = ["parallel_lab", *overrides]
+    sys.stdout = io.StringIO()
+    err = sys.stderr = io.StringIO()
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:
+        code, err = 99, io.StringIO(f"{type(exc).__name__}: {exc}")
+    loaded = {name: name in sys.modules for name in ("torch", "deepspeed")}
+    os.write(write_fd, json.dumps({"code": code, "stderr": err.getvalue(), **loaded}).encode())
+
+
+def run_case(overrides: list[str]) -> dict:
+    read_fd, write_fd = os.pipe()
+    started = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # the child: one refusal, then gone
+        os.close(read_fd)
+        try:
+            _child(overrides, write_fd)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks, deadline = [], time.monotonic() + CASE_TIMEOUT_S
+    with os.fdopen(read_fd, "rb") as pipe:
+        chunks.append(pipe.read())
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+        time.sleep(0.01)
+    result = json.loads(b"".join(chunks) or b'{"code": 98, "stderr": "no result", "torch": null, "deepspeed": null}')
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def main() -> None:
+    cases = json.load(sys.stdin)
+    started = time.perf_counter()
+    import parallel_lab.cli.main  # noqa: F401  (what the command imports before it reads its arguments)
+
+    start_s = time.perf_counter() - started
+    assert "torch" not in sys.modules, "the command line's first imports load torch"
+    print(json.dumps({"start_s": start_s, "cases": {name: run_case(argv) for name, argv in cases}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Bad input is refused before torch (or DeepSpeed) is imported, in well under 2 s: the refusals of
+the bad-input catalogue (tests/integration/test_failures.py) run through the real command line,
+each in a process forked from one that imported only what ``python -m parallel_lab`` imports before
+reading its arguments (tests/support/refusal_driver.py), and each child reports whether torch got
+loaded on its way to exit 2. A rule that imports torch at module level (a strategy's rules module,
+the models', data or checkpoint package roots) fails here. ``make test`` runs one refusal from
+every place one comes from; the whole catalogue runs under ``extra``. Each prints its slowest
+refusal: the command line's start (timed once) plus the child's seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.test_failures import CATALOGUE
+from tests.support.cli import ROOT
+
+# Refusals that must read tensors or build the model to find the fault: (case) -> why.
+NEEDS_TORCH = {
+    "tp-degree": "the split widths are the meta model's (strategy.tp against fc1's 256 features)",
+    "pp-stages": "the cuttable blocks are the meta model's",
+    "pp-virtual-stages": "the cuttable blocks are the meta model's",
+    "init-from-missing": "checkpoint/outside.py reads the file with torch.load; its missing-file check lives there",
+    "host-unreachable": "refused after the memory estimate, which builds the meta model (config/resources.py)",
+}
+# One refusal from every place one comes from: Hydra's typed keys, the ranges, each strategy's
+# rules, the model, data, checkpoint, launcher and host checks.
+IN_MAKE_TEST = (
+    "unknown-key",
+    "wrong-type-int",
+    "unknown-strategy",
+    "lr-nan",
+    "precision-bf16-on-tp",
+    "tp-dp-degree",
+    "pp-microbatches",
+    "fsdp-hybrid",
+    "zero-stage-5",
+    "manual-ddp-mpi-spawn",
+    "ddp-bucket",
+    "model-width-0",
+    "cifar-missing-tarball",
+    "resume-missing",
+    "min-nodes-no-checkpoints",
+    "hosts-repeated",
+    "batch-not-divisible",
+)
+STATIC = [case for case, (overrides, _) in CATALOGUE.items() if not callable(overrides)]
+
+
+def refuse(cases: list[str], tmp_path) -> tuple[float, dict[str, dict]]:
+    """(the command line's start in seconds, case -> its child's result)."""
+    argv = [[case, [f"hydra.run.dir={tmp_path / case}", *CATALOGUE[case][0]]] for case in cases]
+    driver = subprocess.run(
+        [sys.executable, "-m", "tests.support.refusal_driver"],
+        input=json.dumps(argv),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    report = json.loads(driver.stdout)
+    return report["start_s"], report["cases"]
+
+
+def check(cases: list[str], tmp_path) -> None:
+    start_s, results = refuse(cases, tmp_path)
+    for case in cases:
+        r = results[case]
+        assert r["code"] == 2 and "parallel_lab: error:" in r["stderr"], f"{case}: exit {r['code']}\n{r['stderr']}"
+        assert not r["deepspeed"], f"{case}: DeepSpeed imported on the way to the refusal"
+        if case not in NEEDS_TORCH:
+            assert not r["torch"], f"{case}: torch imported on the way to the refusal (NEEDS_TORCH says why some may)"
+    slowest = max(cases, key=lambda case: results[case]["seconds"])
+    free = [results[c]["seconds"] for c in cases if c not in NEEDS_TORCH]
+    print(
+        f"\nslowest refusal: {slowest} {start_s + results[slowest]['seconds']:.2f} s "
+        f"(start {start_s:.2f} s + {results[slowest]['seconds']:.2f} s); without torch at most "
+        f"{start_s + max(free):.2f} s over {len(free)} refusals"
+    )
+
+
+def test_one_refusal_from_each_place_imports_no_torch(tmp_path):
+    check(list(IN_MAKE_TEST), tmp_path)
+
+
+@pytest.mark.extra
+def test_every_catalogue_refusal_imports_no_torch(tmp_path):
+    check(STATIC, tmp_path)
+
+
+def test_help_imports_no_torch():
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['parallel_lab', '--help']\n"
+        "try:\n    runpy.run_module('parallel_lab', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "strategy:" in result.stdout and result.stderr.strip().splitlines()[-1] == "False", result.stderr[-2000:]
