@@ -1,6 +1,6 @@
 """What the parent knows of the models without building one (torch-free at import): their names,
-the vit's and MoE's sizes, one sample's shape, and the checks of ``model.*`` (gpt's sizes are
-gpt.py's, read there when model=gpt)."""
+the vit's and MoE's sizes, one sample's shape, and the checks of ``model.*`` (gpt's sizes:
+gpt_sizes.py)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _validate_vit(cfg: DictConfig) -> None:
 
 
 def _validate_gpt(cfg: DictConfig) -> None:
-    from parallel_lab.models.gpt import MLPS, POSITIONS, PRESETS, gpt_sizes  # model=gpt only: its module has torch
+    from parallel_lab.models.gpt_sizes import MLPS, POSITIONS, PRESETS, gpt_sizes
 
     preset = cfg.get("preset")
     if preset is not None and preset not in PRESETS:
@@ -142,6 +142,6 @@ def sample_shape(cfg: DictConfig) -> tuple[int, ...]:
     """One sample's input shape: a CIFAR image (3, 32, 32), or gpt's sequence of model.seq token ids."""
     if cfg.name != "gpt":
         return IMAGE_SHAPE
-    from parallel_lab.models.gpt import gpt_sizes
+    from parallel_lab.models.gpt_sizes import gpt_sizes
 
     return (gpt_sizes(cfg)["seq"],)
