@@ -61,6 +61,7 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         self.stage = self.layout.coords(self.env.rank)["pp"]
         self.mesh = Mesh(self.layout, self.device.type, self.comm)  # collective
         self.group = self.mesh.group("pp")
+        self.pipe_ranks = self.layout.group_ranks(self.env.rank, "pp")  # evaluation's sends (rank_of)
         self.replicate_group = self.mesh.group(REPLICATE)
         meta = meta_model(self.cfg)
         # The planner's cut (strategy.balance, cuts): one chunk per rank, DeepSpeed runs no interleaving
