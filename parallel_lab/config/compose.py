@@ -66,7 +66,7 @@ def hardware_overrides(argv: list[str]) -> list[str]:
         if value not in options:
             raise ConfigError(
                 f"unknown plan.hardware '{value}'; choose one of: {', '.join(options)} "
-                f"(or write conf/{HARDWARE}/{value}.yaml: python -m parallel_lab.bench hardware --out ...)"
+                f"(or write conf/{HARDWARE}/{value}.yaml)"
             )
         out.append(f"+{HARDWARE}@plan.hardware={value}")
     return out

@@ -100,3 +100,23 @@ def test_plan_json_fields(tmp_path):
     assert data["memory_bytes_per_gpu"] == sum(data["memory"].values())
     assert 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
     assert data["gpus"] == 64 and "pp 4 x tp 4" in data["layout"]
+
+
+def test_published_csv_path(tmp_path, capsys):
+    """A user's table (the documented columns, empty cells as defaults) runs the held-out check:
+    its last line in the issue's format, every row held out, a bad header one line."""
+    from parallel_lab.bench.published import COLUMNS, main
+
+    header = ",".join(COLUMNS)
+    row = "mine,{hw},64,8,24,2048,16,,2048,51200,256,1,2,4,,2,true,selective,,,bf16,{it},,"
+    path = tmp_path / "runs.csv"
+    path.write_text(
+        "\n".join([header, row.format(hw="a100_80g", it=2.0), row.format(hw="h100_sxm;inter_node_gbps=800", it=1.0)])
+        + "\n"
+    )
+    assert main(["--csv", str(path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("held-out: median |error| ") and last.endswith("2 held-out rows from 1 sources, 0 fitted")
+    (tmp_path / "bad.csv").write_text("name,gpus\nx,8\n")
+    with pytest.raises(SystemExit, match="missing; use exactly: name, hardware"):
+        main(["--csv", str(tmp_path / "bad.csv")])

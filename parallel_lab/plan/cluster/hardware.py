@@ -80,17 +80,3 @@ def from_spec(spec: str) -> Hardware:
             )
         OmegaConf.update(node, key.strip(), float(value))
     return from_config(node)
-
-
-def to_yaml(values: dict, sources: dict[str, str]) -> str:
-    """A profile's yaml, each field followed by the comment naming its source."""
-    lines = [f"# {values['name']}: written by python -m parallel_lab.bench hardware (measured where it says so)."]
-    for key in ["name", *[k for k in FIELDS if k != "name"]]:
-        value = values[key]
-        if isinstance(value, dict):
-            lines.append(f"{key}:")
-            lines += [f"  {k}: {v:.6g}  # {sources.get(f'{key}.{k}', sources.get(key, ''))}" for k, v in value.items()]
-        else:
-            shown = f"{value:.6g}" if isinstance(value, float) else str(value)
-            lines.append(f"{key}: {shown}  # {sources.get(key, '')}")
-    return "\n".join(lines) + "\n"

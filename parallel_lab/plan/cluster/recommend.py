@@ -1,0 +1,117 @@
+"""``plan.recommend=true`` with ``plan.hardware``: every (tp, pp, virtual stages, data-parallel
+degree, micro-batch, recompute, sequence parallelism) on ``plan.gpus`` GPUs ranked by predicted
+tokens/s among those that fit the GPU's memory (Narayanan et al., arXiv 2104.04473, section 3:
+tp inside a node, pp across, data parallelism for the rest), with no run.
+
+The candidates are the layouts of the strategy that splits the world into data x pipeline x tensor
+ranks (the one whose degree is its pipeline's stages); each is priced by ``steptime.predict``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from parallel_lab.plan.cluster.hardware import Hardware, from_config
+from parallel_lab.plan.cluster.layout import describe, shape_text
+from parallel_lab.plan.cluster.shape import ModelShape, from_model_config
+from parallel_lab.plan.cluster.steptime import ClusterPrediction, ClusterRun, predict
+from parallel_lab.strategies.mesh import MeshDims
+from parallel_lab.strategies.planning import ClusterLayout
+
+RECOMPUTE = ("none", "selective", "full")
+MICRO = (1, 2, 4, 8)
+VIRTUAL = (1, 2, 4)
+INTERLEAVED_1F1B, ONE_F_ONE_B = "interleaved_1f1b", "1f1b"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    run: ClusterRun
+    prediction: ClusterPrediction
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.memory_bytes_per_gpu <= self.run.hw.hbm_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, hw: Hardware, gpus: int, global_batch: int):
+    """Every (dims, schedule, v, micro-batches, sp) the model and batch allow."""
+    for tp in [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and gpus % t == 0 and shape.heads % t == 0]:
+        for pp in [p for p in _divisors(gpus // tp) if shape.layers % p == 0]:
+            dp = gpus // (tp * pp)
+            for virtual in [v for v in VIRTUAL if (v == 1 or pp > 1) and shape.layers % (pp * v) == 0]:
+                for micro in [m for m in MICRO if global_batch % (dp * m) == 0]:
+                    schedule = (INTERLEAVED_1F1B if virtual > 1 else ONE_F_ONE_B) if pp > 1 else None
+                    yield ClusterLayout(
+                        dims=MeshDims(replicate=dp, pp=pp, tp=tp),
+                        schedule=schedule,
+                        virtual_stages=virtual,
+                        microbatches=global_batch // (dp * micro),
+                        sequence_parallel=tp > 1,
+                    )
+
+
+def rank(shape: ModelShape, hw: Hardware, gpus: int, global_batch: int, precision: str) -> list[Candidate]:
+    """Every candidate, best predicted throughput first; those that do not fit last."""
+    out = []
+    for layout in layouts(shape, hw, gpus, global_batch):
+        for recompute in RECOMPUTE:
+            run = ClusterRun(shape, hw, layout, global_batch, precision, recompute)
+            out.append(Candidate(run, predict(run)))
+    return sorted(out, key=lambda c: (not c.fits, c.prediction.step_time_s))
+
+
+def overrides(candidate: Candidate, strategy: str) -> str:
+    """The command-line overrides that ask for this candidate."""
+    lay, dims = candidate.run.layout, candidate.run.layout.dims
+    return (
+        f"strategy={strategy} strategy.tp={dims.tp} strategy.replicate={dims.replicate} strategy.stages={dims.pp} "
+        f"strategy.virtual_stages={lay.virtual_stages} strategy.microbatches={lay.microbatches} "
+        f"strategy.sequence_parallel={str(lay.sequence_parallel).lower()} trainer.recompute={candidate.run.recompute}"
+    )
+
+
+def pipeline_strategy() -> str:
+    """The registered strategy whose own degree is its pipeline's stages (data x pipeline x tensor)."""
+    from parallel_lab.strategies import get_strategy_class, registered_names
+
+    return next(n for n in registered_names() if get_strategy_class(n).plan.degree_key == "stages")
+
+
+def run_recommend(cfg: DictConfig, overrides_: list[str], out: Path, top: int = 10) -> Path:
+    """Rank, write cluster_recommend.md/.json under ``out``; the text's path."""
+    start = time.perf_counter()
+    shape, hw = from_model_config(cfg.model), from_config(cfg.plan.hardware)
+    gpus = int(cfg.plan.gpus or cfg.world_size)
+    precision = str(cfg.plan.get("precision") or cfg.trainer.precision)
+    ranked = rank(shape, hw, gpus, int(cfg.trainer.global_batch), precision)
+    name = pipeline_strategy()
+    fitting = [c for c in ranked if c.fits]
+    lines = [
+        f"Cluster recommendation: {shape_text(shape)}; {gpus} x {hw.name}, global batch {cfg.trainer.global_batch}, "
+        f"{precision}: {len(fitting)} of {len(ranked)} layouts fit ({time.perf_counter() - start:.1f} s)",
+        "",
+        "| rank | layout | micro-batch | recompute | step s | tokens/s/GPU | MFU | GiB/GPU | command |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, c in enumerate(fitting[:top], 1):
+        p = c.prediction
+        lines.append(
+            f"| {i} | {describe(c.run)} | {p.micro_batch} | {c.run.recompute} | {p.step_time_s:.3f} | "
+            f"{p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | {p.memory_bytes_per_gpu / 2**30:.1f} | "
+            f"`{overrides(c, name)}` |"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cluster_recommend.md").write_text("\n".join(lines) + "\n")
+    records = [{"layout": describe(c.run), "command": overrides(c, name), **c.prediction.to_json()} for c in fitting]
+    (out / "cluster_recommend.json").write_text(json.dumps(records[:100], indent=1) + "\n")
+    return out / "cluster_recommend.md"
