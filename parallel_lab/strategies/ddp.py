@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.cp.strategy import ContextParallel
 from parallel_lab.strategies.ddp_rules import DDPPlan
 from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.registry import register
@@ -43,13 +44,14 @@ NO_BUFFER_SYNC = (
 
 
 @register("ddp")
-class DDPStrategy(Bf16Compute, Strategy):
+class DDPStrategy(ContextParallel, Bf16Compute, Strategy):
     plan = DDPPlan
     State = ReplicatedState
     Memory = DDPMemory
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
+        self.parallelize_context(model)  # strategy.cp > 1: the vit's tokens sharded (strategies/cp)
         device_ids = [self.device] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(
             model,

@@ -10,7 +10,10 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.cp.rules import ContextOptions, check_context, context_comm, context_meta_vit, cp_of
+from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
+from parallel_lab.strategies.planning import SAMPLE_SHAPE, SavedBytes
 from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.replicated_rules import ReplicatedPlan
 
@@ -19,8 +22,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DDPOptions(StrategyOptions):
-    """``strategy=ddp`` options."""
+class DDPOptions(ContextOptions, StrategyOptions):
+    """``strategy=ddp`` options (with ``strategy.cp``/``cp_impl``: context parallelism, strategies/cp)."""
 
     bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this many MiB (> 0)
     gradient_as_bucket_view: bool = True  # grads live inside the buckets: no extra gradient copy
@@ -37,8 +40,33 @@ class DDPPlan(ReplicatedPlan):
     allreduce_variants = {"ddp": []}  # torch's reducer: bucketed, from backward hooks
 
     @classmethod
-    def comm_theory_psi(cls, cfg: DictConfig) -> float:
-        return 2.0  # one all-reduce of every gradient per step
+    def comm_theory_psi(cls, cfg: DictConfig) -> float | None:
+        """One all-reduce of every gradient per step; with cp the attention's bytes too, which are
+        no multiple of Ψ: the report takes the planner's bytes (``predict_comm``) instead."""
+        return 2.0 if cp_of(cfg) < 2 else None
+
+    @classmethod
+    def dims(cls, cfg: DictConfig) -> MeshDims:
+        """world_size / cp data-parallel replicas, each a group of cp consecutive ranks."""
+        cp = cp_of(cfg)
+        return MeshDims(replicate=cfg.world_size // cp, cp=cp) if cp > 1 else super().dims(cfg)
+
+    @classmethod
+    def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
+        """The gradients' all-reduce over every rank, plus context parallelism's bytes (cp/rules.py)."""
+        comm = super().predict_comm(cfg, model, rank)
+        for op, nbytes in context_comm(cfg, model).items():
+            comm[op] = comm.get(op, 0.0) + nbytes
+        return comm
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """With cp: what the cp-sharded vit saves on this rank (its tokens only; cp/rules.py)."""
+        if cp_of(cfg) < 2:
+            return super().activation_bytes(cfg, model, rank, micro, saved)
+        return saved(context_meta_vit(cfg, model, rank % cp_of(cfg)), micro, SAMPLE_SHAPE, True), micro
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
@@ -65,6 +93,7 @@ class DDPPlan(ReplicatedPlan):
             raise ConfigError(
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"
             )
+        check_context(opts, cfg)
 
 
 def ddp_buckets(grad_bytes: list[int], cap_mb: float) -> int:

@@ -1,0 +1,80 @@
+"""Context parallelism on the vit (torchtitan's separate parallelize step): the same single-device
+model, changed in place on every cp rank so that rank r holds tokens [r*T/cp, (r+1)*T/cp) of every
+sample of its batch, T = (32/patch)^2.
+
+- ``embed``: its output is sliced to this rank's tokens (a forward hook; the patch convolution and
+  the position embedding are cheap, and only this rank's tokens receive gradient);
+- each block's ``attn.core`` (``ContextParallelCore``): every token's query must see every token's
+  key, the one place tokens meet: ring attention (``ring.py``), Ulysses' all-to-alls around the
+  local attention (``comm.py``), or DeepSpeed's ``DistributedAttention`` around it;
+- ``head`` (``ContextParallelHead``): the vit has no class token; it mean-pools its tokens, so each
+  rank sums its own, the sums are all-reduced (``comm.pool_tokens``) and divided by T: the mean
+  single takes, on every cp rank. LayerNorm, the MLP, the residuals and the q/k/v/proj Linears act
+  token by token and run unchanged on the slice.
+
+Parameter names and state_dict keys do not change (the replaced modules keep the originals'
+children; the attention core has no parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel_lab.strategies.cp.comm import TOKENS, CPGroup, pool_tokens, to_heads, to_sequence
+from parallel_lab.strategies.cp.ring import ring_attention
+
+
+class ContextParallelCore(nn.Module):
+    """The attention core of one block on this rank's tokens, (batch, heads, tokens/cp, head_dim)
+    in and out: ``impl`` ring | ulysses | deepspeed. ``local``: the model's own core (no
+    parameters), which Ulysses and DeepSpeed run on all tokens of heads/cp heads."""
+
+    def __init__(self, local: nn.Module, cp: CPGroup, impl: str) -> None:
+        super().__init__()
+        self.local, self.cp, self.impl = local, cp, impl
+        self.distributed = _deepspeed_attention(local, cp) if impl == "deepspeed" else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.impl == "ring":
+            return ring_attention(q, k, v, self.local.scale, self.cp)
+        if self.distributed is not None and not q.is_meta:
+            return self.distributed(q, k, v, 0)
+        heads = [to_heads(t, self.cp) for t in (q, k, v)]
+        return to_sequence(self.local(*heads), self.cp)
+
+
+def _deepspeed_attention(local: nn.Module, cp: CPGroup) -> nn.Module:
+    """DeepSpeed-Ulysses' own layer around the local core: it scatters dim 1 (heads) and gathers
+    dim 2 (tokens) of our (batch, heads, tokens, head_dim) tensors, and back."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    return DistributedAttention(local, cp.group, scatter_idx=1, gather_idx=2)
+
+
+class ContextParallelHead(nn.Module):
+    """The vit's head (LayerNorm, mean over tokens, Linear) on this rank's tokens: the tokens' sum,
+    pooled over the cp ranks and divided by all tokens. Keeps the head's ``norm`` and ``fc``."""
+
+    def __init__(self, head: nn.Module, cp: CPGroup) -> None:
+        super().__init__()
+        self.norm, self.fc, self.cp = head.norm, head.fc, cp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = pool_tokens(self.norm(x).sum(dim=TOKENS), self.cp)
+        return self.fc(pooled / (x.shape[TOKENS] * self.cp.size))
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return [child for name, child in model.named_children() if name.startswith("block") and hasattr(child, "attn")]
+
+
+def parallelize_vit(model: nn.Module, cp: CPGroup, impl: str) -> nn.Module:
+    """Shard the vit's tokens over the cp ranks, in place (the module docstring); returns it."""
+    cp_rank, size = cp.rank, cp.size
+    # contiguous: the first block saves its own slice, not a view of every token's storage
+    model.embed.register_forward_hook(lambda _m, _a, out: out.chunk(size, TOKENS)[cp_rank].contiguous())
+    for block in blocks(model):
+        block.attn.core = ContextParallelCore(block.attn.core, cp, impl)
+    model.head = ContextParallelHead(model.head, cp)
+    return model
