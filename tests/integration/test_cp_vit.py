@@ -16,6 +16,7 @@ STEPS, BATCH = 3, 16
 DEFAULT = {  # one set of ranks for the default suite
     "ddp-ring": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "ddp-ulysses": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
+    "ddp-deepspeed": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
 }
 
 

@@ -1,6 +1,6 @@
-"""Context parallelism's pieces (parallel_lab/strategies/cp) on 2 real gloo ranks, each against
+"""Context parallelism's attention (parallel_lab/strategies/cp) on 2 real gloo ranks, each against
 plain full attention computed here: ring attention's forward and its own backward (dq, dk, dv),
-Ulysses' all-to-alls, and the bytes each sends."""
+Ulysses' all-to-alls, DeepSpeed's DistributedAttention, and the bytes each sends."""
 
 from __future__ import annotations
 
@@ -32,19 +32,22 @@ def cp_attention_body(rank: int, world_size: int) -> None:
 
 def _attend(rank: int, world_size: int, impl: str) -> dict:
     from parallel_lab.comm.counter import CommCounter
-    from parallel_lab.strategies.cp.comm import CPGroup, to_heads, to_sequence
-    from parallel_lab.strategies.cp.ring import ring_attention
+    from parallel_lab.models.vit import AttentionCore
+    from parallel_lab.strategies.cp.comm import CPGroup
+    from parallel_lab.strategies.cp.parallelize import ContextParallelCore
+
+    if impl == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts run_ranks' process group
 
     cp = CPGroup(None, rank, world_size, tuple(range(world_size)))
     mine = [t.chunk(world_size, dim=2)[rank].clone() for t in _full(0)]
     q, k, v = (t.requires_grad_() for t in mine[:3])
+    core = ContextParallelCore(AttentionCore(D), cp, impl)
     counter = CommCounter().install()
     with counter.counting():
-        if impl == "ring":
-            out = ring_attention(q, k, v, 1 / D**0.5, cp)
-        else:
-            qh, kh, vh = (to_heads(t, cp) for t in (q, k, v))
-            out = to_sequence(torch.softmax(qh @ kh.transpose(-2, -1) / D**0.5, dim=-1) @ vh, cp)
+        out = core(q, k, v)
         out.backward(mine[3])
     counter.uninstall()
     tensors = [out.detach(), q.grad, k.grad, v.grad]
@@ -59,7 +62,7 @@ def cp_outputs() -> list[dict]:
     return [json.loads(o.strip().splitlines()[-1]) for o in run_ranks(cp_attention_body, 2, timeout=120)]
 
 
-IMPLS = ("ring", "ulysses")
+IMPLS = ("ring", "ulysses", "deepspeed")
 
 
 @pytest.mark.slow
@@ -67,7 +70,8 @@ IMPLS = ("ring", "ulysses")
 def test_cp_attention_is_full_attention_forward_and_backward(cp_outputs, impl):
     """Each rank's output and dq, dk, dv are its tokens' rows of full attention's (float64, to
     rounding); the bytes are the formula's: ring, 1 hop of K/V forward, 1 of K/V and 1 of dK/dV
-    backward (cp - 1 = 1 each); Ulysses, 4 all-to-alls each way of one (B, H, T/2, D) tensor."""
+    backward (cp - 1 = 1 each); Ulysses (ours and DeepSpeed's), 4 all-to-alls each way of one
+    (B, H, T/2, D) tensor."""
     ref = _reference()
     outs = [o[impl] for o in cp_outputs]
     block = B * H * (T // 2) * D * 8  # one rank's k (or v), float64

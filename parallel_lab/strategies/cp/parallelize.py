@@ -38,18 +38,29 @@ class ContextParallelCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl == "ring":
             return ring_attention(q, k, v, self.local.scale, self.cp)
-        if self.distributed is not None and not q.is_meta:
-            return self.distributed(q, k, v, 0)
+        if self.distributed is not None and not q.is_meta:  # DeepSpeed's layout: (batch, tokens, heads, d)
+            return self.distributed(*(t.transpose(1, 2) for t in (q, k, v)), 0).transpose(1, 2)
         heads = [to_heads(t, self.cp) for t in (q, k, v)]
         return to_sequence(self.local(*heads), self.cp)
 
 
+class _TokensFirst(nn.Module):
+    """The model's core, (batch, heads, tokens, d), called in DeepSpeed's (batch, tokens, heads, d)."""
+
+    def __init__(self, core: nn.Module) -> None:
+        super().__init__()
+        self.core = core
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.core(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+
 def _deepspeed_attention(local: nn.Module, cp: CPGroup) -> nn.Module:
-    """DeepSpeed-Ulysses' own layer around the local core: it scatters dim 1 (heads) and gathers
-    dim 2 (tokens) of our (batch, heads, tokens, head_dim) tensors, and back."""
+    """DeepSpeed-Ulysses' own layer around the local core, in its batch-first layout (batch_dim_idx
+    0): it scatters dim 2 (heads) and gathers dim 1 (tokens), and back after the core."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    return DistributedAttention(local, cp.group, scatter_idx=1, gather_idx=2)
+    return DistributedAttention(_TokensFirst(local), cp.group, scatter_idx=2, gather_idx=1)
 
 
 class ContextParallelHead(nn.Module):
