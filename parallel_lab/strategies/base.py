@@ -139,6 +139,11 @@ class Strategy:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return counts
 
+    def run_comm_theory_psi(self, num_params: int) -> float | None:
+        """metrics.json's ``comm_theory_psi``: the plan's formula, unless the run's own routing
+        decides the volume (expert parallelism, strategies/ep/)."""
+        return self.plan.comm_theory_psi(self.cfg)
+
     def extra_metrics(self) -> dict:
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""
         return {}

@@ -19,9 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.cp.strategy import ContextParallel
 from parallel_lab.strategies.ddp_rules import DDPPlan
+from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
+from parallel_lab.strategies.ep.state import ExpertShardedState
 from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.registry import register
-from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedState
+from parallel_lab.strategies.replicated import ReplicatedMemory
 
 
 class DDPMemory(ReplicatedMemory):
@@ -46,12 +48,18 @@ NO_BUFFER_SYNC = (
 @register("ddp")
 class DDPStrategy(ContextParallel, Bf16Compute, Strategy):
     plan = DDPPlan
-    State = ReplicatedState
+    State = ExpertShardedState  # ReplicatedState without ep
     Memory = DDPMemory
+
+    experts: ExpertParallel | None = None  # strategy.ep > 1: this rank's share of the experts
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         model = model.to(self.device)
         self.parallelize_context(model)  # strategy.cp > 1: the vit's tokens sharded (strategies/cp)
+        self.experts = expert_parallel(self, model)
+        if self.experts is not None:  # their gradients are reduced over their own replicas, not all ranks
+            names = self.experts.expert_names(model)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
         device_ids = [self.device] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(
             model,
@@ -74,10 +82,26 @@ class DDPStrategy(ContextParallel, Bf16Compute, Strategy):
         predicts (one all-reduce each per step)."""
         data = self.model._get_ddp_logging_data()
         sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
-        return {"buckets": len(str(sizes).split(","))}
+        buckets = {"buckets": len(str(sizes).split(","))}
+        return buckets if self.experts is None else {**buckets, **self.experts.metrics()}
 
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
         # Only the last micro-batch of a step all-reduces; the others just accumulate locally.
         sync = micro == num_micro - 1
         with contextlib.nullcontext() if sync else self.model.no_sync():
             return super().train_step(inputs, targets, micro, num_micro)
+
+    def optimizer_step(self) -> None:
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+        super().optimizer_step()
+
+    def run_comm_theory_psi(self, num_params: int) -> float | None:
+        """Under ep: the all-reduce of the dense gradients (2 x their bytes) and the exchanges the
+        step's routing implies (strategies/ep/dispatch.py), in Ψ of the whole model."""
+        if self.experts is None:
+            return super().run_comm_theory_psi(num_params)
+        experts = {id(p) for p in self.experts.expert_parameters()}
+        dense = sum(p.numel() for p in self.model.parameters() if id(p) not in experts)
+        routed = sum(self.experts.theory_bytes_per_step().values())
+        return (2 * 4 * dense + routed) / (4 * num_params)

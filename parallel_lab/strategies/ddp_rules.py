@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.cp.rules import ContextOptions, check_context, context_comm, context_meta_vit, cp_of
+from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, SavedBytes
@@ -30,6 +31,10 @@ class DDPOptions(ContextOptions, StrategyOptions):
     # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights, gradients all-reduced in
     # fp32 (strategies/precision.py)
     precision: Precision = Precision.fp32
+    # Expert parallelism (model.moe_experts > 0): the MoE experts sharded over ep data-parallel
+    # ranks, tokens exchanged by all-to-all (strategies/ep/, docs/moe.md); divides world_size
+    # and model.moe_experts. 1 = every rank holds every expert.
+    ep: int = 1
 
 
 @register_rules("ddp")
@@ -43,18 +48,25 @@ class DDPPlan(ReplicatedPlan):
     def comm_theory_psi(cls, cfg: DictConfig) -> float | None:
         """One all-reduce of every gradient per step; with cp the attention's bytes too, which are
         no multiple of Ψ: the report takes the planner's bytes (``predict_comm``) instead."""
-        return 2.0 if cp_of(cfg) < 2 else None
+        return 2.0 if cp_of(cfg) < 2 and ep_degree(cfg) == 1 else None  # under ep: the run's routing (ddp.py)
 
     @classmethod
     def dims(cls, cfg: DictConfig) -> MeshDims:
         """world_size / cp data-parallel replicas, each a group of cp consecutive ranks."""
         cp = cp_of(cfg)
-        return MeshDims(replicate=cfg.world_size // cp, cp=cp) if cp > 1 else super().dims(cfg)
+        return MeshDims(replicate=cfg.world_size // cp, cp=cp, ep=ep_degree(cfg))
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, float]:
-        """The gradients' all-reduce over every rank, plus context parallelism's bytes (cp/rules.py)."""
+        """The gradients' all-reduce over every rank, plus context parallelism's bytes (cp/rules.py).
+        Under ep: the dense gradients only, and the exchanges with every expert equally loaded
+        (strategies/ep/rules.py; the run records its routing's own)."""
         comm = super().predict_comm(cfg, model, rank)
+        if ep_degree(cfg) > 1:
+            experts = expert_ids(model)
+            dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
+            micro = cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum)
+            comm = {"all_reduce": 2.0 * 4 * dense, **balanced_comm(cfg, model, micro)}
         for op, nbytes in context_comm(cfg, model).items():
             comm[op] = comm.get(op, 0.0) + nbytes
         return comm
@@ -81,14 +93,25 @@ class DDPPlan(ReplicatedPlan):
         is only for ``bucket_cap_mb=None``; ``setup`` always passes the option, so the first bucket
         is ``bucket_cap_mb`` too (torch 2.13, ``_BucketCapacityConfig``): the cnn's 1.3 MB of
         gradients are one bucket at 25 MiB, two at 0.25 MiB (fc1's 1 MB weight alone fills one)."""
-        from parallel_lab.strategies.memory import param_numels
-
         if cfg.world_size < 2:
             return {}
-        return {"all_reduce": ddp_buckets([4 * n for n in param_numels(model)], cfg.strategy.bucket_cap_mb)}
+        experts = expert_ids(model)  # under ep, reduced outside DDP's buckets (strategies/ep/parallel.py)
+        dense = [p.numel() for p in model.parameters() if ep_degree(cfg) == 1 or id(p) not in experts]
+        return {"all_reduce": ddp_buckets([4 * n for n in dense], cfg.strategy.bucket_cap_mb)}
+
+    @classmethod
+    def reshard_refusal(cls, cfg: DictConfig) -> str | None:
+        if ep_degree(cfg) > 1:  # strategies/ep/state.py: each rank's own file, experts not scattered
+            return (
+                f"trainer.reshard=true does not scatter experts under strategy.ep={ep_degree(cfg)}; use strategy.ep=1"
+            )
+        return super().reshard_refusal(cfg)
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        check_ep(cfg, MeshDims(replicate=cfg.world_size // max(1, cp_of(cfg)), ep=opts.ep))
+        if opts.ep > 1 and cp_of(cfg) > 1:
+            raise ConfigError(f"strategy.ep={opts.ep} with strategy.cp={cp_of(cfg)} is not composed; use one of them")
         if opts.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"strategy.bucket_cap_mb={opts.bucket_cap_mb} must be > 0; use e.g. strategy.bucket_cap_mb=25"

@@ -49,6 +49,9 @@ class MeshDims:
     cp: int = 1  # context-parallel ranks: each holds 1/cp of every sample's tokens (strategies/cp)
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor-parallel degree
+    # Expert-parallel degree: the MoE experts are sharded over ep of the data-parallel ranks, so it
+    # divides replicate x shard and is no factor of the world (strategies/ep/groups.py).
+    ep: int = 1
     # Dims laid out even at size 1: the groups the strategy's code talks over (tp's f/g, a
     # pipeline's sends), which must stay this rank's own and not become the world.
     named: tuple[str, ...] = ()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from parallel_lab.choices import Precision
+from parallel_lab.strategies.ep.rules import held_numels
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import PlanRules
 from parallel_lab.strategies.registry import register_rules
@@ -25,10 +26,11 @@ class ReplicatedPlan(PlanRules):
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: nn.Module, rank: int) -> dict[str, int]:
         """Every parameter and gradient whole, fp32, and torch's optimizer state for each (Adam:
-        two moments plus a 4-byte step tensor per parameter, which this measurement counts)."""
-        from parallel_lab.strategies.memory import param_numels, predicted_optimizer_bytes
+        two moments plus a 4-byte step tensor per parameter, which this measurement counts); under
+        expert parallelism only this rank's experts (strategies/ep/)."""
+        from parallel_lab.strategies.memory import predicted_optimizer_bytes
 
-        numels = param_numels(model)
+        numels = held_numels(cls.dims(cfg), model, rank)
         held = 4 * sum(numels)
         report = {
             "param_bytes": held,

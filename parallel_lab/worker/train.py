@@ -381,7 +381,7 @@ def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord) 
         **_resume_fields(cfg, run),
         comm_bytes_per_step=comm_per_step,
         comm_volume_psi=comm_per_step / (4 * run.num_params),
-        comm_theory_psi=strategy.plan.comm_theory_psi(cfg),
+        comm_theory_psi=strategy.run_comm_theory_psi(run.num_params),
         ranks=ranks,
         strategy_extras=extras,
         nodes=nodes,

@@ -32,7 +32,15 @@ from parallel_lab.report.parity import (
 from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 
 # vit_dropout: model=vit model.dropout=0.1 (per-sample masks: every split draws single's, models/dropout.py)
-MODELS = {"cnn": SmallCNN, "resnet18": ResNet18, "vit": ViT, "vit_dropout": functools.partial(ViT, dropout=0.1)}
+# vit_moe: model=vit model.patch=8 model.depth=2 model.moe_experts=4 model.moe_topk=2 (tests/integration/test_ep.py)
+VIT_MOE = {"patch": 8, "depth": 2, "moe_experts": 4, "moe_topk": 2}
+MODELS = {
+    "cnn": SmallCNN,
+    "resnet18": ResNet18,
+    "vit": ViT,
+    "vit_dropout": functools.partial(ViT, dropout=0.1),
+    "vit_moe": functools.partial(ViT, **VIT_MOE),
+}
 
 
 def global_batches(size: int, global_batch: int, seed: int):
@@ -105,6 +113,9 @@ def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision:
     if precision == "bf16":
         return _bf16_backward(net, x, y, parts)
     loss = torch.nn.functional.cross_entropy(net(x), y)
+    aux = getattr(net, "aux", None)  # an MoE vit's load-balancing losses of this forward: part of the loss
+    if aux is not None and aux.total() is not None:
+        loss = loss + aux.total()
     share = loss / parts if parts > 1 else loss
     share.backward()
     return share.detach()

@@ -1,0 +1,81 @@
+"""Expert parallelism on real ranks (strategies/ep/, docs/moe.md): one ddp run with strategy.ep=2
+serves every claim: it trains as the independent single-process reference does (aux loss
+included, the report's parity criterion), every rank holds the model-state bytes the planner
+predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
+summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
+elements, dispatch and combine, forward and backward). Refusals: one line, exit 2, in the parent.
+The layer in one process: tests/unit/test_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_lab.cli.run import load_metrics
+from tests.support.checks import assert_plan_matches
+from tests.support.cli import assert_one_clean_line, run_cli
+from tests.support.reference import VIT_MOE, parity_reference
+
+STEPS, BATCH, K, DIM, TOKENS, MOE_LAYERS = 3, 16, VIT_MOE["moe_topk"], 64, (32 // VIT_MOE["patch"]) ** 2, 1
+MOE = ["model=vit", *(f"model.{key}={value}" for key, value in VIT_MOE.items())]
+# eval_batches=0: the end-of-run evaluation (whose all-to-alls are outside any step) is not what
+# these claims are about; the default path's evaluation runs in test_ep_strategies_run_to_the_end.
+RUN = [*MOE, f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer.eval_batches=0"]
+# SGD: under Adam an expert gradient N times too large (summed over the ep group, not averaged)
+# changes almost nothing (Adam divides by the gradient's own scale); under SGD it shows at once.
+SGD = "trainer.optimizer=sgd"
+
+
+@pytest.fixture(scope="module")
+def ddp_ep(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("ep") / "ddp"
+    run_cli(run_dir, "strategy=ddp", "strategy.ep=2", "world_size=2", SGD, *RUN)
+    return {**load_metrics(run_dir), "run_dir": str(run_dir)}
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.floats
+def test_dropless_ep_trains_as_single_does_aux_loss_included(ddp_ep):
+    reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(ddp_ep, "ddp ep=2")
+
+
+@pytest.mark.slow
+def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep):
+    assert_plan_matches(ddp_ep, tolerance=0.0)
+    ranks = ddp_ep["ranks"]
+    assert ranks[0]["param_bytes"] < ranks[0]["analytic_param_bytes"]  # half of the experts each
+
+
+@pytest.mark.slow
+def test_all_to_all_bytes_are_the_routings_and_the_dropless_formula(ddp_ep):
+    """Rank 0's measured bytes equal what its routing implied; over both ranks, every token's k
+    copies are sent and received, forward and backward: 4 x B x S x k x h x 4 bytes per MoE layer."""
+    theory = ddp_ep["strategy_extras"]["ep"]["theory_bytes_per_step"]
+    measured = ddp_ep["ranks"][0]["comm_bytes_by_op"]
+    assert measured["all_to_all_single"] == pytest.approx(theory["all_to_all_single"], rel=1e-12)
+    assert measured["all_gather_single"] == theory["all_gather_single"] == MOE_LAYERS * 2 * 4 * 8
+    total = sum(r["comm_bytes_by_op"]["all_to_all_single"] for r in ddp_ep["ranks"])
+    assert total == pytest.approx(MOE_LAYERS * 4 * BATCH * TOKENS * K * DIM * 4, rel=1e-12)
+    # the report's "comm Ψ meas/theory": both numbers, equal
+    assert ddp_ep["comm_theory_psi"] == pytest.approx(ddp_ep["comm_volume_psi"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["strategy=ddp", "strategy.ep=3", "world_size=3"], "strategy.ep=3 does not divide model.moe_experts=4"),
+        (["strategy=ddp", "strategy.ep=4", "world_size=2"], "strategy.ep=4 does not divide the data-parallel size 2"),
+        (["strategy=ddp", "strategy.ep=2", "world_size=2", "trainer.grad_clip=1"], "trainer.grad_clip=1.0"),
+    ],
+)
+def test_refusals_are_one_line_in_the_parent(tmp_path, overrides, named):
+    result = run_cli(tmp_path / "run", *overrides, *MOE, check=False, timeout=120)
+    assert result.returncode == 2
+    assert_one_clean_line(result, tmp_path / "run", named)
+
+
+def test_ep_without_moe_layers_is_refused(tmp_path):
+    result = run_cli(tmp_path / "run", "strategy=ddp", "strategy.ep=2", "model=vit", check=False, timeout=120)
+    assert result.returncode == 2
+    assert_one_clean_line(result, tmp_path / "run", "strategy.ep=2 shards MoE experts")
