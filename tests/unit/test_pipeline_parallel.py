@@ -162,7 +162,7 @@ def test_dp_x_pp_x_tp_layout_pipelines_are_tp_apart():
 
     dims = pp_dims(OmegaConf.create({"replicate": 2, "stages": 2, "tp": 2}))
     assert dims.sizes() == {"replicate": 2, "pp": 2, "tp": 2}
-    assert dims.coords(5) == {"replicate": 1, "shard": 0, "pp": 0, "tp": 1}
+    assert dims.coords(5) == {"replicate": 1, "shard": 0, "cp": 0, "pp": 0, "tp": 1}
     assert dims.group_ranks(5, "tp") == [4, 5]
     assert dims.group_ranks(5, "pp") == [5, 7]
     assert dims.group_ranks(5, "replicate") == [1, 5]
