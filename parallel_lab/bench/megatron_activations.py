@@ -11,8 +11,9 @@ a heads, t the tensor-parallel degree):
     tp + sp + selective recompute       sbh (34/t)
     full recompute                      2sbh
 
-beside one vit block (models/vit.py) configured to the paper's assumptions -- MLP 4h, dropout on,
-the block cast to bf16 as ZeRO/FSDP's gathered parameters are -- split as strategy=tp splits it
+beside one vit block (models/vit.py) configured to the paper's assumptions -- MLP 4h, dropout on
+where GPT has it (model.dropout_placement=gpt: none after GELU), the block cast to bf16 as
+ZeRO/FSDP's gathered parameters are -- split as strategy=tp splits it
 (Megatron's manual split, tp/megatron.py), with trainer.recompute's regions:
 
 - measured: the storages autograd saves in a real forward of the block on each rank (a
@@ -35,9 +36,10 @@ import sys
 import torch
 from torch import nn
 
-# h = 256, a = 8 heads of 32, s = 64 tokens (4 x 4 patches of a 32 x 32 image), MLP 4h, dropout on:
-# 5as/h = 10, so the attention's s² terms weigh in the totals as they do in the paper's GPT layers.
-SHAPE = {"dim": 256, "heads": 8, "patch": 4, "mlp_ratio": 4.0, "dropout": 0.1}
+# h = 256, a = 8 heads of 32, s = 64 tokens (4 x 4 patches of a 32 x 32 image), MLP 4h, dropout on
+# where GPT has it: 5as/h = 10, so the attention's s² terms weigh in the totals as they do in the
+# paper's GPT layers.
+SHAPE = {"dim": 256, "heads": 8, "patch": 4, "mlp_ratio": 4.0, "dropout": 0.1, "dropout_placement": "gpt"}
 BATCH = 4
 BF16 = torch.bfloat16
 # (key, the paper's row, sequence parallel, trainer.recompute); "none" runs unsplit (t = 1 only)
@@ -86,6 +88,7 @@ def sizes(keys: dict) -> dict:
         "h": h,
         "hidden": round(h * k["mlp_ratio"]),
         "p": k["dropout"],
+        "placement": k["dropout_placement"],
     }
 
 
@@ -98,19 +101,18 @@ def layer_norm_stat_bytes() -> int:
 
 def differences(row: str, t: int, z: dict, b: int, stat: int) -> list[tuple[str, float]]:
     """(what, bytes) the vit block saves beyond the paper's row, each from its modules."""
-    s, h, (sp, mode) = z["s"], z["h"], OPTIONS[row]
+    s, (sp, mode) = z["s"], OPTIONS[row]
     if mode == "full":  # the checkpoint keeps the block's input alone: 2sbh (the row runs without SP)
         return []
     out = []
-    if z["p"] > 0:
-        drop1 = "mlp.drop1: a dropout after GELU (Megatron has none), its 1-byte mask of sb·4h/t"
+    if z["p"] > 0 and z["placement"] == "vit":
+        drop1 = (
+            "mlp.drop1: a dropout after GELU (model.dropout_placement=vit; GPT has none), its 1-byte mask of sb·4h/t"
+        )
         out.append((drop1, s * b * z["hidden"] / t))
     local = s // t if sp else s  # tokens in the LayerNorms' region
     stats = f"LayerNorm's saved mean and rstd: 2 norms x 2 x b x s{'/t' if sp else ''} x {stat} B"
     out.append((stats, 4 * b * local * stat))
-    if sp and t > 1:
-        gathered = "SP: q/k/v's and fc1's input kept all-gathered (Megatron keeps the shard): 2 x 2sbh(1 - 1/t)"
-        out.append((gathered, 4 * s * b * h * (1 - 1 / t)))
     return out
 
 
@@ -255,7 +257,8 @@ def render(entries: list[dict], keys: dict, batch: int) -> str:
     lines = [
         "Korthikanti et al. (arXiv 2205.05198) Table 2: activation bytes per transformer layer, 16-bit "
         "activations, 1-byte dropout masks.",
-        f"One vit block (models/vit.py) cast to bf16, dropout {z['p']}: a = {z['a']} heads, s = {z['s']} tokens, "
+        f"One vit block (models/vit.py) cast to bf16, dropout {z['p']} ({z['placement']} placement): "
+        f"a = {z['a']} heads, s = {z['s']} tokens, "
         f"h = {z['h']}, MLP {z['hidden']}, b = {batch} (sbh = {sbh:,} elements; "
         f"5as/h = {5 * z['a'] * z['s'] / z['h']:g}).",
         "Measured: autograd's saved storages in a real forward on each rank (t > 1: t gloo ranks, Megatron's manual "
@@ -282,7 +285,9 @@ What the vit block saves, item by item, against the paper's (sec. 4.1) list:
   (2sbh/t each), v the same; softmax saves its output (2as²b/t); the attention dropout's 1-byte
   mask (as²b/t) and its output for the product with v (2as²b/t); proj's input (the heads' output
   reshaped, a copy: 2sbh/t); the two sublayer dropouts' masks (sbh each, /t under SP); fc1's input
-  (2sbh); GELU's input (8sbh/t); fc2's input (8sbh/t, here the output of drop1);
+  (2sbh; under SP the column layers keep their input's shard, 2sbh/t, and gather it again in
+  backward, as Megatron does); GELU's input (8sbh/t); fc2's input (8sbh/t; with
+  model.dropout_placement=vit it is drop1's output and drop1 adds its mask);
 - selective recompute: the checkpoint keeps q, k, v (the three linear outputs, 6sbh/t) where
   the unrecomputed core kept its copies of them: the same bytes;
 - full recompute: only the block's input (2sbh), kept by the checkpoint.
@@ -301,7 +306,8 @@ def parse_keys(text: str | None) -> dict:
     keys = dict(SHAPE)
     for pair in filter(None, (text or "").split(",")):
         key, _, value = pair.partition("=")
-        keys[key.strip()] = float(value) if "." in value else int(value)
+        value = value.strip()
+        keys[key.strip()] = value if not value[:1].isdigit() else float(value) if "." in value else int(value)
     return keys
 
 

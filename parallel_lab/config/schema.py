@@ -222,6 +222,9 @@ class ModelConfig:
     # in [0, 1); 0.0 = off. Masks are keyed by the sample (models/dropout.py), so data-parallel rows
     # draw single's masks; later pipeline stages do not (docs/vit.md).
     dropout: Optional[float] = ranged(None, 0, 1, example=0.1)
+    # vit | gpt (null = vit): where the MLP has dropout. vit: after GELU and after fc2; gpt: after
+    # fc2 only, as GPT-2 and Megatron (the layout Korthikanti et al.'s activation count assumes).
+    dropout_placement: Optional[str] = None
     # Mixture of experts on the vit (models/moe.py, docs/moe.md); null = the default in
     # parallel_lab/models/moe.py MOE_DEFAULTS. moe_experts=0: dense MLPs (the default).
     moe_experts: Optional[int] = ranged(None, 0, example=4)  # E experts in each MoE block's MLP

@@ -10,7 +10,19 @@ from parallel_lab.errors import ConfigError
 
 MODEL_NAMES = ("cnn", "resnet18", "vit", "gpt")  # model=<name>; build.py maps each to its class
 RECOMPUTABLE = ("vit", "gpt")  # models with transformer blocks trainer.recompute can recompute
-VIT_DEFAULTS = {"patch": 4, "dim": 64, "depth": 4, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
+VIT_DEFAULTS = {
+    "patch": 4,
+    "dim": 64,
+    "depth": 4,
+    "heads": 4,
+    "mlp_ratio": 2.0,
+    "dropout": 0.0,
+    "dropout_placement": "vit",
+}
+# model.dropout_placement: where the vit's MLP has dropout. vit: after GELU and after fc2
+# (Dosovitskiy et al., as timm's Mlp); gpt: after fc2 only, as GPT-2 and Megatron's ParallelMLP
+# (arXiv 2205.05198's activation count assumes that layout).
+VIT_PLACEMENTS = ("vit", "gpt")
 IMAGE = 32  # CIFAR-10's side
 IMAGE_SHAPE = (3, IMAGE, IMAGE)  # one CIFAR image: the input of cnn, resnet18 and vit
 NORMS = ("group", "batch", "syncbatch")  # model.norm (config/schema.py Norm)
@@ -104,6 +116,11 @@ def _validate_vit(cfg: DictConfig) -> None:
         raise ConfigError(f"model.mlp_ratio={s['mlp_ratio']} gives no MLP width; use model.mlp_ratio=2")
     if not (isinstance(s["dropout"], (int, float)) and 0 <= s["dropout"] < 1):
         raise ConfigError(f"model.dropout={s['dropout']} must be in [0, 1); use model.dropout=0 (off, the default)")
+    if s["dropout_placement"] not in VIT_PLACEMENTS:
+        raise ConfigError(
+            f"model.dropout_placement={s['dropout_placement']} is unknown; use model.dropout_placement=vit "
+            "(the default: dropout after GELU too) or gpt (after fc2 only, as GPT and Megatron)"
+        )
 
 
 def _validate_gpt(cfg: DictConfig) -> None:

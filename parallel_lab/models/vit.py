@@ -94,20 +94,21 @@ class Attention(nn.Module):
         self.drop = drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, _ = x.shape
         head_dim = self.proj.in_features // self.heads
-        # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share.
-        q, k, v = (f(x).view(batch, tokens, -1, head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        out = self.core(q, k, v).transpose(1, 2).reshape(batch, tokens, -1)
+        # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share;
+        # the shapes come from q, k, v (under sequence parallelism x holds a slice of the tokens).
+        q, k, v = (f(x).unflatten(-1, (-1, head_dim)).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = self.core(q, k, v).transpose(1, 2).flatten(2)
         return self.drop(self.proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, drop: Dropout) -> None:
+    def __init__(self, dim: int, hidden: int, drop: Dropout, after_act: bool = True) -> None:
+        """after_act: a dropout after GELU (placement vit); without it ``drop1`` is an Identity."""
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.act = nn.GELU()
-        self.drop1 = drop()
+        self.drop1 = drop() if after_act else nn.Identity()
         self.fc2 = nn.Linear(hidden, dim)
         self.drop2 = drop()
 
@@ -120,14 +121,22 @@ class Block(nn.Module):
     trainer.recompute=full (only its input kept), its attention core alone under selective."""
 
     def __init__(
-        self, dim: int, heads: int, hidden: int, drop: Dropout, recompute: Recompute, mlp: nn.Module | None = None
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        drop: Dropout,
+        recompute: Recompute,
+        mlp: nn.Module | None = None,
+        placement: str = "vit",
     ) -> None:
-        """mlp: the block's MLP when it is not the dense one (an MoE layer, models/moe.py)."""
+        """mlp: the block's MLP when it is not the dense one (an MoE layer, models/moe.py).
+        placement: model.dropout_placement, the dense MLP's (``MLP``)."""
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads, drop, recompute)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = mlp if mlp is not None else MLP(dim, hidden, drop)
+        self.mlp = mlp if mlp is not None else MLP(dim, hidden, drop, after_act=placement == "vit")
         self.recompute = recompute  # shared by the model's blocks: a plain attribute, no state_dict key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +182,7 @@ class ViT(nn.Sequential):
         heads: int = DEFAULTS["heads"],
         mlp_ratio: float = DEFAULTS["mlp_ratio"],
         dropout: float = DEFAULTS["dropout"],
+        dropout_placement: str = DEFAULTS["dropout_placement"],
         seed: int = 0,
         recompute: str = "none",
         moe_experts: int = MOE_DEFAULTS["moe_experts"],
@@ -184,7 +194,8 @@ class ViT(nn.Sequential):
         """seed: of the dropout masks (models/dropout.py), build_model's seed. recompute: none |
         selective | full (models/recompute.py; set_recompute changes it after the build).
         moe_experts > 0: every moe_every-th block's MLP (blocks moe_every-1, 2*moe_every-1, ...,
-        V-MoE's layout) is a mixture of that many experts (models/moe.py)."""
+        V-MoE's layout) is a mixture of that many experts (models/moe.py). dropout_placement: vit |
+        gpt (models/specs.py ``VIT_PLACEMENTS``)."""
         super().__init__()
         del norm  # LayerNorm always: validate_model_config refuses batch/syncbatch for the vit
         dim = scaled_dim(dim, heads, width)
@@ -197,5 +208,6 @@ class ViT(nn.Sequential):
         for i in range(depth):
             moe = moe_experts > 0 and i % moe_every == moe_every - 1
             args = (dim, hidden, moe_experts, moe_topk, moe_capacity_factor, moe_aux_weight, i, self.aux)
-            self.add_module(f"block{i}", Block(dim, heads, hidden, drop, setting, MoEMLP(*args) if moe else None))
+            mlp = MoEMLP(*args) if moe else None
+            self.add_module(f"block{i}", Block(dim, heads, hidden, drop, setting, mlp, dropout_placement))
         self.add_module("head", Head(dim, num_classes))

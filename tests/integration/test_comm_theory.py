@@ -1,5 +1,6 @@
 """The comparison's ``comm Ψ meas/theory`` column for the model-parallel rows: tp runs on the vit
-(Megatron's split without and with sequence parallelism, 2 micro-batches) and a pp run (1F1B, 2 stages) on
+(Megatron's split without and with sequence parallelism, and with it under full recompute, whose
+recomputed forward repeats the collectives; 2 micro-batches) and a pp run (1F1B, 2 stages) on
 2 real gloo ranks show a theory (report/columns.py ``_theory_psi``: the planner's formula for rank
 0, Megatron's per block for tp) equal to what the run's communication counter measured."""
 
@@ -13,6 +14,13 @@ import pytest
 RUNS = {
     "tp": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual"],
     "tp_sp": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual", "strategy.sequence_parallel=true"],
+    # full recompute reruns each block's forward in backward and its collectives, to its last saving
+    # op: without dropout not the MLP's g (tp/predict.py block_collectives), with dropout every one
+    "tp_full": ["strategy=tp", "strategy.tp=2", "strategy.impl=manual", "trainer.recompute=full"],
+    "tp_sp_full_dropout": [
+        *("strategy=tp", "strategy.tp=2", "strategy.impl=manual", "strategy.sequence_parallel=true"),
+        *("trainer.recompute=full", "model.dropout=0.1"),
+    ],
     "pp": ["strategy=pp", "strategy.stages=2", "strategy.schedule=1f1b", "strategy.microbatches=2"],
 }
 

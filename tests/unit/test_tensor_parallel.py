@@ -38,9 +38,10 @@ def test_tp_bad_input_is_one_config_error(overrides, named):
 def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
     """The planner's activations (a meta copy split as the run splits it; tests/integration/
     test_tp_vit.py checks them against a real forward): under sequence parallelism each LayerNorm
-    (2 per block, the head's) saves its input and its mean and rstd for tokens/tp only; the column
-    layers still save the gathered input, so that is the whole difference. Its communication equals
-    plain tp's plus the embedding's gather, the pool and the LayerNorm gradient sums."""
+    (2 per block, the head's) saves its input and its mean and rstd for tokens/tp only, and the column
+    layers save their input's shard (2 per block), as Megatron does: that is the whole difference.
+    Its communication equals plain tp's plus the embedding's gather, the column inputs gathered
+    again in backward (2 per block), the pool and the LayerNorm gradient sums."""
     from parallel_lab.models import build_meta_model
     from parallel_lab.plan.predict import plan_world
     from parallel_lab.strategies import get_strategy_class
@@ -52,10 +53,10 @@ def test_sequence_parallel_plans_the_token_regions_divided_by_tp():
     tp, sp = plan("strategy=tp"), plan("strategy=tp", "strategy.sequence_parallel=true")
     batch, tokens, dim, norms = 8, 64, 64, 2 * 4 + 1
     per_norm = 4 * (batch * tokens * dim + 2 * batch * tokens)  # input, mean, rstd (fp32)
-    assert tp.activation_bytes - sp.activation_bytes == norms * per_norm // 2
     a = 8 * 64 * 64 * 4  # one (batch, tokens, dim) fp32 activation
+    assert tp.activation_bytes - sp.activation_bytes == norms * per_norm // 2 + 2 * 4 * a // 2
     assert tp.comm == {"all_reduce": 4 * 2 * 2 * 2 * a}
-    assert sp.comm["all_gather_single"] + sp.comm["reduce_scatter_single"] == tp.comm["all_reduce"] + a
+    assert sp.comm["all_gather_single"] + sp.comm["reduce_scatter_single"] == tp.comm["all_reduce"] + a + 2 * 4 * a
 
 
 def test_fsdp_tp_lays_out_one_shard_x_tp_mesh():

@@ -114,18 +114,23 @@ def local_part(pipe, name: str, full: torch.Tensor) -> torch.Tensor:
 def stage_tp_comm(cfg: DictConfig, stage: nn.Module, tokens_shape: torch.Size, accum: int) -> dict[str, float]:
     """One step's tp collectives of a split stage (``stage``: its meta split), counter units (an
     all-reduce of B bytes counts 2B; an all-gather its output, a reduce-scatter its input), for
-    the (batch, tokens, dim) activation A of the step: per block and direction 2 all-reduces of A;
-    SP: each an all-gather + a reduce-scatter, the embed's gradient gathered (A), the head's pool
-    all-reduced and the SP weights' gradients once per step (tp/predict.py's formula, per stage)."""
+    the (batch, tokens, dim) activation A of the step: per block ``tp/predict.py``'s
+    ``block_collectives`` of A (the manual split); SP: the embed's gradient gathered (A), the
+    head's pool all-reduced and the SP weights' gradients once per step (tp/predict.py's formula,
+    per stage)."""
+    from parallel_lab.models import vit_sizes
     from parallel_lab.strategies.tp.megatron import blocks, sequence_parallel_params
+    from parallel_lab.strategies.tp.predict import block_collectives, recompute_mode
 
     act, depth = 4.0 * tokens_shape.numel(), len(blocks(stage))
-    if not cfg.strategy.get("sequence_parallel"):
-        return {"all_reduce": accum * depth * 2 * 2 * 2 * act}
+    sp = bool(cfg.strategy.get("sequence_parallel"))
+    per_block = block_collectives(sp, "manual", recompute_mode(cfg), vit_sizes(cfg.model)["dropout"])
+    if not sp:
+        return {"all_reduce": accum * depth * per_block["all_reduce"] * 2 * act}
     names = dict(stage.named_parameters())
     comm = {
-        "all_gather_single": accum * (depth * 4 + hasattr(stage, "embed")) * act,
-        "reduce_scatter_single": accum * depth * 4 * act,
+        "all_gather_single": accum * (depth * per_block["all_gather"] + hasattr(stage, "embed")) * act,
+        "reduce_scatter_single": accum * depth * per_block["reduce_scatter"] * act,
         "all_reduce": 2.0 * 4 * sum(names[n].numel() for n in sequence_parallel_params(stage)),
     }
     if hasattr(stage, "head"):

@@ -21,7 +21,10 @@ stay whole on every rank.
 
 Sequence parallelism: the regions between the split layers (norm1/norm2, the residual stream, the
 sublayers' output dropout) hold tokens [r*tokens/t, (r+1)*tokens/t) only. f becomes an all-gather
-of the tokens, g a reduce-scatter (the same bytes on the wire, ``comm.py``); the embedding's output
+of the tokens, g a reduce-scatter (the same bytes on the wire, ``comm.py``). As in Megatron, the
+column layers keep their input's shard for backward, not the gathered tokens, and gather it again
+there (``comm.sequence_parallel_columns``: one Function for q, k and v, run by the attention's
+entry hook, whose outputs the three ``GatheredColumn`` layers hand back); the embedding's output
 is scattered to the ranks' tokens (its gradient all-gathered back), and the head pools its tokens'
 sum and all-reduces the (batch, dim) pool (the mean of all tokens, on every rank). The weights used
 on a slice of the tokens (every LayerNorm, the row layers' biases) receive a slice's gradient: the
@@ -45,11 +48,13 @@ from parallel_lab.strategies.tp.comm import (
     gather_to_replicated,
     reduce_from_tp,
     scatter_to_sequence,
+    sequence_parallel_columns,
 )
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 
 TOKENS = 1  # the tokens dimension of the vit's (batch, tokens, dim) activations
 COLUMNS = ("attn.q", "attn.k", "attn.v", "mlp.fc1")  # in each block, split by output features
+ENTERING = {"attn": ("q", "k", "v"), "mlp": ("fc1",)}  # each sublayer's column layers, by their names in it
 ROWS = ("attn.proj", "mlp.fc2")  # in each block, split by input features
 # Per sublayer: the module whose input enters the split region, its row layer, its dropouts.
 SUBLAYERS = {"attn": ("attn.proj", "attn.drop"), "mlp": ("mlp.fc2", "mlp.drop2")}
@@ -76,20 +81,21 @@ def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
 
 
 def split_transformer_manual(
-    model: nn.Module, tp: TPGroup, sequence_parallel: bool, gather_head: bool = False
+    model: nn.Module, tp: TPGroup, sequence_parallel: bool, dtensor_layout: bool = False
 ) -> dict[str, int]:
-    """``tp/split.py``'s ``split_transformer`` with this project's f/g functions. gather_head: the
-    SP head gets all tokens gathered (as the dtensor split does; the planner's count of it)
-    instead of pooling its own tokens."""
+    """``tp/split.py``'s ``split_transformer`` with this project's f/g functions. dtensor_layout:
+    under SP, save what the dtensor split saves (the planner's count of it): the column layers
+    keep the all-gathered input (DTensor's ColwiseParallel gathers before the Linear, which saves
+    what it gets), and the head gets all tokens gathered instead of pooling its own."""
     shard_dims: dict[str, int] = {}
     for block in blocks(model):
-        shard_dims.update(_split_block(model, block, tp, sequence_parallel))
+        shard_dims.update(_split_block(model, block, tp, sequence_parallel, dtensor_layout))
     if sequence_parallel:
         if hasattr(model, "embed"):
             model.embed.register_forward_hook(
                 lambda _m, _a, out: scatter_to_sequence(out, TOKENS, tp.group, tp.rank, tp.size)
             )
-        if hasattr(model, "head") and gather_head:
+        if hasattr(model, "head") and dtensor_layout:
             model.head.register_forward_pre_hook(
                 lambda _m, args: (gather_to_replicated(args[0], TOKENS, tp.group, tp.rank, tp.size),)
             )
@@ -98,18 +104,23 @@ def split_transformer_manual(
     return shard_dims
 
 
-def _split_block(model: nn.Module, block: str, tp: TPGroup, sequence_parallel: bool) -> dict[str, int]:
+def _split_block(
+    model: nn.Module, block: str, tp: TPGroup, sequence_parallel: bool, keep_gathered: bool
+) -> dict[str, int]:
     shard_dims: dict[str, int] = {}
+    column_cls = GatheredColumn if sequence_parallel and not keep_gathered else ColumnParallel
     for column in COLUMNS:
         name = f"{block}.{column}"
-        replace_module(model, name, ColumnParallel(model.get_submodule(name), tp.group, tp.rank, tp.size, True))
+        replace_module(model, name, column_cls(model.get_submodule(name), tp.group, tp.rank, tp.size, True))
         shard_dims.update({f"{name}.weight": 0, f"{name}.bias": 0})
     for sublayer, (row, drop) in SUBLAYERS.items():
         name = f"{block}.{row}"
         layer = RowParallel(model.get_submodule(name), tp.group, tp.rank, tp.size, True, sequence_parallel)
         replace_module(model, name, layer)
         shard_dims[f"{name}.weight"] = 1
-        model.get_submodule(f"{block}.{sublayer}").register_forward_pre_hook(_entry(tp, sequence_parallel))
+        model.get_submodule(f"{block}.{sublayer}").register_forward_pre_hook(
+            _entry(tp, sequence_parallel, ENTERING[sublayer], keep_gathered)
+        )
         if sequence_parallel:  # the sublayer's output dropout acts on this rank's tokens
             _slice_dropout(model, f"{block}.{drop}", TOKENS, tp)
     _slice_dropout(model, f"{block}.attn.core.drop", 1, tp)  # (batch, heads, tokens, tokens): its heads
@@ -117,17 +128,42 @@ def _split_block(model: nn.Module, block: str, tp: TPGroup, sequence_parallel: b
     return shard_dims
 
 
-def _entry(tp: TPGroup, sequence_parallel: bool):
+def _entry(tp: TPGroup, sequence_parallel: bool, columns: tuple[str, ...], keep_gathered: bool = False):
     """The forward pre-hook where a sublayer's input enters the split region, once for all its
-    column layers: f (identity; all-reduce backward) or, under SP, the all-gather of the tokens."""
+    column layers: f (identity; all-reduce backward) or, under SP, the all-gather of the tokens
+    and every column layer's output at once, the input kept as this rank's shard (the layers then
+    return those outputs: ``GatheredColumn``; the sublayer itself gets the shard). ``columns`` are
+    found by name in the hooked sublayer: a deep copy of the split model (the planner's bf16 cast)
+    runs its own layers. keep_gathered: the gathered tokens are the sublayer's input, which its
+    column layers save (the dtensor split's layout, for the planner)."""
 
-    def enter(_module: nn.Module, args: tuple) -> tuple:
+    def enter(sublayer: nn.Module, args: tuple) -> tuple:
         (x,) = args
-        if sequence_parallel:
+        if not sequence_parallel:
+            return (copy_to_tp(x, tp.group),)
+        if keep_gathered:
             return (gather_from_sequence(x, TOKENS, tp.group, tp.size),)
-        return (copy_to_tp(x, tp.group),)
+        layers = [sublayer.get_submodule(name) for name in columns]
+        outputs = sequence_parallel_columns(x, TOKENS, tp.group, tp.size, [(c.weight, c.bias) for c in layers])
+        for column, out in zip(layers, outputs):
+            column.pending = out
+        return (x,)
 
     return enter
+
+
+class GatheredColumn(ColumnParallel):
+    """A column layer under SP: its output was computed, from all ranks' tokens, by its sublayer's
+    entry (``_entry``) together with its siblings'; this hands it back (the input it is called on
+    is the shard, which the entry already used)."""
+
+    pending: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.pending = self.pending, None
+        if out is None:
+            raise RuntimeError("a sequence-parallel column layer ran outside its sublayer (no entry hook computed it)")
+        return out
 
 
 def _slice_dropout(model: nn.Module, name: str, dim: int, tp: TPGroup) -> None:

@@ -101,7 +101,8 @@ def tp_share(model: nn.Module, split_layers: list[str], degree: int) -> float:
 def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
     """A meta copy of the vit split as tp rank ``rank % tp`` splits it (the manual split; on the
     meta device its collectives only shape their outputs): the planner counts what it saves.
-    dtensor's SP head normalises all tokens gathered, the manual one its own: gather_head."""
+    Under SP dtensor's split saves the column layers' gathered input and normalises all tokens in
+    its head, the manual one the input's shard and its own tokens: dtensor_layout."""
     import copy
 
     from parallel_lab.strategies.tp.megatron import TPGroup, split_transformer_manual
@@ -109,38 +110,69 @@ def split_meta_vit(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
     tp, sp = cfg.strategy.tp, bool(cfg.strategy.get("sequence_parallel"))
     split = copy.deepcopy(model)
     dtensor = cfg.strategy.get("impl", "dtensor") == "dtensor"  # fsdp's 2-D layout splits with DTensor
-    split_transformer_manual(split, TPGroup(None, rank % tp, tp), sp, gather_head=dtensor)
+    split_transformer_manual(split, TPGroup(None, rank % tp, tp), sp, dtensor_layout=dtensor)
     return split
 
 
+def block_collectives(sequence_parallel: bool, impl: str, recompute: str, dropout: float = 0.0) -> dict[str, int]:
+    """Collectives of (batch, tokens, dim) one split vit block issues per micro-batch, by kind:
+    Megatron's 2 all-reduces forward (g) and 2 backward (f); under SP each is an all-gather and a
+    reduce-scatter, and the manual split's column layers gather their input's shard again in
+    backward (``comm.sequence_parallel_columns``: 2 more all-gathers; DTensor keeps the gathered
+    input instead). selective recompute reruns the attention core alone, which communicates
+    nothing. trainer.recompute=full reruns the block's forward in backward, and with it the
+    forward's collectives, up to the last op that saves a tensor: torch's non-reentrant checkpoint
+    stops there (its early stop). The MLP's g (fc2's all-reduce or reduce-scatter) is followed by
+    a saving op only when dropout is on (drop2 keeps its mask), so without dropout the recompute
+    repeats 1 all-reduce (SP: 2 all-gathers and 1 reduce-scatter), with dropout all 2 (2 and 2)."""
+    full = recompute == "full"
+    again = (1 + (dropout > 0)) * full  # the attention's g always, the MLP's only with dropout
+    if not sequence_parallel:
+        return {"all_reduce": 4 + again}
+    # each sublayer's entry saves its shard, so both entries' all-gathers are always rerun
+    return {"all_gather": 4 + 2 * (impl == "manual") + 2 * full, "reduce_scatter": 4 + again}
+
+
 def vit_comm_formula(
-    batch: int, tokens: int, dim: int, depth: int, sequence_parallel: bool, impl: str, elem: int = 4
+    batch: int,
+    tokens: int,
+    dim: int,
+    depth: int,
+    sequence_parallel: bool,
+    impl: str,
+    elem: int = 4,
+    recompute: str = "none",
+    dropout: float = 0.0,
 ) -> dict[str, float]:
     """Bytes per micro-batch one tp rank issues (comm/counter.py's units: an all-reduce of B bytes
-    counts 2B; an all-gather its output, a reduce-scatter its input), tp > 1.
-
-    Megatron: per block and direction, 2 all-reduces of (batch, tokens, dim): the payload
-    2 x batch x tokens x dim x elem bytes, counted 4 x batch x tokens x dim x elem.
-    SP: each all-reduce is one all-gather + one reduce-scatter of the same tensor (the same count);
-    plus the embedding's output gradient all-gathered backward, and the head's pool all-reduced
+    counts 2B; an all-gather its output, a reduce-scatter its input), tp > 1: ``block_collectives``
+    per block, each of one (batch, tokens, dim) activation of ``elem`` bytes per element; under SP
+    also the embedding's output gradient all-gathered backward, and the head's pool all-reduced
     forward (manual: the (batch, dim) token sums) or its input all-gathered forward (dtensor)."""
     act = batch * tokens * dim * elem  # one (batch, tokens, dim) activation
+    per_block = block_collectives(sequence_parallel, impl, recompute, dropout)
     if not sequence_parallel:
-        return {"all_reduce": depth * 2 * 2 * 2.0 * act}  # blocks x directions x sublayers x counted 2B
+        return {"all_reduce": depth * per_block["all_reduce"] * 2.0 * act}  # an all-reduce counts 2B
     gather, scatter = (
         ("all_gather_single", "reduce_scatter_single")
         if impl == "manual"
-        else (
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
-        )
+        else ("all_gather_into_tensor", "reduce_scatter_tensor")
     )
-    comm = {gather: depth * 2 * 2 * act + act, scatter: depth * 2 * 2.0 * act}  # + embed's backward gather
+    comm = {
+        gather: depth * per_block["all_gather"] * act + act,  # + embed's backward gather
+        scatter: depth * per_block["reduce_scatter"] * float(act),
+    }
     if impl == "manual":
         comm["all_reduce"] = 2.0 * batch * dim * elem  # the head's pool
     else:
         comm[gather] += act  # the head's input gathered
     return comm
+
+
+def recompute_mode(cfg: DictConfig) -> str:
+    """trainer.recompute as a plain string (a Choice in a typed config, a string in config.yaml)."""
+    mode = cfg.trainer.get("recompute") or "none"
+    return getattr(mode, "value", mode)
 
 
 def sequence_parallel_grad_numel(dim: int, depth: int, impl: str) -> int:
@@ -165,10 +197,14 @@ def predict_vit_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     if tp < 2:
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
     depth, dim = len(blocks(model)), model.embed.pos.shape[-1]
-    tokens = (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2
+    sizes = vit_sizes(cfg.model)
+    tokens = (IMAGE // sizes["patch"]) ** 2
     batch = cfg.trainer.global_batch // accum // replicate
     sp = bool(s.get("sequence_parallel"))
-    comm = {op: n * accum for op, n in vit_comm_formula(batch, tokens, dim, depth, sp, s.impl).items()}
+    formula = vit_comm_formula(
+        batch, tokens, dim, depth, sp, s.impl, recompute=recompute_mode(cfg), dropout=sizes["dropout"]
+    )
+    comm = {op: n * accum for op, n in formula.items()}
     if sp:
         comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sequence_parallel_grad_numel(dim, depth, s.impl)
     if replicate > 1:

@@ -20,14 +20,16 @@ def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp
     all-reduces of the (batch, tokens, dim) fp32 activation A; under SP each becomes an all-gather
     (counted A) + a reduce-scatter (counted A), plus the embedding's gradient gathered (A), the
     head's pool (manual: all-reduce of (batch, dim); dtensor: its input gathered, A), and once per
-    step the LayerNorms' (manual: also the row biases' and the head norm's) gradients all-reduced."""
+    step the LayerNorms' (manual: also the row biases' and the head norm's) gradients all-reduced.
+    Manual SP keeps the column layers' input sharded, as Megatron does, and gathers it again in
+    backward: 2 more all-gathers (A) per block."""
     a = batch * tokens * dim * 4
     if not sp:
         return {"all_reduce": accum * depth * 2 * 2 * 2 * a}
     if impl == "manual":
         grads = depth * (2 * 2 * dim + 2 * dim) + 2 * dim
         return {
-            "all_gather_single": accum * (depth * 4 + 1) * a,
+            "all_gather_single": accum * (depth * 6 + 1) * a,
             "reduce_scatter_single": accum * depth * 4 * a,
             "all_reduce": accum * 2 * batch * dim * 4 + 2 * 4 * grads,
         }
