@@ -77,6 +77,7 @@ BAD = {
     "dropout-negative": ({"dropout": -0.1}, "model.dropout=-0.1 must be in [0, 1)"),
     "mlp-ratio-0": ({"mlp_ratio": 0.0}, "model.mlp_ratio=0.0 gives no MLP width"),
     "batchnorm": ({"norm": "batch"}, "model.norm=batch: the vit has LayerNorm, no BatchNorm"),
+    "dropout-placement": ({"dropout_placement": "bert"}, "model.dropout_placement=bert is unknown"),
 }
 
 
