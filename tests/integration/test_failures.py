@@ -359,8 +359,8 @@ CATALOGUE = {
         ("strategy.stages=2 x strategy.virtual_stages=4", "6 cuttable blocks"),
     ),
     "pp-schedule-impl": (
-        ["strategy=pp", "strategy.schedule=zero_bubble"],
-        ("strategy.schedule=zero_bubble", "strategy.impl=manual", "use strategy.impl=torch"),
+        ["strategy=pp", "strategy.impl=deepspeed", "strategy.schedule=zero_bubble"],
+        ("strategy.schedule=zero_bubble", "strategy.impl=deepspeed", "use strategy.impl=manual"),
     ),
     "pp-microbatches": (
         ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],

@@ -24,6 +24,7 @@ CONFIGS = {
     "gpipe": ["strategy.schedule=gpipe"],
     "1f1b": ["strategy.schedule=1f1b"],
     "interleaved": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+    "zero_bubble": ["strategy.schedule=zero_bubble"],  # ZB-H1: weight gradients deferred (pp/zero_bubble.py)
 }
 # block3 alone costs more than the rest together: the only best cut puts it with the head
 TIME_GIVEN = {"time-given": ["strategy.balance=time", "strategy.block_times=[1,1,1,1,10,1]"]}

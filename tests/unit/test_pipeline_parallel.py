@@ -23,7 +23,7 @@ from parallel_lab.strategies.pp.schedules import (
 from tests.support.activations import saved_for_backward_bytes
 from tests.support.model_parallel import assert_one_line_config_error
 
-MANUAL = [name for name, order in SCHEDULES.items() if order is not None]
+MANUAL = list(SCHEDULES)
 
 
 @pytest.mark.parametrize("schedule", MANUAL)
@@ -35,22 +35,29 @@ def test_schedule_orders_are_valid(schedule):
             for m in range(p, 3 * p + 1, p) if schedule == "interleaved_1f1b" else range(1, 6):
                 for s in range(p):
                     order = SCHEDULES[schedule](m, p, s, v)
+                    ops = ("F", "B", "W") if schedule == "zero_bubble" else ("F", "B")
                     for c in range(v):
-                        assert [i for op, k, i in order if op == "F" and k == c] == list(range(m))
-                        assert [i for op, k, i in order if op == "B" and k == c] == list(range(m))
-                    inflight, peak = set(), 0
+                        for kind in ops:
+                            assert [i for op, k, i in order if op == kind and k == c] == list(range(m))
+                    inflight, peak, waiting = set(), 0, set()
                     for op, c, i in order:
                         if op == "F":
                             inflight.add((c, i))
-                        else:
+                        elif op == "B":
                             assert (c, i) in inflight, f"{schedule} p={p} m={m} s={s}: backward {c, i} first"
                             inflight.remove((c, i))
-                        peak = max(peak, len(inflight))
-                    if schedule != "interleaved_1f1b":
+                            waiting |= {(c, i)} if schedule == "zero_bubble" else set()
+                        else:
+                            assert (c, i) in waiting, f"{schedule} p={p} m={m} s={s}: weights {c, i} before B"
+                            waiting.remove((c, i))
+                        peak = max(peak, len(inflight) + len(waiting))
+                    if schedule in ("gpipe", "1f1b"):
                         assert peak == (m if schedule == "gpipe" else min(p - s, m)), (schedule, p, m, s, peak)
+                    if schedule == "zero_bubble":  # ZB-H1: until its W, at most p micro-batches (1F1B's stage 0)
+                        assert peak <= min(p, m), (p, m, s, peak)
 
 
-@pytest.mark.parametrize("schedule", MANUAL)
+@pytest.mark.parametrize("schedule", [s for s in MANUAL if s != "zero_bubble"])
 def test_orders_played_out_idle_the_formula(schedule):
     """Equal chunks, backward twice or once a forward: every rank of the played-out orders idles
     (p-1)/(m+p-1) (gpipe, 1f1b) or (p-1)/(v m+p-1) (interleaved, arXiv 2104.04473) of the step, and
@@ -62,6 +69,33 @@ def test_orders_played_out_idle_the_formula(schedule):
                     step, busy = play(rank_orders(schedule, m, p, v), [1.0] * (p * v), [backward] * (p * v))
                     for b in busy:
                         assert (step - b) / step == pytest.approx(bubble_fraction(schedule, m, p, v)), (p, v, m)
+
+
+def test_zero_bubble_played_out_idles_its_formula_and_less_than_1f1b():
+    """ZB-H1 (arXiv 2401.10241): with F, B (input gradient) and W (weight gradient) equal, every
+    rank idles (p-1)/(3m+p-1) for m >= p; with any costs, (p-1) max(B, F+B-W) of idle (stage 0
+    waits for its first B; W passes fill the rest), never more than 1F1B's (p-1)(F+B+W) with the
+    same total backward B+W. A W left in B's place (1F1B's order) idles more: the played-out
+    orders are what tells them apart."""
+    for p in (2, 3, 4):
+        for m in (p, p + 1, 2 * p, 4 * p):
+            orders = rank_orders("zero_bubble", m, p, 1)
+            step, busy = play(orders, [1.0] * p, [1.0] * p, [1.0] * p)
+            for b in busy:
+                assert (step - b) / step == pytest.approx(bubble_fraction("zero_bubble", m, p)), (p, m)
+            for f, bw, w in ((1.0, 1.3, 0.7), (1.0, 2.0, 2.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.3)):
+                step, busy = play(orders, [f] * p, [bw] * p, [w] * p)
+                idle = (p - 1) * max(bw, f + bw - w)
+                assert all(step - b == pytest.approx(idle) for b in busy), (p, m, f, bw, w)
+                step_1f1b, busy_1f1b = play(rank_orders("1f1b", m, p, 1), [f] * p, [bw + w] * p)
+                assert all((step - b) / step < (step_1f1b - b1) / step_1f1b for b, b1 in zip(busy, busy_1f1b))
+            # planted: each W right after its B (no deferral) idles 1F1B's bubble, not ZB-H1's
+            undeferred = [[op for op in o if op[0] != "W"] for o in orders]
+            undeferred = [
+                [x for op in o for x in ((op, ("W", *op[1:])) if op[0] == "B" else (op,))] for o in undeferred
+            ]
+            step, busy = play(undeferred, [1.0] * p, [1.0] * p, [1.0] * p)
+            assert (step - busy[0]) / step > bubble_fraction("zero_bubble", m, p) + 0.01
 
 
 def test_a_deadlocking_order_is_caught():
@@ -131,7 +165,11 @@ def test_stage_plan_is_contiguous_and_honours_cuts():
             ],
             ["strategy.microbatches=3", "strategy.microbatches=2"],
         ),
-        (["strategy.schedule=zero_bubble"], ["strategy.schedule=zero_bubble", "strategy.impl=torch"]),
+        (
+            ["model=vit", "strategy.schedule=zero_bubble", "strategy.virtual_stages=2"],
+            ["strategy.virtual_stages=2", "ZB-H1", "strategy.impl=torch"],
+        ),
+        (["strategy.schedule=zero_bubble", "trainer.recompute=full"], ["trainer.recompute=full", "recompute=none"]),
         (["strategy.balance=size"], ["strategy.balance", "size"]),
         (["strategy.block_times=[1,2,3,4,5]"], ["strategy.block_times", "balance=time"]),
         (["strategy.balance=time", "strategy.block_times=[1,2]"], ["strategy.block_times=[1.0, 2.0]", "5 positive"]),

@@ -24,6 +24,11 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return (t.storage_offset() * size, (t.storage_offset() + span) * size)
 
 
+def _key(t: torch.Tensor) -> int:
+    """The tensor's storage (views share it; a meta tensor has no address, its storage an identity)."""
+    return t.untyped_storage()._cdata
+
+
 def _union_length(ranges: Counter) -> int:
     total, end = 0, None
     for a, b in sorted(ranges):
@@ -49,8 +54,9 @@ class _Held:
 class SavedTracker:
     """``with tracker.hooks():`` around a step; ``peak``: the most bytes held at once so far."""
 
-    def __init__(self, params) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, params, meta: bool = False) -> None:
+        self.params = {_key(p) for p in params}
+        self.meta = meta  # count meta tensors too (the planner's replay of a chunk, pp/zero_bubble.py)
         self.ranges: dict[int, Counter] = {}
         self.held = self.peak = 0
 
@@ -66,9 +72,9 @@ class SavedTracker:
         self.peak = max(self.peak, self.held)
 
     def pack(self, t: torch.Tensor):
-        if t.is_meta or t.untyped_storage().data_ptr() in self.params:
+        if (t.is_meta and not self.meta) or _key(t) in self.params:
             return t
-        key, extent = t.untyped_storage().data_ptr(), _extent(t)
+        key, extent = _key(t), _extent(t)
         self.change(key, extent, +1)
         return _Held(self, key, extent, t)
 

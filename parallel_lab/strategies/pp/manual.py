@@ -1,5 +1,6 @@
 """``strategy.impl=manual``: the pipeline loop with our own isend/recv, one order per rank from
-``schedules.py`` (gpipe, 1f1b, interleaved_1f1b), any number of chunks per rank.
+``schedules.py`` (gpipe, 1f1b, interleaved_1f1b, zero_bubble), any number of chunks per rank.
+zero_bubble's orders split each backward into B and W (pp/zero_bubble.py runs the split).
 
 Global chunk g lives on pipeline rank g % p (the strategy's ``rank_of``: with tp the pipeline's
 ranks are tp apart, each sending to the same tp coordinate of the next stage); its input comes from
@@ -15,6 +16,7 @@ first runs with its micro-batch's keys."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -23,7 +25,8 @@ import torch.distributed as dist
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.models.dropout import SampleDropout
 from parallel_lab.protocol import IDLE_LABEL
-from parallel_lab.strategies.pp.schedules import SCHEDULES
+from parallel_lab.strategies.pp.schedules import SCHEDULES, SPLIT_BACKWARD
+from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
 
 BACKWARD_TAG = 1 << 20
 
@@ -39,6 +42,9 @@ class ManualLoop:
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
         self.late = 0  # receives posted only as their own op began (each step's first, on a later stage)
+        split = str(o.schedule) in SPLIT_BACKWARD
+        self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
+        self.op_seconds: dict[tuple[str, int], list[float]] = {}  # (op, global chunk) -> each run's compute
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
@@ -56,13 +62,15 @@ class ManualLoop:
             # when needed, gloo moves nothing until the receiver asks (a rendezvous): every hand-off
             # then waited once more on the critical path (docs/pp.md, "Where the extra idle was").
             self.post(k, late=True)
-            self.post(k + 1)
+            self.post(next((j for j in range(k + 1, len(self.order)) if self.order[j][0] != "W"), k + 1))
             g = pipe.chunk_ids[c]
             if op == "F":
                 stash[(c, i)] = self.forward(c, g, i)
                 self.max_inflight = max(self.max_inflight, len(stash))
-            else:
+            elif op == "B":
                 self.backward(g, i, *stash.pop((c, i)))
+            else:
+                self.weights(g, i)
         # gloo completes a send when the neighbour has received it: waiting here is waiting for
         # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
         with trace_label(f"{IDLE_LABEL}send"):
@@ -143,21 +151,38 @@ class ManualLoop:
         if g == self.n - 1:
             out = pipe.loss_fn(out, self.ys[i])
             pipe.losses.append(out.detach())
-        pipe.busy.seconds += time.perf_counter() - start
+        self.timed("F", g, start)
         if g < self.n - 1:
             self.send(out.detach(), g + 1, tag=(g + 1) * m + i)
         return x, out
 
+    def timed(self, op: str, g: int, start: float) -> None:
+        """Count the op's compute since ``start`` as busy, and keep it per (op, chunk): the replay
+        of the step from measured compute (schedules.play, bench bubbles) reads them."""
+        seconds = time.perf_counter() - start
+        self.pipe.busy.seconds += seconds
+        self.op_seconds.setdefault((op, g), []).append(seconds)
+
     def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
         tag = BACKWARD_TAG + g * self.m + i
+        # zero bubble: this is B, the weight-gradient GEMMs wait for W (weights)
+        split = self.deferred.pass_of((g, i)) if self.deferred else contextlib.nullcontext()
         if g == self.n - 1:
             # out is micro-batch i's mean loss: scale so the summed gradient is the global mean's.
             start = time.perf_counter()
-            (out / (self.m * self.num_micro)).backward()
+            with split:
+                (out / (self.m * self.num_micro)).backward()
         else:
             grad = self.recv(out.shape, g + 1, tag=tag)
             start = time.perf_counter()
-            out.backward(grad)
-        self.pipe.busy.seconds += time.perf_counter() - start
+            with split:
+                out.backward(grad)
+        self.timed("B", g, start)
         if g > 0:
             self.send(x.grad, g - 1, tag=tag - self.m)
+
+    def weights(self, g: int, i: int) -> None:
+        """Zero bubble's W: the weight gradients micro-batch i's B left for later (nothing to send)."""
+        start = time.perf_counter()
+        self.deferred.run((g, i))
+        self.timed("W", g, start)

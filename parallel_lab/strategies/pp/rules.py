@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # What each strategy.impl runs (PipelineImpl); a pair (schedules, balances) per impl.
 BALANCES = ("params", "flops", "time")
 IMPLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "manual": (("gpipe", "1f1b", "interleaved_1f1b"), BALANCES),
+    "manual": (("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), BALANCES),
     "torch": (("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), BALANCES),
     # deepspeed.pipe's engine runs its own TrainSchedule, a 1F1B order, on the cut plan_stages makes
     "deepspeed": (("1f1b",), BALANCES),
@@ -55,7 +55,10 @@ class PPOptions(StrategyOptions):
     stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
     microbatches: int = 4  # micro-batches per train step; must divide trainer.global_batch / trainer.grad_accum
-    schedule: Schedule = Schedule["gpipe"]  # gpipe | 1f1b | interleaved_1f1b | zero_bubble (impl=torch)
+    # gpipe | 1f1b | interleaved_1f1b | zero_bubble (ZB-H1, arXiv 2401.10241: backward split into
+    # input- and weight-gradient passes, the latter filling the bubble; impl=manual one chunk per
+    # rank, impl=torch its interleaved ScheduleInterleavedZeroBubble)
+    schedule: Schedule = Schedule["gpipe"]
     # manual (our send/recv loop) | torch (torch.distributed.pipelining) | deepspeed (deepspeed.pipe, 1f1b only)
     impl: PipelineImpl = PipelineImpl.manual
     # model chunks per rank (interleaved schedules): the model is cut into stages x virtual_stages chunks
@@ -214,7 +217,18 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
             f"strategy.schedule=interleaved_1f1b or strategy.virtual_stages=1"
         )
     p, m = opts.stages, opts.microbatches
-    if schedule in INTERLEAVED and p > 1 and m % p:
+    zb_h1 = impl == "manual" and schedule == "zero_bubble"
+    if zb_h1 and v > 1:
+        raise ConfigError(
+            f"strategy.virtual_stages={v} with strategy.schedule=zero_bubble strategy.impl=manual: the manual "
+            "loop runs ZB-H1, one chunk per rank; use strategy.virtual_stages=1 or strategy.impl=torch"
+        )
+    if zb_h1 and cfg.trainer.get("recompute", "none") != "none":
+        raise ConfigError(
+            f"trainer.recompute={cfg.trainer.recompute} with strategy.schedule=zero_bubble strategy.impl=manual: "
+            "the deferred weight gradients keep layer inputs a recomputed region would drop; use trainer.recompute=none"
+        )
+    if schedule in INTERLEAVED and p > 1 and m % p and not zb_h1:
         raise ConfigError(
             f"strategy.microbatches={m} is not a multiple of strategy.stages={p}: interleaved 1F1B sends p "
             "micro-batches through a chunk before the next (arXiv 2104.04473); use "
@@ -393,10 +407,11 @@ class PPPlan(PlanRules):
     ) -> tuple[int, int]:
         """The most bytes the rank's schedule stashes at once (``peak_in_flight`` of its order: gpipe
         all m micro-batches, 1f1b at most p - s, interleaved its warm-up's worth per chunk); only
-        the last chunk computes the loss. zero_bubble: counted as interleaved 1F1B (its weight
-        gradients keep some tensors longer: not verified)."""
+        the last chunk computes the loss. zero_bubble, manual: each chunk's B and what it leaves for W
+        from ``split_bytes`` (exact); torch's: counted as interleaved 1F1B (an upper bound)."""
         from parallel_lab.strategies.pp.plan import rank_chunks
         from parallel_lab.strategies.pp.tensor import boundary_shape, split_meta_stage
+        from parallel_lab.strategies.pp.zero_bubble import split_bytes
 
         o = cfg.strategy
         p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), stage_of(cfg, rank)
@@ -408,7 +423,15 @@ class PPPlan(PlanRules):
         per_chunk = [
             saved(split_meta_stage(cfg, chunks[g], rank), mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
         ]
-        schedule = str(o.schedule) if o.schedule != "zero_bubble" else "interleaved_1f1b"
+        schedule = str(o.schedule)
+        if schedule == "zero_bubble" and str(o.impl) == "manual":  # exact: B's peak and what waits for W, measured
+            stage_chunks = [
+                (split_meta_stage(cfg, chunks[g], rank), tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
+            ]
+            split = [split_bytes(chunk, mb, shape, last) for chunk, shape, last in stage_chunks]
+            return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk, split), mb
+        if schedule == "zero_bubble":  # torch's: counted as interleaved 1F1B, an upper bound
+            schedule = "interleaved_1f1b"
         return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk), mb
 
     @classmethod

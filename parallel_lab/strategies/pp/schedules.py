@@ -1,7 +1,8 @@
 """The order in which one rank runs its forwards (F) and backwards (B), the bubble each schedule
 promises, and a play-out of the orders (what the planner and the tests take as the theory).
 
-An order is a list of ``(op, chunk, micro)``: op "F" or "B", ``chunk`` the rank's local model chunk
+An order is a list of ``(op, chunk, micro)``: op "F" or "B" (zero bubble: "B" the input gradient
+and "W" the weight gradient, arXiv 2401.10241), ``chunk`` the rank's local model chunk
 (0 .. v-1; rank s holds the global chunks s, s+p, s+2p, ..., Narayanan et al. arXiv 2104.04473),
 ``micro`` the micro-batch. gpipe and 1f1b hold one chunk per rank (v = 1)."""
 
@@ -47,39 +48,70 @@ def interleaved_order(m: int, p: int, s: int, v: int) -> list[Op]:
     return order + [op("B", k) for k in range(total - warmup, total)]
 
 
-# The manual loop's schedules; zero_bubble runs only under strategy.impl=torch (no order here).
-SCHEDULES: dict[str, Callable[[int, int, int, int], list[Op]] | None] = {
+def zero_bubble_order(m: int, p: int, s: int, v: int = 1) -> list[Op]:
+    """ZB-H1 (Qi et al., arXiv 2401.10241 section 3.1): 1F1B's forwards and input-gradient passes B,
+    each weight-gradient pass W run s micro-batches after its B, the last s at the end. A later
+    stage holds s more micro-batches until their W (p on every stage, 1F1B's first stage's peak);
+    in exchange the W passes fill the bubble: with F, B and W of equal cost each rank idles
+    (p-1)/(3m+p-1) of the step for m >= p, a third of 1F1B's bubble time. One chunk per rank."""
+    warmup = min(p - s - 1, m)
+    order, weights = [("F", 0, i) for i in range(warmup)], 0
+    for k in range(m):
+        if warmup + k < m:
+            order.append(("F", 0, warmup + k))
+        order.append(("B", 0, k))
+        if k >= s:
+            order.append(("W", 0, k - s))
+            weights += 1
+    return order + [("W", 0, k) for k in range(weights, m)]
+
+
+# The manual loop's schedules (strategy.impl=torch runs its own classes, pp/torch_pipe.py).
+SCHEDULES: dict[str, Callable[[int, int, int, int], list[Op]]] = {
     "gpipe": gpipe_order,
     "1f1b": one_f_one_b_order,
     "interleaved_1f1b": interleaved_order,
-    "zero_bubble": None,
+    "zero_bubble": zero_bubble_order,
 }
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # the schedules that take strategy.virtual_stages > 1
+SPLIT_BACKWARD = ("zero_bubble",)  # backward in two passes: B (input gradient), W (weight gradient)
 
 
 def bubble_fraction(schedule: str, m: int, p: int, v: int = 1) -> float:
     """The share of a step each rank idles with equal chunks: (p-1)/(m+p-1) for GPipe and 1F1B
     (arXiv 1811.06965, 1806.03377), (p-1)/(v m+p-1) for interleaved 1F1B (2104.04473: the bubble
-    shrinks v-fold). Zero bubble (2401.10241) fills it with weight gradients: its fraction is
-    measured, not promised (returned as the interleaved one, its upper bound)."""
+    shrinks v-fold). Zero bubble, one chunk per rank (ZB-H1, 2401.10241): (p-1)(F+B-W) of idle
+    over m(F+B+W) of work, i.e. (p-1)/(3m+p-1) with the three passes equal (m >= p); torch's
+    interleaved zero bubble (v > 1) promises no number: the interleaved one is its upper bound."""
+    if schedule == "zero_bubble" and v == 1:
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1) if schedule in INTERLEAVED else (p - 1) / (m + p - 1)
 
 
 def rank_orders(schedule: str, m: int, p: int, v: int) -> list[list[Op]]:
-    order = SCHEDULES[schedule] or interleaved_order
+    order = SCHEDULES[schedule] if schedule not in INTERLEAVED or v == 1 else interleaved_order
     return [order(m, p, s, v) for s in range(p)]
 
 
-def play(orders: list[list[Op]], forward: Sequence[float], backward: Sequence[float]) -> tuple[float, list[float]]:
+def play(
+    orders: list[list[Op]],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float] | None = None,
+    handoff: float = 0.0,
+) -> tuple[float, list[float]]:
     """Play the ranks' orders out, each op starting when its rank is free and its input is there
-    (F of global chunk g after F of g-1; B after B of g+1, or after its own F on the last chunk);
-    ``forward[g]``/``backward[g]``: one micro-batch through global chunk g. Returns (the step: the
-    last op's end, each rank's busy time). A cycle (a rank waiting on a rank that waits on it)
-    raises: the order would deadlock a real pipeline too."""
+    (F of global chunk g after F of g-1; B after B of g+1, or after its own F on the last chunk;
+    W after its own B); ``forward[g]``/``backward[g]``/``weight[g]``: one micro-batch through
+    global chunk g (``backward`` the input-gradient pass where the order has W passes).
+    ``handoff``: seconds added to every dependency between two ranks (a tensor's crossing).
+    Returns (the step: the last op's end, each rank's busy time). A cycle (a rank waiting on a rank
+    that waits on it) raises: the order would deadlock a real pipeline too."""
     p = len(orders)
     last = len(forward) - 1
     done: dict[tuple[str, int, int], float] = {}
     free, nxt, busy = [0.0] * p, [0] * p, [0.0] * p
+    costs = {"F": forward, "B": backward, "W": weight if weight is not None else [0.0] * len(forward)}
     while any(nxt[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -89,10 +121,13 @@ def play(orders: list[list[Op]], forward: Sequence[float], backward: Sequence[fl
                 need = ("F", g - 1, i) if op == "F" else ("B", g + 1, i) if g < last else ("F", g, i)
                 if op == "F" and g == 0:
                     need = None
+                if op == "W":
+                    need = ("B", g, i)
                 if need is not None and need not in done:
                     break
-                cost = forward[g] if op == "F" else backward[g]
-                start = max(free[r], done[need] if need else 0.0)
+                cost = costs[op][g]
+                ready = done[need] + (handoff if (need[1] % p) != r else 0.0) if need else 0.0
+                start = max(free[r], ready)
                 free[r] = done[(op, g, i)] = start + cost
                 busy[r] += cost
                 nxt[r] += 1
@@ -102,12 +137,26 @@ def play(orders: list[list[Op]], forward: Sequence[float], backward: Sequence[fl
     return max(free), busy
 
 
-def peak_in_flight(order: list[Op], chunk_bytes: Sequence[int]) -> int:
+def peak_in_flight(
+    order: list[Op],
+    chunk_bytes: Sequence[int],
+    split: Sequence[tuple[int, int]] | None = None,
+) -> int:
     """The most bytes a rank's order holds for backward at once: each forward of local chunk c
-    stashes ``chunk_bytes[c]`` until that chunk's backward of the same micro-batch."""
+    stashes ``chunk_bytes[c]`` until that chunk's backward of the same micro-batch. ``split[c]``
+    (orders with W passes): (the most held during chunk c's B above what its F saved, what its B
+    leaves held until its W), as ``pp/zero_bubble.py`` ``split_bytes`` counts them."""
     held, peak = 0, 0
     for op, chunk, _ in order:
-        held += chunk_bytes[chunk] if op == "F" else -chunk_bytes[chunk]
+        if op == "F":
+            held += chunk_bytes[chunk]
+        elif split is None:
+            held -= chunk_bytes[chunk]
+        elif op == "B":
+            peak = max(peak, held + split[chunk][0])
+            held += split[chunk][1] - chunk_bytes[chunk]
+        else:
+            held -= split[chunk][1]
         peak = max(peak, held)
     return peak
 

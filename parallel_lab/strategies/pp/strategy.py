@@ -1,6 +1,6 @@
 """``pp``: toy pipeline parallelism. GPipe (Huang et al., arXiv 1811.06965), 1F1B (PipeDream,
-Narayanan et al., arXiv 1806.03377), interleaved 1F1B (Narayanan et al., arXiv 2104.04473) and,
-under torch.distributed.pipelining, zero bubble (Qi et al., arXiv 2401.10241). docs/pp.md.
+Narayanan et al., arXiv 1806.03377), interleaved 1F1B (Narayanan et al., arXiv 2104.04473) and
+zero bubble (Qi et al., arXiv 2401.10241). docs/pp.md.
 
 The SAME model (an ``nn.Sequential`` of blocks) is cut into ``strategy.stages`` x
 ``strategy.virtual_stages`` contiguous chunks (``plan.py``, balanced by ``strategy.balance``):
@@ -16,8 +16,9 @@ Communication is point-to-point only. The price is the *bubble*: with p stages a
 each stage idles (p-1)/(m+p-1) of a step under GPipe and 1F1B, (p-1)/(v m+p-1) interleaved
 (``schedules.bubble_fraction``). Schedules (the order of one rank's forwards F and backwards B,
 ``schedules.py``): ``gpipe`` stashes all m micro-batches, ``1f1b`` at most p-s on stage s,
-``interleaved_1f1b`` v chunks per rank, ``zero_bubble`` (torch only) splits backward into input and
-weight gradients and fills the bubble with the latter.
+``interleaved_1f1b`` v chunks per rank, ``zero_bubble`` splits backward into input and weight
+gradients and fills the bubble with the latter (manual: ZB-H1, ``pp/zero_bubble.py``; torch: its
+interleaved class).
 
 ``strategy.impl=manual``: our isend/recv loop (``manual.py``); ``torch``: the same chunks as
 torch's ``PipelineStage``s under its schedule classes (``torch_pipe.py``). Evaluation, the loss
@@ -288,6 +289,10 @@ class PipelineParallelStrategy(Strategy):
             "recv_wait_s": wait if manual else None,
             "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
+            # manual impl: the median seconds of each op per global chunk, "F3" -> s (schedules.play replays them)
+            "op_seconds": {f"{op}{g}": statistics.median(t) for (op, g), t in self.loop.op_seconds.items()}
+            if manual
+            else None,
             "recvs_late": self.loop.late if manual else None,
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": list(self.model._modules),
@@ -308,7 +313,10 @@ class PipelineParallelStrategy(Strategy):
             "pp_chunk_layers": self.chunk_names,
             "pp_stage_layers": [st["layers"] for st in stages],
             "pp_stage_params": [st["params"] for st in stages],
-            "pp_bubble_fraction_theory": bubble_fraction(str(o.schedule), m, p, v),
+            # torch's zero bubble is not ZB-H1: interleaved 1F1B's bubble is its bound
+            "pp_bubble_fraction_theory": bubble_fraction(
+                str(o.schedule) if manual or str(o.schedule) != "zero_bubble" else "interleaved_1f1b", m, p, v
+            ),
             # Measured over the steps after warm-up: step time minus time in this stage's compute.
             "pp_idle_s": [st["idle_s"] for st in stages],
             "pp_busy_s": [st["busy_s"] for st in stages],  # its timed forward/backward calls (and loss)
@@ -318,6 +326,7 @@ class PipelineParallelStrategy(Strategy):
             "pp_recv_wait_s": [st["recv_wait_s"] for st in stages],  # manual impl: time blocked in recv
             "pp_send_s": [st["send_s"] for st in stages],  # manual impl: time in isend calls (hand-offs)
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
+            "pp_op_seconds": [st["op_seconds"] for st in stages],
             # manual impl: receives posted only as their op began (the rest one op ahead, pp/manual.py)
             "pp_recvs_posted_late": [st["recvs_late"] for st in stages],
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
