@@ -5,7 +5,7 @@ One home for the search space. It is keyed by *option name*, never by strategy (
 ``strategies/`` names one): a strategy is searched over each of its ``Options`` fields named in
 ``SEARCH``, every other field keeping its default, so a new strategy with a ``schedule`` or an
 ``offload`` field is searched with no edit here. A combination the run would refuse (tp whose
-degree does not divide the heads, offload at ZeRO stage 0, zero_bubble without impl=torch, a
+degree does not divide the heads, offload at ZeRO stage 0, zero_bubble with virtual_stages > 1 under impl=manual, a
 batch that does not split into the micro-batches) is simply not a candidate: the same
 ``check_split`` as a run (``configs._at_world``) decides.
 

@@ -170,6 +170,22 @@ def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[tor
     return (*shapes, x.shape)
 
 
+def _refs(chunk: nn.Module) -> tuple[weakref.ref, ...]:
+    return tuple(weakref.ref(c) for c in chunk.children()) or (weakref.ref(chunk),)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_bytes(refs: tuple[weakref.ref, ...], batch: int, shape: tuple, loss: bool) -> tuple[int, int]:
+    """``zero_bubble.split_bytes`` of the chunk made of these modules, once per planning (the
+    recommender plans every candidate's ranks: the same chunks many times)."""
+    from torch import nn
+
+    from parallel_lab.strategies.pp.zero_bubble import split_bytes
+
+    modules = [r() for r in refs]
+    return split_bytes(nn.Sequential(*modules) if len(modules) > 1 else modules[0], batch, shape, loss)
+
+
 @functools.lru_cache(maxsize=256)
 def _chunk_flop_shares(model_ref: weakref.ref, names: tuple) -> tuple[float, ...]:
     from parallel_lab.strategies.pp.plan import stage_shares
@@ -411,7 +427,6 @@ class PPPlan(PlanRules):
         from ``split_bytes`` (exact); torch's: counted as interleaved 1F1B (an upper bound)."""
         from parallel_lab.strategies.pp.plan import rank_chunks
         from parallel_lab.strategies.pp.tensor import boundary_shape, split_meta_stage
-        from parallel_lab.strategies.pp.zero_bubble import split_bytes
 
         o = cfg.strategy
         p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), stage_of(cfg, rank)
@@ -428,7 +443,7 @@ class PPPlan(PlanRules):
             stage_chunks = [
                 (split_meta_stage(cfg, chunks[g], rank), tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
             ]
-            split = [split_bytes(chunk, mb, shape, last) for chunk, shape, last in stage_chunks]
+            split = [_split_bytes(_refs(chunk), mb, shape, last) for chunk, shape, last in stage_chunks]
             return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk, split), mb
         if schedule == "zero_bubble":  # torch's: counted as interleaved 1F1B, an upper bound
             schedule = "interleaved_1f1b"
