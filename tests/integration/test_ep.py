@@ -3,7 +3,8 @@ serves every claim: it trains as the independent single-process reference does (
 included, the report's parity criterion), every rank holds the model-state bytes the planner
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
-elements, dispatch and combine, forward and backward). Refusals: one line, exit 2, in the parent.
+elements, dispatch and combine, forward and backward). An FSDP2 run (Adam, evaluation at the end)
+makes the same claims. Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
@@ -25,11 +26,24 @@ RUN = [*MOE, f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer
 SGD = "trainer.optimizer=sgd"
 
 
+def run(tmp_path_factory, name: str, *overrides: str) -> dict:
+    run_dir = tmp_path_factory.mktemp("ep") / name
+    run_cli(run_dir, *overrides)
+    return {**load_metrics(run_dir), "run_dir": str(run_dir)}
+
+
 @pytest.fixture(scope="module")
 def ddp_ep(tmp_path_factory) -> dict:
-    run_dir = tmp_path_factory.mktemp("ep") / "ddp"
-    run_cli(run_dir, "strategy=ddp", "strategy.ep=2", "world_size=2", SGD, *RUN)
-    return {**load_metrics(run_dir), "run_dir": str(run_dir)}
+    return run(tmp_path_factory, "ddp", "strategy=ddp", "strategy.ep=2", "world_size=2", SGD, *RUN)
+
+
+@pytest.fixture(scope="module")
+def fsdp_ep(tmp_path_factory) -> dict:
+    """FSDP2 with the default optimizer (Adam) and the default end-of-run evaluation."""
+    return run(
+        tmp_path_factory, "fsdp", "strategy=fsdp", "strategy.ep=2", "world_size=2", *MOE,
+        f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}",
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -41,8 +55,18 @@ def test_dropless_ep_trains_as_single_does_aux_loss_included(ddp_ep):
 
 
 @pytest.mark.slow
-def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep):
-    assert_plan_matches(ddp_ep, tolerance=0.0)
+@pytest.mark.parity
+@pytest.mark.floats
+def test_fsdp_with_ep_trains_as_single_does_and_evaluates(fsdp_ep):
+    reference = parity_reference("vit_moe", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(fsdp_ep, "fsdp ep=2")
+    assert fsdp_ep["eval_accuracy"] is not None  # the evaluation's forwards exchange tokens too
+
+
+@pytest.mark.slow
+def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep, fsdp_ep):
+    for metrics in (ddp_ep, fsdp_ep):
+        assert_plan_matches(metrics, tolerance=0.0)
     ranks = ddp_ep["ranks"]
     assert ranks[0]["param_bytes"] < ranks[0]["analytic_param_bytes"]  # half of the experts each
 
@@ -61,12 +85,20 @@ def test_all_to_all_bytes_are_the_routings_and_the_dropless_formula(ddp_ep):
     assert ddp_ep["comm_theory_psi"] == pytest.approx(ddp_ep["comm_volume_psi"], rel=1e-12)
 
 
+@pytest.mark.slow
+def test_fsdp_comm_is_its_padded_gathers_and_the_routings_exchanges(fsdp_ep):
+    theory = fsdp_ep["strategy_extras"]["ep"]["theory_bytes_per_step"]
+    assert fsdp_ep["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == pytest.approx(theory["all_to_all_single"])
+    assert fsdp_ep["comm_theory_psi"] == pytest.approx(fsdp_ep["comm_volume_psi"], rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
         (["strategy=ddp", "strategy.ep=3", "world_size=3"], "strategy.ep=3 does not divide model.moe_experts=4"),
         (["strategy=ddp", "strategy.ep=4", "world_size=2"], "strategy.ep=4 does not divide the data-parallel size 2"),
         (["strategy=ddp", "strategy.ep=2", "world_size=2", "trainer.grad_clip=1"], "trainer.grad_clip=1.0"),
+        (["strategy=fsdp", "strategy.ep=2", "strategy.sharding=grad_op"], "sharding=grad_op"),
     ],
 )
 def test_refusals_are_one_line_in_the_parent(tmp_path, overrides, named):

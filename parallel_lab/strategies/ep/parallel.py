@@ -76,9 +76,9 @@ class ExpertParallel:
             offset += g.numel()
 
     @torch.no_grad()
-    def full_parameters(self, model: nn.Module) -> list[torch.Tensor]:
+    def full_parameters(self, model: nn.Module, whole=lambda p: p.detach()) -> list[torch.Tensor]:
         """Every parameter of the single model in its order, each MoE layer's experts gathered from
-        its ep group (collective)."""
+        its ep group (collective); ``whole(p)``: a dense parameter whole (FSDP: gathered)."""
         first = {id(next(moe.experts.parameters())): moe for moe in self.layers}
         skip = {id(p) for p in self.expert_parameters()}
         out: list[torch.Tensor] = []
@@ -86,7 +86,7 @@ class ExpertParallel:
             if id(p) in first:
                 out += self._gather(first[id(p)])
             if id(p) not in skip:
-                out.append(p.detach())
+                out.append(whole(p))
         return out
 
     def _gather(self, moe) -> list[torch.Tensor]:

@@ -73,6 +73,14 @@ def held_numels(dims: MeshDims, model: nn.Module, rank: int) -> list[int]:
     return [p.numel() for p in model.parameters() if id(p) not in skip]
 
 
+def local_expert_numels(dims: MeshDims, model: nn.Module, rank: int) -> list[int]:
+    """Element counts of the expert parameters ``rank`` holds (none without ep)."""
+    if dims.ep == 1:
+        return []
+    skip = other_experts(model, dims.ep, ep_rank(dims, rank))
+    return [p.numel() for p in model.parameters() if id(p) in expert_ids(model) and id(p) not in skip]
+
+
 def expert_ids(model: nn.Module) -> set[int]:
     return {id(p) for moe in _moe_layers(model) for p in moe.experts.parameters()}
 

@@ -23,7 +23,9 @@ import math
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.strategies.ep.rules import balanced_comm, ep_degree, expert_ids, local_expert_numels
 from parallel_lab.strategies.memory import chunk_rows, predicted_optimizer_bytes
+from parallel_lab.strategies.mesh import MeshDims
 
 
 def _shard_world(cfg: DictConfig) -> int:
@@ -35,10 +37,10 @@ def _shard_world(cfg: DictConfig) -> int:
     return cfg.world_size
 
 
-def shard_layout(model: torch.nn.Module, world: int, rank: int) -> list[tuple[int, int]]:
-    """(padded shard numel, numel rank holds) of every parameter, in model order."""
+def shard_layout(params, world: int, rank: int) -> list[tuple[int, int]]:
+    """(padded shard numel, numel rank holds) of every parameter given, in their order."""
     layout = []
-    for p in model.parameters():
+    for p in params:
         rows = p.shape[0] if p.dim() else 1
         rest = math.prod(p.shape[1:]) if p.dim() > 1 else 1
         held, per = chunk_rows(rows, world, rank)
@@ -46,9 +48,17 @@ def shard_layout(model: torch.nn.Module, world: int, rank: int) -> list[tuple[in
     return layout
 
 
+def sharded_params(model: torch.nn.Module) -> list:
+    """The parameters fully_shard shards: all but the experts expert parallelism holds whole (strategies/ep/)."""
+    experts = expert_ids(model)
+    return [p for p in model.parameters() if id(p) not in experts]
+
+
 def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
+    """Under ep (strategies/ep/) the rank's own experts are held whole beside the shards."""
     world = _shard_world(cfg)
-    layout = shard_layout(model, world, rank % world)
+    experts = local_expert_numels(MeshDims(shard=cfg.world_size, ep=ep_degree(cfg)), model, rank)
+    layout = shard_layout(sharded_params(model), world, rank % world) + [(n, n) for n in experts]
     padded = 4 * sum(p for p, _ in layout)
     report = {"param_bytes": padded, "master_param_bytes": 0, "grad_bytes": padded}
     if cfg.strategy.sharding == "grad_op":
@@ -69,11 +79,15 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
         return {}
     if cfg.strategy.sharding == "hybrid":
         return None  # HSDP's two dimensions are not predicted (docs/meshes.md measures them)
-    full_padded = 4 * sum(p for p, _ in shard_layout(model, cfg.world_size, rank)) * cfg.world_size
+    full_padded = 4 * sum(p for p, _ in shard_layout(sharded_params(model), cfg.world_size, rank)) * cfg.world_size
     sharding = cfg.strategy.sharding
     if sharding == "no_shard":
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
     gathers = 2 if sharding == "full" else 1
     # bf16: parameters are all-gathered in bf16; gradients are reduce-scattered in fp32 (reduce_dtype)
     gathered = full_padded // (2 if _bf16(cfg) else 1)
-    return {"all_gather_single": float(gathers * gathered), "reduce_scatter_single": float(full_padded)}
+    comm = {"all_gather_single": float(gathers * gathered), "reduce_scatter_single": float(full_padded)}
+    routed = balanced_comm(cfg, model, cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum))
+    for op, nbytes in routed.items():  # strategy.ep: the exchanges with every expert equally loaded
+        comm[op] = comm.get(op, 0.0) + nbytes
+    return comm

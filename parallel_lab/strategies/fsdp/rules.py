@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.ep.rules import check_ep, ep_degree
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
@@ -64,6 +65,9 @@ class FSDPOptions(StrategyOptions):
     # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
     # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
     tp: int = 1
+    # Expert parallelism (model.moe_experts > 0, FSDP2 full sharding): each rank holds its
+    # moe_experts / ep experts whole, outside fully_shard (strategies/ep/, docs/moe.md). 1 = none.
+    ep: int = 1
 
 
 @register_rules("fsdp")
@@ -91,7 +95,7 @@ class FSDPPlan(PlanRules):
             return MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
         if opts.sharding == "no_shard":
             return MeshDims(replicate=cfg.world_size)
-        return MeshDims(shard=cfg.world_size)
+        return MeshDims(shard=cfg.world_size, ep=ep_degree(cfg))
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
@@ -124,6 +128,13 @@ class FSDPPlan(PlanRules):
         cls._check_hybrid(opts, cfg)
         if opts.tp != 1:
             cls._check_tp(opts, cfg)
+        if opts.ep != 1 and (opts.version != 2 or opts.sharding != "full" or opts.tp != 1):
+            raise ConfigError(
+                f"strategy.ep={opts.ep} runs with FSDP2 full sharding (strategy.version=2 strategy.sharding=full "
+                f"strategy.tp=1), not version={opts.version} sharding={opts.sharding} tp={opts.tp}; "
+                "use those, or strategy.ep=1"
+            )
+        check_ep(cfg, MeshDims(shard=cfg.world_size, ep=opts.ep))
 
     @classmethod
     def _check_tp(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -182,12 +193,14 @@ class FSDPPlan(PlanRules):
             )
 
     @classmethod
-    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+    def comm_theory_psi(cls, cfg: DictConfig) -> float | None:
         # full: all-gather for forward and again for backward, reduce-scatter of grads = 3Ψ;
         # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
         # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
         # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
         gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
+        if ep_degree(cfg) > 1:
+            return None  # the run's routing decides (fsdp/strategy.py run_comm_theory_psi)
         if cfg.strategy.sharding == "hybrid":
             return 2 * gather + 1.0 + 2.0 / shard_size(cfg)
         return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)

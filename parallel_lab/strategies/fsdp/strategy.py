@@ -56,6 +56,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.fsdp.rules import FSDPPlan, fsdp_units, shard_size  # noqa: F401  (fsdp_units: re-exported)
 from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
 from parallel_lab.strategies.registry import register
@@ -225,8 +226,12 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
         """Bring the module into the state get_state_dict expects (FSDP2: resharded)."""
 
     # ----- setup and training -----
+    experts: ExpertParallel | None = None  # strategy.ep > 1: this rank's experts, held whole
+
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
-        self.model = self._wrap(model.to(self.device))
+        model = model.to(self.device)
+        self.experts = expert_parallel(self, model)  # before _wrap: fully_shard leaves them alone
+        self.model = self._wrap(model)
         self.optimizer = make_optimizer(self.model.parameters())
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -240,6 +245,8 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
             # End of forward: grad_op still holds every gathered unit here, its peak of parameters.
             self._peak_param_bytes = storage_bytes(self._param_storages())
         (loss / num_micro).backward()
+        if self.experts is not None and micro == num_micro - 1:
+            self.experts.reduce_gradients()  # FSDP reduced the dense ones in backward
         return loss.detach()
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
@@ -256,4 +263,18 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
         return self.model(inputs)  # collective (all-gathers): every rank runs the same batches
 
     def extra_metrics(self) -> dict:
-        return {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
+        extras = {"fsdp_version": self.opts.version, "sharding": self.opts.sharding}
+        return extras if self.experts is None else {**extras, **self.experts.metrics()}
+
+    def run_comm_theory_psi(self, num_params: int) -> float | None:
+        """Under ep: 3 x the sharded parameters' bytes, padded as fully_shard pads them (two
+        all-gathers, one reduce-scatter; fsdp/predict.py), and the exchanges the step's routing
+        implies (strategies/ep/dispatch.py), in Ψ of the whole model."""
+        if self.experts is None:
+            return super().run_comm_theory_psi(num_params)
+        from parallel_lab.strategies.fsdp.predict import shard_layout, sharded_params
+
+        world = self.env.world_size
+        padded = 4 * world * sum(p for p, _ in shard_layout(sharded_params(self.model), world, self.env.rank))
+        routed = sum(self.experts.theory_bytes_per_step().values())
+        return (3 * padded + routed) / (4 * num_params)

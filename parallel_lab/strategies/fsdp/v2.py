@@ -67,6 +67,8 @@ class FSDP2(FSDPStrategy):
         kwargs = dict(mesh=self._mesh, reshard_after_forward=self.opts.sharding != "grad_op")
         if self.opts.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.experts is not None:  # held whole, their gradients reduced by strategies/ep/parallel.py
+            kwargs["ignored_params"] = set(self.experts.expert_parameters())
         for _, unit in fsdp_units(model):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
@@ -101,6 +103,8 @@ class FSDP2(FSDPStrategy):
 
     def _gather_parameters(self) -> list[torch.Tensor]:
         self._before_state_dict()
+        if self.experts is not None:
+            return self.experts.full_parameters(self.model, whole=lambda p: p.full_tensor().detach())
         return [p.full_tensor().detach() for p in self.model.parameters()]
 
     def _fsdp_params(self) -> list:
@@ -118,10 +122,14 @@ class FSDP2(FSDPStrategy):
         for fp in self._fsdp_params():
             tensors.append(fp._sharded_param_data)
             tensors.extend(fp.all_gather_outputs)  # storage resized to 0 once resharded
-        return tensors
+        return tensors + self._expert_storages()
 
     def _shard_storages(self) -> list[torch.Tensor]:
-        return [fp._sharded_param_data for fp in self._fsdp_params()]
+        return [fp._sharded_param_data for fp in self._fsdp_params()] + self._expert_storages()
+
+    def _expert_storages(self) -> list[torch.Tensor]:
+        """strategy.ep: this rank's experts, held whole outside fully_shard."""
+        return [] if self.experts is None else [p.data for p in self.experts.expert_parameters()]
 
     def teardown(self) -> None:
         super().teardown()
