@@ -126,21 +126,34 @@ class Calibration:
         return calib
 
 
-def load_or_measure_calibration(path: Path | None = None, device: str | None = None) -> Calibration:
+def load_or_measure_calibration(
+    path: Path | None = None, device: str | None = None, dtypes: tuple[str, ...] | None = None
+) -> Calibration:
     """The calibration cached at ``path`` (default ``runs/calibration.json``, under the current
-    directory), else a quick one measured now (<= 8 s, no training run) and written there."""
+    directory) where it holds every one of ``dtypes``' operator lines (None: every dtype), else a quick one of those
+    dtypes measured now (<= 8 s, no training run) and written there. A caller that predicts fp32
+    only asks for fp32 (the recommender of an fp32 run: this machine's bf16 matmuls took half of a
+    cold calibration); the next caller that needs bf16 measures again."""
     path = Path(path) if path is not None else DEFAULT_PATH
+    dtypes = tuple(DTYPES) if dtypes is None else dtypes  # every dtype by default
     if path.exists():
         try:
-            return Calibration.from_json(path.read_text())
+            cached = Calibration.from_json(path.read_text())
+            if set(dtypes) <= measured_dtypes(cached):
+                return cached
         except (ValueError, TypeError, json.JSONDecodeError):
             pass  # a stale or damaged file: measure again and overwrite it
-    calib = measure_calibration(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    calib = measure_calibration(device or ("cuda" if torch.cuda.is_available() else "cpu"), dtypes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(calib.to_json() + "\n")
     tmp.replace(path)  # never half-written
     return calib
+
+
+def measured_dtypes(calib: Calibration) -> set[str]:
+    """The dtypes whose operator lines ``calib`` holds ("fp32", "bf16")."""
+    return {key.partition("@")[2] for key in calib.ops}
 
 
 # ---- fits --------------------------------------------------------------------------------------------
@@ -235,24 +248,26 @@ def _timed(device: str) -> dict[str, list[tuple]]:
     return {"pass": [NULL_PASS], **benches_for(device)}
 
 
-def bench_censuses(device: str = "cpu") -> dict[tuple[str, str, int], Census]:
+def bench_censuses(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict[tuple[str, str, int], Census]:
     """Every micro-benchmark's census, by (dtype, kind, index): counted on the meta device, untimed."""
     benches = _timed(device)
     return {
-        (d, kind, i): _bench_census(factory, shape, dtype)
-        for d, dtype in DTYPES.items()
+        (d, kind, i): _bench_census(factory, shape, DTYPES[d])
+        for d in dtypes
         for kind in benches
         for i, (factory, shape) in enumerate(benches[kind])
     }
 
 
-def measure_ops(device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = None) -> tuple[dict, float, dict]:
-    """Every kind's line, per dtype, from ``rounds`` interleaved rounds over all the benchmarks;
-    the null pass's seconds; every benchmark's fastest seconds ("<dtype> <kind> <index>": what
-    ``fit_ops`` can start again from)."""
-    censuses = censuses or bench_censuses(device)
+def measure_ops(
+    device: str, rounds: int = OPS_ROUNDS, censuses: dict | None = None, dtypes: tuple[str, ...] = tuple(DTYPES)
+) -> tuple[dict, float, dict]:
+    """Every kind's line, per dtype of ``dtypes``, from ``rounds`` interleaved rounds over all the
+    benchmarks; the null pass's seconds; every benchmark's fastest seconds ("<dtype> <kind> <index>":
+    what ``fit_ops`` can start again from)."""
+    censuses = censuses or bench_censuses(device, dtypes)
     table = _timed(device)
-    benches = [(d, kind, i) for d in DTYPES for kind in table for i in range(len(table[kind]))]
+    benches = [(d, kind, i) for d in dtypes for kind in table for i in range(len(table[kind]))]
     fastest = dict.fromkeys(benches, float("inf"))
     for _ in range(rounds):
         for d, kind, i in benches:
@@ -267,7 +282,7 @@ def fit_ops(raw: dict[str, float], censuses: dict, null_pass: bool = True) -> di
     the null pass (``null_pass=False``: as fitted before it was measured) and the memory line's
     share (the bench's own sum and its backward)."""
     ops: dict[str, dict[str, float]] = {}
-    for d in DTYPES:
+    for d in (d for d in DTYPES if f"{d} pass 0" in raw):  # the dtypes measured
         null = censuses[d, "pass", 0]
         null_s, less = (raw[f"{d} pass 0"], null.calls) if null_pass else (0.0, dict.fromkeys(null.calls, 0))
         kinds = sorted({k for (dd, k, _) in censuses if dd == d} - {"pass", "memory"})
@@ -304,8 +319,10 @@ def measure_optimizer(device: str) -> dict[str, float]:
     return {"per_tensor_s": fit["per_call_s"], "per_param_s": fit["per_unit_s"]}
 
 
-def measure_calibration(device: str = "cpu") -> Calibration:
-    """A quick calibration of this machine (<= 8 s on 2 CPU cores; no training run)."""
+def measure_calibration(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTYPES)) -> Calibration:
+    """A quick calibration of this machine (<= 8 s on 2 CPU cores; no training run): the operator
+    lines of ``dtypes`` (fp32 always: the memory line and the null pass are fitted from it)."""
+    dtypes = tuple(d for d in DTYPES if d in dtypes or d == "fp32")
     from parallel_lab.plan.comm_calibration import finish_pairs, start_pairs, stop_pairs, wait_ready
 
     start = time.perf_counter()
@@ -315,10 +332,10 @@ def measure_calibration(device: str = "cpu") -> Calibration:
     # nothing is timed until both wait idle (with its modules imported: 6.2-7.0 s in sequence, 5.1-5.9 s so).
     procs = start_pairs(device)
     try:
-        censuses = bench_censuses(device)
+        censuses = bench_censuses(device, dtypes)
         dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
         wait_ready(procs)
-        ops, pass_s, bench_s = measure_ops(device, censuses=censuses)
+        ops, pass_s, bench_s = measure_ops(device, censuses=censuses, dtypes=dtypes)
         optimizer = measure_optimizer(device)
         optimizer["dtensor_per_tensor_s"] = dtensor_or_none(device)
         solo = contention_probe(device)  # alone, before the two processes compute

@@ -28,9 +28,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+# A CPU benchmark's repetitions stop at about this many seconds: a pass this long is timed to a
+# fraction of a per cent (the fastest of several matters for the short ones, where a passing
+# interruption is the whole difference), and this machine's bf16 matmuls (no bf16 units: 0.5-1 s a
+# pass) took 23 of a cold calibration's 31 s of operators at 4 repetitions x 3 rounds.
+REPS_BUDGET_S = 0.25
+
+
 def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
     """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
-    the least interference, what the calibration set's scale then corrects for the real run.
+    the least interference, what the calibration set's scale then corrects for the real run. On a
+    CPU, a pass whose warm-up took more than ``REPS_BUDGET_S / reps`` is repeated only as often as
+    fits that budget (at least once).
 
     On a GPU, the ``reps`` passes back to back with one synchronisation, per pass: a training step
     launches its kernels without waiting for them, so an operator costs its launch or its kernel,
@@ -38,7 +47,9 @@ def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device:
     costs came out 40-170 us, several times a launch (docs/gpu.md)."""
     module = module.to(device=device, dtype=dtype)
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    t0 = time.perf_counter()
     module(x).sum().backward()  # warm-up: allocations, kernel choice
+    warm_s = time.perf_counter() - t0
     if on_gpu(device):
         sync(device)
         t0 = time.perf_counter()
@@ -47,7 +58,7 @@ def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device:
         sync(device)
         return (time.perf_counter() - t0) / reps
     times = []
-    for _ in range(reps):
+    for _ in range(max(1, min(reps, int(REPS_BUDGET_S / warm_s)))):
         t0 = time.perf_counter()
         module(x).sum().backward()
         times.append(time.perf_counter() - t0)

@@ -78,11 +78,12 @@ class Ranked:
 
 
 # ---- the step-time model: the one place the recommender calls it ------------------------------------
-def load_calibration(path: str | None = None):
-    """This machine's step-time calibration (cached, or measured in a few seconds: no training run)."""
+def load_calibration(path: str | None = None, precision: str = "fp32"):
+    """This machine's step-time calibration (cached, or measured in a few seconds: no training run),
+    with the operator lines of the run's precision (the candidates train in it; fp32 is always there)."""
     from parallel_lab.plan.steptime import load_or_measure_calibration
 
-    return load_or_measure_calibration(path)
+    return load_or_measure_calibration(path, dtypes=("fp32", str(precision)))
 
 
 def predict_time(cfg, strategy_cls: type, model, calib) -> tuple[float, float, float, dict[str, float]]:
@@ -202,7 +203,7 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None,
             f"plan.recommend=true ranks at one world size, got plan.world_sizes={list(cfg.plan.world_sizes)}; "
             f"drop plan.world_sizes and set world_size=N"
         )
-    calib = calib if calib is not None else load_calibration()
+    calib = calib if calib is not None else load_calibration(precision=cfg.trainer.precision)
     cands = candidates(overrides, cfg)
     if not cands:
         raise ConfigError(f"no configuration of {overrides or 'the defaults'} passes the run's validation; see plan.md")

@@ -528,3 +528,22 @@ def test_noise_floor_is_the_shortest_window_around_each_configs_own_median():
     assert f"of these 24 rounds need a half-width of {100 * best:.0f}%" in score.floor_line(rs)
     # every round: the far ones must be inside
     assert score.noise_floor(rs, cover=1.0) == pytest.approx((math.exp(max(devs)) - math.exp(min(devs))) / 2)
+
+
+def test_a_cached_calibration_serves_the_dtypes_it_holds_only(tmp_path, monkeypatch):
+    """The recommender of an fp32 run measures fp32 only; a caller that needs bf16 measures again."""
+    from parallel_lab.plan import calibrate
+
+    full = _calib()
+    fp32 = dataclasses.replace(full, ops={k: v for k, v in full.ops.items() if k.endswith("@fp32")})
+    assert calibrate.measured_dtypes(full) == {"fp32", "bf16"} and calibrate.measured_dtypes(fp32) == {"fp32"}
+    path = tmp_path / "calibration.json"
+    path.write_text(fp32.to_json())
+    assert load_or_measure_calibration(path, dtypes=("fp32",)) == fp32  # read, not measured
+
+    def measure(device: str, dtypes: tuple[str, ...]) -> None:
+        raise LookupError(f"measured {dtypes}")
+
+    monkeypatch.setattr(calibrate, "measure_calibration", measure)
+    with pytest.raises(LookupError, match="bf16"):
+        load_or_measure_calibration(path)  # every dtype: bf16 is missing, so it is measured

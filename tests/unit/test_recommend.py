@@ -161,3 +161,20 @@ def test_the_planners_shortcuts_copy_and_share_only_what_is_safe() -> None:
     wider.model.width = 2.0
     params = [sum(p.numel() for p in meta_model(c).parameters()) for c in (cfg, wider)]
     assert params[1] > params[0]
+
+
+def test_a_strategys_config_swapped_in_is_the_one_hydra_composes():
+    """The recommender swaps each strategy's node into the composed config instead of composing
+    again (plan/candidates.py with_strategy): the same config, value for value and type for type."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config import compose_config
+    from parallel_lab.plan.candidates import with_strategy
+    from parallel_lab.strategies import sweep_names
+
+    overrides = ["model=vit", "world_size=4"]
+    base = compose_config(overrides)
+    for name in sweep_names():
+        swapped, composed = with_strategy(base, overrides, name), compose_config([*overrides, f"strategy={name}"])
+        assert OmegaConf.to_yaml(swapped) == OmegaConf.to_yaml(composed), name
+        assert OmegaConf.get_type(swapped.strategy) is OmegaConf.get_type(composed.strategy), name
