@@ -10,7 +10,14 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.cp.rules import ContextOptions, check_context, context_comm, context_meta_vit, cp_of
+from parallel_lab.strategies.cp.rules import (
+    ContextOptions,
+    add_comm,
+    check_context,
+    context_comm,
+    context_meta_vit,
+    cp_of,
+)
 from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
@@ -67,9 +74,7 @@ class DDPPlan(ReplicatedPlan):
             dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
             micro = cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum)
             comm = {"all_reduce": 2.0 * 4 * dense, **balanced_comm(cfg, model, micro)}
-        for op, nbytes in context_comm(cfg, model).items():
-            comm[op] = comm.get(op, 0.0) + nbytes
-        return comm
+        return add_comm(comm, context_comm(cfg, model, cfg.world_size // cp_of(cfg)))
 
     @classmethod
     def activation_bytes(

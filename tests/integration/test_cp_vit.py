@@ -1,9 +1,9 @@
 """strategy.cp on model=vit (context parallelism, parallel_lab/strategies/cp) on 2 real ranks, each
-cp_impl under ddp: each configuration is the single run's training (the report's parity criterion
-against the plain-torch reference), holds the planned model state to the byte, issues exactly the
-communication of the formula derived in the test body (which is also the planner's prediction),
-and saves the activations the planner counts. Attention alone against full attention, and the
-planted bugs: tests/unit/test_cp.py."""
+cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp on 4 ranks): each configuration is the
+single run's training (the report's parity criterion against the plain-torch reference), holds the
+planned model state to the byte, issues exactly the communication of the formula derived in the
+test body (which is also the planner's prediction), and saves the activations the planner counts.
+Attention alone against full attention: tests/unit/test_cp.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ import pytest
 from tests.support.bodies.cp_vit import cp_vit_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
 
-STEPS, BATCH = 3, 16
+STEPS, BATCH = 2, 16
 DEFAULT = {  # one set of ranks for the default suite
     "ddp-ring": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "ddp-ulysses": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
     "ddp-deepspeed": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
+}
+EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
+    "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
+    "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
+    "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
 }
 
 
@@ -30,3 +35,25 @@ def default_results() -> dict[str, list]:
 @pytest.mark.parametrize("config", list(DEFAULT))
 def test_cp_vit_is_singles_training_with_the_formulas_bytes(default_results, config):
     assert_every_rank_passed(default_results, config)
+
+
+@pytest.fixture(scope="module")
+def extra_results() -> dict[str, list]:
+    world2 = run_configurations(cp_vit_body, {"fsdp-ring": EXTRA["fsdp-ring"]}, world_size=2, timeout=300,
+                                steps=STEPS, global_batch=BATCH)  # fmt: skip
+    world4 = {name: overrides for name, overrides in EXTRA.items() if "strategy.tp=2" in overrides}
+    return {
+        **world2,
+        **run_configurations(cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH),
+    }
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(EXTRA))
+def test_fsdp_x_cp_is_singles_training(extra_results, config):
+    """strategy=fsdp strategy.cp=2 (world 2: its bytes and activations checked as ddp's), and with
+    strategy.tp=2 at world 4 (parity and the attention's bytes). Extra: the suite's budget; the cp
+    attention itself is judged in make test above, the 2-D FSDP2 x TP split in test_tp_vit.py."""
+    assert_every_rank_passed(extra_results, config)

@@ -63,10 +63,12 @@ def check_context(opts: DictConfig, cfg: DictConfig) -> None:
             f"strategy.cp={cp} does not divide the {tokens} tokens of model.patch={sizes['patch']}; "
             f"use a strategy.cp that divides {tokens} (or a model.patch whose (32/patch)^2 tokens it divides)"
         )
-    if impl != "ring" and sizes["heads"] % cp:
+    tp = opts.get("tp") or 1
+    if impl != "ring" and (sizes["heads"] // tp) % cp:
+        held = f"the {sizes['heads'] // tp} heads of a tp rank" if tp > 1 else f"model.heads={sizes['heads']}"
         raise ConfigError(
-            f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of model.heads="
-            f"{sizes['heads']}; use a strategy.cp that divides {sizes['heads']} or strategy.cp_impl=ring"
+            f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of {held}; "
+            f"use a strategy.cp that divides {sizes['heads'] // tp} or strategy.cp_impl=ring"
         )
     precision = opts.get("precision") or opts.get("mixed_precision") or "fp32"
     for key, value, fix in (
@@ -86,9 +88,10 @@ def check_context(opts: DictConfig, cfg: DictConfig) -> None:
         )
 
 
-def context_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
+def context_comm(cfg: DictConfig, model: nn.Module, data_parallel: int, tp: int = 1) -> dict[str, float]:
     """Bytes per step one cp rank sends for its attention and pool (comm/counter.py's units), with
-    b the micro-batch, t = tokens/cp this rank's tokens, h the width, A = b*t*h*4 one rank's K (or V):
+    b the micro-batch (global batch / accumulation / ``data_parallel`` ranks), t = tokens/cp this
+    rank's tokens, h/tp the width of its heads, A = b*t*(h/tp)*4 one rank's K (or V):
 
     - ring: per block and micro-batch, forward (cp-1) hops of K and V, backward (cp-1) of K and V
       and (cp-1) of dK and dV: ``isend`` 3*(cp-1)*2A;
@@ -101,14 +104,19 @@ def context_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     from parallel_lab.strategies.cp.parallelize import blocks
 
     accum, depth, dim = cfg.trainer.grad_accum, len(blocks(model)), model.embed.pos.shape[-1]
-    batch = cfg.trainer.global_batch // accum // (cfg.world_size // cp)
-    a = batch * (vit_tokens(cfg) // cp) * dim * 4
+    batch = cfg.trainer.global_batch // accum // data_parallel
+    a = batch * (vit_tokens(cfg) // cp) * (dim // tp) * 4
     if str(cfg.strategy.cp_impl) == "ring":
         comm = {"isend": float(accum * depth * 3 * (cp - 1) * 2 * a)}
     else:
         comm = {"all_to_all_single": float(accum * depth * 8 * a)}
     comm["all_reduce"] = float(accum * 2 * batch * dim * 4)
     return comm
+
+
+def add_comm(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """Two predictions' bytes by collective, summed."""
+    return {op: comm.get(op, 0.0) + more.get(op, 0.0) for op in {**comm, **more}}
 
 
 def context_meta_vit(cfg: DictConfig, model: nn.Module, cp_rank: int) -> nn.Module:

@@ -13,6 +13,14 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.cp.rules import (
+    ContextOptions,
+    add_comm,
+    check_context,
+    context_comm,
+    context_meta_vit,
+    cp_of,
+)
 from parallel_lab.strategies.ep.rules import check_ep, ep_degree
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
@@ -48,8 +56,9 @@ class Sharding(Choice):
 
 
 @dataclass
-class FSDPOptions(StrategyOptions):
-    """``strategy=fsdp`` options."""
+class FSDPOptions(ContextOptions, StrategyOptions):
+    """``strategy=fsdp`` options (with ``strategy.cp``/``cp_impl``: context parallelism, strategies/cp:
+    fully_shard then shards over the shard x cp ranks, as torchtitan does)."""
 
     version: int = 2  # 2: fully_shard (per-parameter DTensor shards); 1: FullyShardedDataParallel wrapper
     # full = FULL_SHARD ~ ZeRO-3 | grad_op = SHARD_GRAD_OP ~ ZeRO-2 | no_shard = NO_SHARD ~ DDP
@@ -89,6 +98,10 @@ class FSDPPlan(PlanRules):
         """hybrid: a replicate x shard mesh (both laid out, whatever their sizes: FSDP2 needs the
         2-D mesh); no_shard: replicas; full and grad_op: one shard group of the whole world."""
         opts = cfg.strategy
+        cp = cp_of(cfg)
+        if cp > 1:  # fully_shard over shard x cp (flattened), the cp ranks' attention over cp, Megatron over tp
+            tp = opts.get("tp", 1)
+            return MeshDims(shard=cfg.world_size // (cp * tp), cp=cp, tp=tp, named=("shard", "cp", "tp"))
         if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp
             return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, named=("shard", "tp"))
         if opts.sharding == "hybrid":
@@ -135,6 +148,26 @@ class FSDPPlan(PlanRules):
                 "use those, or strategy.ep=1"
             )
         check_ep(cfg, MeshDims(shard=cfg.world_size, ep=opts.ep))
+        if opts.cp != 1:
+            cls._check_cp(opts, cfg)
+
+    @classmethod
+    def _check_cp(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """Context parallelism under FSDP2's full or grad_op sharding over shard x cp."""
+        for key, got, want in (("strategy.version", opts.version, 2), ("strategy.sharding", opts.sharding, "full")):
+            if got != want and not (key == "strategy.sharding" and got == "grad_op"):
+                raise ConfigError(
+                    f"strategy.cp={opts.cp} needs {key}={want} (fully_shard over shard x cp), got {key}={got}; "
+                    f"set {key}={want} or strategy.cp=1"
+                )
+        if opts.ep != 1:
+            raise ConfigError(f"strategy.ep={opts.ep} with strategy.cp={opts.cp} is not built; use one of them")
+        check_context(opts, cfg)
+        if cfg.world_size % (opts.cp * opts.tp):
+            raise ConfigError(
+                f"strategy.cp={opts.cp} x strategy.tp={opts.tp} does not divide world_size={cfg.world_size} "
+                f"(shard x cp x tp = world_size); use world_size={opts.cp * opts.tp}"
+            )
 
     @classmethod
     def _check_tp(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -198,6 +231,8 @@ class FSDPPlan(PlanRules):
         # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
         # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
         # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
+        if cp_of(cfg) > 1:
+            return None  # the attention's bytes are no multiple of Ψ: the report takes predict_comm's
         gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
         if ep_degree(cfg) > 1:
             return None  # the run's routing decides (fsdp/strategy.py run_comm_theory_psi)
@@ -211,11 +246,16 @@ class FSDPPlan(PlanRules):
     ) -> tuple[int, int]:
         """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; not checked
         against a real 2-D forward); otherwise the whole model's."""
-        if cfg.strategy.get("tp", 1) == 1:
+        tp, cp = cfg.strategy.get("tp", 1), cp_of(cfg)
+        if tp == 1 and cp == 1:
             return super().activation_bytes(cfg, model, rank, micro, saved)
-        from parallel_lab.strategies.tp.predict import split_meta_vit
+        if tp > 1:
+            from parallel_lab.strategies.tp.predict import split_meta_vit
 
-        return saved(split_meta_vit(cfg, model, rank), micro, SAMPLE_SHAPE, True), micro
+            model = split_meta_vit(cfg, model, rank)
+        if cp > 1:  # the cp-sharded vit (cp/rules.py), on the tp split's heads
+            model = context_meta_vit(cfg, model, cls.dims(cfg).coords(rank)["cp"])
+        return saved(model, micro, SAMPLE_SHAPE, True), micro
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
@@ -233,4 +273,7 @@ class FSDPPlan(PlanRules):
 
         if cfg.strategy.get("tp", 1) > 1:
             return None  # 2-D FSDP2 x TP: not predicted
-        return predict_fsdp2_comm(cfg, model, rank) if cfg.strategy.version == 2 else None
+        if cfg.strategy.version != 2:
+            return None
+        dp = cls.dims(cfg).data_parallel_size
+        return add_comm(predict_fsdp2_comm(cfg, model, rank), context_comm(cfg, model, dp))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel_lab.strategies.cp.strategy import ContextParallel
 from parallel_lab.strategies.fsdp.strategy import FSDPState, FSDPStrategy, fsdp_units
 from parallel_lab.strategies.mesh import Mesh
 
@@ -41,7 +42,7 @@ class FSDP2State(FSDPState):
             self.optimizer.state[param] = state
 
 
-class FSDP2(FSDPStrategy):
+class FSDP2(ContextParallel, FSDPStrategy):
     api_version = 2
     State = FSDP2State
 
@@ -50,6 +51,8 @@ class FSDP2(FSDPStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         n = self.env.world_size
+        if self.opts.cp > 1:
+            return self._wrap_cp(model)
         if self.opts.tp > 1:
             return self._wrap_2d(model)
         if self.opts.sharding == "hybrid":
@@ -86,6 +89,26 @@ class FSDP2(FSDPStrategy):
         for _, unit in fsdp_units(model):
             fully_shard(unit, mesh=self._mesh["shard"])
         return fully_shard(model, mesh=self._mesh["shard"])
+
+    def _wrap_cp(self, model: torch.nn.Module) -> torch.nn.Module:
+        """torchtitan's layout with context parallelism: Megatron's split over the mesh's tp dim
+        (strategy.tp > 1), the vit's tokens over its cp dim (strategies/cp), then fully_shard over
+        shard x cp flattened: the cp ranks hold different tokens of the same samples, so their
+        gradients are reduced (averaged) with the data-parallel ones."""
+        from torch.distributed.fsdp import fully_shard
+
+        from parallel_lab.strategies.tp.split import split_transformer
+
+        self.mesh = Mesh(self.layout, self.device.type, self.comm)
+        self._mesh = self.mesh.device_mesh
+        if self.opts.tp > 1:
+            split_transformer(model, self._mesh["tp"], sequence_parallel=False)
+        self.parallelize_context(model)
+        dp_mesh = self._mesh["shard", "cp"]._flatten("shard_cp")
+        kwargs = dict(mesh=dp_mesh, reshard_after_forward=self.opts.sharding != "grad_op")
+        for _, unit in fsdp_units(model):
+            fully_shard(unit, **kwargs)
+        return fully_shard(model, **kwargs)
 
     def clip_gradients(self) -> None:
         if self.cfg.trainer.grad_clip > 0:
