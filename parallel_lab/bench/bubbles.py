@@ -2,19 +2,21 @@
 
 Pipeline bubbles measured: the vit (depth 8, equal blocks) cut into compute-balanced stages
 (``strategy.balance=flops``) on p real gloo ranks, trained through the real loop for every
-schedule the pipeline strategy offers -- gpipe and 1f1b (manual), interleaved_1f1b with v = 2
-(manual), zero_bubble (``strategy.impl=torch``'s ScheduleInterleavedZeroBubble, v = 2) -- at m
+schedule of the manual loop -- gpipe, 1f1b, interleaved_1f1b with v = 2 and zero_bubble (ZB-H1,
+one chunk per rank: backward split into input- and weight-gradient passes) -- at m
 micro-batches. Each stage's measured idle share of its step (metrics.json's
 ``pp_idle_fraction``: step minus the stage's timed forward and backward calls, the median step
 after warm-up; docs/pp.md "Idle: how it is measured") beside the formula (``pp_bubble_fraction_theory``):
-(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved; for zero bubble torch's schedule
-promises no number: the interleaved one is printed as its upper bound.
+(p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble; and
+beside both the replay: the orders played out with the run's own measured compute per op
+(``pp_op_seconds``), i.e. the bubble of these unequal chunks without hand-off costs.
 
 Default: p = 2, m = 2, 4, 8, 6 steps (2 warm-up) of micro-batches of 32: about 2-4 minutes on the
 2-core machine. p = 4 (``--p 2,4``) puts 4 processes on 2 cores: slower and noisier still. The
 machine's load average is printed with every run: this is a shared machine, every hand-off waits
 for the receiving process to be scheduled, and the numbers are as noisy as that load makes them.
-The last line is the largest distance between a stage's measured idle share and the formula.
+The last lines: whether zero bubble idled at most 1F1B's on every stage, and the largest distance
+between a stage's measured idle share and the formula, and the replay.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SCHEDULES = {  # label -> strategy.* overrides
     "gpipe": ["schedule=gpipe"],
     "1f1b": ["schedule=1f1b"],
     "interleaved_1f1b v=2": ["schedule=interleaved_1f1b", "virtual_stages=2"],
-    "zero_bubble v=2 impl=torch": ["schedule=zero_bubble", "virtual_stages=2", "impl=torch"],
+    "zero_bubble": ["schedule=zero_bubble"],  # ZB-H1 in the manual loop (pp/zero_bubble.py)
 }
 RUN = ["model=vit", "model.depth=8", "trainer.eval_batches=0", "trainer.warmup_steps=2", "trainer.threads_per_rank=1"]
 
@@ -83,7 +85,18 @@ def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch
         dist.barrier()
         if rank == 0:
             idle, theory = extras["pp_idle_fraction"], extras["pp_bubble_fraction_theory"]
-            print(json.dumps({"run": key, "idle": idle, "theory": theory, "load": [load, os.getloadavg()[0]]}))
+            replay = replay_of(extras)
+            row = {"run": key, "idle": idle, "theory": theory, "replay": replay, "load": [load, os.getloadavg()[0]]}
+            print(json.dumps(row))
+
+
+def replay_of(extras: dict) -> list[float]:
+    """Each stage's idle in the step its order takes with the run's own measured compute per op
+    (``pp_op_seconds``) and no hand-off cost (schedules.replay_idle)."""
+    from parallel_lab.strategies.pp.schedules import replay_idle
+
+    p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
+    return replay_idle(extras["pp_schedule"], m, p, v, extras["pp_op_seconds"])
 
 
 def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
@@ -98,31 +111,52 @@ def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
     return rows
 
 
+def _gap(row: dict, key: str) -> float:
+    ref = row[key] if isinstance(row[key], list) else [row[key]] * len(row["idle"])
+    return max(abs(f - r) for f, r in zip(row["idle"], ref))
+
+
 def last_line(rows: list[dict]) -> str:
-    """The stage farthest from its formula, over every run."""
-    worst = max(rows, key=lambda r: max(abs(f - r["theory"]) for f in r["idle"]))
-    gap = max(abs(f - worst["theory"]) for f in worst["idle"])
-    return f"max |measured − formula| idle fraction: {gap:.3f} ({worst['schedule']}, p={worst['p']}, m={worst['m']})"
+    """The stage farthest from its formula, and from its replay, over every run."""
+    lines = []
+    for key, name in (("theory", "formula"), ("replay", "replay")):
+        worst = max(rows, key=lambda r: _gap(r, key))
+        where = f"({worst['schedule']}, p={worst['p']}, m={worst['m']})"
+        lines.append(f"max |measured − {name}| idle fraction: {_gap(worst, key):.3f} {where}")
+    return "\n".join(lines)
+
+
+def zero_bubble_vs_1f1b(rows: list[dict]) -> str:
+    """Whether every stage of zero bubble idled at most 1F1B's at the same p and m."""
+    idle = {(r["schedule"], r["p"], r["m"]): r["idle"] for r in rows}
+    pairs = [(k, idle[("1f1b", *k[1:])]) for k in idle if k[0] == "zero_bubble" and ("1f1b", *k[1:]) in idle]
+    worse = [f"p={k[1]} m={k[2]}" for k, ref in pairs if any(z > o for z, o in zip(idle[k], ref))]
+    return "zero bubble idles at most 1F1B's on every stage: " + ("yes" if not worse else "no at " + ", ".join(worse))
 
 
 def render(rows: list[dict]) -> str:
     lines = [
-        "| schedule | p | m | formula (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1) | measured idle per stage "
-        "| max |measured − formula| | load avg 1 min (before / after) |",
-        "|---|---|---|---|---|---|---|",
+        "| schedule | p | m | formula | replay of measured compute, per stage | measured idle per stage "
+        "| max |measured − formula| | max |measured − replay| | load avg 1 min (before / after) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        bound = " (upper bound)" if r["schedule"].startswith("zero_bubble") else ""
-        idle = " / ".join(f"{f:.3f}" for f in r["idle"])
-        gap = max(abs(f - r["theory"]) for f in r["idle"])
+        idle, replay = (" / ".join(f"{f:.3f}" for f in r[k]) for k in ("idle", "replay"))
         load = " / ".join(f"{x:.1f}" for x in r["load"])
         lines.append(
-            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f}{bound} | {idle} | {gap:.3f} | {load} |"
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {replay} | {idle} "
+            f"| {_gap(r, 'theory'):.3f} | {_gap(r, 'replay'):.3f} | {load} |"
         )
     return "\n".join(lines)
 
 
 NOTE = """
+Formula: (p-1)/(m+p-1) gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble
+(ZB-H1: F, B, W equal). Replay: the schedule's orders played out (schedules.play) with this run's
+own median compute per op and chunk (pp_op_seconds) and no hand-off cost: the bubble of these
+chunks, whose forward, input- and weight-gradient passes are not equal (the formula's assumption).
+measured − replay is what the hand-offs (each tensor's crossing through gloo, its isend call and
+the wait for the receiving process to be scheduled) and the step-to-step noise add.
 Idle: each stage's step minus its own timed forward/backward calls, over its step (the flush
 barrier ends every stage's step together), the median of the steps after warm-up. Noise: this
 machine has 2 cores shared with other work (the load averages above); p ranks compete for them,
@@ -145,5 +179,6 @@ def main(argv: list[str]) -> int:
     rows = [row for p in (int(p) for p in args.p.split(",")) for row in measure(p, ms, args.micro_batch, args.steps)]
     print(render(rows))
     print(NOTE)
+    print(zero_bubble_vs_1f1b(rows))
     print(last_line(rows))
     return 0

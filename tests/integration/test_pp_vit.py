@@ -155,18 +155,42 @@ IDLE_CONFIGS = {
     "gpipe": ["strategy.schedule=gpipe", "model.depth=8"],
     "1f1b": ["strategy.schedule=1f1b", "model.depth=8"],
     "interleaved": ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2", "model.depth=16"],
+    "zero_bubble": ["strategy.schedule=zero_bubble", "model.depth=8"],
 }
 
 
-def idle_table(results: dict) -> dict:
-    """Per configuration: each stage's idle fraction, the formula's, and where each stage's time
-    went over the measured steps (compute, blocked in recv, in isend calls; seconds)."""
+def handoff_s(extras: dict, steps: int) -> float:
+    """The measured cost of one hand-off: the seconds the stages spent in isend calls over the
+    measured steps, per send (each F of a chunk before the last, each B of a chunk after the first)."""
+    from parallel_lab.strategies.pp.schedules import rank_orders
+
+    p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
+    n, orders = p * v, rank_orders(extras["pp_schedule"], m, p, v)
+    sends = sum(
+        (op == "F" and c * p + r < n - 1) or (op == "B" and c * p + r > 0) for r in range(p) for op, c, _ in orders[r]
+    )
+    return sum(extras["pp_send_s"]) / (sends * steps)
+
+
+def replayed(extras: dict, steps: int) -> list[float]:
+    """Each stage's idle in its order played out with the run's own compute per op (pp_op_seconds)
+    and the measured hand-off cost on every crossing (schedules.replay_idle)."""
+    from parallel_lab.strategies.pp.schedules import replay_idle
+
+    p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
+    return replay_idle(extras["pp_schedule"], m, p, v, extras["pp_op_seconds"], handoff_s(extras, steps))
+
+
+def idle_table(results: dict, steps: int = IDLE_STEPS - 2) -> dict:
+    """Per configuration: each stage's idle fraction, the formula's, the replay's, and where each
+    stage's time went over the measured steps (compute, blocked in recv, in isend calls; seconds)."""
     table = {}
     for name, r in results.items():
         e = r["extras"]
         table[name] = {
             "idle": [round(f, 3) for f in e["pp_idle_fraction"]],
             "formula": round(e["pp_bubble_fraction_theory"], 3),
+            "replay": [round(f, 3) for f in replayed(e, steps)],
             "foreign_cpu": round(r["foreign_cpu"], 3),
             **{k: [round(s, 3) for s in e[f"pp_{k}_s"]] for k in ("step", "busy", "recv_wait", "send")},
         }
@@ -178,7 +202,16 @@ def idle_table(results: dict) -> dict:
 def test_every_stage_idles_the_schedules_bubble(tmp_path):
     """Each stage's idle share of its step (step minus its timed forward and backward calls, the
     median step after warm-up; every stage's step ends at the pipeline's flush) is within 0.05 of
-    (p-1)/(m+p-1) (gpipe, 1f1b) or (p-1)/(v m+p-1) (interleaved): vit, 2 stages, m = 4
+    the replay: its schedule's orders played out with the run's own median compute per op and
+    chunk and the measured cost of a hand-off on every crossing (``replayed``). The textbook
+    formula assumes equal chunks and free hand-offs; on a slower CPU (an AMX Xeon) interleaved
+    idled 0.162 against its 0.111, and a criterion on the formula fails there for what the
+    machine is, not for what the schedule does. The replay is the formula's own arithmetic
+    (tests/unit/test_pipeline_parallel.py: with equal costs it is the formula) on what this
+    machine measured, so what remains is step-to-step noise; a loop that ran another order than
+    its schedule's (planted: interleaved's ranks running GPipe's order over their chunks) idles
+    above its replay and fails. Zero bubble (ZB-H1) idles less than 1F1B on every stage, and
+    interleaved less than 1F1B on average. vit, 2 stages, m = 4
     micro-batches of 64, every chunk 4 blocks (depth 8; interleaved, 4 chunks: depth 16). The FLOP
     cut is also the time cut here to ~4% (forward + backward of a 4-block chunk ~100 ms, the embed
     4 ms, head + loss 1 ms), since the vit's tokens are contiguous (models/vit.py: strided, every
@@ -195,5 +228,6 @@ def test_every_stage_idles_the_schedules_bubble(tmp_path):
     table = idle_table(results)
     print("idle per stage vs formula:", json.dumps(table))
     for name, row in table.items():
-        assert all(abs(f - row["formula"]) <= 0.05 for f in row["idle"]), (name, row)
+        assert all(abs(f - r) <= 0.05 for f, r in zip(row["idle"], row["replay"])), (name, row)
     assert statistics.mean(table["interleaved"]["idle"]) < statistics.mean(table["1f1b"]["idle"])
+    assert all(z < o for z, o in zip(table["zero_bubble"]["idle"], table["1f1b"]["idle"])), table

@@ -128,13 +128,19 @@ def test_bubbles_runs_every_schedule_and_its_last_line_names_the_farthest_stage(
     from parallel_lab.bench import bubbles
 
     runs = bubbles.configs(2, [2, 3, 4], 32)
-    assert sorted(runs) == sorted([*(f"{s}|{m}" for m in (2, 4) for s in bubbles.SCHEDULES), "1f1b|3", "gpipe|3"])
+    odd = [f"{s}|3" for s in ("gpipe", "1f1b", "zero_bubble")]  # interleaved needs m a multiple of p
+    assert sorted(runs) == sorted([*(f"{s}|{m}" for m in (2, 4) for s in bubbles.SCHEDULES), *odd])
     assert all(f"strategy.microbatches={k.rsplit('|')[1]}" in o for k, o in runs.items())
     rows = [
-        {"schedule": "gpipe", "p": 2, "m": 4, "theory": 0.2, "idle": [0.21, 0.25], "load": [5.0, 5.1]},
-        {"schedule": "1f1b", "p": 4, "m": 8, "theory": 3 / 11, "idle": [0.2, 0.3], "load": [5.0, 5.1]},
+        {"schedule": "gpipe", "p": 2, "m": 4, "theory": 0.2, "replay": [0.2, 0.3], "idle": [0.21, 0.25]},
+        {"schedule": "1f1b", "p": 4, "m": 8, "theory": 3 / 11, "replay": [0.22, 0.3], "idle": [0.2, 0.3]},
+        {"schedule": "zero_bubble", "p": 4, "m": 8, "theory": 3 / 27, "replay": [0.1, 0.1], "idle": [0.1, 0.31]},
     ]
-    line = bubbles.last_line(rows)
-    assert line == "max |measured − formula| idle fraction: 0.073 (1f1b, p=4, m=8)"
-    assert re.match(r"^max \|measured − formula\| idle fraction: \d\.\d{3} \([\w =]+, p=\d+, m=\d+\)$", line)
+    for row in rows:
+        row["load"] = [5.0, 5.1]
+    formula, replay = bubbles.last_line(rows).split("\n")
+    assert formula == "max |measured − formula| idle fraction: 0.199 (zero_bubble, p=4, m=8)"
+    assert replay == "max |measured − replay| idle fraction: 0.210 (zero_bubble, p=4, m=8)"
+    assert re.match(r"^max \|measured − formula\| idle fraction: \d\.\d{3} \([\w =]+, p=\d+, m=\d+\)$", formula)
     assert bubbles.render(rows).count("\n") == len(rows) + 1
+    assert bubbles.zero_bubble_vs_1f1b(rows) == "zero bubble idles at most 1F1B's on every stage: no at p=4 m=8"

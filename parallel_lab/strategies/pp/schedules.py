@@ -137,6 +137,24 @@ def play(
     return max(free), busy
 
 
+def replay_idle(
+    schedule: str, m: int, p: int, v: int, op_seconds: list[dict[str, float]], handoff: float = 0.0
+) -> list[float]:
+    """Each rank's idle share of the step its order would take with the compute the run measured
+    (``pp_op_seconds``: per rank, "F3" -> the median seconds of a forward of global chunk 3, B and
+    W likewise) and ``handoff`` seconds per crossing: the bubble of this run's own chunks, where
+    the formula assumes equal ones."""
+    costs = {k: v for rank in op_seconds for k, v in rank.items()}
+    n = p * v
+
+    def of(op: str) -> list[float]:
+        return [costs.get(f"{op}{g}", 0.0) for g in range(n)]
+
+    split = schedule == "zero_bubble" and v == 1
+    step, busy = play(rank_orders(schedule, m, p, v), of("F"), of("B"), of("W") if split else None, handoff)
+    return [(step - b) / step for b in busy]
+
+
 def peak_in_flight(
     order: list[Op],
     chunk_bytes: Sequence[int],
