@@ -14,8 +14,8 @@ Defaults overridden, and why (time; nothing else):
 - ``trainer.progress=false`` (true): the progress bar is output only (tests/support/cli.py).
 
 In ``make test``: model=vit under every strategy and impl (the model every strategy and impl
-accepts, with the most paths: blocks, dropout keys, tp splits), about 20 s. The cnn and resnet18
-columns are ``extra`` (the default suite evaluates the cnn at its default eval_batches in the
+accepts, with the most paths: blocks, dropout keys, tp splits), about 20 s. The other models (cnn,
+resnet18, gpt, any added) are ``extra`` (the default suite evaluates the cnn at its default eval_batches in the
 pp, tp and data-parallel matrices against the reference's accuracy: tests/support/model_parallel.py)."""
 
 from __future__ import annotations
