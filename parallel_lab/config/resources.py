@@ -31,7 +31,6 @@ from parallel_lab.errors import ConfigError, Warn, print_warning
 MIB, GIB = 2**20, 2**30
 MEMINFO = Path("/proc/meminfo")
 SELF_STATUS = Path("/proc/self/status")
-IMAGE_FLOAT_BYTES = 3 * 32 * 32 * 4  # one normalised image as the workers hold it
 # A ddp cnn worker with data.size=64 and a micro-batch of 1 (data, model and activations 9 MiB)
 # peaked at 333 MiB while the parent held 231 MiB: the rest is the worker's own runtime.
 WORKER_RUNTIME_BYTES = 92 * MIB
@@ -88,20 +87,20 @@ def memory_available_bytes() -> int | None:
 
 def estimate_rank_memory(cfg: DictConfig, micro_batch: int) -> RankMemory | None:
     """One rank's peak host memory for this validated config (None where /proc is missing)."""
-    from parallel_lab.data import images_per_rank
-    from parallel_lab.models import MODELS, build_meta_model, count_params
+    from parallel_lab.data import dataset_bytes
+    from parallel_lab.models import build_meta_model, count_params
     from parallel_lab.strategies.memory import optimizer_bytes_per_param
 
     parent_rss = _proc_bytes(SELF_STATUS, "VmRSS")
     if parent_rss is None:
         return None
-    model_cls = MODELS[cfg.model.name]
-    params = count_params(build_meta_model(cfg.model))
+    model = build_meta_model(cfg.model)
+    params = count_params(model)
     return RankMemory(
         runtime=parent_rss + WORKER_RUNTIME_BYTES,
-        data=int(DATA_PEAK_FACTOR * images_per_rank(cfg.data) * IMAGE_FLOAT_BYTES),
+        data=int(DATA_PEAK_FACTOR * dataset_bytes(cfg.data)),
         model_state=params * (4 + 4 + optimizer_bytes_per_param(cfg.trainer)),
-        activations=int(ACTIVATION_FACTOR * model_cls.activation_bytes_per_sample * micro_batch),
+        activations=int(ACTIVATION_FACTOR * model.activation_bytes_per_sample * micro_batch),
     )
 
 

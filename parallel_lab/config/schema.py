@@ -252,9 +252,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = MISSING  # synthetic | cifar10
+    name: str = MISSING  # synthetic | cifar10 | tokens
+    # tokens (data/tokens.py, docs/gpt.md): a text file read as bytes (vocabulary 256); null = the
+    # seeded synthetic chain of data.size sequences
+    path: Optional[str] = None
+    seq: Optional[int] = ranged(None, 1, example=64)  # tokens: sequence length; null = model.seq (must equal it)
+    vocab: Optional[int] = ranged(None, 2, example=64)  # tokens: the chain's distinct tokens; null = model.vocab
     root: Optional[str] = None  # folder holding cifar-10-python.tar.gz (cifar10 only)
-    size: int = ranged(4096, 1)  # synthetic: number of training samples generated from the seed
+    size: int = ranged(4096, 1)  # synthetic, tokens: number of training samples generated from the seed
     download: bool = False  # cifar10: fetch the tarball if it is missing (needs internet)
     # cifar10: md5 of the official cifar-10-python.tar.gz (the one place it is written); null skips the check
     md5: Optional[str] = "c58f30108f718f92721af3b95e74349a"

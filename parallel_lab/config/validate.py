@@ -140,7 +140,7 @@ def resolve_model_sizes(model: DictConfig) -> None:
     """model=gpt: every size written out (the preset's row or the default, under what was given), so
     config.yaml records the model that ran and the strategies' rules read plain values."""
     if model.name == "gpt":
-        from parallel_lab.models.gpt import gpt_sizes
+        from parallel_lab.models.gpt_sizes import gpt_sizes
 
         for key, value in gpt_sizes(model).items():
             model[key] = value
@@ -271,8 +271,8 @@ def validate(
     dp = check_split(cfg, plan)
     from parallel_lab.data import validate_data_config
 
+    _match_model_and_data(cfg)
     validate_data_config(cfg.data, cfg.trainer)
-    _check_model_takes_data(cfg)
     _check_data_files(cfg)
     from parallel_lab.checkpoint import validate_checkpoint_config
 
@@ -290,13 +290,33 @@ def validate(
     return cfg
 
 
-def _check_model_takes_data(cfg: DictConfig) -> None:
-    """model=gpt reads token ids; the image models read images."""
-    tokens = cfg.data.name == "tokens"
-    if (cfg.model.name == "gpt") != tokens:
-        fix = "use data=tokens" if cfg.model.name == "gpt" else "use model=gpt, or data=synthetic|cifar10"
-        kind = "token ids" if cfg.model.name == "gpt" else "images"
-        raise ConfigError(f"model={cfg.model.name} reads {kind}, not data={cfg.data.name}; {fix}")
+def _match_model_and_data(cfg: DictConfig) -> None:
+    """model=gpt reads token ids (data=tokens), the image models images. data.seq and data.vocab
+    left null take the model's (a text file's vocabulary is its 256 byte values); the gpt's context
+    must be the data's sequence length and its vocabulary hold every token the data has."""
+    model, data = cfg.model, cfg.data
+    if (model.name == "gpt") != (data.name == "tokens"):
+        fix = "use data=tokens" if model.name == "gpt" else "use model=gpt, or data=synthetic|cifar10"
+        kind = "token ids" if model.name == "gpt" else "images"
+        raise ConfigError(f"model={model.name} reads {kind}, not data={data.name}; {fix}")
+    if data.name != "tokens":
+        return
+    from parallel_lab.data.specs import BYTE_VOCAB
+
+    if data.seq is None:
+        data.seq = model.seq
+    if data.vocab is None:
+        data.vocab = BYTE_VOCAB if data.get("path") else model.vocab
+    if data.seq != model.seq:
+        raise ConfigError(
+            f"data.seq={data.seq} differs from model.seq={model.seq}; drop data.seq (it takes the model's) "
+            f"or set model.seq={data.seq}"
+        )
+    if data.vocab > model.vocab:
+        raise ConfigError(
+            f"model.vocab={model.vocab} is smaller than the data's vocabulary ({data.vocab}); "
+            f"set model.vocab={data.vocab} or more"
+        )
 
 
 def _check_data_files(cfg: DictConfig) -> None:

@@ -10,7 +10,7 @@ order (``load_datasets``, ``train_batches``, ``eval_batches``) are in ``batches.
 use of those names.
 """
 
-from parallel_lab.data.specs import DATASETS, images_per_rank, validate_data_config  # noqa: F401  (re-exported)
+from parallel_lab.data.specs import DATASETS, dataset_bytes, validate_data_config  # noqa: F401  (re-exported)
 
 BATCHES = ("load_datasets", "train_batches", "eval_batches")  # batches.py's, loaded at first use
 

@@ -12,10 +12,20 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from parallel_lab.data.cifar10 import load_cifar10
 from parallel_lab.data.specs import _synthetic_sizes
 from parallel_lab.data.synthetic import make_synthetic
+from parallel_lab.data.tokens import byte_windows, markov_tokens
 
 
 def load_datasets(cfg: DictConfig, seed: int) -> tuple[TensorDataset, TensorDataset]:
-    """(train, eval) datasets of normalised float images and int64 labels."""
+    """(train, eval) datasets of normalised float images and int64 labels, or of token ids and
+    next tokens (data=tokens: a text file's bytes, or the synthetic chain of trainer.seed)."""
+    if cfg.name == "tokens":
+        if cfg.get("path"):
+            return byte_windows(cfg.path, cfg.seq)
+        train_size, eval_size = _synthetic_sizes(cfg.size)
+        return (
+            markov_tokens(train_size, cfg.seq, cfg.vocab, seed, table_seed=seed),
+            markov_tokens(eval_size, cfg.seq, cfg.vocab, seed + 1, table_seed=seed),
+        )
     if cfg.name == "synthetic":
         train_size, eval_size = _synthetic_sizes(cfg.size)
         return make_synthetic(train_size, seed), make_synthetic(eval_size, seed + 1)

@@ -26,9 +26,17 @@ def _kwargs(cfg: DictConfig) -> dict:
     return {**common, **vit_sizes(cfg), **moe_options(cfg)} if cfg.name == "vit" else common
 
 
-def input_shape(model: torch.nn.Module) -> tuple[int, ...]:
-    """One sample's input shape for a built model: its ``input_shape`` (gpt: (seq,)), else an image."""
-    return tuple(getattr(model, "input_shape", IMAGE_SHAPE))
+def _first_layer(module: torch.nn.Module) -> torch.nn.Module:
+    return next(iter(module.children()), module) if isinstance(module, torch.nn.Sequential) else module
+
+
+def input_shape(module: torch.nn.Module) -> tuple[int, ...]:
+    """One sample's input shape for a model or a pipeline stage that starts at the model's first
+    layer: its ``input_shape`` (gpt and its embedding: (seq,)), else an image."""
+    for m in (module, _first_layer(module)):
+        if hasattr(m, "input_shape"):
+            return tuple(m.input_shape)
+    return IMAGE_SHAPE
 
 
 def sample_input(
@@ -36,8 +44,7 @@ def sample_input(
 ) -> torch.Tensor:
     """A batch of ``module``'s input (a model, or a pipeline stage of one): int64 token ids where
     its first layer embeds tokens (gpt's ``embed``), else ``dtype`` values (images, activations)."""
-    first = next(iter(module.children()), module) if isinstance(module, torch.nn.Sequential) else module
-    if getattr(first, "takes_tokens", False):
+    if getattr(_first_layer(module), "takes_tokens", False):
         return torch.zeros(batch, *shape, dtype=torch.long, device=device)
     return torch.empty(batch, *shape, dtype=dtype, device=device)
 

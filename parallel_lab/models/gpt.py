@@ -77,6 +77,7 @@ class Embedding(nn.Module):
             _normal(self.pos, 0.02)
         self.drop = drop()
         self.keys = keys
+        self.input_shape = (seq,)  # one sample: seq token ids (models.input_shape)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.training and self.keys is not None:
@@ -181,6 +182,17 @@ class Head(nn.Module):
 class GPT(nn.Sequential):
     """Token ids (batch, seq) -> ``layers`` pre-LN causal blocks -> logits (batch, vocab, seq)."""
 
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        """About what autograd saves per sample, for the memory check before a run
+        (config/resources.py; the planner counts it exactly): Korthikanti et al. (arXiv 2205.05198)
+        s h (34 + 5 a s / h) bytes per layer in 16-bit, twice that in fp32, plus the logits and
+        their log-softmax."""
+        s = self.sizes
+        seq, hidden = s["seq"], s["hidden"]
+        per_layer = seq * hidden * (34 + 5 * s["heads"] * seq / hidden)
+        return int(2 * s["layers"] * per_layer + 2 * 4 * seq * s["vocab"])
+
     def __init__(self, seed: int = 0, recompute: str = "none", **sizes: Any) -> None:
         """sizes: resolve_sizes' keys (missing ones take DEFAULTS). seed: of the dropout masks."""
         super().__init__()
@@ -198,6 +210,9 @@ class GPT(nn.Sequential):
                 _normal(linear.weight, 0.02 / math.sqrt(2 * s["layers"]))
             self.add_module(f"block{i}", block)
         self.add_module("head", Head(s["hidden"], s["vocab"], embed if s["tied"] else None))
+        # Top-level blocks that use one weight between them (the tied embedding): a wrapper that
+        # gathers weights block by block must treat them as one (strategies/fsdp/rules.py).
+        self.tied_children = ("embed", "head") if s["tied"] else ()
 
 
 def build_gpt(cfg: Mapping[str, Any], device: str | torch.device = "meta", seed: int = 0) -> GPT:

@@ -136,6 +136,7 @@ def _count_saved(
 ) -> tuple[int, int]:
     """(bytes saved by the forward, the largest recomputed region's own saved bytes), as a CPU run
     saves them (``_cpu_layer_norm``; a CUDA run's bf16 LayerNorm statistics are 2 bytes more each)."""
+    from parallel_lab.models import loss_target, sample_input
     from parallel_lab.models.recompute import recomputing
 
     if dtype != torch.float32 and not weight_copies:
@@ -144,7 +145,7 @@ def _count_saved(
     seen: dict[int, int] = {}
     regions: list[dict[int, int]] = []  # per recomputed region: what it saves when it runs (in backward)
     alive: list = []
-    x = torch.empty(batch, *sample_shape, device="meta", dtype=dtype)
+    x = sample_input(module, batch, sample_shape, dtype)  # token ids stay int64
     cpu = _cpu_layer_norm() if dtype != torch.float32 else nullcontext()
     with recomputing(module, recompute) as setting, _saved_hook(seen, params, alive), cpu:
         if setting is not None:  # a region's own saves, counted here instead of by the checkpoint
@@ -155,8 +156,7 @@ def _count_saved(
             if setting is not None:
                 setting.around = None
         if loss:
-            target = torch.zeros(batch, dtype=torch.long, device="meta")
-            torch.nn.functional.cross_entropy(out.float() if dtype != torch.float32 else out, target)
+            torch.nn.functional.cross_entropy(out.float() if dtype != torch.float32 else out, loss_target(out))
     transient = max((sum(n for s, n in r.items() if s not in seen) for r in regions), default=0)
     return sum(seen.values()), transient
 

@@ -127,7 +127,8 @@ class Strategy:
             for inputs, targets in batches:
                 logits = self.predict(inputs.to(self.device))
                 if logits is not None:
-                    counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), len(targets)])
+                    # argmax over the classes (dim 1): one prediction per label, a sample's or each token's
+                    counts += torch.tensor([(logits.argmax(1).cpu() == targets).sum().item(), targets.numel()])
         finally:
             self.model.train(was_training)
         counts = self.combine_eval_counts(counts.to(self.device))

@@ -147,7 +147,9 @@ class PlanRules:
         cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
         """(bytes autograd saves for backward on this rank, the micro-batch they are for)."""
-        return saved(model, micro, SAMPLE_SHAPE, True), micro
+        from parallel_lab.models import input_shape
+
+        return saved(model, micro, input_shape(model), True), micro
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:

@@ -20,11 +20,17 @@ from typing import Optional
 import torch
 
 
+def as_compute(inputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A batch's inputs for a forward computing in ``dtype``: values (images) cast to it; token ids
+    (model=gpt's int64 inputs) left as they are, an index is no value to round."""
+    return inputs.to(dtype) if inputs.is_floating_point() else inputs
+
+
 def bf16_forward(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """module(inputs) computed on a bf16 copy of every parameter, logits returned in fp32. The
     cast is part of the autograd graph, so the gradients land in the fp32 parameters' .grad."""
     params = {name: p.to(torch.bfloat16) for name, p in module.named_parameters()}
-    return torch.func.functional_call(module, params, (inputs.to(torch.bfloat16),)).float()
+    return torch.func.functional_call(module, params, (as_compute(inputs, torch.bfloat16),)).float()
 
 
 class Bf16Compute:

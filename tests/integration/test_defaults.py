@@ -51,7 +51,8 @@ def combinations(model: str) -> dict[str, tuple[str, ...]]:
     for name, options in options_schemas().items():
         for impl in impls(options):
             label = "-".join(x for x in (name, impl, model) if x)
-            combos[label] = (f"strategy={name}", f"model={model}", *((f"strategy.impl={impl}",) if impl else ()))
+            data = ("data=tokens",) if model == "gpt" else ()  # gpt reads tokens; the rest the default images
+            combos[label] = (f"strategy={name}", f"model={model}", *data, *((f"strategy.impl={impl}",) if impl else ()))
     return dict(sorted(combos.items(), key=lambda item: "strategy.impl=deepspeed" in item[1]))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel_lab.models import input_shape, loss_target, sample_input
+
 
 def saved_for_backward_bytes(model: torch.nn.Module, batch: int) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one forward of batch samples."""
@@ -16,7 +18,8 @@ def saved_for_backward_bytes(model: torch.nn.Module, batch: int) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    x = sample_input(model, batch, input_shape(model), device="cpu")  # token ids (zeros) or an image
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = model(torch.zeros(batch, 3, 32, 32))
-        torch.nn.functional.cross_entropy(logits, torch.zeros(batch, dtype=torch.long))
+        logits = model(torch.zeros_like(x))
+        torch.nn.functional.cross_entropy(logits, loss_target(logits))
     return sum(saved.values())

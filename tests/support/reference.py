@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from parallel_lab.data.synthetic import make_synthetic
+from parallel_lab.data.tokens import markov_tokens
 from parallel_lab.models.cnn import SmallCNN
+from parallel_lab.models.gpt import GPT
 from parallel_lab.models.resnet import ResNet18
 from parallel_lab.models.vit import ViT
 from parallel_lab.protocol import load_final_params
@@ -41,6 +43,17 @@ MODELS = {
     "vit_dropout": functools.partial(ViT, dropout=0.1),
     "vit_moe": functools.partial(ViT, **VIT_MOE),
 }
+# model=gpt at the tests' tiny size (GPT_RUN's overrides), on data=tokens' synthetic chain
+GPT_SIZES = {"layers": 2, "hidden": 32, "heads": 4, "seq": 32, "vocab": 64}
+GPT_RUN = ("model=gpt", "data=tokens", *(f"model.{k}={v}" for k, v in GPT_SIZES.items()))
+MODELS.update(gpt=functools.partial(GPT, **GPT_SIZES), gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES))
+
+
+def reference_data(model: str, size: int, seed: int):
+    """What the run's data is: data=tokens' chain for a gpt, data=synthetic's images otherwise."""
+    if model.startswith("gpt"):
+        return markov_tokens(size, GPT_SIZES["seq"], GPT_SIZES["vocab"], seed, table_seed=seed)
+    return make_synthetic(size, seed)
 
 
 def global_batches(size: int, global_batch: int, seed: int):
@@ -83,7 +96,7 @@ def reference_run(
     net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
     if ulp_jitter_seed is not None:
         jitter_one_ulp(net, ulp_jitter_seed)
-    data = make_synthetic(data_size, seed)
+    data = reference_data(model, data_size, seed)
     if optimizer == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=lr, foreach=False)
     else:

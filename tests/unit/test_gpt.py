@@ -145,3 +145,83 @@ def test_bad_sizes_are_refused_in_one_line(sizes, message):
 def test_build_model_takes_the_same_config():
     model = build_model(OmegaConf.create({"name": "gpt", "num_classes": 10, "layers": 1, "hidden": 32}), seed=0)
     assert model.input_shape == (64,) and len(model) == 3
+
+
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [
+        ("ddp", ("model.dropout=0.1", "model.positions=rotary", "model.kv_heads=2")),
+        ("fsdp", ("trainer.recompute=selective", "model.tied=false", "model.mlp=swiglu")),
+        ("zero3", ("trainer.recompute=full",)),
+    ],
+)
+def test_planned_activations_equal_a_real_forward(strategy, extra):
+    """plan_world's activation bytes at world 2 (micro-batch 4) against what autograd saves in a real
+    forward and loss of the same model (with trainer.recompute: through torch's checkpoint)."""
+    from parallel_lab.config import validate
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.recompute import set_recompute
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.activations import saved_for_backward_bytes
+    from tests.support.cli import compose_cfg
+    from tests.support.reference import GPT_RUN
+
+    cfg = validate(compose_cfg(*GPT_RUN, f"strategy={strategy}", "world_size=2", "trainer.global_batch=8", *extra))
+    real = build_model(cfg.model, 0)
+    set_recompute(real, cfg.trainer.recompute)
+    plans = plan_world(cfg, get_strategy_class(strategy), build_meta_model(cfg.model))
+    assert [p.activation_bytes for p in plans] == [saved_for_backward_bytes(real, 4)] * 2
+
+
+# ----- data=tokens: the synthetic chain, a text file's bytes, and what the parent refuses -----
+def test_token_data_labels_are_the_next_token_and_the_chain_is_learnable(tmp_path):
+    from parallel_lab.data import load_datasets
+    from parallel_lab.data.tokens import SUCCESSORS
+
+    cfg = OmegaConf.create({"name": "tokens", "size": 64, "seq": 16, "vocab": 32, "path": None})
+    (train, held), (again, _) = load_datasets(cfg, 3), load_datasets(cfg, 3)
+    x, y = train.tensors
+    assert x.shape == (64, 16) and x.dtype == torch.long and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, again.tensors[0]) and not torch.equal(x[:8], held.tensors[0][:8])  # seeded; held out differs
+    successors = {}  # each token is followed by at most SUCCESSORS tokens, in the train and held-out sets alike
+    for a, b in zip(
+        torch.cat([x, held.tensors[0]]).flatten().tolist(), torch.cat([y, held.tensors[1]]).flatten().tolist()
+    ):
+        successors.setdefault(a, set()).add(b)
+    assert max(map(len, successors.values())) <= SUCCESSORS
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    train, held = load_datasets(OmegaConf.create({"name": "tokens", "seq": 50, "path": str(text)}), 0)
+    assert torch.equal(train.tensors[0][1, :3], torch.tensor([50, 51, 52])) and len(train) + len(held) == 1023 // 50
+    assert torch.equal(train.tensors[1][:, :-1], train.tensors[0][:, 1:])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("model=gpt",), "model=gpt reads token ids, not data=synthetic; use data=tokens"),
+        (("model=vit", "data=tokens"), "model=vit reads images, not data=tokens"),
+        (("model=gpt", "data=tokens", "data.seq=32"), "data.seq=32 differs from model.seq=64"),
+        (("model=gpt", "data=tokens", "data.vocab=300"), "model.vocab=256 is smaller than the data's vocabulary (300)"),
+    ],
+)
+def test_bad_model_and_data_pairs_are_refused_in_one_line(overrides, message):
+    from parallel_lab.config import validate
+    from tests.support.cli import compose_cfg
+
+    with pytest.raises(ConfigError, match=r"^[^\n]*; [^\n]*$") as err:
+        validate(compose_cfg("strategy=single", *overrides))
+    assert message in str(err.value)
+
+
+def test_the_command_line_refuses_a_small_vocabulary_for_a_text_file_with_exit_2(tmp_path):
+    from tests.support.cli import assert_one_clean_line, run_cli
+
+    text, run_dir = tmp_path / "t.txt", tmp_path / "run"
+    text.write_bytes(b"hello " * 2000)
+    result = run_cli(
+        run_dir, "model=gpt", "data=tokens", f"data.path={text}", "model.vocab=64", check=False, timeout=120
+    )
+    assert_one_clean_line(result, run_dir, "model.vocab=64 is smaller than the data's vocabulary (256)")
+    assert result.returncode == 2 and not run_dir.exists()

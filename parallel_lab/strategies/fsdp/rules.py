@@ -39,8 +39,16 @@ def shard_size(cfg: DictConfig) -> int:
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """FSDP units: the model's top-level blocks that own parameters (the root wraps the rest)."""
-    return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+    """FSDP units: the model's top-level blocks that own parameters (the root wraps the rest). Blocks
+    that share a weight (the model's ``tied_children``: gpt's embedding and the head that projects
+    with its weight) stay in the root, whose parameters stay gathered from forward to backward: a
+    unit would free the weight while the other block still needs it."""
+    tied = set(getattr(model, "tied_children", ()))
+    return [
+        (name, child)
+        for name, child in model.named_children()
+        if name not in tied and any(True for _ in child.parameters())
+    ]
 
 
 SHARD_STAGE = {"full": 3, "hybrid": 3, "grad_op": 2, "no_shard": 0}  # strategy.sharding -> the ZeRO stage it resembles

@@ -107,8 +107,11 @@ def rank_chunks(opts, rank: int) -> list[int]:
 
 
 def stage_shares(stages: list[nn.Module]) -> list[float]:
-    """Each pipeline stage's share of the model's FLOPs (stages run in order on meta tensors)."""
-    x = torch.empty(1, 3, 32, 32, device="meta")
+    """Each pipeline stage's share of the model's FLOPs (stages run in order on meta tensors, the
+    first fed the model's input: an image, or token ids)."""
+    from parallel_lab.models import input_shape, sample_input
+
+    x = sample_input(stages[0], 1, input_shape(stages[0]))
     per_stage = []
     for stage in stages:
         per_stage.append(sum(layer_flops(stage, 1, tuple(x.shape[1:])).values()))

@@ -18,7 +18,7 @@ from parallel_lab.choices import Choice, make_choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
 from parallel_lab.strategies.registry import register_rules
 
@@ -161,10 +161,13 @@ def chunk_shares(cfg: DictConfig, model: nn.Sequential) -> list[float]:
 def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[torch.Size, ...]:
     import torch
 
-    x = torch.empty(batch, *SAMPLE_SHAPE, device="meta")
+    from parallel_lab.models import input_shape, sample_input
+
+    model = model_ref()
+    x = sample_input(model, batch, input_shape(model))
     shapes = []
     with torch.no_grad():
-        for chunk in _modules(model_ref(), names):
+        for chunk in _modules(model, names):
             shapes.append(x.shape)
             x = chunk(x)
     return (*shapes, x.shape)

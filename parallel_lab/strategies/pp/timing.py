@@ -13,7 +13,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from parallel_lab.strategies.planning import SAMPLE_SHAPE
 from parallel_lab.strategies.pp.plan import cuttable_blocks
 
 REPEATS = 5  # timed forward+backward passes of every block after one untimed pass; the median is kept
@@ -53,7 +52,7 @@ def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
     """Median seconds of one forward+backward of a micro-batch through each cuttable block, in
     model order (``time_blocks``), on this process's CPU with the ranks' thread count
     (trainer.threads_per_rank)."""
-    from parallel_lab.models import build_model
+    from parallel_lab.models import build_model, input_shape, sample_input
 
     with torch.random.fork_rng():  # the parent's own random state stays as it was
         model = build_model(cfg.model, cfg.trainer.seed).train()
@@ -62,6 +61,9 @@ def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
     torch.set_num_threads(max(1, cfg.trainer.threads_per_rank))
     try:
         generator = torch.Generator().manual_seed(0)
-        return time_blocks(blocks, torch.randn(micro_batch(cfg), *SAMPLE_SHAPE, generator=generator), repeats)
+        x = sample_input(model, micro_batch(cfg), input_shape(model), device="cpu")  # token ids: zeros
+        if x.is_floating_point():
+            x = torch.randn(x.shape, generator=generator)
+        return time_blocks(blocks, x, repeats)
     finally:
         torch.set_num_threads(threads)

@@ -58,6 +58,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.precision import as_compute
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.zero.ds_config import build_ds_config
 from parallel_lab.strategies.zero.memory import ZeroMemory
@@ -163,7 +164,7 @@ class ZeroStrategy(Strategy):
         return next((p.dtype for p in self.engine.module.parameters()), torch.float32)
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.engine(inputs.to(self._input_dtype())).float(), targets)
+        return self.loss_fn(self.engine(as_compute(inputs, self._input_dtype())).float(), targets)
 
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
         loss = self.forward_loss(inputs, targets)
@@ -183,7 +184,7 @@ class ZeroStrategy(Strategy):
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         # The engine: stage 3 gathers parameters collectively (every rank runs the same batches).
-        return self.engine(inputs.to(self._input_dtype())).float()
+        return self.engine(as_compute(inputs, self._input_dtype())).float()
 
     def extra_metrics(self) -> dict:
         extras = {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
