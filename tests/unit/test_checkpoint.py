@@ -47,7 +47,7 @@ def test_dcp_loader_still_reads_good_files(tmp_path):
 
 
 def test_planted_pickle_in_a_deepspeed_file_does_not_run(tmp_path):
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", reason="the DeepSpeed checkpoint reader needs deepspeed; `make test` installs it")
     from parallel_lab.checkpoint.ds_reader import weights_only_load
 
     marker = tmp_path / "pwned"
