@@ -1,8 +1,9 @@
 """The comparison's ``comm Ψ meas/theory`` column for the model-parallel rows: tp runs on the vit
 (Megatron's split without and with sequence parallelism, and with it under full recompute, whose
-recomputed forward repeats the collectives; 2 micro-batches) and a pp run (1F1B, 2 stages) on
-2 real gloo ranks show a theory (report/columns.py ``_theory_psi``: the planner's formula for rank
-0, Megatron's per block for tp) equal to what the run's communication counter measured."""
+recomputed forward repeats the collectives; 2 micro-batches), a pp run (1F1B, 2 stages) and a ddp
+run with context parallelism (ring attention, cp=2) on 2 real gloo ranks show a theory
+(report/columns.py ``_theory_psi``: the planner's formula for rank 0, Megatron's per block for tp)
+equal to what the run's communication counter measured."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ RUNS = {
         *("trainer.recompute=full", "model.dropout=0.1"),
     ],
     "pp": ["strategy=pp", "strategy.stages=2", "strategy.schedule=1f1b", "strategy.microbatches=2"],
+    # context parallelism: ring attention's K/V hops and the gradients' all-reduce (docs/cp.md)
+    "cp": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
 }
 
 

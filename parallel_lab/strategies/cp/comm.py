@@ -85,40 +85,27 @@ def heads_to_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, hc * cp.size, tokens // cp.size, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """Ulysses' first all-to-all (one per q, k, v); backward is the inverse all-to-all."""
+class _Exchange(torch.autograd.Function):
+    """One of Ulysses' all-to-alls (``there``); its backward is the inverse all-to-all (``back``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-        ctx.cp = cp
-        return sequence_to_heads(x, cp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return heads_to_sequence(grad, ctx.cp), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """Ulysses' last all-to-all (the attention's output); backward is the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-        ctx.cp = cp
-        return heads_to_sequence(x, cp)
+    def forward(ctx, x: torch.Tensor, cp: CPGroup, there, back) -> torch.Tensor:
+        ctx.cp, ctx.back = cp, back
+        return there(x, cp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return sequence_to_heads(grad, ctx.cp), None
+        return ctx.back(grad, ctx.cp), None, None, None
 
 
 def to_heads(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-    """Sequence-sharded -> head-sharded, differentiable."""
-    return _SequenceToHeads.apply(x, cp)
+    """Sequence-sharded -> head-sharded, differentiable (Ulysses' first all-to-all, one per q, k, v)."""
+    return _Exchange.apply(x, cp, sequence_to_heads, heads_to_sequence)
 
 
 def to_sequence(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
-    """Head-sharded -> sequence-sharded, differentiable."""
-    return _HeadsToSequence.apply(x, cp)
+    """Head-sharded -> sequence-sharded, differentiable (Ulysses' last all-to-all, the output)."""
+    return _Exchange.apply(x, cp, heads_to_sequence, sequence_to_heads)
 
 
 class _PoolTokens(torch.autograd.Function):
