@@ -3,8 +3,8 @@ serves every claim: it trains as the independent single-process reference does (
 included, the report's parity criterion), every rank holds the model-state bytes the planner
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
-elements, dispatch and combine, forward and backward). An FSDP2 run (Adam, evaluation at the end)
-makes the same claims. Refusals: one line, exit 2, in the parent.
+elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
+(Adam, evaluation at the end) make the same claims. Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
@@ -54,18 +54,29 @@ def test_dropless_ep_trains_as_single_does_aux_loss_included(ddp_ep):
     reference.assert_run_matches(ddp_ep, "ddp ep=2")
 
 
+@pytest.fixture(scope="module")
+def tp_ep(tmp_path_factory) -> dict:
+    """tp=2 inside each of 2 replicas (replicate widened from 1 by ep), ep=2 across them; Adam, evaluation."""
+    return run(
+        tmp_path_factory, "tp", "strategy=tp", "strategy.ep=2", "world_size=4", *MOE,
+        f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}",
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.floats
-def test_fsdp_with_ep_trains_as_single_does_and_evaluates(fsdp_ep):
+@pytest.mark.parametrize("name", ["fsdp_ep", "tp_ep"])
+def test_fsdp_and_tp_with_ep_train_as_single_does_and_evaluate(request, name):
+    metrics = request.getfixturevalue(name)
     reference = parity_reference("vit_moe", steps=STEPS, global_batch=BATCH, threads=1)
-    reference.assert_run_matches(fsdp_ep, "fsdp ep=2")
-    assert fsdp_ep["eval_accuracy"] is not None  # the evaluation's forwards exchange tokens too
+    reference.assert_run_matches(metrics, name)
+    assert metrics["eval_accuracy"] is not None  # the evaluation's forwards exchange tokens too
 
 
 @pytest.mark.slow
-def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep, fsdp_ep):
-    for metrics in (ddp_ep, fsdp_ep):
+def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep, fsdp_ep, tp_ep):
+    for metrics in (ddp_ep, fsdp_ep, tp_ep):
         assert_plan_matches(metrics, tolerance=0.0)
     ranks = ddp_ep["ranks"]
     assert ranks[0]["param_bytes"] < ranks[0]["analytic_param_bytes"]  # half of the experts each
@@ -86,10 +97,15 @@ def test_all_to_all_bytes_are_the_routings_and_the_dropless_formula(ddp_ep):
 
 
 @pytest.mark.slow
-def test_fsdp_comm_is_its_padded_gathers_and_the_routings_exchanges(fsdp_ep):
-    theory = fsdp_ep["strategy_extras"]["ep"]["theory_bytes_per_step"]
-    assert fsdp_ep["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == pytest.approx(theory["all_to_all_single"])
-    assert fsdp_ep["comm_theory_psi"] == pytest.approx(fsdp_ep["comm_volume_psi"], rel=1e-12)
+def test_fsdp_and_tp_comm_is_their_own_and_the_routings_exchanges(fsdp_ep, tp_ep):
+    """fsdp: its padded gathers and reduce-scatter; tp: Megatron's all-reduces (none for an MoE
+    block's MLP, which stays whole) and the replicas' average of the dense gradients."""
+    for metrics in (fsdp_ep, tp_ep):
+        theory = metrics["strategy_extras"]["ep"]["theory_bytes_per_step"]
+        assert metrics["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == pytest.approx(
+            theory["all_to_all_single"]
+        )
+        assert metrics["comm_theory_psi"] == pytest.approx(metrics["comm_volume_psi"], rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +115,7 @@ def test_fsdp_comm_is_its_padded_gathers_and_the_routings_exchanges(fsdp_ep):
         (["strategy=ddp", "strategy.ep=4", "world_size=2"], "strategy.ep=4 does not divide the data-parallel size 2"),
         (["strategy=ddp", "strategy.ep=2", "world_size=2", "trainer.grad_clip=1"], "trainer.grad_clip=1.0"),
         (["strategy=fsdp", "strategy.ep=2", "strategy.sharding=grad_op"], "sharding=grad_op"),
+        (["strategy=tp", "strategy.ep=2", "world_size=4", "strategy.sequence_parallel=true"], "sequence parallelism"),
     ],
 )
 def test_refusals_are_one_line_in_the_parent(tmp_path, overrides, named):

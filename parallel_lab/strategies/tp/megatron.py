@@ -75,9 +75,21 @@ def blocks(model: nn.Module) -> list[str]:
     return [name for name, child in model.named_children() if name.startswith("block") and hasattr(child, "attn")]
 
 
+def dense_mlp(model: nn.Module, block: str) -> bool:
+    """Whether the block's MLP is the dense fc1 -> fc2 that Megatron splits; an MoE MLP
+    (models/moe.py) stays whole on every tp rank (its experts are sharded by strategy.ep instead)."""
+    return hasattr(model.get_submodule(f"{block}.mlp"), "fc1")
+
+
 def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
-    """The (column, row) pairs of ``tp/rules.py``'s plans: per block q, k, v -> proj and fc1 -> fc2."""
-    return [(f"{b}.{c}", f"{b}.{ROWS[c == 'mlp.fc1']}") for b in blocks(model) for c in COLUMNS]
+    """The (column, row) pairs of ``tp/rules.py``'s plans: per block q, k, v -> proj and fc1 -> fc2
+    (the last where the block's MLP is dense)."""
+    return [
+        (f"{b}.{c}", f"{b}.{ROWS[c == 'mlp.fc1']}")
+        for b in blocks(model)
+        for c in COLUMNS
+        if c != "mlp.fc1" or dense_mlp(model, b)
+    ]
 
 
 def split_transformer_manual(
@@ -109,11 +121,12 @@ def _split_block(
 ) -> dict[str, int]:
     shard_dims: dict[str, int] = {}
     column_cls = GatheredColumn if sequence_parallel and not keep_gathered else ColumnParallel
-    for column in COLUMNS:
+    dense = dense_mlp(model, block)
+    for column in COLUMNS if dense else COLUMNS[:-1]:
         name = f"{block}.{column}"
         replace_module(model, name, column_cls(model.get_submodule(name), tp.group, tp.rank, tp.size, True))
         shard_dims.update({f"{name}.weight": 0, f"{name}.bias": 0})
-    for sublayer, (row, drop) in SUBLAYERS.items():
+    for sublayer, (row, drop) in SUBLAYERS.items() if dense else list(SUBLAYERS.items())[:1]:
         name = f"{block}.{row}"
         layer = RowParallel(model.get_submodule(name), tp.group, tp.rank, tp.size, True, sequence_parallel)
         replace_module(model, name, layer)
@@ -124,7 +137,8 @@ def _split_block(
         if sequence_parallel:  # the sublayer's output dropout acts on this rank's tokens
             _slice_dropout(model, f"{block}.{drop}", TOKENS, tp)
     _slice_dropout(model, f"{block}.attn.core.drop", 1, tp)  # (batch, heads, tokens, tokens): its heads
-    _slice_dropout(model, f"{block}.mlp.drop1", -1, tp)  # (batch, tokens, hidden): its hidden features
+    if dense:
+        _slice_dropout(model, f"{block}.mlp.drop1", -1, tp)  # (batch, tokens, hidden): its hidden features
     return shard_dims
 
 

@@ -42,7 +42,16 @@ def _sharded_numels(model: torch.nn.Module, plan, tp: int, rank: int) -> list[in
 
 
 def predict_tp_memory(cfg: DictConfig, model: torch.nn.Module, plan, rank: int) -> dict[str, int]:
-    numels = _sharded_numels(model, plan, cfg.strategy.tp, rank % cfg.strategy.tp)
+    """strategy.ep: the other ranks' experts left out (strategies/ep/)."""
+    from parallel_lab.strategies.ep.groups import ep_rank
+    from parallel_lab.strategies.ep.rules import other_experts
+    from parallel_lab.strategies.mesh import MeshDims
+
+    s = cfg.strategy  # tp/rules.py tp_dims's layout (that module imports this one)
+    dims = MeshDims(replicate=s.replicate, tp=s.tp, ep=s.get("ep", 1), named=("tp",))
+    others = other_experts(model, dims.ep, ep_rank(dims, rank)) if dims.ep > 1 else set()
+    sharded = _sharded_numels(model, plan, cfg.strategy.tp, rank % cfg.strategy.tp)
+    numels = [n for n, p in zip(sharded, model.parameters()) if id(p) not in others]
     return {
         "param_bytes": 4 * sum(numels),
         "grad_bytes": 4 * sum(numels),
@@ -196,19 +205,28 @@ def predict_vit_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     replicate = s.get("replicate") or 1
     if tp < 2:
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
+    from parallel_lab.strategies.tp.megatron import dense_mlp
+
     depth, dim = len(blocks(model)), model.embed.pos.shape[-1]
+    moe_blocks = sum(not dense_mlp(model, b) for b in blocks(model))
     sizes = vit_sizes(cfg.model)
     tokens = (IMAGE // sizes["patch"]) ** 2
     batch = cfg.trainer.global_batch // accum // replicate
     sp = bool(s.get("sequence_parallel"))
+    # An MoE block's MLP is not split: its attention's 2 of the block's 4 all-reduces (ep refuses SP)
     formula = vit_comm_formula(
-        batch, tokens, dim, depth, sp, s.impl, recompute=recompute_mode(cfg), dropout=sizes["dropout"]
+        batch, tokens, dim, depth - moe_blocks / 2, sp, s.impl, recompute=recompute_mode(cfg), dropout=sizes["dropout"]
     )
     comm = {op: n * accum for op, n in formula.items()}
     if sp:
         comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sequence_parallel_grad_numel(dim, depth, s.impl)
     if replicate > 1:
+        from parallel_lab.strategies.ep.rules import balanced_comm, expert_ids
         from parallel_lab.strategies.tp.megatron import vit_plan
 
-        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(_sharded_numels(model, vit_plan(model), tp, 0))
+        experts = expert_ids(model) if s.get("ep", 1) > 1 else set()  # reduced over their own replicas
+        sharded = _sharded_numels(model, vit_plan(model), tp, 0)
+        dense = sum(n for n, p in zip(sharded, model.parameters()) if id(p) not in experts)
+        comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * dense
+        comm.update(balanced_comm(cfg, model, batch))
     return comm

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.ep.rules import check_ep
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
@@ -45,7 +46,7 @@ def split_plan(model_name: str, split_conv: bool, model: nn.Module) -> list[tupl
 def tp_dims(opts: DictConfig) -> MeshDims:
     """strategy.replicate copies of a tp group of strategy.tp consecutive ranks; the tp group is
     laid out even at tp=1 (f and g talk over it, never over the world)."""
-    return MeshDims(replicate=opts.replicate, tp=opts.tp, named=("tp",))
+    return MeshDims(replicate=opts.replicate, tp=opts.tp, ep=opts.get("ep", 1), named=("tp",))
 
 
 def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
@@ -98,6 +99,10 @@ class TPOptions(StrategyOptions):
     # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
     # tokens/tp of the tokens; each all-reduce becomes an all-gather + a reduce-scatter (tp/megatron.py)
     sequence_parallel: bool = False
+    # Expert parallelism (model.moe_experts > 0, impl=manual, no SP): the MoE MLPs stay whole on
+    # every tp rank, their experts sharded over ep of the replicas (strategies/ep/); replicate=1
+    # then becomes world_size / tp (ep needs replicas). 1 = none.
+    ep: int = 1
 
 
 @register_rules("tp")
@@ -164,7 +169,16 @@ class TPPlan(PlanRules):
                 "strategy.split_conv=true needs strategy.impl=manual "
                 "(ColwiseParallel/RowwiseParallel split nn.Linear only)"
             )
+        if opts.ep > 1 and opts.replicate == 1 and opts.tp > 0 and cfg.world_size % opts.tp == 0:
+            # ep spans data-parallel ranks: at the default replicate=1 the replicas fill the world
+            opts.replicate = cfg.world_size // opts.tp
         check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})  # before the model is built
+        if opts.ep != 1 and (opts.impl != "manual" or opts.sequence_parallel):
+            raise ConfigError(
+                f"strategy.ep={opts.ep} runs with strategy.impl=manual without sequence parallelism (each tp rank "
+                "then routes the same tokens); use those, or strategy.ep=1"
+            )
+        check_ep(cfg, tp_dims(opts))
         if model_name == "vit" or opts.sequence_parallel:
             cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):

@@ -45,6 +45,7 @@ from torch import nn
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
+from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.rank_shards import RankShardState
@@ -68,16 +69,20 @@ class TPState(RankShardState):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter in the single model's order and shape: shards are all-gathered and
-        concatenated along their split dimension."""
-        full = []
-        for name, p in self.model.named_parameters():
-            local = local_tensor(p.detach()).contiguous()
-            if name in self.strategy.shard_dims:
-                parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
-                dist.all_gather(parts, local, group=self.strategy.group)
-                local = torch.cat(parts, dim=self.strategy.shard_dims[name])
-            full.append(local)
-        return full
+        concatenated along their split dimension; under ep each MoE layer's experts gathered from
+        the ep group (strategies/ep/parallel.py)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        if self.strategy.experts is not None:
+            return self.strategy.experts.full_parameters(self.model, lambda p: self._whole(names[id(p)], p))
+        return [self._whole(name, p) for name, p in self.model.named_parameters()]
+
+    def _whole(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(p.detach()).contiguous()
+        if name in self.strategy.shard_dims:
+            parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
+            dist.all_gather(parts, local, group=self.strategy.group)
+            local = torch.cat(parts, dim=self.strategy.shard_dims[name])
+        return local
 
 
 class TPMemory(HeldMemory):  # the split layers count their shard
@@ -92,6 +97,7 @@ class TensorParallelStrategy(Strategy):
     State = TPState
     Memory = TPMemory
     Norm = ReplicaNorm
+    experts: ExpertParallel | None = None  # strategy.ep > 1: this rank's share of the experts
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (IMPLS: deepspeed, tp/ds_autotp.py)."""
@@ -103,6 +109,7 @@ class TensorParallelStrategy(Strategy):
         self.group = self.mesh.group("tp")  # this rank's tp sub-group (None: the world)
         self.replicate_group = self.mesh.group(REPLICATE)  # None: one replica
         self.tp_rank = self.layout.coords(self.env.rank)["tp"]
+        self.experts = expert_parallel(self, model)  # strategy.ep: this rank's experts, the MoE MLPs whole
         plan = split_plan(self.cfg.model.name, self.opts.split_conv, model)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
         self.analytic_numel = self._numel_per_rank(model)
@@ -227,8 +234,14 @@ class TensorParallelStrategy(Strategy):
         return counts
 
     def average_over_replicas(self) -> None:
-        """Data parallelism: every replica saw its own global_batch / replicate samples."""
-        average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
+        """Data parallelism: every replica saw its own global_batch / replicate samples; under ep
+        the experts' gradients are summed over their own replicas (strategies/ep/parallel.py)."""
+        if self.experts is None:
+            return average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
+        experts = {id(p) for p in self.experts.expert_parameters()}
+        dense = [p for p in self.model.parameters() if id(p) not in experts]
+        average_gradients(dense, self.replicate_group, self.opts.replicate)
+        self.experts.reduce_gradients()
 
     def optimizer_step(self) -> None:
         self.sum_sequence_parallel_grads()
@@ -249,8 +262,21 @@ class TensorParallelStrategy(Strategy):
             self.group,
         )
 
+    def run_comm_theory_psi(self, num_params: int) -> float | None:
+        """Under ep: Megatron's all-reduces and the replicas' gradient average as the planner counts
+        them (tp/predict.py), with the exchanges the step's routing implies in place of the planner's
+        equal-load estimate (strategies/ep/dispatch.py), in Ψ of the whole model."""
+        if self.experts is None:
+            return super().run_comm_theory_psi(num_params)
+        from parallel_lab.models import build_meta_model
+
+        routed = self.experts.theory_bytes_per_step()
+        planned = self.plan.predict_comm(self.cfg, build_meta_model(self.cfg.model), self.env.rank)
+        planned = {op: n for op, n in planned.items() if op not in routed}
+        return (sum(planned.values()) + sum(routed.values())) / (4 * num_params)
+
     def extra_metrics(self) -> dict:
-        return {
+        return (self.experts.metrics() if self.experts is not None else {}) | {
             "tp_degree": self.opts.tp,
             "tp_impl": self.opts.impl,
             "tp_split_layers": self.split_kinds,
