@@ -81,3 +81,27 @@ def test_cp_attention_is_full_attention_forward_and_backward(cp_outputs, impl):
             expected = full.chunk(2, dim=2)[rank]
             assert torch.allclose(torch.tensor(mine, dtype=torch.float64), expected, atol=1e-12), (rank, name)
         assert got["bytes"] == want, (rank, got["bytes"], want)
+
+
+REFUSALS = {  # overrides -> what the one line must name
+    "tokens": (["strategy=ddp", "strategy.cp=3", "world_size=3"], ["strategy.cp=3", "64 tokens", "model.patch"]),
+    "heads": (["strategy=ddp", "strategy.cp=8", "strategy.cp_impl=ulysses", "world_size=8"], ["model.heads=4"]),
+    "model": (["strategy=ddp", "strategy.cp=2", "model=cnn"], ["model=cnn", "use model=vit"]),
+    "gpt": (["strategy=ddp", "strategy.cp=2", "model=gpt"], ["model=gpt", "use model=vit"]),
+    "dropout": (["strategy=ddp", "strategy.cp=2", "model.dropout=0.1"], ["model.dropout=0.1", "model.dropout=0"]),
+    "world": (["strategy=ddp", "strategy.cp=4", "world_size=2"], ["world_size=2", "world_size=4"]),
+    "fsdp1": (["strategy=fsdp", "strategy.cp=2", "strategy.version=1"], ["strategy.version=2"]),
+    "no_shard": (["strategy=fsdp", "strategy.cp=2", "strategy.sharding=no_shard"], ["strategy.sharding=full"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_cp_refusals_are_one_line_in_the_parent(case):
+    """Each configuration cp cannot run is refused while the config is composed, naming the fix."""
+    from tests.support.model_parallel import assert_one_line_config_error
+
+    overrides, named = REFUSALS[case]
+    strategy, rest = overrides[0].split("=")[1], overrides[1:]
+    base = [] if "model=" in " ".join(rest) else ["model=vit"]
+    world = [] if "world_size=" in " ".join(rest) else ["world_size=2"]
+    assert_one_line_config_error(strategy, [*base, *world, *rest], named)

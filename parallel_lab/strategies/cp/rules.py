@@ -54,7 +54,8 @@ def check_context(opts: DictConfig, cfg: DictConfig) -> None:
     if cp == 1:
         return
     if cfg.model.name != "vit":
-        raise ConfigError(f"strategy.cp={cp} shards the vit's tokens; model={cfg.model.name} has none: use model=vit")
+        what = "is not built on it (causal, load-balanced ring attention)" if cfg.model.name == "gpt" else "has none"
+        raise ConfigError(f"strategy.cp={cp} shards the vit's tokens; model={cfg.model.name} {what}: use model=vit")
     from parallel_lab.models import vit_sizes
 
     sizes, tokens = vit_sizes(cfg.model), vit_tokens(cfg)
