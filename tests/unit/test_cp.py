@@ -65,6 +65,7 @@ def cp_outputs() -> list[dict]:
 IMPLS = ("ring", "ulysses", "deepspeed")
 
 
+@pytest.mark.floats
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cp_attention_is_full_attention_forward_and_backward(cp_outputs, impl):
