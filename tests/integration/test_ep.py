@@ -115,6 +115,7 @@ def test_fsdp_and_tp_comm_is_their_own_and_the_routings_exchanges(fsdp_ep, tp_ep
         (["strategy=ddp", "strategy.ep=4", "world_size=2"], "strategy.ep=4 does not divide the data-parallel size 2"),
         (["strategy=ddp", "strategy.ep=2", "world_size=2", "trainer.grad_clip=1"], "trainer.grad_clip=1.0"),
         (["strategy=fsdp", "strategy.ep=2", "strategy.sharding=grad_op"], "sharding=grad_op"),
+        (["strategy=zero3", "strategy.ep=2"], "DeepSpeed refuses MoE under ZeRO-3"),
         (["strategy=tp", "strategy.ep=2", "world_size=4", "strategy.sequence_parallel=true"], "sequence parallelism"),
     ],
 )

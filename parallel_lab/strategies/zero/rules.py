@@ -75,6 +75,9 @@ class ZeroOptions(StrategyOptions):
     # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
     # clipping, optimizer, schedule, bf16, ZeRO keys); an explicit override contradicting it is refused
     ds_config: Optional[str] = None
+    # Expert parallelism (docs/moe.md): refused here. DeepSpeed refuses MoE under ZeRO-3; its MoE
+    # layer under stages 0-2 is not wired to this strategy. 1 = none.
+    ep: int = 1
 
 
 @register_rules(*(f"zero{stage}" for stage in STAGES))
@@ -134,6 +137,16 @@ class ZeroPlan(PlanRules):
                 f"(make installs it), or use strategy=fsdp for the same sharding in plain torch"
             )
         named = _stage_from_name(opts.name)
+        if opts.ep != 1:
+            why = (
+                "DeepSpeed refuses MoE under ZeRO-3"
+                if named == 3
+                else "DeepSpeed's MoE layer is not wired to the zero strategies"
+            )
+            raise ConfigError(
+                f"strategy.ep={opts.ep} with strategy={opts.name}: {why}; "
+                "use strategy=ddp, fsdp or tp with strategy.ep, or strategy.ep=1"
+            )
         if opts.stage is None:
             opts.stage = named
         if opts.stage not in STAGES:
