@@ -337,9 +337,14 @@ class PlanConfig:
     # GPUs of the cluster plan (plan.hardware): the world the strategy's degrees multiply to (a
     # strategy.replicate or pipeline stages left unset is derived from it). null = world_size.
     gpus: Optional[int] = ranged(None, 1, example=1024)
-    # The cluster plan's compute precision: bf16 | fp16 | fp32; null = trainer.precision. tp and pp
-    # are planned in bf16 or fp16 too (Megatron's mixed precision), whatever the CPU runs support.
+    # The cluster plan's compute precision: bf16 | fp16 | fp32; null = trainer.precision where the
+    # command sets it, else bf16. tp and pp are planned in bf16 or fp16 too (Megatron's mixed
+    # precision), whatever the CPU runs support.
     precision: Optional[str] = None
+    # The cluster plan's attention kernel: true = a fused one (FlashAttention, torch's SDPA on GPU):
+    # the scores never reach HBM, a causal kernel runs half the score products; false = the model's
+    # own explicit matmuls and softmax, priced as counted (Megatron's 2021-2022 runs).
+    fused_attention: bool = False
 
 
 @dataclass

@@ -71,26 +71,23 @@ def test_hardware_profiles_and_refusals():
 
 
 def test_plan_json_fields(tmp_path):
-    """The command writes plan.json with the issue's fields, its parts summing to the step."""
+    """The issue's example command writes plan.json with its fields, the parts summing to the
+    step, the pipeline's stages derived from plan.gpus, planned in bf16 (no precision given)."""
     from parallel_lab.plan.main import run
 
     run(
         [
-            "model=vit",
-            "model.dim=1024",
-            "model.depth=8",
-            "model.heads=16",
-            "model.patch=2",
-            "plan.hardware=h100_sxm",
-            "plan.gpus=64",
+            "model=gpt",
+            "model.preset=gpt3_175b",
+            "plan.hardware=a100_80g",
+            "plan.gpus=1024",
             "strategy=pp",
-            "strategy.tp=4",
-            "strategy.replicate=4",
+            "strategy.tp=8",
+            "strategy.replicate=16",
             "strategy.virtual_stages=2",
-            "strategy.microbatches=8",
-            "trainer.global_batch=64",
+            "strategy.microbatches=96",
             "trainer.recompute=selective",
-            "plan.precision=bf16",
+            "trainer.global_batch=1536",
             f"plan.out={tmp_path}",
         ]
     )
@@ -98,8 +95,8 @@ def test_plan_json_fields(tmp_path):
     parts = ("compute_s", "tp_comm_s", "bubble_s", "pp_p2p_s", "dp_comm_s", "optimizer_s")
     assert data["step_time_s"] == pytest.approx(sum(data[k] for k in parts))
     assert data["memory_bytes_per_gpu"] == sum(data["memory"].values())
-    assert 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
-    assert data["gpus"] == 64 and "pp 4 x tp 4" in data["layout"]
+    assert 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0 and data["precision"] == "bf16"
+    assert data["gpus"] == 1024 and "replicate 16 x pp 8 x tp 8 (interleaved_1f1b, v=2, m=96)" in data["layout"]
 
 
 def test_published_csv_path(tmp_path, capsys):

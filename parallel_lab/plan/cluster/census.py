@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from parallel_lab.plan.census import _is_view, _tensors
-from parallel_lab.plan.cluster.shape import ModelShape, gpt_module
+from parallel_lab.plan.cluster.shape import ModelShape
 
 _GEMMS = ("mm", "addmm")
 _BATCHED = ("bmm", "baddbmm")
@@ -103,17 +103,36 @@ class _Recorder(TorchDispatchMode):
 
 
 def _block(shape: ModelShape) -> torch.nn.Module:
-    """One block of the real model on meta: the gpt's (when present), else the vit's Block with the
-    same widths (a SwiGLU MLP's FLOPs as 1.5x its width)."""
-    with torch.device("meta"):
-        gpt = gpt_module()
-        if gpt is not None and hasattr(gpt, "block_for_planning"):
-            return gpt.block_for_planning(shape)
-        from parallel_lab.models.recompute import Recompute
-        from parallel_lab.models.vit import Block
+    """One block of the real model on meta: models/gpt.py's (the vit's for model=vit)."""
+    from parallel_lab.models.recompute import Recompute
 
-        hidden = shape.ffn * 3 // 2 if shape.gated else shape.ffn
-        return Block(shape.hidden, shape.heads, hidden, torch.nn.Identity, Recompute())
+    with torch.device("meta"):
+        if shape.family == "vit":
+            from parallel_lab.models.vit import Block as ViTBlock
+
+            return ViTBlock(shape.hidden, shape.heads, shape.ffn, torch.nn.Identity, Recompute())
+        from parallel_lab.models.gpt import Block
+
+        return Block(shape.gpt_sizes(), torch.nn.Identity, Recompute())
+
+
+def fused(ops: tuple[OpRecord, ...], causal: bool) -> tuple[OpRecord, ...]:
+    """The block as a fused attention kernel runs it (FlashAttention, Dao et al. arXiv 2205.14135):
+    the attention core's products kept as one kernel's FLOPs per phase, its score-sized memory
+    traffic (mask, softmax, their backward) gone: the scores never leave the chip. A causal
+    kernel skips the masked half of the score blocks (gpt): half the products' FLOPs are run."""
+    kept = [op for op in ops if not op.attention_core]
+    for phase in ("fwd", "bwd"):
+        core = [op for op in ops if op.attention_core and op.phase == phase and op.kind != "memory"]
+        if core:
+            flops = sum(op.flops for op in core) * (0.5 if causal else 1.0)
+            first = core[0]
+            kept.append(
+                OpRecord(
+                    "attention", phase, flops, m=first.m, k=first.k, n=first.n, batch=first.batch, attention_core=True
+                )
+            )
+    return tuple(kept)
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,4 +146,5 @@ def block_ops(shape: ModelShape, micro_batch: int, dtype: torch.dtype = torch.bf
         y = block(x)
         recorder.phase = "bwd"
         y.backward(torch.empty_like(y))
-    return tuple(recorder.ops)
+    ops = tuple(recorder.ops)
+    return fused(ops, causal=shape.family == "gpt") if shape.fused_attention else ops

@@ -24,8 +24,8 @@ def op_seconds(op: OpRecord, hw: Hardware, dtype: str) -> float:
     bandwidth = hw.hbm_gb_per_s * 1e9 * hw.memory_efficiency
     if op.kind == "memory":
         return op.bytes / bandwidth
-    if op.kind == "attention":  # a fused kernel: its heads' GEMMs of (seq x head_dim) at the head dimension's share
-        return op.flops / (hw.peak_flops(dtype) * hw.gemm_efficiency)
+    if op.kind == "attention":  # a fused kernel: its products' shape's share of peak, nothing through HBM
+        return op.flops / (hw.peak_flops(dtype) * gemm_share(hw, op.m or 1, op.k or 1, op.n or 1))
     width = DTYPE_BYTES[dtype]
     traffic = op.batch * width * (op.m * op.k + op.k * op.n + op.m * op.n)
     compute = op.flops / (hw.peak_flops(dtype) * gemm_share(hw, op.m, op.k, op.n))

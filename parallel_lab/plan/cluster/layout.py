@@ -61,6 +61,14 @@ def _check(run: ClusterRun, cfg: DictConfig) -> None:
         )
 
 
+def cluster_precision(cfg: DictConfig, overrides: list[str]) -> str:
+    """plan.precision, else trainer.precision where the command sets it, else bf16 (GPU clusters
+    train in mixed precision; the CPU runs' fp32 default is not the cluster's)."""
+    if cfg.plan.get("precision"):
+        return str(cfg.plan.precision)
+    return str(cfg.trainer.precision) if _given(overrides, "trainer.precision") else "bf16"
+
+
 def cluster_run(cfg: DictConfig, overrides: list[str]) -> ClusterRun:
     """The run ``cfg`` describes on ``plan.gpus`` GPUs of ``plan.hardware``."""
     rules = get_strategy_class(cfg.strategy.name).plan
@@ -70,9 +78,9 @@ def cluster_run(cfg: DictConfig, overrides: list[str]) -> ClusterRun:
         work.world_size = gpus
         _solve_degrees(work, rules, gpus, overrides)
     layout = rules.cluster_layout(work)
-    precision = str(cfg.plan.get("precision") or cfg.trainer.precision)
+    precision = cluster_precision(cfg, overrides)
     run = ClusterRun(
-        shape=from_model_config(cfg.model),
+        shape=from_model_config(cfg.model, bool(cfg.plan.get("fused_attention", False))),
         hw=from_config(cfg.plan.hardware),
         layout=layout,
         global_batch=int(cfg.trainer.global_batch),

@@ -3,21 +3,25 @@ degree, micro-batch, recompute, sequence parallelism) on ``plan.gpus`` GPUs rank
 tokens/s among those that fit the GPU's memory (Narayanan et al., arXiv 2104.04473, section 3:
 tp inside a node, pp across, data parallelism for the rest), with no run.
 
-The candidates are the layouts of the strategy that splits the world into data x pipeline x tensor
-ranks (the one whose degree is its pipeline's stages); each is priced by ``steptime.predict``.
+The candidates: every layout of the strategy that splits the world into data x pipeline x tensor
+ranks (the one whose degree is its pipeline's stages), and every other registered multi-process
+strategy (ddp, fsdp, zero*, ...) at its own layout on ``plan.gpus`` with each ``trainer.grad_accum``;
+each priced by ``steptime.predict``.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from parallel_lab.errors import ConfigError
 from parallel_lab.plan.cluster.hardware import Hardware, from_config
-from parallel_lab.plan.cluster.layout import describe, shape_text
+from parallel_lab.plan.cluster.layout import cluster_precision, describe, shape_text
 from parallel_lab.plan.cluster.shape import ModelShape, from_model_config
 from parallel_lab.plan.cluster.steptime import ClusterPrediction, ClusterRun, predict
 from parallel_lab.strategies.mesh import MeshDims
@@ -33,6 +37,7 @@ INTERLEAVED_1F1B, ONE_F_ONE_B = "interleaved_1f1b", "1f1b"
 class Candidate:
     run: ClusterRun
     prediction: ClusterPrediction
+    command: str = ""  # the overrides that ask for it
 
     @property
     def fits(self) -> bool:
@@ -60,23 +65,59 @@ def layouts(shape: ModelShape, hw: Hardware, gpus: int, global_batch: int):
                     )
 
 
-def rank(shape: ModelShape, hw: Hardware, gpus: int, global_batch: int, precision: str) -> list[Candidate]:
-    """Every candidate, best predicted throughput first; those that do not fit last."""
+def ordered(candidates: list[Candidate]) -> list[Candidate]:
+    """Best predicted throughput first; those that do not fit last."""
+    return sorted(candidates, key=lambda c: (not c.fits, c.prediction.step_time_s))
+
+
+def rank(
+    shape: ModelShape, hw: Hardware, gpus: int, global_batch: int, precision: str, name: str = ""
+) -> list[Candidate]:
+    """Every pipeline-family candidate (``name``: the strategy its commands name)."""
     out = []
     for layout in layouts(shape, hw, gpus, global_batch):
         for recompute in RECOMPUTE:
             run = ClusterRun(shape, hw, layout, global_batch, precision, recompute)
-            out.append(Candidate(run, predict(run)))
-    return sorted(out, key=lambda c: (not c.fits, c.prediction.step_time_s))
+            out.append(Candidate(run, predict(run), overrides(run, name)))
+    return ordered(out)
 
 
-def overrides(candidate: Candidate, strategy: str) -> str:
-    """The command-line overrides that ask for this candidate."""
-    lay, dims = candidate.run.layout, candidate.run.layout.dims
+def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candidate]:
+    """Every other multi-process strategy at its own layout on ``gpus``, each grad_accum and recompute."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.plan.cluster.layout import cluster_run
+    from parallel_lab.strategies import get_strategy_class, registered_names
+
+    keep = [o for o in given if not o.lstrip("+~").startswith(("strategy", "trainer.grad_accum", "trainer.recompute"))]
+    out = []
+    for name in registered_names():
+        rules = get_strategy_class(name).plan
+        if rules.single_process or rules.degree_key == "stages":
+            continue
+        try:
+            base = compose_config([*keep, f"strategy={name}"])
+        except ConfigError:
+            continue
+        for accum in [a for a in MICRO if int(cfg.trainer.global_batch) % (gpus * a) == 0]:
+            for recompute in RECOMPUTE:
+                args = [f"strategy={name}", f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
+                one = pickle.loads(pickle.dumps(base))
+                one.trainer.grad_accum, one.trainer.recompute = accum, recompute
+                try:
+                    run = cluster_run(one, [*keep, *args])
+                except ConfigError:
+                    continue
+                out.append(Candidate(run, predict(run), " ".join(args)))
+    return out
+
+
+def overrides(run: ClusterRun, strategy: str) -> str:
+    """The command-line overrides that ask for this pipeline-family candidate."""
+    lay, dims = run.layout, run.layout.dims
     return (
         f"strategy={strategy} strategy.tp={dims.tp} strategy.replicate={dims.replicate} strategy.stages={dims.pp} "
         f"strategy.virtual_stages={lay.virtual_stages} strategy.microbatches={lay.microbatches} "
-        f"strategy.sequence_parallel={str(lay.sequence_parallel).lower()} trainer.recompute={candidate.run.recompute}"
+        f"strategy.sequence_parallel={str(lay.sequence_parallel).lower()} trainer.recompute={run.recompute}"
     )
 
 
@@ -90,11 +131,12 @@ def pipeline_strategy() -> str:
 def run_recommend(cfg: DictConfig, overrides_: list[str], out: Path, top: int = 10) -> Path:
     """Rank, write cluster_recommend.md/.json under ``out``; the text's path."""
     start = time.perf_counter()
-    shape, hw = from_model_config(cfg.model), from_config(cfg.plan.hardware)
+    shape = from_model_config(cfg.model, bool(cfg.plan.get("fused_attention", False)))
+    hw = from_config(cfg.plan.hardware)
     gpus = int(cfg.plan.gpus or cfg.world_size)
-    precision = str(cfg.plan.get("precision") or cfg.trainer.precision)
-    ranked = rank(shape, hw, gpus, int(cfg.trainer.global_batch), precision)
-    name = pipeline_strategy()
+    precision = cluster_precision(cfg, overrides_)
+    ranked = rank(shape, hw, gpus, int(cfg.trainer.global_batch), precision, pipeline_strategy())
+    ranked = ordered(ranked + other_strategies(cfg, overrides_, gpus))
     fitting = [c for c in ranked if c.fits]
     lines = [
         f"Cluster recommendation: {shape_text(shape)}; {gpus} x {hw.name}, global batch {cfg.trainer.global_batch}, "
@@ -108,10 +150,10 @@ def run_recommend(cfg: DictConfig, overrides_: list[str], out: Path, top: int = 
         lines.append(
             f"| {i} | {describe(c.run)} | {p.micro_batch} | {c.run.recompute} | {p.step_time_s:.3f} | "
             f"{p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | {p.memory_bytes_per_gpu / 2**30:.1f} | "
-            f"`{overrides(c, name)}` |"
+            f"`{c.command}` |"
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "cluster_recommend.md").write_text("\n".join(lines) + "\n")
-    records = [{"layout": describe(c.run), "command": overrides(c, name), **c.prediction.to_json()} for c in fitting]
+    records = [{"layout": describe(c.run), "command": c.command, **c.prediction.to_json()} for c in fitting]
     (out / "cluster_recommend.json").write_text(json.dumps(records[:100], indent=1) + "\n")
     return out / "cluster_recommend.md"

@@ -9,7 +9,6 @@ weighted sum, 6·V·h for the logits; recomputation adds the forward it repeats.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -31,6 +30,30 @@ class ModelShape:
     gated: bool = False  # SwiGLU: three MLP matrices instead of two
     tied: bool = True  # the output layer reuses the embedding
     name: str = "model"
+    rotary: bool = False  # rotary positions (no position embedding)
+    fused_attention: bool = False  # a fused attention kernel (FlashAttention): no scores in memory
+    family: str = "gpt"  # whose block the census counts: gpt or vit
+
+    def gpt_sizes(self) -> dict:
+        """The sizes models/gpt.py builds a block from."""
+        from parallel_lab.models.gpt_sizes import resolve_sizes
+
+        return resolve_sizes(
+            None,
+            {
+                "layers": 1,
+                "hidden": self.hidden,
+                "heads": self.heads,
+                "kv_heads": self.kv_heads,
+                "ffn": self.ffn,
+                "seq": self.seq,
+                "vocab": self.vocab,
+                "tied": self.tied,
+                "mlp": "swiglu" if self.gated else "gelu",
+                "positions": "rotary" if self.rotary else "learned",
+                "bias": not self.gated,
+            },
+        )
 
     @property
     def head_dim(self) -> int:
@@ -63,22 +86,8 @@ class ModelShape:
         return total
 
 
-def _int(node, key: str, default=None):
-    value = node.get(key, default)
-    return default if value is None else int(value)
-
-
-def gpt_module():
-    """``parallel_lab.models.gpt`` where this checkout has it (model=gpt), else None."""
-    return (
-        importlib.import_module("parallel_lab.models.gpt")
-        if importlib.util.find_spec("parallel_lab.models.gpt")
-        else None
-    )
-
-
-def from_model_config(model: DictConfig) -> ModelShape:
-    """The sizes of ``cfg.model``: the gpt's (its preset resolved by its own module) or the vit's."""
+def from_model_config(model: DictConfig, fused_attention: bool = False) -> ModelShape:
+    """The sizes of ``cfg.model``: the gpt's (its preset resolved by models/gpt_sizes.py) or the vit's."""
     if model.name == "vit":
         from parallel_lab.models import vit_sizes
         from parallel_lab.models.vit import IMAGE
@@ -95,24 +104,28 @@ def from_model_config(model: DictConfig) -> ModelShape:
             vocab=model.num_classes,
             tied=False,
             name="vit",
+            family="vit",
+            fused_attention=fused_attention,
         )
-    gpt = gpt_module()
-    sizes = gpt.resolved_sizes(model) if gpt is not None and hasattr(gpt, "resolved_sizes") else model
-    layers, hidden, heads = _int(sizes, "layers"), _int(sizes, "hidden"), _int(sizes, "heads")
-    if None in (layers, hidden, heads):
+    if model.name != "gpt":
         raise ConfigError(
-            f"model={model.name} has no transformer sizes the cluster planner can read; "
-            "use model=gpt (model.preset=<name> or model.layers/hidden/heads/seq/vocab) or model=vit"
+            f"model={model.name} is not a transformer the cluster planner prices; use model=gpt "
+            "(model.preset=<name> or model.layers/hidden/heads/seq/vocab) or model=vit"
         )
+    from parallel_lab.models.gpt_sizes import gpt_sizes
+
+    sizes = gpt_sizes(model)
     return ModelShape(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=_int(sizes, "kv_heads", heads),
-        ffn=_int(sizes, "ffn", None) or _int(sizes, "mlp_hidden", None) or 4 * hidden,
-        seq=_int(sizes, "seq", 2048),
-        vocab=_int(sizes, "vocab", 51200),
-        gated=str(sizes.get("mlp", "gelu")) == "swiglu",
-        tied=bool(sizes.get("tied", True)),
-        name=str(sizes.get("preset") or model.name),
+        layers=int(sizes["layers"]),
+        hidden=int(sizes["hidden"]),
+        heads=int(sizes["heads"]),
+        kv_heads=int(sizes["kv_heads"]),
+        ffn=int(sizes["ffn"]),
+        seq=int(sizes["seq"]),
+        vocab=int(sizes["vocab"]),
+        gated=sizes["mlp"] == "swiglu",
+        tied=bool(sizes["tied"]),
+        rotary=sizes["positions"] == "rotary",
+        name=str(model.get("preset") or model.name),
+        fused_attention=bool(fused_attention),
     )

@@ -176,9 +176,8 @@ def memory_parts(run: ClusterRun) -> dict[str, int]:
     """Bytes on the GPU holding the most (the first stage, or the last with its logits)."""
     lay, dims, shape = run.layout, run.layout.dims, run.shape
     kind = memory.state_bytes(run.precision, run.optimizer)
-    flash = any(op.kind == "attention" for op in block_ops(shape, run.micro_batch))
     per_layer = memory.layer_activation_bytes(
-        shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, flash
+        shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, shape.fused_attention
     )
     flight = memory.in_flight(lay.schedule, dims.pp, lay.microbatches, lay.virtual_stages)
     first = shape.layers // dims.pp * per_layer * flight
