@@ -330,7 +330,7 @@ class PlanConfig:
     # that fit device_memory, with no run (plan/recommend.py, docs/plan.md); writes recommend.md/.json.
     recommend: bool = False
     # A GPU cluster to plan for instead of this machine (parallel_lab/plan/cluster, docs/cluster.md):
-    # plan.hardware=<name> loads conf/hardware/<name>.yaml (a100_40g, a100_80g, h100_sxm, h200),
+    # plan.hardware=<name> loads conf/hardware/<name>.yaml (a100_40g, a100_80g, h100_sxm, h200, this_machine),
     # each field then overridable, e.g. plan.hardware.inter_node_gbps=800. null = the
     # CPU planner of this machine.
     hardware: Optional[Any] = None

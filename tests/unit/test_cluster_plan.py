@@ -117,3 +117,33 @@ def test_published_csv_path(tmp_path, capsys):
     (tmp_path / "bad.csv").write_text("name,gpus\nx,8\n")
     with pytest.raises(SystemExit, match="missing; use exactly: name, hardware"):
         main(["--csv", str(tmp_path / "bad.csv")])
+
+
+def test_measured_profile_round_trip(tmp_path):
+    """bench hardware's writer: the yaml it writes loads as a profile with every value and a
+    source comment per field; a profile lacking a field is refused in one line."""
+    from parallel_lab.bench.hardware import write_profile
+    from parallel_lab.plan.cluster.hardware import FIELDS, from_spec
+
+    values = {
+        **{f: 1.0 for f in FIELDS},
+        "name": "lab",
+        "peak_tflops": {"bf16": 2.5, "fp32": 1.5},
+        "hbm_bytes": 8 << 30,
+    }
+    values["gpus_per_node"], values["overhead_bytes"] = 4, 1 << 20
+    path = write_profile(values, {f: f"measured {f}" for f in FIELDS}, tmp_path / "lab.yaml")
+    text = path.read_text()
+    assert all(f"# measured {f}" in text for f in FIELDS if f != "name")
+    hw = from_spec("a100_80g")  # the shipped ones load too
+    assert hw.gpus_per_node == 8
+    import yaml
+
+    from parallel_lab.plan.cluster.hardware import from_config
+
+    loaded = from_config(yaml.safe_load(text))
+    assert loaded.peak_flops("bf16") == 2.5e12 and loaded.hbm_bytes == 8 << 30 and loaded.gpus_per_node == 4
+    del values["link_efficiency"]
+    with pytest.raises(ConfigError, match="lacks link_efficiency"):
+        write_profile(values, {}, tmp_path / "bad.yaml")
+    assert not (tmp_path / "bad.yaml").exists()
