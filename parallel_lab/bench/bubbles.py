@@ -153,7 +153,7 @@ def render(rows: list[dict]) -> str:
 NOTE = """
 Formula: (p-1)/(m+p-1) gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble
 (ZB-H1: F, B, W equal). Replay: the schedule's orders played out (schedules.play) with this run's
-own median compute per op and chunk (pp_op_seconds) and no hand-off cost: the bubble of these
+own mean compute per op and chunk over the measured steps (pp_op_seconds) and no hand-off cost: the bubble of these
 chunks, whose forward, input- and weight-gradient passes are not equal (the formula's assumption).
 measured − replay is what the hand-offs (each tensor's crossing through gloo, its isend call and
 the wait for the receiving process to be scheduled) and the step-to-step noise add.

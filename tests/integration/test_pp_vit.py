@@ -202,7 +202,7 @@ def idle_table(results: dict, steps: int = IDLE_STEPS - 2) -> dict:
 def test_every_stage_idles_the_schedules_bubble(tmp_path):
     """Each stage's idle share of its step (step minus its timed forward and backward calls, the
     median step after warm-up; every stage's step ends at the pipeline's flush) is within 0.05 of
-    the replay: its schedule's orders played out with the run's own median compute per op and
+    the replay: its schedule's orders played out with the run's own mean compute per op and
     chunk and the measured cost of a hand-off on every crossing (``replayed``). The textbook
     formula assumes equal chunks and free hand-offs; on a slower CPU (an AMX Xeon) interleaved
     idled 0.162 against its 0.111, and a criterion on the formula fails there for what the

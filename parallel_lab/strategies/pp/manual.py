@@ -44,7 +44,8 @@ class ManualLoop:
         self.late = 0  # receives posted only as their own op began (each step's first, on a later stage)
         split = str(o.schedule) in SPLIT_BACKWARD
         self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
-        self.op_seconds: dict[tuple[str, int], list[float]] = {}  # (op, global chunk) -> each run's compute
+        # per train_step: (op, global chunk) -> the compute of each run of it
+        self.op_seconds: list[dict[tuple[str, int], list[float]]] = []
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
@@ -56,6 +57,7 @@ class ManualLoop:
         self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
         self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
         stash: dict = {}
+        self.op_seconds.append({})
         for k, (op, c, i) in enumerate(self.order):
             # The next op's receive is posted before this op computes, so its tensor crosses while
             # this rank computes (Megatron posts its recvs with its sends the same way). Posted only
@@ -161,7 +163,7 @@ class ManualLoop:
         of the step from measured compute (schedules.play, bench bubbles) reads them."""
         seconds = time.perf_counter() - start
         self.pipe.busy.seconds += seconds
-        self.op_seconds.setdefault((op, g), []).append(seconds)
+        self.op_seconds[-1].setdefault((op, g), []).append(seconds)
 
     def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
         tag = BACKWARD_TAG + g * self.m + i

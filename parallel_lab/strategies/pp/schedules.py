@@ -141,7 +141,7 @@ def replay_idle(
     schedule: str, m: int, p: int, v: int, op_seconds: list[dict[str, float]], handoff: float = 0.0
 ) -> list[float]:
     """Each rank's idle share of the step its order would take with the compute the run measured
-    (``pp_op_seconds``: per rank, "F3" -> the median seconds of a forward of global chunk 3, B and
+    (``pp_op_seconds``: per rank, "F3" -> the mean seconds of a forward of global chunk 3, B and
     W likewise) and ``handoff`` seconds per crossing: the bubble of this run's own chunks, where
     the formula assumes equal ones."""
     costs = {k: v for rank in op_seconds for k, v in rank.items()}

@@ -289,10 +289,7 @@ class PipelineParallelStrategy(Strategy):
             "recv_wait_s": wait if manual else None,
             "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
-            # manual impl: the median seconds of each op per global chunk, "F3" -> s (schedules.play replays them)
-            "op_seconds": {f"{op}{g}": statistics.median(t) for (op, g), t in self.loop.op_seconds.items()}
-            if manual
-            else None,
+            "op_seconds": mean_op_seconds(self.loop.op_seconds[skip:] or self.loop.op_seconds) if manual else None,
             "recvs_late": self.loop.late if manual else None,
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": list(self.model._modules),
@@ -336,3 +333,14 @@ class PipelineParallelStrategy(Strategy):
     def teardown(self) -> None:
         super().teardown()
         self.schedule = self.loop = self.meta_chunks = self.chunks = self.saved = self.replicate_group = None
+
+
+def mean_op_seconds(steps: list[dict[tuple[str, int], list[float]]]) -> dict[str, float]:
+    """Manual impl: the mean seconds of each op per global chunk over the steps after warm-up,
+    "F3" -> s (schedules.replay_idle plays them). The mean, not the median: the ops' sum is the
+    stage's busy time, which an op slowed by another process still adds to."""
+    runs: dict[str, list[float]] = {}
+    for step in steps:
+        for (op, g), seconds in step.items():
+            runs.setdefault(f"{op}{g}", []).extend(seconds)
+    return {key: statistics.fmean(values) for key, values in runs.items()}
