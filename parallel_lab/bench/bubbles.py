@@ -93,10 +93,10 @@ def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch
 def replay_of(extras: dict) -> list[float]:
     """Each stage's idle in the step its order takes with the run's own measured compute per op
     (``pp_op_seconds``) and no hand-off cost (schedules.replay_idle)."""
-    from parallel_lab.strategies.pp.schedules import replay_idle
+    from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    return replay_idle(extras["pp_schedule"], m, p, v, extras["pp_op_seconds"])
+    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"])
 
 
 def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
@@ -153,7 +153,8 @@ def render(rows: list[dict]) -> str:
 NOTE = """
 Formula: (p-1)/(m+p-1) gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble
 (ZB-H1: F, B, W equal). Replay: the schedule's orders played out (schedules.play) with this run's
-own mean compute per op and chunk over the measured steps (pp_op_seconds) and no hand-off cost: the bubble of these
+own compute per op and chunk, each measured step with its own (pp_op_seconds_steps), the median
+step's, and no hand-off cost: the bubble of these
 chunks, whose forward, input- and weight-gradient passes are not equal (the formula's assumption).
 measured − replay is what the hand-offs (each tensor's crossing through gloo, its isend call and
 the wait for the receiving process to be scheduled) and the step-to-step noise add.

@@ -173,12 +173,13 @@ def handoff_s(extras: dict, steps: int) -> float:
 
 
 def replayed(extras: dict, steps: int) -> list[float]:
-    """Each stage's idle in its order played out with the run's own compute per op (pp_op_seconds)
-    and the measured hand-off cost on every crossing (schedules.replay_idle)."""
-    from parallel_lab.strategies.pp.schedules import replay_idle
+    """Each stage's idle in its order played out with each measured step's own compute per op
+    (pp_op_seconds_steps) and the measured hand-off cost on every crossing, the median step's
+    (schedules.replay_idle_steps: the statistic of pp_idle_fraction)."""
+    from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    return replay_idle(extras["pp_schedule"], m, p, v, extras["pp_op_seconds"], handoff_s(extras, steps))
+    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], handoff_s(extras, steps))
 
 
 def idle_table(results: dict, steps: int = IDLE_STEPS - 2) -> dict:

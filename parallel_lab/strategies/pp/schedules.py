@@ -8,6 +8,7 @@ and "W" the weight gradient, arXiv 2401.10241), ``chunk`` the rank's local model
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -153,6 +154,17 @@ def replay_idle(
     split = schedule == "zero_bubble" and v == 1
     step, busy = play(rank_orders(schedule, m, p, v), of("F"), of("B"), of("W") if split else None, handoff)
     return [(step - b) / step for b in busy]
+
+
+def replay_idle_steps(
+    schedule: str, m: int, p: int, v: int, op_seconds_steps: list[list[dict[str, float]]], handoff: float = 0.0
+) -> list[float]:
+    """``replay_idle`` of every measured step with that step's own compute per op
+    (``pp_op_seconds_steps``: per rank, per step), the median step's per rank: the same statistic
+    as the measured ``pp_idle_fraction``, so an op slowed by another process in one step is
+    replayed in that step only."""
+    steps = [replay_idle(schedule, m, p, v, list(step), handoff) for step in zip(*op_seconds_steps)]
+    return [statistics.median(s[r] for s in steps) for r in range(p)]
 
 
 def peak_in_flight(

@@ -290,6 +290,7 @@ class PipelineParallelStrategy(Strategy):
             "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
             "op_seconds": mean_op_seconds(self.loop.op_seconds[skip:] or self.loop.op_seconds) if manual else None,
+            "op_seconds_steps": [mean_op_seconds([step]) for step in self.loop.op_seconds[skip:]] if manual else None,
             "recvs_late": self.loop.late if manual else None,
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": list(self.model._modules),
@@ -324,6 +325,8 @@ class PipelineParallelStrategy(Strategy):
             "pp_send_s": [st["send_s"] for st in stages],  # manual impl: time in isend calls (hand-offs)
             "pp_max_inflight_microbatches": [st["max_inflight"] for st in stages],  # manual impl
             "pp_op_seconds": [st["op_seconds"] for st in stages],
+            # manual impl: the same per measured step (each step's replay beside its measured idle)
+            "pp_op_seconds_steps": [st["op_seconds_steps"] for st in stages],
             # manual impl: receives posted only as their op began (the rest one op ahead, pp/manual.py)
             "pp_recvs_posted_late": [st["recvs_late"] for st in stages],
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
