@@ -52,3 +52,15 @@ def test_ddp_trains_the_gpt_with_dropout_as_single_does_and_as_planned(cli, drop
 @pytest.mark.parametrize("strategy", DATA_PARALLEL)
 def test_every_data_parallel_strategy_trains_the_gpt_as_single_does_and_as_planned(cli, reference, strategy):
     check_row(cli(f"strategy={strategy}", *RUN, "trainer.eval_batches=0"), reference)
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("impl", ["manual", "torch", "deepspeed"])
+def test_pp_trains_the_untied_gpt_as_single_does_and_as_planned(cli, impl):
+    """Embedding on the first stage, head and loss on the last; tied embeddings are refused under pp
+    (tests/unit/test_gpt.py)."""
+    reference = parity_reference("gpt_untied", steps=STEPS, global_batch=BATCH)
+    run = cli("strategy=pp", f"strategy.impl={impl}", "model.tied=false", *RUN, "trainer.eval_batches=0")
+    check_row(run, reference)

@@ -46,7 +46,11 @@ MODELS = {
 # model=gpt at the tests' tiny size (GPT_RUN's overrides), on data=tokens' synthetic chain
 GPT_SIZES = {"layers": 2, "hidden": 32, "heads": 4, "seq": 32, "vocab": 64}
 GPT_RUN = ("model=gpt", "data=tokens", *(f"model.{k}={v}" for k, v in GPT_SIZES.items()))
-MODELS.update(gpt=functools.partial(GPT, **GPT_SIZES), gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES))
+MODELS.update(
+    gpt=functools.partial(GPT, **GPT_SIZES),
+    gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES),
+    gpt_untied=functools.partial(GPT, tied=False, **GPT_SIZES),  # model.tied=false: what pp trains
+)
 
 
 def reference_data(model: str, size: int, seed: int):

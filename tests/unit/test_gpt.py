@@ -204,6 +204,7 @@ def test_token_data_labels_are_the_next_token_and_the_chain_is_learnable(tmp_pat
         (("model=vit", "data=tokens"), "model=vit reads images, not data=tokens"),
         (("model=gpt", "data=tokens", "data.seq=32"), "data.seq=32 differs from model.seq=64"),
         (("model=gpt", "data=tokens", "data.vocab=300"), "model.vocab=256 is smaller than the data's vocabulary (300)"),
+        (("model=gpt", "data=tokens", "strategy=pp"), "strategy=pp with model.tied=true"),
     ],
 )
 def test_bad_model_and_data_pairs_are_refused_in_one_line(overrides, message):
@@ -211,7 +212,7 @@ def test_bad_model_and_data_pairs_are_refused_in_one_line(overrides, message):
     from tests.support.cli import compose_cfg
 
     with pytest.raises(ConfigError, match=r"^[^\n]*; [^\n]*$") as err:
-        validate(compose_cfg("strategy=single", *overrides))
+        validate(compose_cfg("strategy=single", *overrides))  # a later strategy= wins
     assert message in str(err.value)
 
 
@@ -225,3 +226,45 @@ def test_the_command_line_refuses_a_small_vocabulary_for_a_text_file_with_exit_2
     )
     assert_one_clean_line(result, run_dir, "model.vocab=64 is smaller than the data's vocabulary (256)")
     assert result.returncode == 2 and not run_dir.exists()
+
+
+def test_planned_pp_activations_equal_each_stages_real_forward():
+    """pp at world 2 (untied): the first stage stashes its micro-batches' embedding and block
+    activations, the last its blocks', head's and loss's, as many as the schedule keeps in flight."""
+    from collections import OrderedDict
+
+    from parallel_lab.config import validate
+    from parallel_lab.models import build_meta_model, loss_target
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from parallel_lab.strategies.pp.rules import chunk_names
+    from tests.support.cli import compose_cfg
+    from tests.support.reference import GPT_RUN
+
+    cfg = validate(compose_cfg(*GPT_RUN, "strategy=pp", "model.tied=false", "world_size=2", "trainer.global_batch=8"))
+    meta, real = build_meta_model(cfg.model), build_model(cfg.model, 0)
+    plans = plan_world(cfg, get_strategy_class("pp"), meta)
+    m = cfg.strategy.microbatches
+    stash = [m, m] if cfg.strategy.schedule == "gpipe" else [min(m, 2), min(m, 1)]
+    first, last = (
+        torch.nn.Sequential(OrderedDict((n, real.get_submodule(n)) for n in c)) for c in chunk_names(cfg, meta)
+    )
+    x = torch.randint(0, 64, (8 // m, 32))
+    sent = first(x).detach().requires_grad_()  # what stage 1 receives
+
+    def saved(module: torch.nn.Module, x: torch.Tensor, loss: bool) -> int:
+        params, kept = {p.untyped_storage().data_ptr() for p in module.parameters()}, {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+            if loss:
+                torch.nn.functional.cross_entropy(out, loss_target(out))
+        return sum(kept.values())
+
+    assert plans[0].activation_bytes == stash[0] * saved(first, x, loss=False)
+    assert plans[1].activation_bytes == stash[1] * saved(last, sent, loss=True)

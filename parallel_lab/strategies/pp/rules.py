@@ -368,6 +368,11 @@ class PPPlan(PlanRules):
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
+        if cfg.model.get("tied") and opts.stages > 1:
+            raise ConfigError(
+                f"strategy=pp with model.tied=true: the head on the last of {opts.stages} stages would project with "
+                "the token embedding's weight, which the first stage holds; use model.tied=false"
+            )
         keys = {"pp": ("stages", "pipeline stages, one per process")}
         if opts.get("tp", 1) > 1:
             keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}

@@ -177,7 +177,7 @@ class PipelineParallelStrategy(Strategy):
         """Shape of global chunk g's input for a batch shaped like ``like`` (meta: no compute)."""
         key = (g, tuple(like.shape))
         if key not in self.shapes:
-            x = torch.empty(like.shape, device="meta")
+            x = torch.empty(like.shape, dtype=like.dtype, device="meta")  # token ids stay int64
             with torch.no_grad():
                 for module in self.meta_chunks[:g]:
                     x = module(x)
