@@ -16,6 +16,9 @@ STEPS, BATCH = 3, 16
 DEFAULT = {  # one set of ranks for the default suite: SP, per-rank dropout masks, both impls
     "manual-sp-dropout": ["strategy.impl=manual", "strategy.sequence_parallel=true", "model.dropout=0.1"],
     "dtensor-dropout": ["strategy.impl=dtensor", "model.dropout=0.1"],
+    # Megatron's bf16 (bf16 copies of the fp32 shards; every collective in bf16), judged against the
+    # bf16 reference loop and its own noise floor (docs/parity.md, bf16 rows)
+    "manual-sp-bf16": ["strategy.impl=manual", "strategy.sequence_parallel=true", "trainer.precision=bf16"],
 }
 EXTRA = {
     "manual": ["strategy.impl=manual"],

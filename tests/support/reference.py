@@ -203,9 +203,10 @@ def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e
 
 def vit_reference(cfg, data_size: int) -> ParityReference:
     """The single-process reference of a vit run's config (test bodies at world > 1): one thread,
-    dropout 0.1 or off as the run has it, and its gradient clip where it sets one (the cache key
-    of a run without one stays that of every other caller)."""
+    dropout 0.1 or off as the run has it, its gradient clip where it sets one and the bf16 loop
+    where it trains in bf16 (the cache key of a run without them stays that of every other caller)."""
     clip = {"grad_clip": cfg.trainer.grad_clip} if cfg.trainer.grad_clip else {}
+    bf16 = {"precision": "bf16"} if cfg.trainer.get("precision") == "bf16" else {}  # the bf16 loop and floor
     return parity_reference(
         "vit_dropout" if cfg.model.dropout else "vit",
         steps=cfg.trainer.steps,
@@ -213,4 +214,5 @@ def vit_reference(cfg, data_size: int) -> ParityReference:
         threads=1,
         data_size=data_size,
         **clip,
+        **bf16,
     )

@@ -77,6 +77,13 @@ def _io_shapes(model: torch.nn.Module, names: set[str], batch: int) -> dict[str,
     return shapes
 
 
+def activation_elem(cfg: DictConfig) -> int:
+    """Bytes per element of what the tp collectives carry: the activations and their gradients,
+    bf16 under strategy.precision=bf16 (the forward runs on bf16 copies, Megatron's bf16), else fp32.
+    Gradients of the weights stay fp32 (the master copy's .grad)."""
+    return 2 if cfg.strategy.get("precision") == "bf16" else 4
+
+
 def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, float]:
     if cfg.world_size < 2:
         return {}
@@ -93,7 +100,7 @@ def predict_tp_comm(cfg: DictConfig, model: torch.nn.Module, plan) -> dict[str, 
         if column is None:
             elems += shapes[row][0].numel()  # f on the replicated input of a lone row layer
         elems += shapes[row][1].numel()  # g: forward all-reduce of the partial sums
-    comm = {"all_reduce": 2.0 * 4 * elems * cfg.trainer.grad_accum}
+    comm = {"all_reduce": 2.0 * activation_elem(cfg) * elems * cfg.trainer.grad_accum}
     if (cfg.strategy.get("replicate") or 1) > 1:  # dp x tp: each shard's gradients all-reduced over replicas
         comm["all_reduce"] += 2.0 * 4 * sum(_sharded_numels(model, plan, cfg.strategy.tp, 0))
     return comm
@@ -215,7 +222,15 @@ def predict_vit_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     sp = bool(s.get("sequence_parallel"))
     # An MoE block's MLP is not split: its attention's 2 of the block's 4 all-reduces (ep refuses SP)
     formula = vit_comm_formula(
-        batch, tokens, dim, depth - moe_blocks / 2, sp, s.impl, recompute=recompute_mode(cfg), dropout=sizes["dropout"]
+        batch,
+        tokens,
+        dim,
+        depth - moe_blocks / 2,
+        sp,
+        s.impl,
+        activation_elem(cfg),
+        recompute_mode(cfg),
+        sizes["dropout"],
     )
     comm = {op: n * accum for op, n in formula.items()}
     if sp:

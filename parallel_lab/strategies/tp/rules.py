@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from parallel_lab.choices import Choice
+from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.ep.rules import check_ep
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
@@ -103,12 +103,17 @@ class TPOptions(StrategyOptions):
     # every tp rank, their experts sharded over ep of the replicas (strategies/ep/); replicate=1
     # then becomes world_size / tp (ep needs replicas). 1 = none.
     ep: int = 1
+    # fp32 | bf16 (manual impl): as Megatron trains, bf16 weights and activations in forward and
+    # backward (every tp collective carries bf16), fp32 master weights, gradients and Adam state: the
+    # forward runs on a bf16 copy of this rank's fp32 shards (strategies/precision.py)
+    precision: Precision = Precision.fp32
 
 
 @register_rules("tp")
 class TPPlan(PlanRules):
     Options = TPOptions
     degree_key = "tp"
+    weight_copies = True  # strategy.precision=bf16: Bf16Compute on the rank's shards
 
     @classmethod
     def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
@@ -150,6 +155,11 @@ class TPPlan(PlanRules):
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        if opts.precision == "bf16" and opts.impl != "manual":
+            raise ConfigError(
+                f"strategy.precision=bf16 with strategy=tp strategy.impl={opts.impl}: bf16 runs on the manual "
+                "split's shards; use strategy.impl=manual"
+            )
         if opts.impl == "deepspeed":  # AutoTP's own layer specs and refusals (tp/ds_autotp.py)
             from parallel_lab.strategies.tp.ds_rules import check_deepspeed_tp
 

@@ -48,6 +48,7 @@ from parallel_lab.strategies.clip import clip_by_global_norm
 from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
+from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
@@ -92,7 +93,7 @@ class TPMemory(HeldMemory):  # the split layers count their shard
 
 
 @register("tp")
-class TensorParallelStrategy(Strategy):
+class TensorParallelStrategy(Bf16Compute, Strategy):
     plan = TPPlan
     State = TPState
     Memory = TPMemory

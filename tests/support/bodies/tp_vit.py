@@ -14,7 +14,9 @@ from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
 
 
-def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp: bool, impl: str) -> dict[str, float]:
+def megatron_bytes(
+    batch: int, accum: int, tokens: int, dim: int, depth: int, sp: bool, impl: str, elem: int = 4
+) -> dict[str, float]:
     """The communication of one step of ``accum`` micro-batches of ``batch`` as this test derives
     it, in comm/counter.py's units (an all-reduce of B bytes counts 2B): per block and direction 2
     all-reduces of the (batch, tokens, dim) fp32 activation A; under SP each becomes an all-gather
@@ -22,8 +24,9 @@ def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp
     head's pool (manual: all-reduce of (batch, dim); dtensor: its input gathered, A), and once per
     step the LayerNorms' (manual: also the row biases' and the head norm's) gradients all-reduced.
     Manual SP keeps the column layers' input sharded, as Megatron does, and gathers it again in
-    backward: 2 more all-gathers (A) per block."""
-    a = batch * tokens * dim * 4
+    backward: 2 more all-gathers (A) per block. elem: bytes of an activation element (bf16: 2); the
+    weights' gradients are fp32 either way."""
+    a = batch * tokens * dim * elem
     if not sp:
         return {"all_reduce": accum * depth * 2 * 2 * 2 * a}
     if impl == "manual":
@@ -31,7 +34,7 @@ def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp
         return {
             "all_gather_single": accum * (depth * 6 + 1) * a,
             "reduce_scatter_single": accum * depth * 4 * a,
-            "all_reduce": accum * 2 * batch * dim * 4 + 2 * 4 * grads,
+            "all_reduce": accum * 2 * batch * dim * elem + 2 * 4 * grads,
         }
     return {
         "all_gather_into_tensor": accum * (depth * 4 + 2) * a,
@@ -40,8 +43,9 @@ def megatron_bytes(batch: int, accum: int, tokens: int, dim: int, depth: int, sp
     }
 
 
-def saved_bytes_of_a_real_forward(model: torch.nn.Module, batch: int) -> int:
+def saved_bytes_of_a_real_forward(strategy, batch: int) -> int:
     """Distinct non-parameter storages autograd saves in one training forward + loss on this rank."""
+    model = strategy.model
     params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -53,7 +57,7 @@ def saved_bytes_of_a_real_forward(model: torch.nn.Module, batch: int) -> int:
 
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.nn.functional.cross_entropy(model(x), torch.zeros(batch, dtype=torch.long))
+        strategy.forward_loss(x, torch.zeros(batch, dtype=torch.long))  # bf16: on its copies of the weights
     return sum(saved.values())
 
 
@@ -65,17 +69,18 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     full = strategy.state.full_parameters()
     plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
     strategy.model.train()
-    measured_activations = saved_bytes_of_a_real_forward(strategy.model, plan.micro_batch)
+    measured_activations = saved_bytes_of_a_real_forward(strategy, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
-        ref = vit_reference(cfg, DATA_SIZE)
+        ref = vit_reference(cfg, DATA_SIZE)  # bf16: the bf16 reference loop and its own noise floor
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
     row = metrics.ranks[rank]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
     accum = cfg.trainer.grad_accum
+    elem = 2 if cfg.strategy.precision == "bf16" else 4
     want = megatron_bytes(
-        cfg.trainer.global_batch // accum, accum, 64, 64, 4, cfg.strategy.sequence_parallel, cfg.strategy.impl
+        cfg.trainer.global_batch // accum, accum, 64, 64, 4, cfg.strategy.sequence_parallel, cfg.strategy.impl, elem
     )
     assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
