@@ -155,6 +155,11 @@ class TPPlan(PlanRules):
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        if opts.precision == "bf16" and opts.get("ep", 1) > 1:
+            raise ConfigError(
+                f"strategy.precision=bf16 with strategy=tp strategy.ep={opts.ep}: the experts' all-to-all is "
+                "planned in fp32 only; use strategy.precision=fp32 or strategy.ep=1"
+            )
         if opts.precision == "bf16" and opts.impl != "manual":
             raise ConfigError(
                 f"strategy.precision=bf16 with strategy=tp strategy.impl={opts.impl}: bf16 runs on the manual "
