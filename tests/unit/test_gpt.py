@@ -83,6 +83,7 @@ def test_explicit_sizes_override_the_preset_and_the_build_is_seeded():
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.floats
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_causal_core_equals_torch_causal_attention_with_grouped_kv(kv_heads):
     q = torch.randn(2, 4, 16, 8, dtype=torch.float64)
@@ -91,6 +92,7 @@ def test_causal_core_equals_torch_causal_attention_with_grouped_kv(kv_heads):
     torch.testing.assert_close(CausalCore(8)(q, k, v), expected)
 
 
+@pytest.mark.floats
 @pytest.mark.parametrize("sizes", [{}, {"positions": "rotary", "kv_heads": 2, "mlp": "swiglu", "tied": False}])
 def test_a_token_sees_only_its_past_and_logits_are_batch_vocab_seq(sizes):
     model = build_gpt({"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 64, **sizes}, device="cpu")
