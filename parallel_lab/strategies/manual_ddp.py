@@ -35,6 +35,7 @@ from parallel_lab.comm.counter import trace_label
 from parallel_lab.protocol import WAIT_LABEL
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.manual_ddp_rules import ManualDDPPlan
+from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.replicated import ReplicatedMemory, ReplicatedState
 
@@ -85,7 +86,7 @@ def make_buckets(params: list[torch.nn.Parameter], cap_bytes: float) -> list[Buc
 
 
 @register("manual_ddp")
-class ManualDDPStrategy(Strategy):
+class ManualDDPStrategy(Bf16Compute, Strategy):
     plan = ManualDDPPlan
     State = ReplicatedState
     Memory = ReplicatedMemory

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from parallel_lab.choices import make_choice
+from parallel_lab.choices import Precision, make_choice
 from parallel_lab.comm.algorithms import ALGORITHMS
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.options import StrategyOptions
@@ -31,12 +31,16 @@ class ManualDDPOptions(StrategyOptions):
     # false: one all-reduce of every gradient after backward (simple, no overlap)
     bucketed: bool = True
     bucket_mb: float = 25.0  # bucket size in MiB when bucketed (> 0)
+    # fp32 | bf16: forward/backward on a bf16 copy of the fp32 weights; fp32 gradients all-reduced
+    # (strategies/precision.py, as ddp)
+    precision: Precision = Precision.fp32
 
 
 @register_rules("manual_ddp")
 class ManualDDPPlan(ReplicatedPlan):
     Options = ManualDDPOptions
     syncs_batchnorm = True  # every rank reads its own samples
+    weight_copies = True  # strategy.precision=bf16: Bf16Compute
     allreduce_variants = {
         "manual_ddp ring bucketed": ["strategy.allreduce=ring", "strategy.bucketed=true"],
         "manual_ddp ring after backward": ["strategy.allreduce=ring", "strategy.bucketed=false"],

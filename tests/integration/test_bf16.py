@@ -1,4 +1,4 @@
-"""bf16 rows: ddp, fsdp and ZeRO in bf16 train the same function as `single` in bf16, judged like
+"""bf16 rows: ddp, manual_ddp, fsdp and ZeRO in bf16 train the same function as `single` in bf16, judged like
 every row (parallel_lab/report/parity.py) against an independent plain-torch mixed-precision loop
 and its own 1-ulp reruns (tests/support/reference.py, precision="bf16"); a broken bf16 variant (gradients
 never averaged) fails the same criterion; and a sharded bf16 rank holds the ZeRO paper's mixed-
@@ -29,6 +29,7 @@ ROWS = {  # name -> overrides; every row through trainer.precision=bf16 (each st
     "fsdp": ("strategy=fsdp",),
     "zero2": ("strategy=zero2",),
     "zero3": ("strategy=zero3",),
+    "manual_ddp": ("strategy=manual_ddp",),  # ddp's bf16 (a copy per forward), our bucketed all-reduce
 }
 MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
 

@@ -277,10 +277,7 @@ CATALOGUE = {
     "offload-with-zero0": (["strategy=zero0", "strategy.offload=cpu"], "strategy.offload=cpu"),
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
     "precision-unknown": (["trainer.precision=fp8"], ("trainer.precision=fp8", "use trainer.precision=fp32 or bf16")),
-    "precision-bf16-on-manual_ddp": (
-        ["strategy=manual_ddp", "trainer.precision=bf16"],
-        ("strategy=manual_ddp has no bf16 mode",),
-    ),
+    "precision-bf16-on-dp": (["strategy=dp", "trainer.precision=bf16"], ("strategy=dp has no bf16 mode",)),
     "precision-bf16-on-tp-dtensor": (
         ["strategy=tp", "strategy.impl=dtensor", "trainer.precision=bf16"],
         ("strategy.precision=bf16 with strategy=tp strategy.impl=dtensor",),

@@ -248,9 +248,9 @@ def test_plan_honours_trainer_precision_bf16_as_a_run_does():
     row_list, ranks = build_plans(planned_configs(["model=cnn", "world_size=2", "trainer.precision=bf16"]), 2**40)
     rows = {r["strategy"]: r for r in row_list}
     psi = rows["zero0"]["params"]
-    for name in ("pp", "dp", "manual_ddp"):
+    for name in ("pp", "dp"):
         assert rows[name]["fits"].startswith(f"cannot run: trainer.precision=bf16: strategy={name} has no bf16 mode")
-    # tp: Megatron's bf16, fp32 state (its shards) and bf16 activations on the wire (half of fp32's)
+    # tp, pp: Megatron's bf16, fp32 state (their shards, stages) and bf16 activations on the wire
     assert not rows["tp"]["fits"].startswith("cannot run") and rows["tp"]["param_bytes"] == rows["tp"]["grad_bytes"]
     fp32_rows, fp32_ranks = build_plans(planned_configs(["model=cnn", "world_size=2", "strategy=tp"]), 2**40)
     assert rows["tp"]["param_bytes"] == fp32_rows[0]["param_bytes"]
@@ -258,7 +258,7 @@ def test_plan_honours_trainer_precision_bf16_as_a_run_does():
     # zero0: 16-bit module + FP16_UnfusedOptimizer's fp32 copy of every parameter = the paper's 16Ψ
     assert (rows["zero0"]["param_bytes"], rows["zero0"]["master_param_bytes"]) == (2 * psi, 4 * psi)
     assert rows["zero3"]["param_bytes"] == rows["zero3"]["grad_bytes"] == rows["zero3"]["master_param_bytes"] // 2
-    assert rows["ddp"]["param_bytes"] == 4 * psi  # fp32 weights; the bf16 copy lives like activations
+    assert rows["ddp"]["param_bytes"] == rows["manual_ddp"]["param_bytes"] == 4 * psi  # fp32; bf16 copies
     comm = {r["strategy"]: r["comm"] for r in ranks if r["rank"] == 0}
     assert comm["zero0"] == {"all_reduce": 2.0 * 2 * psi}  # bf16 gradients all-reduced: half of fp32's
     assert comm["tp"] == {"all_reduce": tp_fp32["all_reduce"] / 2}
