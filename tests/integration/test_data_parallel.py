@@ -101,6 +101,7 @@ def test_manual_ddp_cli_run(tmp_path, cnn_reference):
         "allreduce": "ring",
         "bucketed": True,
         "bucket_mb": 25.0,
+        "precision": "fp32",
     }
     assert metrics["strategy_extras"]["buckets"] == 1  # ~1.2 MB of cnn gradients fit one 25 MiB bucket
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0

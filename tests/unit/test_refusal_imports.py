@@ -33,7 +33,7 @@ IN_MAKE_TEST = (
     "wrong-type-int",
     "unknown-strategy",
     "lr-nan",
-    "precision-bf16-on-tp",
+    "precision-bf16-on-tp-dtensor",
     "tp-dp-degree",
     "pp-microbatches",
     "fsdp-hybrid",

@@ -43,9 +43,13 @@ def megatron_bytes(
     }
 
 
-def saved_bytes_of_a_real_forward(strategy, batch: int) -> int:
-    """Distinct non-parameter storages autograd saves in one training forward + loss on this rank."""
-    model = strategy.model
+def saved_bytes_of_a_real_forward(runner, batch: int) -> int:
+    """Distinct non-parameter storages autograd saves in one training forward + loss on this rank.
+
+    ``runner`` is a strategy (its own forward_loss: bf16 runs on its copies of the weights) or a bare
+    module (cross-entropy on its logits: the cp bodies measure the unwrapped model)."""
+    is_module = isinstance(runner, torch.nn.Module)
+    model = runner if is_module else runner.model
     params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -57,7 +61,11 @@ def saved_bytes_of_a_real_forward(strategy, batch: int) -> int:
 
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        strategy.forward_loss(x, torch.zeros(batch, dtype=torch.long))  # bf16: on its copies of the weights
+        labels = torch.zeros(batch, dtype=torch.long)
+        if is_module:
+            torch.nn.functional.cross_entropy(runner(x), labels)
+        else:
+            runner.forward_loss(x, labels)  # bf16: on its copies of the weights
     return sum(saved.values())
 
 
