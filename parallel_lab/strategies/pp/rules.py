@@ -6,24 +6,32 @@ strategies/planning.py): what needs the model (the cut, the shapes) imports torc
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, make_choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.pp.chunks import (
+    _refs,
+    _split_bytes,
+    chunk_inputs,
+    chunk_modules,
+    chunk_names,
+    chunk_shares,
+    meta_model,
+    pp_dims,
+    rank_module,
+    stage_of,
+)
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
 from parallel_lab.strategies.registry import register_rules
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 # What each strategy.impl runs (PipelineImpl); a pair (schedules, balances) per impl.
@@ -74,143 +82,6 @@ class PPOptions(StrategyOptions):
     tp: int = 1
     # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
     sequence_parallel: bool = False
-
-
-def meta_model(cfg: DictConfig) -> nn.Sequential:
-    """The model's structure without weights (meta device): for planning and shape inference. One per
-    model config: validation asks for it twice per config (the recommender validates hundreds), and
-    no caller changes it."""
-    return _meta_model(_ModelKey(cfg.model))
-
-
-class _ModelKey:
-    """A model config, hashed and compared by its yaml (a DictConfig is not hashable)."""
-
-    def __init__(self, model_cfg: DictConfig) -> None:
-        self.cfg, self.text = model_cfg, OmegaConf.to_yaml(model_cfg)
-
-    def __hash__(self) -> int:
-        return hash(self.text)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ModelKey) and other.text == self.text
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_model(key: _ModelKey) -> nn.Sequential:
-    from parallel_lab.models import build_meta_model
-
-    return build_meta_model(key.cfg)
-
-
-@functools.lru_cache(maxsize=32)
-def _cut(model: nn.Sequential, stages: int, virtual: int, cuts: tuple, balance: str, times: tuple) -> tuple:
-    """plan_stages of these options, once per planning (the planner asks for every rank)."""
-    from parallel_lab.strategies.pp.plan import block_costs, plan_stages
-
-    costs = block_costs(model, balance, times)
-    return tuple(tuple(c) for c in plan_stages(model, stages, list(cuts), costs, virtual))
-
-
-def chunk_names(cfg: DictConfig, model: nn.Sequential) -> list[list[str]]:
-    """Every chunk's child names, in model order: the cut setup makes (``plan.chunk_plan``)."""
-    o = cfg.strategy
-    key = (o.stages, o.get("virtual_stages", 1), tuple(o.cuts), str(o.balance), tuple(o.block_times))
-    return [list(c) for c in _cut(model, *key)]
-
-
-def chunk_modules(cfg: DictConfig, model: nn.Sequential) -> list[nn.Sequential]:
-    return _modules(model, chunk_names(cfg, model))
-
-
-def stage_of(cfg: DictConfig, rank: int) -> int:
-    """Rank ``rank``'s pipeline stage: its pp coordinate on the (replicate, pp, tp) mesh."""
-    return pp_dims(cfg.strategy).coords(rank)["pp"]
-
-
-def rank_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
-    """Every block rank ``rank`` holds (its chunks), in model order, unsplit (``split_meta_stage``:
-    as a tp rank holds them)."""
-    from torch import nn
-
-    from parallel_lab.strategies.pp.plan import rank_chunks
-
-    names = chunk_names(cfg, model)
-    mine = [n for c in rank_chunks(cfg.strategy, stage_of(cfg, rank)) for n in names[c]]
-    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in mine))
-
-
-def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
-    return rank_module(cfg, model, rank)  # the name tests/unit/test_plantime.py uses
-
-
-def chunk_inputs(cfg: DictConfig, model: nn.Sequential, batch: int) -> list[torch.Size]:
-    """The input shape of every chunk and, last, the model's output (meta forward: no compute)."""
-    return list(_chunk_shapes(weakref.ref(model), _names_key(cfg, model), batch))
-
-
-def chunk_shares(cfg: DictConfig, model: nn.Sequential) -> list[float]:
-    """Each chunk's share of the model's FLOPs (``plan.stage_shares``)."""
-    return list(_chunk_flop_shares(weakref.ref(model), _names_key(cfg, model)))
-
-
-# Remembered per (model, cut): the planner asks the same for every rank and the recommender for
-# every candidate (a meta forward of the vit costs ~60 ms; 180 of them took 11 s). Keyed by a weak
-# reference: a model is not kept alive, and one built later at the same address is another key.
-@functools.lru_cache(maxsize=256)
-def _chunk_shapes(model_ref: weakref.ref, names: tuple, batch: int) -> tuple[torch.Size, ...]:
-    import torch
-
-    from parallel_lab.models import input_shape, sample_input
-
-    model = model_ref()
-    x = sample_input(model, batch, input_shape(model))
-    shapes = []
-    with torch.no_grad():
-        for chunk in _modules(model, names):
-            shapes.append(x.shape)
-            x = chunk(x)
-    return (*shapes, x.shape)
-
-
-def _refs(chunk: nn.Module) -> tuple[weakref.ref, ...]:
-    return tuple(weakref.ref(c) for c in chunk.children()) or (weakref.ref(chunk),)
-
-
-@functools.lru_cache(maxsize=256)
-def _split_bytes(refs: tuple[weakref.ref, ...], batch: int, shape: tuple, loss: bool) -> tuple[int, int]:
-    """``zero_bubble.split_bytes`` of the chunk made of these modules, once per planning (the
-    recommender plans every candidate's ranks: the same chunks many times)."""
-    from torch import nn
-
-    from parallel_lab.strategies.pp.zero_bubble import split_bytes
-
-    modules = [r() for r in refs]
-    return split_bytes(nn.Sequential(*modules) if len(modules) > 1 else modules[0], batch, shape, loss)
-
-
-@functools.lru_cache(maxsize=256)
-def _chunk_flop_shares(model_ref: weakref.ref, names: tuple) -> tuple[float, ...]:
-    from parallel_lab.strategies.pp.plan import stage_shares
-
-    return tuple(stage_shares(_modules(model_ref(), names)))
-
-
-def _modules(model: nn.Sequential, names: Sequence[Sequence[str]]) -> list[nn.Sequential]:
-    from torch import nn
-
-    return [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in chunk)) for chunk in names]
-
-
-def _names_key(cfg: DictConfig, model: nn.Sequential) -> tuple:
-    return tuple(map(tuple, chunk_names(cfg, model)))
-
-
-def pp_dims(opts: DictConfig) -> MeshDims:
-    """strategy.replicate pipelines of strategy.stages stages, each stage split over strategy.tp
-    consecutive ranks (rank = (replica x stages + stage) x tp + tp rank: a pipeline's ranks are tp
-    apart); the pipeline's group is laid out even at one stage (its sends stay inside it)."""
-    return MeshDims(replicate=opts.replicate, pp=opts.stages, tp=opts.get("tp", 1), named=("pp",))
 
 
 def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
