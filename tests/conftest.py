@@ -3,6 +3,8 @@ in this pytest process by default, its workers real processes started by the rea
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from parallel_lab.cli.run import load_metrics
@@ -29,3 +31,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if listed(item.nodeid):
             item.add_marker(pytest.mark.dispatch)
+
+
+def pytest_collection_finish(session):
+    """Everything imported by now (torch, Hydra, DeepSpeed, every test module) lives as long as
+    the session: frozen, the collector stops walking it again at each full collection, while the
+    session composes thousands of configs and trains references (parallel_lab.worker.main does the
+    same in every rank)."""
+    gc.freeze()

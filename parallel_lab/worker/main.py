@@ -126,7 +126,19 @@ def run_worker(config_path: str) -> RunMetrics:
         del strategy
 
 
+def leave_imports_out_of_collections() -> None:
+    """Freeze every object alive now (modules, functions, torch's op tables: ~300k once torch and
+    its compiler are imported) into the collector's permanent generation, and collect from here on.
+    They live as long as the rank, yet each full collection would walk them all again: close_cleanly's
+    gc.collect() alone costs 0.18 s per rank without this and nothing with it (measured). A forked
+    rank inherits the zygote's objects and freezes them the same way. ``python -m
+    parallel_lab.worker`` keeps the collector off while it imports, for the same reason."""
+    gc.freeze()
+    gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
+    leave_imports_out_of_collections()
     parser = argparse.ArgumentParser(prog="python -m parallel_lab.worker")
     parser.add_argument("config", help="<run_dir>/config.yaml written by `python -m parallel_lab`")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")

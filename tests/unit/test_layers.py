@@ -49,6 +49,7 @@ DYNAMIC_IMPORTS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
         "a callback: a rank re-imports the module of the function its caller handed run_ranks (target_of), "
         "the caller's own module, so cli depends on nothing new",
     ),
+    ("parallel_lab.strategies.zero.strategy", "MUON_MODULE"): ((), "DeepSpeed's own module, outside the package"),
 }
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 from datetime import timedelta
 
@@ -66,6 +67,9 @@ from parallel_lab.strategies.zero.rules import STAGES, ZeroPlan, zero_name, zero
 from parallel_lab.strategies.zero.state import ZeroState
 
 __all__ = ["STAGES", "ZeroStrategy", "import_deepspeed", "zero_name", "zero_stage"]
+
+# DeepSpeed's optional optimizer, imported inside its ZeRO check (_import_muon_uncompiled).
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def quiet_deepspeed_warnings() -> None:
@@ -88,7 +92,30 @@ def import_deepspeed():
 
     # By module name: the attribute deepspeed.comm.torch is torch itself (comm re-exports it).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    _import_muon_uncompiled()
     return deepspeed
+
+
+def _import_muon_uncompiled() -> None:
+    """DeepSpeed's ZeRO optimizers import its Muon optimizer (for isinstance checks) inside
+    deepspeed.initialize, and that module wraps three kernels in torch.compile at import, which
+    loads inductor: 1.6 s of a quiet core per rank per run, ~3 s on shared cores (measured).
+    Imported here first with TorchDynamo off (TORCHDYNAMO_DISABLE, read at each torch.compile),
+    the wrappers stay plain functions; the worker never runs Muon (it hands DeepSpeed its own
+    torch optimizer: HANDED_OVER in ds_config.py), so nothing it runs changes."""
+    if MUON_MODULE in sys.modules:
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
 
 
 @register("zero0", "zero1", "zero2", "zero3")
