@@ -31,8 +31,8 @@ from omegaconf import DictConfig
 from parallel_lab.checkpoint.deepspeed_state import read_deepspeed_folder
 from parallel_lab.checkpoint.full_state import ADAM_KEYS, _check_shapes, consolidate, read_dcp_folder, reference_model
 from parallel_lab.checkpoint.manifest import COMPLETE, CheckpointError
+from parallel_lab.checkpoint.policy import init_from_error as _error
 
-FIX = "point trainer.init_from at a checkpoint folder, a DeepSpeed/DCP folder, a .safetensors or a torch.save file"
 PREFIXES = ("module.", "_orig_mod.", "model.")  # wrappers' prefixes: DDP/DeepSpeed, torch.compile, Lightning
 
 
@@ -43,10 +43,6 @@ class Outside:
     model: dict[str, torch.Tensor]
     optim: dict[str, dict[str, torch.Tensor]]
     format: str
-
-
-def _error(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"trainer.init_from={path} {what}; {FIX}")
 
 
 def detect(path: Path) -> str:

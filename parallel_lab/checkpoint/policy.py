@@ -135,6 +135,14 @@ def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=print_warning)
     return path, manifest
 
 
+INIT_FROM_FIX = "point trainer.init_from at a checkpoint folder, a DeepSpeed/DCP folder, a .safetensors or a torch.save file"
+
+
+def init_from_error(path: Path | str, what: str) -> CheckpointError:
+    """trainer.init_from's one line: what is wrong with path, then what to point it at."""
+    return CheckpointError(f"trainer.init_from={path} {what}; {INIT_FROM_FIX}")
+
+
 def _validate_init_from(cfg: DictConfig) -> None:
     """trainer.init_from / init_optimizer: read here, in the parent, so a file that is not what it
     claims or another model's weights is one line before any process starts."""
@@ -156,9 +164,11 @@ def _validate_init_from(cfg: DictConfig) -> None:
             f"trainer.init_optimizer=true loads Adam's state, but trainer.optimizer={t.optimizer}; "
             "use trainer.optimizer=adam or drop trainer.init_optimizer"
         )
+    t.init_from = str(Path(str(t.init_from)).expanduser().resolve())
+    if not Path(t.init_from).exists():  # said before reading anything imports torch (~2 s)
+        raise init_from_error(t.init_from, "does not exist")
     from parallel_lab.checkpoint.outside import read_outside
 
-    t.init_from = str(Path(str(t.init_from)).expanduser().resolve())
     read_outside(t.init_from, cfg.model, bool(t.init_optimizer))
 
 

@@ -37,9 +37,9 @@ def _attend(rank: int, world_size: int, impl: str) -> dict:
     from parallel_lab.strategies.cp.parallelize import ContextParallelCore
 
     if impl == "deepspeed":
-        import deepspeed
+        from parallel_lab.strategies.zero.strategy import import_deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts run_ranks' process group
+        import_deepspeed().init_distributed(dist_backend="gloo")  # adopts run_ranks' process group
 
     cp = CPGroup(None, rank, world_size, tuple(range(world_size)))
     mine = [t.chunk(world_size, dim=2)[rank].clone() for t in _full(0)]

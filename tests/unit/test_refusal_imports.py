@@ -23,7 +23,6 @@ NEEDS_TORCH = {
     "tp-degree": "the split widths are the meta model's (strategy.tp against fc1's 256 features)",
     "pp-stages": "the cuttable blocks are the meta model's",
     "pp-virtual-stages": "the cuttable blocks are the meta model's",
-    "init-from-missing": "checkpoint/outside.py reads the file with torch.load; its missing-file check lives there",
     "host-unreachable": "refused after the memory estimate, which builds the meta model (config/resources.py)",
 }
 # One refusal from every place one comes from: Hydra's typed keys, the ranges, each strategy's

@@ -29,8 +29,10 @@ class ContextParallel:
         group = self.mesh.group("cp")
         self.cp_group = CPGroup(group, ranks.index(self.env.rank), self.layout.cp, ranks)
         if str(self.opts.cp_impl) == "deepspeed":
-            import deepspeed
+            from parallel_lab.strategies.zero.strategy import import_deepspeed
 
+            # import_deepspeed: a plain import would build DeepSpeed's shm comm op (~50 s of C++)
+            deepspeed = import_deepspeed()
             deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
         parallelize_vit(model, self.cp_group, str(self.opts.cp_impl))
 
