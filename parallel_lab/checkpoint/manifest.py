@@ -26,6 +26,16 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; the message says which one and what to do."""
 
 
+INIT_FROM_FIX = (
+    "point trainer.init_from at a checkpoint folder, a DeepSpeed/DCP folder, a .safetensors or a torch.save file"
+)
+
+
+def init_from_error(path: Path | str, what: str) -> CheckpointError:
+    """trainer.init_from's one line: what is wrong with path, then what to point it at."""
+    return CheckpointError(f"trainer.init_from={path} {what}; {INIT_FROM_FIX}")
+
+
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 

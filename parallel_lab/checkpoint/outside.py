@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from parallel_lab.checkpoint.deepspeed_state import read_deepspeed_folder
 from parallel_lab.checkpoint.full_state import ADAM_KEYS, _check_shapes, consolidate, read_dcp_folder, reference_model
 from parallel_lab.checkpoint.manifest import COMPLETE, CheckpointError
-from parallel_lab.checkpoint.policy import init_from_error as _error
+from parallel_lab.checkpoint.manifest import init_from_error as _error
 
 PREFIXES = ("module.", "_orig_mod.", "model.")  # wrappers' prefixes: DDP/DeepSpeed, torch.compile, Lightning
 

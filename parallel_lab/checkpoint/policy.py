@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.checkpoint.manifest import CheckpointError, complete_checkpoints, read_manifest
+from parallel_lab.checkpoint.manifest import CheckpointError, complete_checkpoints, init_from_error, read_manifest
 from parallel_lab.errors import ConfigError, print_warning
 
 # What must match between the run that wrote a checkpoint and the run that loads it: the model
@@ -133,14 +133,6 @@ def pick_checkpoint(cfg: DictConfig, restart_count: int = 0, warn=print_warning)
     check_compatible(manifest, cfg, path)
     check_not_finished(manifest, cfg, path)
     return path, manifest
-
-
-INIT_FROM_FIX = "point trainer.init_from at a checkpoint folder, a DeepSpeed/DCP folder, a .safetensors or a torch.save file"
-
-
-def init_from_error(path: Path | str, what: str) -> CheckpointError:
-    """trainer.init_from's one line: what is wrong with path, then what to point it at."""
-    return CheckpointError(f"trainer.init_from={path} {what}; {INIT_FROM_FIX}")
 
 
 def _validate_init_from(cfg: DictConfig) -> None:
