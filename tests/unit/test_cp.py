@@ -5,6 +5,7 @@ Ulysses' all-to-alls, DeepSpeed's DistributedAttention, and the bytes each sends
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,11 +56,26 @@ def _attend(rank: int, world_size: int, impl: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cp_outputs() -> list[dict]:
+def extensions_dir(tmp_path_factory) -> Path:
+    """An empty TORCH_EXTENSIONS_DIR for the ranks: whatever C++ op DeepSpeed builds lands here."""
+    return tmp_path_factory.mktemp("torch_extensions")
+
+
+@pytest.fixture(scope="module")
+def cp_outputs(extensions_dir) -> list[dict]:
     """Both impls in one set of 2 ranks: each rank's JSON."""
     from parallel_lab.cli.run import run_ranks
 
-    return [json.loads(o.strip().splitlines()[-1]) for o in run_ranks(cp_attention_body, 2, timeout=120)]
+    env = {"TORCH_EXTENSIONS_DIR": str(extensions_dir)}
+    return [json.loads(o.strip().splitlines()[-1]) for o in run_ranks(cp_attention_body, 2, timeout=120, env=env)]
+
+
+@pytest.mark.slow
+def test_deepspeed_ulysses_builds_no_cpp_op(cp_outputs, extensions_dir):
+    """DeepSpeed's comm backend builds its shm C++ op (~55 s) at init_distributed unless imported
+    through import_deepspeed (parallel_lab/strategies/zero/strategy.py); the deepspeed impl above
+    initialises it, so nothing may have been built."""
+    assert cp_outputs and not any(extensions_dir.rglob("*.so")), sorted(map(str, extensions_dir.rglob("*")))
 
 
 IMPLS = ("ring", "ulysses", "deepspeed")
