@@ -3,7 +3,7 @@
 The Hydra configs live at the top of the repository, where users read and edit them, and install
 as ``parallel_lab/conf/`` (a package-dir mapping), so a wheel carries them and
 ``parallel_lab.config.compose.CONF_DIR`` finds them in either place. Everything else about the
-project is in pyproject.toml.
+project is in pyproject.toml, except the package's own data files (package_data below).
 """
 
 from setuptools import find_packages, setup
@@ -11,5 +11,6 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["parallel_lab", "parallel_lab.*"]), "parallel_lab.conf"],
     package_dir={"parallel_lab.conf": "conf"},
-    package_data={"parallel_lab.conf": ["*.yaml", "*/*.yaml"]},
+    # bench/published_runs.csv: the published runs `bench published` checks the planner against
+    package_data={"parallel_lab.conf": ["*.yaml", "*/*.yaml"], "parallel_lab.bench": ["*.csv"]},
 )

@@ -60,6 +60,11 @@ def test_wheel_carries_conf_and_runs_from_another_folder(tmp_path):
     installed = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel], tmp_path)
     assert installed.returncode == 0, installed.stderr
     assert (site / "parallel_lab" / "conf" / "strategy" / "ddp.yaml").is_file()
+    # every data file the package reads beside its modules ships too (bench/published_runs.csv)
+    package = ROOT / "parallel_lab"
+    data = [p.relative_to(ROOT) for p in package.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    missing = [str(p) for p in data if not (site / p).is_file()]
+    assert data and not missing, f"not in the wheel: {missing}"
     where = run(
         [sys.executable, "-c", "import parallel_lab.config as c; print(c.CONF_DIR)"], elsewhere, PYTHONPATH=str(site)
     )
