@@ -9,7 +9,14 @@ from parallel_lab.models import input_shape, loss_target, sample_input
 
 def saved_for_backward_bytes(model: torch.nn.Module, batch: int) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one forward of batch samples."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = sample_input(model, batch, input_shape(model), device="cpu")  # token ids (zeros) or an image
+    return saved_by_forward(model, torch.zeros_like(x))
+
+
+def saved_by_forward(module: torch.nn.Module, x: torch.Tensor, loss: bool = True) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in module(x), plus the
+    cross-entropy on its logits if loss (a pipeline's last stage; an earlier stage has none)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -18,8 +25,8 @@ def saved_for_backward_bytes(model: torch.nn.Module, batch: int) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    x = sample_input(model, batch, input_shape(model), device="cpu")  # token ids (zeros) or an image
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = model(torch.zeros_like(x))
-        torch.nn.functional.cross_entropy(logits, loss_target(logits))
+        logits = module(x)
+        if loss:
+            torch.nn.functional.cross_entropy(logits, loss_target(logits))
     return sum(saved.values())

@@ -236,10 +236,11 @@ def test_planned_pp_activations_equal_each_stages_real_forward():
     from collections import OrderedDict
 
     from parallel_lab.config import validate
-    from parallel_lab.models import build_meta_model, loss_target
+    from parallel_lab.models import build_meta_model
     from parallel_lab.plan.predict import plan_world
     from parallel_lab.strategies import get_strategy_class
     from parallel_lab.strategies.pp.rules import chunk_names
+    from tests.support.activations import saved_by_forward
     from tests.support.cli import compose_cfg
     from tests.support.reference import GPT_RUN
 
@@ -254,19 +255,5 @@ def test_planned_pp_activations_equal_each_stages_real_forward():
     x = torch.randint(0, 64, (8 // m, 32))
     sent = first(x).detach().requires_grad_()  # what stage 1 receives
 
-    def saved(module: torch.nn.Module, x: torch.Tensor, loss: bool) -> int:
-        params, kept = {p.untyped_storage().data_ptr() for p in module.parameters()}, {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in params:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(x)
-            if loss:
-                torch.nn.functional.cross_entropy(out, loss_target(out))
-        return sum(kept.values())
-
-    assert plans[0].activation_bytes == stash[0] * saved(first, x, loss=False)
-    assert plans[1].activation_bytes == stash[1] * saved(last, sent, loss=True)
+    assert plans[0].activation_bytes == stash[0] * saved_by_forward(first, x, loss=False)
+    assert plans[1].activation_bytes == stash[1] * saved_by_forward(last, sent, loss=True)

@@ -19,7 +19,7 @@ from parallel_lab.models.flops import layer_flops
 from parallel_lab.models.recompute import MODES as RECOMPUTE_MODES
 from parallel_lab.models.recompute import set_recompute, setting_of
 from parallel_lab.models.vit import DEFAULTS, AttentionCore, ViT
-from tests.support.activations import saved_for_backward_bytes
+from tests.support.activations import saved_by_forward, saved_for_backward_bytes
 from tests.support.cli import ROOT, assert_one_clean_line, compose_cfg, run_cli
 
 
@@ -143,24 +143,8 @@ def test_planned_activations_of_every_rank_equal_a_real_forward_of_its_part(stra
     first, last = (torch.nn.Sequential(OrderedDict((n, real.get_submodule(n)) for n in names)) for names in stages)
     x = torch.zeros(8 // m, 3, 32, 32)
     sent = first(x).detach().requires_grad_()  # what stage 1 receives
-    assert plans[0].activation_bytes == stash[0] * _saved(first, x, loss=False)
-    assert plans[1].activation_bytes == stash[1] * _saved(last, sent, loss=True)
-
-
-def _saved(module: torch.nn.Module, x: torch.Tensor, loss: bool) -> int:
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x)
-        if loss:
-            torch.nn.functional.cross_entropy(out, torch.zeros(x.shape[0], dtype=torch.long))
-    return sum(saved.values())
+    assert plans[0].activation_bytes == stash[0] * saved_by_forward(first, x, loss=False)
+    assert plans[1].activation_bytes == stash[1] * saved_by_forward(last, sent, loss=True)
 
 
 # ----- dropout: a sample's mask does not depend on the batch it is in (models/dropout.py) -----
