@@ -114,12 +114,12 @@ class Attention(nn.Module):
         self.drop = drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share.
-        q, k, v = (f(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share;
+        # the shapes come from q, k, v (under sequence parallelism x holds a slice of the tokens).
+        q, k, v = (f(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for f in (self.q, self.k, self.v))
         if self.rotary:
             q, k = rotate(q), rotate(k)
-        out = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, -1)
+        out = self.core(q, k, v).transpose(1, 2).flatten(2)
         return self.drop(self.proj(out))
 
 

@@ -357,6 +357,10 @@ CATALOGUE = {
     "batch-not-divisible": (["trainer.global_batch=33"], "global_batch=33"),
     "grad-accum-not-dividing": (["trainer.global_batch=32", "trainer.grad_accum=3"], "grad_accum=3"),
     "tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], ("strategy.tp=3", "256", "fc1")),
+    "tp-gpt-kv-heads": (
+        ["strategy=tp", "model=gpt", "data=tokens", "model.kv_heads=1"],
+        ("strategy.tp=2 does not divide model.kv_heads=1", "use a strategy.tp that divides 1"),
+    ),
     "pp-stages": (["strategy=pp", "world_size=6", "strategy.stages=6"], ("strategy.stages=6", "5 cuttable blocks")),
     "pp-virtual-stages": (
         ["strategy=pp", "model=vit", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=4"],

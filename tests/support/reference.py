@@ -51,6 +51,12 @@ MODELS.update(
     gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES),
     gpt_untied=functools.partial(GPT, tied=False, **GPT_SIZES),  # model.tied=false: what pp trains
 )
+# The gpt's other layouts (tests/support/bodies/tp_gpt.py): name -> its model.* overrides.
+GPT_VARIANTS = {
+    "gpt_llama": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "bias": False},
+    "gpt_llama_dropout": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "dropout": 0.1},
+}
+MODELS.update({name: functools.partial(GPT, **sizes, **GPT_SIZES) for name, sizes in GPT_VARIANTS.items()})
 
 
 def reference_data(model: str, size: int, seed: int):

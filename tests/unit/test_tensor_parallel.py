@@ -7,6 +7,8 @@ import pytest
 
 from tests.support.model_parallel import assert_one_line_config_error, compose_config
 
+GPT = ["model=gpt", "data=tokens"]
+
 
 @pytest.mark.parametrize(
     "overrides, named",
@@ -29,6 +31,14 @@ from tests.support.model_parallel import assert_one_line_config_error, compose_c
             ["model=vit", "model.dropout=0.1", "strategy.impl=dtensor", "strategy.sequence_parallel=true"],
             ["strategy.impl=manual", "DTensor"],
         ),
+        # the gpt's split (tp/gpt_rules.py): whole query and key/value heads, hidden features, vocabulary rows, tokens
+        ([*GPT, "model.kv_heads=1"], ["strategy.tp=2", "model.kv_heads=1", "key/value heads"]),
+        ([*GPT, "model.heads=2", "strategy.tp=4", "world_size=4"], ["strategy.tp=4", "model.heads=2"]),
+        ([*GPT, "model.ffn=255"], ["strategy.tp=2", "model.ffn=255"]),
+        ([*GPT, "model.vocab=257"], ["strategy.tp=2", "model.vocab=257", "vocabulary rows"]),
+        ([*GPT, "model.seq=63", "strategy.sequence_parallel=true"], ["strategy.tp=2", "model.seq=63"]),
+        ([*GPT, "strategy.sequence_parallel=true", "strategy.tp=1", "world_size=1"], ["strategy.tp=1"]),
+        ([*GPT, "strategy.impl=dtensor"], ["strategy.impl=dtensor", "model=gpt", "use strategy.impl=manual"]),
     ],
 )
 def test_tp_bad_input_is_one_config_error(overrides, named):

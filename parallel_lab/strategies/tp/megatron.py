@@ -54,7 +54,6 @@ from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, repla
 
 TOKENS = 1  # the tokens dimension of the vit's (batch, tokens, dim) activations
 COLUMNS = ("attn.q", "attn.k", "attn.v", "mlp.fc1")  # in each block, split by output features
-ENTERING = {"attn": ("q", "k", "v"), "mlp": ("fc1",)}  # each sublayer's column layers, by their names in it
 ROWS = ("attn.proj", "mlp.fc2")  # in each block, split by input features
 # Per sublayer: the module whose input enters the split region, its row layer, its dropouts.
 SUBLAYERS = {"attn": ("attn.proj", "attn.drop"), "mlp": ("mlp.fc2", "mlp.drop2")}
@@ -81,15 +80,19 @@ def dense_mlp(model: nn.Module, block: str) -> bool:
     return hasattr(model.get_submodule(f"{block}.mlp"), "fc1")
 
 
+def block_columns(model: nn.Module, block: str) -> list[str]:
+    """The block's column-parallel layers: q, k, v and, where its MLP is dense, fc1 (the gpt's
+    swiglu MLP also its ``gate``, split as fc1 is: Llama's w1 and w3 are both column-parallel)."""
+    if not dense_mlp(model, block):
+        return list(COLUMNS[:-1])
+    gate = getattr(model.get_submodule(f"{block}.mlp"), "gate", None) is not None
+    return [*COLUMNS[:-1], *(["mlp.gate"] if gate else []), COLUMNS[-1]]
+
+
 def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
-    """The (column, row) pairs of ``tp/rules.py``'s plans: per block q, k, v -> proj and fc1 -> fc2
-    (the last where the block's MLP is dense)."""
-    return [
-        (f"{b}.{c}", f"{b}.{ROWS[c == 'mlp.fc1']}")
-        for b in blocks(model)
-        for c in COLUMNS
-        if c != "mlp.fc1" or dense_mlp(model, b)
-    ]
+    """The (column, row) pairs of ``tp/rules.py``'s plans: per block q, k, v -> proj and fc1 (and
+    the gpt's gate) -> fc2 (the last where the block's MLP is dense). The gpt's blocks split alike."""
+    return [(f"{b}.{c}", f"{b}.{ROWS[c.startswith('mlp.')]}") for b in blocks(model) for c in block_columns(model, b)]
 
 
 def split_transformer_manual(
@@ -99,9 +102,7 @@ def split_transformer_manual(
     under SP, save what the dtensor split saves (the planner's count of it): the column layers
     keep the all-gathered input (DTensor's ColwiseParallel gathers before the Linear, which saves
     what it gets), and the head gets all tokens gathered instead of pooling its own."""
-    shard_dims: dict[str, int] = {}
-    for block in blocks(model):
-        shard_dims.update(_split_block(model, block, tp, sequence_parallel, dtensor_layout))
+    shard_dims = split_blocks(model, tp, sequence_parallel, dtensor_layout)
     if sequence_parallel:
         if hasattr(model, "embed"):
             model.embed.register_forward_hook(
@@ -116,13 +117,24 @@ def split_transformer_manual(
     return shard_dims
 
 
+def split_blocks(
+    model: nn.Module, tp: TPGroup, sequence_parallel: bool, dtensor_layout: bool = False
+) -> dict[str, int]:
+    """Every ``block*`` child split in place (the vit's and the gpt's alike); {parameter: split dim}."""
+    shard_dims: dict[str, int] = {}
+    for block in blocks(model):
+        shard_dims.update(_split_block(model, block, tp, sequence_parallel, dtensor_layout))
+    return {n: d for n, d in shard_dims.items() if n in dict(model.named_parameters())}  # bias=False: none
+
+
 def _split_block(
     model: nn.Module, block: str, tp: TPGroup, sequence_parallel: bool, keep_gathered: bool
 ) -> dict[str, int]:
     shard_dims: dict[str, int] = {}
     column_cls = GatheredColumn if sequence_parallel and not keep_gathered else ColumnParallel
     dense = dense_mlp(model, block)
-    for column in COLUMNS if dense else COLUMNS[:-1]:
+    columns = block_columns(model, block)
+    for column in columns:
         name = f"{block}.{column}"
         replace_module(model, name, column_cls(model.get_submodule(name), tp.group, tp.rank, tp.size, True))
         shard_dims.update({f"{name}.weight": 0, f"{name}.bias": 0})
@@ -131,15 +143,26 @@ def _split_block(
         layer = RowParallel(model.get_submodule(name), tp.group, tp.rank, tp.size, True, sequence_parallel)
         replace_module(model, name, layer)
         shard_dims[f"{name}.weight"] = 1
+        entering = tuple(c.split(".")[1] for c in columns if c.startswith(f"{sublayer}."))
         model.get_submodule(f"{block}.{sublayer}").register_forward_pre_hook(
-            _entry(tp, sequence_parallel, ENTERING[sublayer], keep_gathered)
+            _entry(tp, sequence_parallel, entering, keep_gathered)
         )
+        if not _has(model, f"{block}.{drop}"):  # the gpt's MLP has one dropout, ``drop``, after fc2
+            drop = f"{sublayer}.drop"
         if sequence_parallel:  # the sublayer's output dropout acts on this rank's tokens
             _slice_dropout(model, f"{block}.{drop}", TOKENS, tp)
     _slice_dropout(model, f"{block}.attn.core.drop", 1, tp)  # (batch, heads, tokens, tokens): its heads
-    if dense:
+    if dense and _has(model, f"{block}.mlp.drop1"):
         _slice_dropout(model, f"{block}.mlp.drop1", -1, tp)  # (batch, tokens, hidden): its hidden features
     return shard_dims
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _entry(tp: TPGroup, sequence_parallel: bool, columns: tuple[str, ...], keep_gathered: bool = False):

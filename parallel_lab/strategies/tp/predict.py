@@ -23,9 +23,10 @@ from parallel_lab.models.flops import layer_flops
 from parallel_lab.strategies.memory import chunk_rows, predicted_optimizer_bytes
 
 
-def _sharded_numels(model: torch.nn.Module, plan, tp: int, rank: int) -> list[int]:
-    """Element count of every parameter rank holds after the split, model order."""
-    column = {c for c, _ in plan if c}
+def _sharded_numels(model: torch.nn.Module, plan, tp: int, rank: int, rows_split: tuple = ()) -> list[int]:
+    """Element count of every parameter rank holds after the split, model order. rows_split: more
+    layers split along dim 0 as a column layer is (the gpt's vocabulary layers, tp/vocab.py)."""
+    column = {c for c, _ in plan if c} | set(rows_split)
     row = {r for _, r in plan}
     numels = []
     for name, p in model.named_parameters():
@@ -41,8 +42,10 @@ def _sharded_numels(model: torch.nn.Module, plan, tp: int, rank: int) -> list[in
     return numels
 
 
-def predict_tp_memory(cfg: DictConfig, model: torch.nn.Module, plan, rank: int) -> dict[str, int]:
-    """strategy.ep: the other ranks' experts left out (strategies/ep/)."""
+def predict_tp_memory(
+    cfg: DictConfig, model: torch.nn.Module, plan, rank: int, rows_split: tuple = ()
+) -> dict[str, int]:
+    """strategy.ep: the other ranks' experts left out (strategies/ep/); rows_split: ``_sharded_numels``'."""
     from parallel_lab.strategies.ep.groups import ep_rank
     from parallel_lab.strategies.ep.rules import other_experts
     from parallel_lab.strategies.mesh import MeshDims
@@ -50,7 +53,7 @@ def predict_tp_memory(cfg: DictConfig, model: torch.nn.Module, plan, rank: int) 
     s = cfg.strategy  # tp/rules.py tp_dims's layout (that module imports this one)
     dims = MeshDims(replicate=s.replicate, tp=s.tp, ep=s.get("ep", 1), named=("tp",))
     others = other_experts(model, dims.ep, ep_rank(dims, rank)) if dims.ep > 1 else set()
-    sharded = _sharded_numels(model, plan, cfg.strategy.tp, rank % cfg.strategy.tp)
+    sharded = _sharded_numels(model, plan, cfg.strategy.tp, rank % cfg.strategy.tp, rows_split)
     numels = [n for n, p in zip(sharded, model.parameters()) if id(p) not in others]
     return {
         "param_bytes": 4 * sum(numels),

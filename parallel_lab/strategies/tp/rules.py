@@ -23,20 +23,23 @@ if TYPE_CHECKING:
     from torch import nn
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
-# vit: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``).
+# vit, gpt: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``);
+# the gpt's vocabulary layers too (tp/vocab.py ``vocab_layers``).
 TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("fc1", "fc2")],
     "resnet18": [(None, "fc")],
     "vit": [],
+    "gpt": [],
 }
+BLOCK_SPLIT = ("vit", "gpt")  # the models split block by block (tp/megatron.py)
 CONV_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("block1.0", "block2.0")],
 }
 
 
 def split_plan(model_name: str, split_conv: bool, model: nn.Module) -> list[tuple[str | None, str]]:
-    """(column, row) pairs of ``model`` (the vit's come from its blocks)."""
-    if model_name == "vit":
+    """(column, row) pairs of ``model`` (the vit's and the gpt's come from their blocks)."""
+    if model_name in BLOCK_SPLIT:
         from parallel_lab.strategies.tp.megatron import vit_plan
 
         return vit_plan(model)
@@ -194,7 +197,11 @@ class TPPlan(PlanRules):
                 "then routes the same tokens); use those, or strategy.ep=1"
             )
         check_ep(cfg, tp_dims(opts))
-        if model_name == "vit" or opts.sequence_parallel:
+        if model_name == "gpt":
+            from parallel_lab.strategies.tp.gpt_rules import check_gpt_split
+
+            check_gpt_split(cfg, opts)
+        if model_name == "vit" or opts.sequence_parallel and model_name != "gpt":
             cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):
             if width % opts.tp:
@@ -221,6 +228,8 @@ class TPPlan(PlanRules):
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
         """(layer, width, which width) for every dimension the plan splits; built on the meta
         device, so no memory is used and no weights are initialised."""
+        if cfg.model.name == "gpt":  # its split widths are checked in model.* terms (gpt_rules.py), torch-free
+            return []
         from parallel_lab.models import build_meta_model
 
         model = build_meta_model(cfg.model)
@@ -241,7 +250,11 @@ class TPPlan(PlanRules):
         plan = split_plan(cfg.model.name, cfg.strategy.split_conv, model)
         split = [layer for pair in plan for layer in pair if layer]
         calls = None
-        if cfg.model.name == "vit":  # each rank's attention core runs on its heads only
+        if cfg.model.name == "gpt":  # the blocks as the vit's, and the head over V/tp of the vocabulary
+            from parallel_lab.strategies.tp.gpt_predict import gpt_collective_calls, gpt_split_layers
+
+            split, calls = gpt_split_layers(model), gpt_collective_calls(cfg, model)
+        elif cfg.model.name == "vit":  # each rank's attention core runs on its heads only
             from parallel_lab.strategies.tp.megatron import blocks
 
             split += [f"{b}.attn.core" for b in blocks(model)]
@@ -260,6 +273,10 @@ class TPPlan(PlanRules):
             from parallel_lab.strategies.tp.ds_rules import predict_autotp_memory
 
             return predict_autotp_memory(cfg, model, rank)
+        if cfg.model.name == "gpt":
+            from parallel_lab.strategies.tp.gpt_predict import predict_gpt_memory
+
+            return predict_gpt_memory(cfg, model, rank)
         return predict_tp_memory(cfg, model, split_plan(cfg.model.name, cfg.strategy.split_conv, model), rank)
 
     @classmethod
@@ -268,6 +285,11 @@ class TPPlan(PlanRules):
     ) -> tuple[int, int]:
         """vit: what this rank's split model saves, counted on a meta copy split as the run splits
         it (heads/t, hidden/t; under SP the token regions /t); other models: the whole model's."""
+        if cfg.model.name == "gpt" and cfg.strategy.impl == "manual":  # with its vocab-parallel loss
+            from parallel_lab.models import input_shape
+            from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
+
+            return saved(split_meta_gpt(cfg, model, rank), micro, input_shape(model), False), micro
         if cfg.model.name != "vit" or cfg.strategy.tp < 2:
             return super().activation_bytes(cfg, model, rank, micro, saved)
         from parallel_lab.strategies.tp.predict import split_meta_vit
@@ -280,6 +302,10 @@ class TPPlan(PlanRules):
 
         if cfg.strategy.impl == "deepspeed":
             return None  # AutoTP's collectives are not predicted here
+        if cfg.model.name == "gpt":
+            from parallel_lab.strategies.tp.gpt_predict import predict_gpt_comm
+
+            return predict_gpt_comm(cfg, model)
         if cfg.model.name == "vit":
             from parallel_lab.strategies.tp.predict import predict_vit_comm
 

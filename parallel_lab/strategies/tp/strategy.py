@@ -55,6 +55,7 @@ from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, repla
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
 from parallel_lab.strategies.tp.split import split_transformer
+from parallel_lab.strategies.tp.vocab import VocabParallelLoss, gather_vocab, split_gpt, vocab_layers
 
 IMPLS: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by tp/ds_autotp.py)
 
@@ -99,6 +100,7 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
     Memory = TPMemory
     Norm = ReplicaNorm
     experts: ExpertParallel | None = None  # strategy.ep > 1: this rank's share of the experts
+    vocab_tp: TPGroup | None = None  # model=gpt: the tp ranks its vocabulary is split over
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (IMPLS: deepspeed, tp/ds_autotp.py)."""
@@ -113,9 +115,13 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
         self.experts = expert_parallel(self, model)  # strategy.ep: this rank's experts, the MoE MLPs whole
         plan = split_plan(self.cfg.model.name, self.opts.split_conv, model)
         self.split_kinds = {**{c: "column" for c, _ in plan if c}, **{r: "row" for _, r in plan}}
+        if self.cfg.model.name == "gpt":  # the vocabulary's rows: the embedding's, the untied head's
+            self.split_kinds.update({name: "column" for name in vocab_layers(model)})
         self.analytic_numel = self._numel_per_rank(model)
         self.sp_params: list[nn.Parameter] = []  # manual SP: gradients of a slice of the tokens, summed
-        if self.cfg.model.name == "vit":
+        if self.cfg.model.name == "gpt":
+            self.shard_dims = self._split_gpt(model)
+        elif self.cfg.model.name == "vit":
             self.shard_dims = self._split_vit(model)
         elif self.opts.impl == "manual":
             self.shard_dims = self._split_manual(model, plan)
@@ -131,7 +137,7 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
         for name, kind in self.split_kinds.items():
             layer = model.get_submodule(name)
             split += layer.weight.numel()
-            if kind == "column" and layer.bias is not None:
+            if kind == "column" and getattr(layer, "bias", None) is not None:
                 split += layer.bias.numel()
         return sum(p.numel() for p in model.parameters()) - split + split // self.opts.tp
 
@@ -144,6 +150,17 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
             self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
             return shard_dims
         return split_transformer(model, self._tp_mesh(), sp)
+
+    def _split_gpt(self, model: nn.Module) -> dict[str, int]:
+        """Megatron's split of the gpt with its vocab-parallel ends (tp/vocab.py); the loss is then
+        the vocab-parallel cross-entropy of this rank's logit columns."""
+        tp = TPGroup(self.group, self.tp_rank, self.opts.tp)
+        self.vocab_tp = tp
+        self.loss_fn = VocabParallelLoss(tp)
+        shard_dims = split_gpt(model, tp, self.opts.sequence_parallel)
+        params = dict(model.named_parameters())
+        self.sp_params = [params[n] for n in sequence_parallel_params(model)] if self.opts.sequence_parallel else []
+        return shard_dims
 
     def _tp_mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -185,6 +202,12 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
             for name, p in model.named_parameters()
             if hasattr(p, "placements") and isinstance(p.placements[0], Shard)
         }
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The gpt's logits are this rank's vocabulary columns: all of them gathered for the argmax."""
+        logits = super().predict(inputs)
+        return logits if self.vocab_tp is None else gather_vocab(logits, self.vocab_tp)
 
     # ----- training -----
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, num_micro: int) -> torch.Tensor:
@@ -288,4 +311,5 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
 
     def teardown(self) -> None:
         super().teardown()
-        self.tp_mesh = self.replicate_group = None
+        self.tp_mesh = self.replicate_group = self.vocab_tp = None
+        self.loss_fn = nn.CrossEntropyLoss()

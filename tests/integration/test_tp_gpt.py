@@ -1,0 +1,62 @@
+"""strategy=tp on model=gpt (Megatron's split with the vocabulary split at both ends, tp/vocab.py)
+on 2 real ranks: each configuration is the single run's training (the report's parity criterion
+against the plain-torch reference), predicts single's logits from the gathered vocabulary columns,
+holds the planned model state to the byte, issues exactly the communication of the vocab-parallel
+formula derived in the test body (also the planner's prediction) and saves the activations the
+planner counts. The cross-entropy alone and the refusals: tests/unit/test_vocab_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.bodies.tp_gpt import tp_gpt_body
+from tests.support.matrix import assert_every_rank_passed, run_configurations
+
+STEPS, BATCH = 3, 8
+LLAMA = ["model.tied=false", "model.kv_heads=2", "model.mlp=swiglu", "model.positions=rotary"]
+# name -> (overrides, the reference model of tests/support/reference.py MODELS)
+DEFAULT = {  # one set of ranks for the default suite
+    "tied-dropout": (["model.dropout=0.1"], "gpt_dropout"),  # the head on the embedding's shard; sliced masks
+    "llama-sp": ([*LLAMA, "model.bias=false", "strategy.sequence_parallel=true"], "gpt_llama"),  # GQA, untied, SP
+}
+EXTRA = {
+    "tied": ([], "gpt"),
+    "tied-sp-dropout": (["model.dropout=0.1", "strategy.sequence_parallel=true"], "gpt_dropout"),
+    "llama-dropout": ([*LLAMA, "model.dropout=0.1"], "gpt_llama_dropout"),
+    "untied-grad_accum": (["model.tied=false", "trainer.grad_accum=2"], "gpt_untied"),
+    "tied-sp-bf16": (["strategy.sequence_parallel=true", "trainer.precision=bf16"], "gpt"),
+}
+
+
+def _run(configs: dict, timeout: int) -> dict[str, list]:
+    overrides = {name: o for name, (o, _) in configs.items()}
+    references = {name: r for name, (_, r) in configs.items()}
+    return run_configurations(
+        tp_gpt_body, overrides, world_size=2, timeout=timeout, references=references, steps=STEPS, global_batch=BATCH
+    )
+
+
+@pytest.fixture(scope="module")
+def default_results() -> dict[str, list]:
+    return _run(DEFAULT, 300)
+
+
+@pytest.fixture(scope="module")
+def extra_results() -> dict[str, list]:
+    return _run(EXTRA, 600)
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(DEFAULT))
+def test_tp_gpt_is_singles_training_with_the_vocab_parallel_bytes(default_results, config):
+    assert_every_rank_passed(default_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(EXTRA))
+def test_tp_gpt_more_configurations(extra_results, config):
+    """The rest of the matrix; the test above keeps the claim in make test."""
+    assert_every_rank_passed(extra_results, config)
