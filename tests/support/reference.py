@@ -54,6 +54,7 @@ MODELS.update(
 # The gpt's other layouts (tests/support/bodies/tp_gpt.py): name -> its model.* overrides.
 GPT_VARIANTS = {
     "gpt_llama": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "bias": False},
+    "gpt_untied_nobias": {"tied": False, "bias": False},
     "gpt_llama_dropout": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "dropout": 0.1},
 }
 MODELS.update({name: functools.partial(GPT, **sizes, **GPT_SIZES) for name, sizes in GPT_VARIANTS.items()})
@@ -147,7 +148,8 @@ def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision:
 def _bf16_backward(master: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
     """Forward/backward on a bf16 copy of master; the copy's gradients, in fp32, are added to master's."""
     work = copy.deepcopy(master).to(torch.bfloat16)
-    loss = torch.nn.functional.cross_entropy(work(x.to(torch.bfloat16)).float(), y)
+    inputs = x.to(torch.bfloat16) if x.is_floating_point() else x  # a gpt's token ids stay int64
+    loss = torch.nn.functional.cross_entropy(work(inputs).float(), y)
     share = loss / parts if parts > 1 else loss
     share.backward()
     for p, w in zip(master.parameters(), work.parameters()):

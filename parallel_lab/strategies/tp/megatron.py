@@ -1,5 +1,6 @@
 """Megatron's split of the vit's transformer blocks (Shoeybi et al., arXiv 1909.08053, sec. 3),
-with optional sequence parallelism (Korthikanti et al., arXiv 2205.05198, sec. 4.2.2).
+with optional sequence parallelism (Korthikanti et al., arXiv 2205.05198, sec. 4.2.2). The gpt's
+blocks split the same way (``split_blocks``; its vocabulary ends: ``vocab.py``).
 
 ``split_transformer(model, tp, sequence_parallel)`` (``tp/split.py``) is the one entry point (the strategy's, and a
 pipeline stage's later: it splits whatever ``block*`` children the module has, and an ``embed`` /

@@ -99,7 +99,7 @@ class TPOptions(StrategyOptions):
     # manual (our f/g autograd.Functions) | dtensor (torch.distributed.tensor.parallel) | deepspeed (AutoTP)
     impl: TensorImpl = TensorImpl.manual
     split_conv: bool = False  # cnn + manual only: also split block1's conv output / block2's input channels
-    # vit only, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
+    # vit and gpt, tp > 1 (Korthikanti et al., arXiv 2205.05198): LayerNorm/residual/dropout regions hold
     # tokens/tp of the tokens; each all-reduce becomes an all-gather + a reduce-scatter (tp/megatron.py)
     sequence_parallel: bool = False
     # Expert parallelism (model.moe_experts > 0, impl=manual, no SP): the MoE MLPs stay whole on

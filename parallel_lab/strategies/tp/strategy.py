@@ -24,6 +24,10 @@ What is split, per model (``TP_PLANS``):
 - vit: Megatron's split of every block (q/k/v and fc1 column, proj and fc2 row; 2 all-reduces per
   block each way), optionally with sequence parallelism (``strategy.sequence_parallel``):
   ``tp/megatron.py``, ``tp/megatron_dtensor.py``, entry point ``tp/split.py``, docs/tp.md.
+- gpt (manual): the same split of every block (GQA: kv heads / tp; swiglu's gate as fc1), and the
+  vocabulary split at both ends: the embedding's rows, the head's projection (tied: the same
+  rows), the vocab-parallel cross-entropy as the loss and gathered logits for evaluation
+  (``tp/vocab.py``).
 
 ``strategy.impl=dtensor`` does the same split with torch.distributed.tensor.parallel
 (``ColwiseParallel``/``RowwiseParallel`` on a 1-D DeviceMesh), where DTensor inserts the same two

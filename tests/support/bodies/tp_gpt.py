@@ -16,7 +16,7 @@ from tests.support.reference import GPT_RUN, GPT_SIZES, MODELS, parity_reference
 
 
 def vocab_parallel_bytes(
-    batch: int, accum: int, seq: int, hidden: int, layers: int, sp: bool, ln_elems: int, elem: int = 4
+    batch: int, accum: int, seq: int, hidden: int, layers: int, sp: bool, ln_elems: int, elem: int = 4, again=(0, 0)
 ) -> dict[str, float]:
     """One step's communication as this test derives it (comm/counter.py's units: an all-reduce of
     B bytes counts 2B), fp32, A = one (batch, seq, hidden) activation: per block Megatron's 2
@@ -26,14 +26,16 @@ def vocab_parallel_bytes(
     2). SP: each block all-reduce is an all-gather + a reduce-scatter (A each), the
     column inputs gathered again backward (2 A per block); the embedding's output gradient
     gathered (A), the head's input gathered (A) and its gradient reduce-scattered (A); once per step
-    the ``ln_elems`` weights that saw a rank's tokens only (LayerNorms, row biases) all-reduced."""
+    the ``ln_elems`` weights that saw a rank's tokens only (LayerNorms, row biases) all-reduced.
+    again: per block, the (entries, exits) trainer.recompute=full runs again in backward (an entry
+    is an all-gather under SP, nothing otherwise; an exit an all-reduce, SP a reduce-scatter)."""
     a, tokens = batch * seq * hidden * elem, batch * seq * 4
     loss = 3 * 2 * tokens
     if not sp:
-        return {"all_reduce": accum * ((layers * 4 + 2) * 2 * a + loss)}
+        return {"all_reduce": accum * ((layers * (4 + again[1]) + 2) * 2 * a + loss)}
     return {
-        "all_gather_single": accum * (layers * 6 + 2) * a,
-        "reduce_scatter_single": accum * (layers * 4 + 1) * a,
+        "all_gather_single": accum * (layers * (6 + again[0]) + 2) * a,
+        "reduce_scatter_single": accum * (layers * (4 + again[1]) + 1) * a,
         "all_reduce": accum * (2 * a + loss) + 2 * 4 * ln_elems,
     }
 
@@ -94,7 +96,11 @@ def check(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None
     ln_elems = layers * 2 * 2 * h + 2 * h + (layers * 2 * h if cfg.model.bias else 0)  # norms, head norm, row biases
     accum = cfg.trainer.grad_accum
     batch, seq = cfg.trainer.global_batch // accum, GPT_SIZES["seq"]
-    want = vocab_parallel_bytes(batch, accum, seq, h, layers, sp, ln_elems, 2 if bf16 else 4)
+    # full recompute reruns both entries and the attention's exit; the MLP's exit only where the
+    # dropout after it saves a mask (torch's checkpoint stops at the last op that saves)
+    full = cfg.trainer.recompute == "full"
+    again = (2 * full, full * (1 + (cfg.model.dropout > 0)))
+    want = vocab_parallel_bytes(batch, accum, seq, h, layers, sp, ln_elems, 2 if bf16 else 4, again)
     assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
