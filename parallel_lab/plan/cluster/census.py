@@ -21,6 +21,9 @@ from parallel_lab.plan.census import _is_view, _tensors
 from parallel_lab.plan.cluster.shape import ModelShape
 
 _GEMMS = ("mm", "addmm")
+# aten operators that return a view of their input without saying so in their schema (matmul's
+# reshape of a batched product's output): they move no bytes.
+_UNMARKED_VIEWS = ("_unsafe_view",)
 _BATCHED = ("bmm", "baddbmm")
 
 
@@ -38,6 +41,7 @@ class OpRecord:
     batch: int = 1
     token_sized: bool = False  # a memory op over (tokens, hidden): replicated under plain tp, split under sp
     attention_core: bool = False  # scores, softmax, weighted sum: what selective recomputation repeats
+    name: str = ""  # the aten operator (its overload packet): what a fusion rule matches
 
     def on_tp_rank(self, tp: int, tokens: int, sequence_parallel: bool) -> OpRecord:
         """This op on one of tp ranks: a GEMM's split dimension (its largest one that is not the
@@ -80,13 +84,14 @@ class _Recorder(TorchDispatchMode):
             if name in _GEMMS or name in _BATCHED:
                 m, k, n, batch = _dims(name, args)
                 kind = "gemm" if name in _GEMMS else "bmm"
-                self.ops.append(OpRecord(kind, self.phase, flops, 0.0, m, k, n, batch, attention_core=kind == "bmm"))
+                core = kind == "bmm"
+                self.ops.append(OpRecord(kind, self.phase, flops, 0.0, m, k, n, batch, attention_core=core, name=name))
             else:  # a fused attention kernel (scaled_dot_product_*): its FLOPs, its heads as the batch
                 q = next(t for t in _tensors(args))
                 self.ops.append(
                     OpRecord("attention", self.phase, flops, batch=q.shape[0] * q.shape[1], attention_core=True)
                 )
-        elif not _is_view(func, args, out):
+        elif not _is_view(func, args, out) and name not in _UNMARKED_VIEWS:
             tensors = _tensors((args, kwargs, out))
             moved = float(sum(t.numel() * t.element_size() for t in tensors))
             numels = {t.numel() for t in _tensors(out)}
@@ -97,6 +102,7 @@ class _Recorder(TorchDispatchMode):
                     bytes=moved,
                     token_sized=self.tokens * self.hidden in numels,
                     attention_core=self.score_numel in numels,
+                    name=name,
                 )
             )
         return out
