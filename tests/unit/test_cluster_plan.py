@@ -235,10 +235,36 @@ def test_census_counts_no_bytes_for_unmarked_views():
     bytes for it (it used to count the attention scores twice more)."""
     from parallel_lab.plan.cluster.census import block_ops
 
-    ops = block_ops(ModelShape(layers=2, hidden=128, heads=4, kv_heads=4, ffn=512, seq=64, vocab=256), 1)
-    assert not [op for op in ops if op.name == "_unsafe_view"]
+    ops = block_ops(GPT3_SMALL, 1)
+    assert not [op for op in ops if op.name in ("_unsafe_view", "empty_like")]
     assert {op.name for op in ops if op.kind == "memory" and op.attention_core and op.phase == "fwd"} == {
         "mul",
         "masked_fill",
         "_softmax",
     }
+
+
+def test_census_splits_head_parallel_copies_under_tp():
+    """Plain tp replicates the residual stream's operators (LayerNorm, the residual adds) on every
+    rank but splits the attention's head-parallel copy (its output's transpose) with the heads."""
+    from parallel_lab.plan.cluster.census import block_ops
+
+    ops = [op for op in block_ops(GPT3_SMALL, 1) if op.phase == "fwd" and op.kind == "memory"]
+    kinds = {op.name: op.token_sized for op in ops if op.name in ("clone", "native_layer_norm", "add")}
+    assert kinds == {"clone": False, "native_layer_norm": True, "add": True}
+    clone = next(op for op in ops if op.name == "clone")
+    assert clone.on_tp_rank(4, 64, False).bytes == clone.bytes / 4
+
+
+GPT3_SMALL = ModelShape(layers=2, hidden=128, heads=4, kv_heads=4, ffn=512, seq=64, vocab=256)
+
+
+def test_compose_configs_matches_compose_config():
+    """The recommender's batch of composes gives what one compose each gives; a bad one its error."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.config.compose import compose_configs
+
+    lists = [["strategy=fsdp", "trainer.global_batch=64"], ["strategy=zero3"], ["strategy=nope"]]
+    got = compose_configs(lists)
+    assert got[0] == compose_config(lists[0]) and got[1] == compose_config(lists[1])
+    assert isinstance(got[2], ConfigError) and "nope" in str(got[2])
