@@ -161,6 +161,25 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool
         raise ConfigError(describe_compose_error(exc)) from None
 
 
+def compose_configs(overrides_list: list[list[str]]) -> list[DictConfig | ConfigError]:
+    """compose_config for each list of overrides, inside one Hydra context (its repository reads
+    each yaml once: about a quarter less a config); a list that fails gives its ConfigError."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    out: list[DictConfig | ConfigError] = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for overrides in overrides_list:
+            try:
+                check_group_overrides(list(overrides))
+                out.append(compose(config_name="config", overrides=hardware_overrides(list(overrides))))
+            except ConfigError as exc:
+                out.append(exc)
+            except Exception as exc:  # every Hydra/OmegaConf error becomes one line
+                out.append(ConfigError(describe_compose_error(exc)))
+    return out
+
+
 # The module's one piece of state (allowed in tests/unit/test_module_state.py): what register_configs
 # last stored in Hydra's ConfigStore (itself one per process); storing the same again is skipped.
 _stored: dict[str, tuple] = {}

@@ -59,6 +59,9 @@ class ClusterLayout:
     microbatches: int = 1  # forward+backward passes per step on each rank (pipeline micro-batches or grad_accum)
     sequence_parallel: bool = False  # tp's token regions hold tokens/tp (arXiv 2205.05198)
     overlapped: frozenset[str] = frozenset()  # collectives issued while backward (or forward) still computes
+    # ZeRO-3's hooks release a module's parameters after every forward, the one full recomputation
+    # repeats in backward too: they are gathered a third time per pass (FSDP keeps them for backward).
+    regathers_on_recompute: bool = False
 
 
 class PlanRules:

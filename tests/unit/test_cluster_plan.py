@@ -147,3 +147,124 @@ def test_measured_profile_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="lacks link_efficiency"):
         write_profile(values, {}, tmp_path / "bad.yaml")
     assert not (tmp_path / "bad.yaml").exists()
+
+
+def test_published_table_fit_set():
+    """bench published fits on named rows of its own table, at most a third of them, each citing its source."""
+    from parallel_lab.bench.published import FITTED, TABLE, read_rows
+
+    rows = read_rows(TABLE)
+    names = [r.name for r in rows]
+    assert set(FITTED) <= set(names) and len(set(names)) == len(names)
+    assert 3 * len(FITTED) <= len(rows)
+    assert all(r.source for r in rows)
+
+
+def test_stage_blocks_leave_the_ends_short():
+    """Llama 3's 126 layers over 16 stages: one fewer on the first and the last (arXiv 2407.21783 3.3.2)."""
+    from parallel_lab.plan.cluster.steptime import stage_blocks
+
+    assert stage_blocks(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_blocks(96, 8) == [12] * 8
+    assert stage_blocks(9, 2) == [5, 4]  # one short: the last stage (it computes the logits)
+
+
+LLAMA = ModelShape(
+    layers=2, hidden=256, heads=4, kv_heads=2, ffn=768, seq=64, vocab=512, gated=True, tied=False, rotary=True
+)
+
+
+def test_op_policy_keeps_every_other_product():
+    """torchtitan's per-operator checkpointing on a Llama block: the block's input, the outputs of
+    q, v, gate and fc2 (the 1st, 3rd, 5th and 7th products), the fused attention's output and its
+    fp32 log-sum-exp, written out here."""
+    import dataclasses
+
+    from parallel_lab.plan.cluster.census import block_ops
+
+    shape = dataclasses.replace(LLAMA, fused_attention=True)
+    b, s, h, kv, f = 2, shape.seq, shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
+    tokens = b * s
+    want = 2 * tokens * (h + h + kv + f + h + h) + 4 * b * shape.heads * s
+    got = memory.op_policy_bytes(block_ops(shape, b), 1, tokens, h, False, 2)
+    assert got == want
+
+
+def test_zero3_regathers_for_the_recomputed_forward():
+    """ZeRO-3 under full recomputation gathers the parameters once more per pass (its hooks release
+    them after every forward); FSDP's layout does not. Comm-bound here (1 Gb/s between nodes), so
+    the difference is exactly one all-gather per micro-batch."""
+    import dataclasses
+
+    from parallel_lab.plan.cluster.steptime import ClusterRun, predict
+    from parallel_lab.strategies.mesh import MeshDims
+    from parallel_lab.strategies.planning import ClusterLayout
+
+    hw = from_spec("a100_80g;inter_node_gbps=1")
+    layout = ClusterLayout(
+        dims=MeshDims(shard=16), shard_stage=3, shard_ways=16, microbatches=2, overlapped=frozenset({"all_gather"})
+    )
+    runs = {
+        (regather, recompute): ClusterRun(
+            LLAMA, hw, dataclasses.replace(layout, regathers_on_recompute=regather), 32, "bf16", recompute
+        )
+        for regather in (False, True)
+        for recompute in ("full", "none")
+    }
+    dp = {key: predict(run).dp_comm_s for key, run in runs.items()}
+    gather = comm.all_gather_s(hw, memory.params_on_rank(LLAMA, 1, 1, True) * 2, 16, 1)
+    assert dp[True, "full"] - dp[False, "full"] == pytest.approx(2 * gather)
+    assert dp[True, "none"] == pytest.approx(dp[False, "none"])
+
+
+def test_memory_parts_logits_and_allocator_reserve():
+    """The loss's three fp32 logit copies, and the allocator's reserve on top of every other part."""
+    from parallel_lab.plan.cluster.steptime import ClusterRun, memory_parts
+    from parallel_lab.strategies.mesh import MeshDims
+    from parallel_lab.strategies.planning import ClusterLayout
+
+    assert memory.logits_bytes(GPT3, 2, 8) == 3 * 4 * 2048 * 2 * 51200 / 8
+    hw = from_spec("h100_sxm;allocator_slack=0.25")
+    parts = memory_parts(ClusterRun(LLAMA, hw, ClusterLayout(dims=MeshDims(replicate=8)), 8))
+    reserve = parts.pop("allocator_reserve")
+    assert reserve == int(0.25 * sum(parts.values()))
+
+
+def test_census_counts_no_bytes_for_unmarked_views():
+    """matmul's _unsafe_view of a batched product's output is a view: the block's census moves no
+    bytes for it (it used to count the attention scores twice more)."""
+    from parallel_lab.plan.cluster.census import block_ops
+
+    ops = block_ops(GPT3_SMALL, 1)
+    assert not [op for op in ops if op.name in ("_unsafe_view", "empty_like")]
+    assert {op.name for op in ops if op.kind == "memory" and op.attention_core and op.phase == "fwd"} == {
+        "mul",
+        "masked_fill",
+        "_softmax",
+    }
+
+
+def test_census_splits_head_parallel_copies_under_tp():
+    """Plain tp replicates the residual stream's operators (LayerNorm, the residual adds) on every
+    rank but splits the attention's head-parallel copy (its output's transpose) with the heads."""
+    from parallel_lab.plan.cluster.census import block_ops
+
+    ops = [op for op in block_ops(GPT3_SMALL, 1) if op.phase == "fwd" and op.kind == "memory"]
+    kinds = {op.name: op.token_sized for op in ops if op.name in ("clone", "native_layer_norm", "add")}
+    assert kinds == {"clone": False, "native_layer_norm": True, "add": True}
+    clone = next(op for op in ops if op.name == "clone")
+    assert clone.on_tp_rank(4, 64, False).bytes == clone.bytes / 4
+
+
+GPT3_SMALL = ModelShape(layers=2, hidden=128, heads=4, kv_heads=4, ffn=512, seq=64, vocab=256)
+
+
+def test_compose_configs_matches_compose_config():
+    """The recommender's batch of composes gives what one compose each gives; a bad one its error."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.config.compose import compose_configs
+
+    lists = [["strategy=fsdp", "trainer.global_batch=64"], ["strategy=zero3"], ["strategy=nope"]]
+    got = compose_configs(lists)
+    assert got[0] == compose_config(lists[0]) and got[1] == compose_config(lists[1])
+    assert isinstance(got[2], ConfigError) and "nope" in str(got[2])

@@ -21,6 +21,9 @@ from parallel_lab.plan.census import _is_view, _tensors
 from parallel_lab.plan.cluster.shape import ModelShape
 
 _GEMMS = ("mm", "addmm")
+# aten operators that move no bytes: a view its schema does not mark (matmul's reshape of a batched
+# product's output) and allocations (the seed gradient backward starts from).
+_NO_BYTES = ("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty")
 _BATCHED = ("bmm", "baddbmm")
 
 
@@ -38,6 +41,7 @@ class OpRecord:
     batch: int = 1
     token_sized: bool = False  # a memory op over (tokens, hidden): replicated under plain tp, split under sp
     attention_core: bool = False  # scores, softmax, weighted sum: what selective recomputation repeats
+    name: str = ""  # the aten operator (its overload packet): what a fusion rule matches
 
     def on_tp_rank(self, tp: int, tokens: int, sequence_parallel: bool) -> OpRecord:
         """This op on one of tp ranks: a GEMM's split dimension (its largest one that is not the
@@ -71,6 +75,12 @@ class _Recorder(TorchDispatchMode):
         self.phase, self.tokens, self.hidden, self.score_numel = "fwd", tokens, hidden, score_numel
         self.ops: list[OpRecord] = []
 
+    def _residual(self, t: torch.Tensor) -> bool:
+        """A tensor of the residual stream, (tokens, hidden): what plain tp replicates on every rank.
+        A head-split tensor of the same size (q, the attention's output before its projection,
+        rotary's products) has the head dimension last and is split over tp with its heads."""
+        return t.numel() == self.tokens * self.hidden and t.shape[-1] == self.hidden
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -80,23 +90,26 @@ class _Recorder(TorchDispatchMode):
             if name in _GEMMS or name in _BATCHED:
                 m, k, n, batch = _dims(name, args)
                 kind = "gemm" if name in _GEMMS else "bmm"
-                self.ops.append(OpRecord(kind, self.phase, flops, 0.0, m, k, n, batch, attention_core=kind == "bmm"))
+                core = kind == "bmm"
+                self.ops.append(OpRecord(kind, self.phase, flops, 0.0, m, k, n, batch, attention_core=core, name=name))
             else:  # a fused attention kernel (scaled_dot_product_*): its FLOPs, its heads as the batch
                 q = next(t for t in _tensors(args))
                 self.ops.append(
                     OpRecord("attention", self.phase, flops, batch=q.shape[0] * q.shape[1], attention_core=True)
                 )
-        elif not _is_view(func, args, out):
+        elif not _is_view(func, args, out) and name not in _NO_BYTES:
             tensors = _tensors((args, kwargs, out))
             moved = float(sum(t.numel() * t.element_size() for t in tensors))
-            numels = {t.numel() for t in _tensors(out)}
+            outs = _tensors(out)
+            numels = {t.numel() for t in outs}
             self.ops.append(
                 OpRecord(
                     "memory",
                     self.phase,
                     bytes=moved,
-                    token_sized=self.tokens * self.hidden in numels,
+                    token_sized=any(self._residual(t) for t in outs),
                     attention_core=self.score_numel in numels,
+                    name=name,
                 )
             )
         return out

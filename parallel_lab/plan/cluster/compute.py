@@ -50,17 +50,29 @@ def block_pass(
 ) -> PassTime:
     """A block's forward, backward and recomputation seconds on one of ``tp`` ranks. Full
     recomputation repeats the forward in backward; selective only the attention core (scores,
-    softmax, weighted sum: Korthikanti et al., arXiv 2205.05198, section 5)."""
+    softmax, weighted sum: Korthikanti et al., arXiv 2205.05198, section 5); torchtitan's
+    per-operator policy (``selective_op``) every second matrix multiply and every elementwise
+    operator, keeping the other products and the fused attention kernel's output."""
     fwd = bwd = again = 0.0
+    gemms = 0
     for op in ops:
         seconds = op_seconds(op.on_tp_rank(tp, tokens, sequence_parallel), hw, dtype)
         if op.phase == "bwd":
             bwd += seconds
             continue
         fwd += seconds
-        if recompute == "full" or (recompute == "selective" and op.attention_core):
+        gemms += op.kind == "gemm"
+        if recomputed(op, recompute, gemms):
             again += seconds
     return PassTime(fwd, bwd, again)
+
+
+def recomputed(op: OpRecord, recompute: str, gemms_so_far: int) -> bool:
+    """Whether ``recompute`` repeats this forward operator in backward (``gemms_so_far``: the
+    forward's matrix multiplies up to and including this one)."""
+    if recompute == "selective_op":
+        return op.kind in ("memory", "bmm") or (op.kind == "gemm" and gemms_so_far % 2 == 0)
+    return recompute == "full" or (recompute == "selective" and op.attention_core)
 
 
 def logits_pass(tokens: int, hidden: int, vocab: int, tp: int, hw: Hardware, dtype: str) -> float:

@@ -30,6 +30,7 @@ class Hardware:
     memory_efficiency: float  # share of HBM bandwidth elementwise kernels reach
     link_efficiency: float  # collectives' bus bandwidth as a share of the link
     overhead_bytes: int  # context, workspaces, communication buffers
+    allocator_slack: float  # the caching allocator's reserve over the bytes it holds at the peak
     extra: dict = field(default_factory=dict)  # fields the model does not read (kept for the yaml)
 
     def peak_flops(self, dtype: str) -> float:

@@ -1,8 +1,11 @@
 """Per-GPU memory of a cluster layout: model state as ZeRO counts it (arXiv 1910.02054: 2 bytes of
 16-bit weights, 2 of gradients, 12 of fp32 master weights and Adam's two moments per parameter;
 fp32 training 4 + 4 + 8), sharded by the layout's stage; activations per layer from Korthikanti et
-al. (arXiv 2205.05198, Table 2) times the micro-batches the pipeline schedule keeps in flight; and
-the buffers (gathered parameters of ZeRO-3/FSDP, the profile's fixed overhead)."""
+al. (arXiv 2205.05198, Table 2) times the micro-batches the pipeline schedule keeps in flight, or,
+under torchtitan's per-operator checkpointing (``selective_op``), what its policy keeps of the real
+block's operators; and the buffers (gathered parameters of ZeRO-3/FSDP, the profile's fixed
+overhead). The sum is what the allocator holds at the peak; the caching allocator reserves
+``allocator_slack`` more (its segments are not all full), the figure torch reports as reserved."""
 
 from __future__ import annotations
 
@@ -69,6 +72,23 @@ def layer_activation_bytes(
     return sbh * (linear + scores)
 
 
+def op_policy_bytes(ops, tp: int, tokens: int, hidden: int, sequence_parallel: bool, width: int) -> float:
+    """Bytes one block keeps per micro-batch under torchtitan's per-operator selective
+    checkpointing (``selective_ac_option = 'op'``, its Llama 3 8B default): the block's input, the
+    output of every other matrix multiply (the first, third, ...: the policy recomputes every second
+    one) and of a fused attention kernel (with its fp32 log-sum-exp); every other operator is
+    recomputed. ``ops`` are the census's records of the real block (census.block_ops)."""
+    kept = tokens * hidden * width / (tp if sequence_parallel else 1)
+    gemms = 0
+    for op in (o.on_tp_rank(tp, tokens, sequence_parallel) for o in ops if o.phase == "fwd"):
+        if op.kind == "gemm":
+            gemms += 1
+            kept += op.m * op.n * width if gemms % 2 else 0
+        elif op.kind == "attention":
+            kept += tokens * hidden * width / tp + op.batch * op.m * 4
+    return kept
+
+
 def in_flight(schedule: str | None, pp: int, microbatches: int, virtual: int) -> float:
     """Micro-batches of its own layers the first stage holds at once: GPipe all m, 1F1B p, the
     interleaved schedule p(1 + (p-1)/(pv)) (arXiv 2104.04473 section 2.2; 2205.05198 section 4.2)."""
@@ -81,5 +101,7 @@ def in_flight(schedule: str | None, pp: int, microbatches: int, virtual: int) ->
 
 
 def logits_bytes(shape: ModelShape, micro: int, tp: int) -> float:
-    """The last stage's fp32 logits and their gradient (vocab-parallel over tp)."""
-    return 2 * 4.0 * shape.seq * micro * shape.vocab / tp
+    """The last stage's fp32 logits at the loss's backward (vocab-parallel over tp): cross-entropy as
+    log-softmax then NLL keeps the log-softmax's fp32 output, and its backward holds that, the
+    gradient NLL writes and the gradient it writes at once (three copies)."""
+    return 3 * 4.0 * shape.seq * micro * shape.vocab / tp

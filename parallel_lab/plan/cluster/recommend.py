@@ -84,21 +84,22 @@ def rank(
 
 def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candidate]:
     """Every other multi-process strategy at its own layout on ``gpus``, each grad_accum and recompute."""
-    from parallel_lab.config import compose_config
+    from parallel_lab.config.compose import compose_configs
     from parallel_lab.plan.cluster.layout import cluster_run
     from parallel_lab.strategies import get_strategy_class, registered_names
 
     keep = [o for o in given if not o.lstrip("+~").startswith(("strategy", "trainer.grad_accum", "trainer.recompute"))]
+    accums = [a for a in MICRO if int(cfg.trainer.global_batch) % (gpus * a) == 0]
+    names = [
+        n
+        for n in (registered_names() if accums else ())  # composing costs ~0.3 s a strategy: only when one fits
+        if not get_strategy_class(n).plan.single_process and get_strategy_class(n).plan.degree_key != "stages"
+    ]
     out = []
-    for name in registered_names():
-        rules = get_strategy_class(name).plan
-        if rules.single_process or rules.degree_key == "stages":
+    for name, base in zip(names, compose_configs([[*keep, f"strategy={name}"] for name in names])):
+        if isinstance(base, ConfigError):
             continue
-        try:
-            base = compose_config([*keep, f"strategy={name}"])
-        except ConfigError:
-            continue
-        for accum in [a for a in MICRO if int(cfg.trainer.global_batch) % (gpus * a) == 0]:
+        for accum in accums:
             for recompute in RECOMPUTE:
                 args = [f"strategy={name}", f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
                 one = pickle.loads(pickle.dumps(base))

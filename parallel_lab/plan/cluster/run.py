@@ -48,6 +48,7 @@ def report(run: ClusterRun, pred: ClusterPrediction) -> str:
     )
     lines.append(f"  activations {pred.memory['activations'] / GIB:10.2f} GiB")
     lines.append(f"  buffers     {pred.memory['buffers'] / GIB:10.2f} GiB")
+    lines.append(f"  allocator   {pred.memory['allocator_reserve'] / GIB:10.2f} GiB  (the caching allocator's reserve)")
     lines += ["", f"step time: {pred.step_time_s:.3f} s"]
     for key, label in STEP_PARTS:
         value = getattr(pred, key)

@@ -2,8 +2,9 @@
 communication, the pipeline bubble (and its sends), exposed data-parallel/ZeRO/FSDP communication,
 and the optimizer; per-GPU memory beside it.
 
-- compute: ``layers/pp`` blocks per micro-batch on the slowest stage (the last: it also computes
-  the logits), each operator timed by its shape (``compute.py``), recomputation included;
+- compute: the blocks of the slowest stage per micro-batch (the last: it also computes the logits;
+  layers that do not divide leave the ends short, as Llama 3 does), each operator timed by its shape
+  (``compute.py``), recomputation included;
 - tensor parallelism (Megatron, arXiv 1909.08053): two all-reduces of the (b, s, h) activation per
   block in forward, two in backward, two more in a fully recomputed forward; with sequence
   parallelism each becomes an all-gather plus a reduce-scatter of the same bytes (arXiv
@@ -11,9 +12,10 @@ and the optimizer; per-GPU memory beside it.
 - pipeline (arXiv 2104.04473): the bubble is (p - 1)/v of one micro-batch's stage time, and each
   micro-batch sends its activation forward and its gradient back at every chunk boundary;
 - data parallelism: the gradients' all-reduce (ZeRO-1/2: reduce-scatter then all-gather, the same
-  ring volume), ZeRO-3/FSDP's per-micro-batch parameter all-gathers (forward and backward) and
-  gradient reduce-scatter. What the strategy overlaps (``overlapped_collectives``) hides behind the
-  backward it runs under; the rest is exposed;
+  ring volume), ZeRO-3/FSDP's per-micro-batch parameter all-gathers (forward, backward, and again
+  for a fully recomputed forward where ZeRO-3's hooks released them) and gradient reduce-scatter.
+  What the strategy overlaps (``overlapped_collectives``) hides behind the pass it runs under (the
+  forward's gather behind the forward, the rest behind backward); the rest is exposed;
 - optimizer: Adam reads and writes about 30 bytes per local parameter at HBM speed.
 """
 
@@ -89,17 +91,36 @@ def _tp_block_s(run: ClusterRun, tokens: int) -> float:
     return calls * comm.all_reduce_s(hw, payload, dims.tp, 1)
 
 
+def stage_blocks(layers: int, pp: int) -> list[int]:
+    """Blocks per pipeline stage. Layers that do not divide over the stages leave the ends short,
+    the last stage (it computes the logits) first, then the first (it holds the embedding): Llama
+    3's layout (arXiv 2407.21783 section 3.3.2: one layer fewer on the first and the last stage)."""
+    big = -(-layers // pp)
+    blocks = [big] * pp
+    for i in range(pp * big - layers):
+        end = pp - 1 - i // 2 if i % 2 == 0 else i // 2
+        blocks[end] -= 1
+    return blocks
+
+
 def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float]:
-    """(the slowest stage's compute for one micro-batch, its tensor-parallel communication)."""
+    """(the slowest stage's compute for one micro-batch, its tensor-parallel communication): the
+    last stage's blocks and the logits, or a stage holding more blocks."""
     dims = run.layout.dims
     ops = block_ops(run.shape, run.micro_batch)
     one = block_pass(ops, run.hw, run.precision, dims.tp, tokens, run.layout.sequence_parallel, run.recompute)
-    blocks = run.shape.layers / dims.pp
+    tp_one = _tp_block_s(run, tokens)
     logits = logits_pass(tokens, run.shape.hidden, run.shape.vocab, dims.tp, run.hw, run.precision)
-    stage = PassTime(
-        one.forward_s * blocks + logits / 3, one.backward_s * blocks + 2 * logits / 3, one.recompute_s * blocks
-    )
-    return stage, blocks * _tp_block_s(run, tokens)
+    counts = stage_blocks(run.shape.layers, dims.pp)
+
+    def stage(blocks: int, head: float) -> PassTime:
+        return PassTime(
+            one.forward_s * blocks + head / 3, one.backward_s * blocks + 2 * head / 3, one.recompute_s * blocks
+        )
+
+    last, inner = (counts[-1], logits), (max(counts), 0.0)
+    blocks, head = max(last, inner, key=lambda c: stage(*c).total_s + c[0] * tp_one)
+    return stage(blocks, head), blocks * tp_one
 
 
 def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
@@ -114,10 +135,17 @@ def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
     replicas = run.dp // ways
     grads = params * width
     if lay.shard_stage >= 3:
-        gathers = 2 * comm.all_gather_s(hw, grads, ways, stride) + comm.reduce_scatter_s(hw, grads, ways, stride)
-        per_micro = gathers + comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
-        hidden = stage.total_s if "all_gather" in lay.overlapped else 0.0
-        return lay.microbatches * max(0.0, per_micro - hidden)
+        # Each pass gathers the parameters (forward; backward, and again for a fully recomputed
+        # forward where the strategy released them) and reduce-scatters the gradients: the
+        # forward's gather can hide only behind the forward, the rest behind backward.
+        gather = comm.all_gather_s(hw, grads, ways, stride)
+        regather = lay.regathers_on_recompute and run.recompute == "full"
+        back = (2 if regather else 1) * gather + comm.reduce_scatter_s(hw, grads, ways, stride)
+        back += comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
+        if "all_gather" not in lay.overlapped:
+            return lay.microbatches * (gather + back)
+        exposed = max(0.0, gather - stage.forward_s) + max(0.0, back - stage.backward_s - stage.recompute_s)
+        return lay.microbatches * exposed
     if lay.shard_stage >= 1:
         total = comm.reduce_scatter_s(hw, grads, ways, stride) + comm.all_gather_s(hw, grads, ways, stride)
         total += comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
@@ -172,25 +200,42 @@ def predict(run: ClusterRun) -> ClusterPrediction:
     )
 
 
+def activation_bytes(run: ClusterRun, blocks: int) -> float:
+    """What ``blocks`` blocks keep for backward per micro-batch on one rank."""
+    lay, dims, shape = run.layout, run.layout.dims, run.shape
+    if run.recompute == "selective_op":
+        ops = block_ops(shape, run.micro_batch)
+        tokens, width = run.micro_batch * shape.seq, DTYPE_BYTES[run.precision]
+        one = memory.op_policy_bytes(ops, dims.tp, tokens, shape.hidden, lay.sequence_parallel, width)
+    else:
+        one = memory.layer_activation_bytes(
+            shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, shape.fused_attention
+        )
+    return blocks * one
+
+
 def memory_parts(run: ClusterRun) -> dict[str, int]:
-    """Bytes on the GPU holding the most (the first stage, or the last with its logits)."""
+    """Bytes on the GPU holding the most (the first stage, or the last with its logits), and the
+    allocator's reserve over them."""
     lay, dims, shape = run.layout, run.layout.dims, run.shape
     kind = memory.state_bytes(run.precision, run.optimizer)
-    per_layer = memory.layer_activation_bytes(
-        shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, shape.fused_attention
-    )
+    counts = stage_blocks(shape.layers, dims.pp)
     flight = memory.in_flight(lay.schedule, dims.pp, lay.microbatches, lay.virtual_stages)
-    first = shape.layers // dims.pp * per_layer * flight
-    last = shape.layers // dims.pp * per_layer + memory.logits_bytes(shape, run.micro_batch, dims.tp)
-    activations = max(first + (memory.logits_bytes(shape, run.micro_batch, dims.tp) if dims.pp == 1 else 0), last)
+    logits = memory.logits_bytes(shape, run.micro_batch, dims.tp)
+    first = activation_bytes(run, counts[0]) * flight
+    last = activation_bytes(run, counts[-1]) + logits
+    activations = max(first + (logits if dims.pp == 1 else 0), last)
     state = memory.model_state(
         memory.params_on_rank(shape, dims.tp, dims.pp, True), kind, lay.shard_stage, lay.shard_ways
     )
     gathered = 0
-    if lay.shard_stage >= 3:  # the unit being computed and the one prefetched, whole
-        gathered = 2 * shape.layer_params() // dims.tp * kind.weights
-    return {
+    if lay.shard_stage >= 3:  # the unit being computed and the one prefetched, whole; at the loss
+        # the output layer too (with the embedding: FSDP's root unit holds both, torchtitan's wrapping)
+        ends = shape.embedding_params() if dims.pp == 1 else 0
+        gathered = (2 * shape.layer_params() + ends) // dims.tp * kind.weights
+    parts = {
         **{f"model_state_{k}": v for k, v in state.items()},
         "activations": int(activations),
         "buffers": int(gathered + run.hw.overhead_bytes),
     }
+    return {**parts, "allocator_reserve": int(run.hw.allocator_slack * sum(parts.values()))}

@@ -101,7 +101,8 @@ class ZeroPlan(PlanRules):
         """Every rank a data-parallel one; the stage shards the state over all of them (ZeRO, arXiv 1910.02054)."""
         layout = super().cluster_layout(cfg)
         stage = zero_stage(cfg.strategy.name) or 0
-        return dataclasses.replace(layout, shard_stage=stage, shard_ways=layout.dims.data_parallel_size if stage else 1)
+        ways = layout.dims.data_parallel_size if stage else 1
+        return dataclasses.replace(layout, shard_stage=stage, shard_ways=ways, regathers_on_recompute=stage == 3)
 
     @classmethod
     def comm_theory_psi(cls, cfg: DictConfig) -> float:
