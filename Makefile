@@ -47,13 +47,18 @@ lint: $(STAMP)
 # runs the convolutions several times slower); bench parity_robustness covers SSE4.1 among all 18.
 # Which float comparisons the second pass leaves out, and why: docs/testing.md.
 FOREIGN_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# Two test processes side by side (pytest-xdist), each test file whole in one of them (its module
+# fixtures train once): one process alone leaves a core idle while it composes configs or waits on its
+# ranks (docs/testing.md#how-long). TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: lint
-	$(PY) -m pytest -q --durations=15 -m "not extra"
-	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q --durations=5 -p no:cacheprovider -m "dispatch and not extra"
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not extra"
+	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q $(XDIST) --durations=5 -p no:cacheprovider -m "dispatch and not extra"
 
 test-all: lint
-	$(PY) -m pytest -q --durations=15
-	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q --durations=5 -p no:cacheprovider -m "parity or floats"
+	$(PY) -m pytest -q $(XDIST) --durations=15
+	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q $(XDIST) --durations=5 -p no:cacheprovider -m "parity or floats"
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

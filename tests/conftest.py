@@ -4,6 +4,15 @@ in this pytest process by default, its workers real processes started by the rea
 from __future__ import annotations
 
 import gc
+import os
+
+# Before torch loads OpenMP (libgomp reads it once): an idle OpenMP thread sleeps at once instead of
+# spinning for its next task. make test runs two test processes side by side on 2 cores (pytest-xdist),
+# each starting ranks, so a process with 2 intra-op threads (a reference, a one-process strategy)
+# shares its cores; a spinning thread then holds the core its peer or another process needs: a 4-step
+# gpt reference took 5.0 s of CPU under load against 0.36 s with PASSIVE (docs/testing.md). The wait
+# policy moves no float: only how a thread waits.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
