@@ -268,3 +268,24 @@ def test_compose_configs_matches_compose_config():
     got = compose_configs(lists)
     assert got[0] == compose_config(lists[0]) and got[1] == compose_config(lists[1])
     assert isinstance(got[2], ConfigError) and "nope" in str(got[2])
+
+
+def test_recommender_prices_fsdp_x_tp_as_its_own_command_plans_it():
+    """FSDP2 x TP (torchtitan's 2-D layout) is among the recommender's candidates at every tensor
+    degree a node allows, and each candidate's prediction is what planning its printed command alone
+    gives (the command line's path: compose, cluster_run, predict)."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.plan.cluster.layout import cluster_run
+    from parallel_lab.plan.cluster.recommend import other_strategies
+    from parallel_lab.plan.cluster.steptime import predict
+
+    given = ["model=gpt", "model.preset=generic_7b", "plan.hardware=h100_sxm", "plan.gpus=16", "trainer.global_batch=64"]
+    candidates = other_strategies(compose_config(given), given, 16)
+    fsdp = {c.command: c for c in candidates if c.command.startswith("strategy=fsdp")}
+    assert {int(cmd.split("strategy.tp=")[1].split()[0]) for cmd in fsdp if "strategy.tp=" in cmd} == {2, 4, 8}
+    assert not any("strategy.tp=1 " in c.command for c in candidates)  # tp=1: the strategy's plain layout
+    for command in [next(c for c in fsdp if "strategy.tp=4" in c), next(c for c in fsdp if "strategy.tp" not in c)]:
+        args = [*given, *command.split()]
+        alone = predict(cluster_run(compose_config(args), args))
+        assert fsdp[command].prediction.step_time_s == alone.step_time_s, command
+        assert fsdp[command].prediction.memory_bytes_per_gpu == alone.memory_bytes_per_gpu, command

@@ -11,6 +11,7 @@ each priced by ``steptime.predict``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import time
@@ -50,7 +51,7 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, hw: Hardware, gpus: int, global_batch: int):
     """Every (dims, schedule, v, micro-batches, sp) the model and batch allow."""
-    for tp in [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and gpus % t == 0 and shape.heads % t == 0]:
+    for tp in tensor_degrees(shape, hw, gpus):
         for pp in [p for p in _divisors(gpus // tp) if shape.layers % p == 0]:
             dp = gpus // (tp * pp)
             for virtual in [v for v in VIRTUAL if (v == 1 or pp > 1) and shape.layers % (pp * v) == 0]:
@@ -82,33 +83,55 @@ def rank(
     return ordered(out)
 
 
+def tensor_degrees(shape: ModelShape, hw: Hardware, gpus: int) -> list[int]:
+    """The tensor-parallel degrees a layout may use: inside one node (its links are the fast ones),
+    dividing the GPUs and the heads (Narayanan et al., section 3)."""
+    return [t for t in (1, 2, 4, 8, 16) if t <= hw.gpus_per_node and gpus % t == 0 and shape.heads % t == 0]
+
+
 def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candidate]:
-    """Every other multi-process strategy at its own layout on ``gpus``, each grad_accum and recompute."""
+    """Every other multi-process strategy at its own layout on ``gpus``, each grad_accum and
+    recompute; a strategy whose options have ``strategy.tp`` (FSDP2 x TP, torchtitan's 2-D layout;
+    tp x replicate) at every tensor degree a node allows, its data-parallel ranks the rest."""
     from parallel_lab.config.compose import compose_configs
     from parallel_lab.plan.cluster.layout import cluster_run
     from parallel_lab.strategies import get_strategy_class, registered_names
 
     keep = [o for o in given if not o.lstrip("+~").startswith(("strategy", "trainer.grad_accum", "trainer.recompute"))]
-    accums = [a for a in MICRO if int(cfg.trainer.global_batch) % (gpus * a) == 0]
+    batch = int(cfg.trainer.global_batch)
+    degrees = tensor_degrees(from_model_config(cfg.model), from_config(cfg.plan.hardware), gpus)
+    accums = {tp: [a for a in MICRO if batch % (gpus // tp * a) == 0] for tp in degrees}
+
+    def candidates_fit(rules) -> bool:  # composing costs ~0.2 s a strategy: only those with a grad_accum that fits
+        split = "tp" in {f.name for f in dataclasses.fields(rules.Options)}
+        return any(accums[t] for t in (degrees if split else [1]))
+
     names = [
         n
-        for n in (registered_names() if accums else ())  # composing costs ~0.3 s a strategy: only when one fits
-        if not get_strategy_class(n).plan.single_process and get_strategy_class(n).plan.degree_key != "stages"
+        for n in registered_names()
+        if not get_strategy_class(n).plan.single_process
+        and get_strategy_class(n).plan.degree_key != "stages"
+        and candidates_fit(get_strategy_class(n).plan)
     ]
     out = []
     for name, base in zip(names, compose_configs([[*keep, f"strategy={name}"] for name in names])):
         if isinstance(base, ConfigError):
             continue
-        for accum in accums:
-            for recompute in RECOMPUTE:
-                args = [f"strategy={name}", f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
-                one = pickle.loads(pickle.dumps(base))
-                one.trainer.grad_accum, one.trainer.recompute = accum, recompute
-                try:
-                    run = cluster_run(one, [*keep, *args])
-                except ConfigError:
-                    continue
-                out.append(Candidate(run, predict(run), " ".join(args)))
+        own = get_strategy_class(name).plan.degree_key == "tp"  # strategy=tp: tp=1 would be plain data parallelism
+        for tp in [t for t in degrees if t > 1 or not own] if "tp" in base.strategy else [None]:
+            split = [] if tp in (None, 1) else [f"strategy.tp={tp}"]
+            for accum in accums[tp or 1]:
+                for recompute in RECOMPUTE:
+                    args = [f"strategy={name}", *split, f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
+                    one = pickle.loads(pickle.dumps(base))
+                    one.trainer.grad_accum, one.trainer.recompute = accum, recompute
+                    if tp is not None:
+                        one.strategy.tp = tp
+                    try:
+                        run = cluster_run(one, [*keep, *args])
+                    except ConfigError:
+                        continue
+                    out.append(Candidate(run, predict(run), " ".join(args)))
     return out
 
 
