@@ -77,6 +77,25 @@ def global_batches(size: int, global_batch: int, seed: int):
         epoch += 1
 
 
+def _leaves_threads_as_found(fn):
+    """``fn`` with torch's intra-op thread count set back afterwards to what it was. The reference is
+    computed inside ranks too (rank 0 only, in the test bodies): a noise rerun's other count left
+    behind made that rank train the next configuration with 2 threads against its peers' 1, and
+    MKL's matrix products split their sums by thread, so tp ranks computing the same replicated
+    layers on the same inputs disagreed in the last bits (test_tp_vit's manual-dropout)."""
+
+    @functools.wraps(fn)
+    def restoring(*args, **kwargs):
+        previous = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(previous)
+
+    return restoring
+
+
+@_leaves_threads_as_found
 def reference_run(
     model: str = "cnn",
     steps: int = 4,

@@ -115,3 +115,18 @@ def test_noise_reruns_change_only_last_bits_and_fit_the_batch():
     }
     odd = noise_reruns(global_batch=6, grad_accum=3, threads=1)  # 6 = 3 x 2: no further split fits
     assert "micro_batches=6" in odd and "micro_batches=12" not in odd and odd["threads=2"] == {"threads": 2}
+
+
+def test_a_reference_leaves_the_thread_count_it_found():
+    """The test bodies compute the reference inside rank 0 only: its threads=2 noise rerun left
+    behind would make rank 0 train the next configuration with other kernel splits than its peers
+    (tp ranks then disagreed on a replicated layer's last bits)."""
+    from tests.support.reference import reference_run
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference_run("cnn", steps=0, global_batch=8, data_size=16, threads=2)  # sets 2, trains nothing
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
