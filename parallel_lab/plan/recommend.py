@@ -115,7 +115,7 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
     cache = SavedBytesCache()
 
     def one(c: Candidate) -> Ranked:
-        key = OmegaConf.to_yaml(c.cfg.model)
+        key = repr(OmegaConf.to_container(c.cfg.model))  # a yaml dump costs 3x
         if key not in models:  # not setdefault: its argument, a whole model, would be built every time
             models[key] = build_meta_model(c.cfg.model)
         model = models[key]
