@@ -78,7 +78,8 @@ def paper_bytes(row: str, t: int, a: int, s: int, h: int, b: int) -> float:
 
 def sizes(keys: dict) -> dict:
     """a, s, h, the MLP width and the dropout of a vit built with ``keys``."""
-    from parallel_lab.models.vit import DEFAULTS, IMAGE, scaled_dim
+    from parallel_lab.models.layout import scaled_dim
+    from parallel_lab.models.vit import DEFAULTS, IMAGE
 
     k = {**DEFAULTS, **keys}
     h = scaled_dim(k["dim"], k["heads"], 1.0)

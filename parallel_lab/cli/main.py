@@ -46,8 +46,9 @@ def _fail(run_dir: Path, cfg: DictConfig, message: str, traceback_text: str = ""
     print(f"parallel_lab: error: {message}", file=sys.stderr, flush=True)
 
 
-def run_one(cfg: DictConfig, run_dir: Path) -> int:
-    """Validate, write config.yaml, launch, and check the workers left metrics.json."""
+def run_one(cfg: DictConfig, run_dir: Path, reach_hosts: bool = True) -> int:
+    """Validate, write config.yaml, launch, and check the workers left metrics.json. reach_hosts:
+    probe the hosts (False where the command line already did, before Hydra)."""
     from parallel_lab.cli.launch import first_failure, launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,7 @@ def run_one(cfg: DictConfig, run_dir: Path) -> int:
         # The command line's overrides (a ds_config file yields to none of them silently); a noise-floor
         # rerun (cli/sweep.py) starts from a resolved config.yaml, outside any Hydra job.
         explicit = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        cfg = validate(cfg, run_dir, explicit=explicit)
+        cfg = validate(cfg, run_dir, explicit=explicit, reach_hosts=reach_hosts)
         write_run_config(cfg)
         code = launch(cfg, run_dir)
     except ConfigError as exc:
@@ -93,16 +94,16 @@ class Outcome:
         return next((code for code in self.codes if code), 1 if self.failed_proofs else 0)
 
 
-def run_hydra(outcome: Outcome) -> None:
+def run_hydra(outcome: Outcome, reach_hosts: bool = True) -> None:
     """Hydra composes the config from sys.argv and calls the job once per run (once per sweep point
-    with --multirun); every job's result goes into ``outcome``."""
+    with --multirun); every job's result goes into ``outcome``. reach_hosts: ``run_one``'s."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode == RunMode.MULTIRUN:
             outcome.sweep_dir = Path(hydra_cfg.sweep.dir)
-        outcome.codes.append(run_one(cfg, Path(hydra_cfg.runtime.output_dir)))
+        outcome.codes.append(run_one(cfg, Path(hydra_cfg.runtime.output_dir), reach_hosts))
 
     job()
 
@@ -146,13 +147,13 @@ def main() -> int:
         if shown is not None:
             print(shown)
             return 0
-        check_overrides_compose(sys.argv[1:])
+        validated = check_overrides_compose(sys.argv[1:])  # a single run's hosts probed there
     except ConfigError as exc:
         print(f"parallel_lab: error: {exc}", file=sys.stderr)
         return 2
     register_configs()
     outcome = Outcome()
-    run_hydra(outcome)
+    run_hydra(outcome, reach_hosts=not validated)
     if outcome.sweep_dir is not None:
         from parallel_lab.cli.sweep import finish_sweep
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from subprocess import DEVNULL
 
 from omegaconf import DictConfig
 
+from parallel_lab.config.hosts import remote_shell
 from parallel_lab.errors import ConfigError
 from parallel_lab.protocol import SUPERVISED_ENV
 
@@ -43,7 +42,6 @@ FORWARDED_ENV = (
     "UCX_TLS",
     "ATEN_CPU_CAPABILITY",
 )
-REACH_TIMEOUT_S = 20
 
 
 def is_multi_node(cfg: DictConfig) -> bool:
@@ -55,10 +53,6 @@ def worker_env(cfg: DictConfig) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update(OMP_NUM_THREADS=str(cfg.trainer.threads), PYTHONUNBUFFERED="1", **{SUPERVISED_ENV: "1"})
     return env
-
-
-def remote_shell(cfg: DictConfig) -> list[str]:
-    return shlex.split(cfg.launcher.remote_shell or "")
 
 
 ELASTIC_RESTARTS = 3  # launcher.min_nodes with max_restarts=0: re-forming the group IS a restart
@@ -119,24 +113,6 @@ def per_host_commands(cfg: DictConfig, config_path: Path, port: int) -> list[tup
     return [(host, torchrun_host_command(cfg, config_path, port, i)) for i, host in enumerate(cfg.launcher.hosts)]
 
 
-def check_reachable(cfg: DictConfig) -> None:
-    """`<remote_shell> <host> true` for every host, so an unreachable one is one clear line, not a hang."""
-    shell = remote_shell(cfg)
-    for host in cfg.launcher.hosts:
-        try:
-            probe = [*shell, host, "true"]
-            result = subprocess.run(probe, capture_output=True, text=True, timeout=REACH_TIMEOUT_S, stdin=DEVNULL)
-            reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
-            ok = result.returncode == 0
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            ok, reason = False, str(exc)
-        if not ok:
-            raise ConfigError(
-                f"cannot reach host '{host}' with `{shlex.join([*shell, host, 'true'])}` ({reason}); make it reachable "
-                f"or set launcher.remote_shell=null to print the per-host commands instead"
-            )
-
-
 def print_per_host_commands(cfg: DictConfig, config_path: Path, port: int) -> None:
     print(
         f"launcher.remote_shell is null: run each line on its host ({cfg.launcher.nodes} hosts x "
@@ -148,8 +124,8 @@ def print_per_host_commands(cfg: DictConfig, config_path: Path, port: int) -> No
 
 
 def torchrun_multi_node(cfg: DictConfig, config_path: Path, port: int, base_env: dict[str, str]) -> list:
-    """One agent per host, each through the remote shell (rank None: the agent owns its ranks)."""
-    check_reachable(cfg)
+    """One agent per host, each through the remote shell (rank None: the agent owns its ranks;
+    validate() probed every host: config/hosts.py ``check_reachable``)."""
     shell = remote_shell(cfg)
     return [(None, [*shell, host, line], base_env) for host, line in per_host_commands(cfg, config_path, port)]
 

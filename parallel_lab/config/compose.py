@@ -112,12 +112,12 @@ def _sweep_variants(argv: list[str]) -> list[list[str]]:
     return variants
 
 
-def check_overrides_compose(argv: list[str]) -> None:
+def check_overrides_compose(argv: list[str]) -> bool:
     """Compose the config with the user's overrides before Hydra runs, so a wrong type or an
     unknown key is one line (Hydra's own report is a page) and nothing is launched. A single run
     (no sweep) is also validated here, so bad values are refused before Hydra makes a run folder;
     a sweep goes on past its bad points (each becomes a failed row), so its points are validated
-    one by one in their jobs."""
+    one by one in their jobs. Returns whether it validated (and probed the hosts of) the run."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
 
     known, _ = get_args_parser().parse_known_args(argv)
@@ -128,21 +128,23 @@ def check_overrides_compose(argv: list[str]) -> None:
         raise ConfigError(describe_compose_error(exc)) from None
     configs = [compose_config(variant, with_hydra=True) for variant in variants]
     if known.help or known.hydra_help:  # nothing runs: the help text only
-        return
+        return False
     if len(configs) == 1 and not known.multirun and configs[0].hydra.mode != RunMode.MULTIRUN:
         _validate_before_hydra(configs[0], overrides)
+        return True
+    return False
 
 
 def _validate_before_hydra(cfg: DictConfig, overrides: list[str]) -> None:
     """validate() without a run folder (Hydra picks it later; the job validates again with it,
-    and warns then: not twice)."""
+    and warns then: not twice), probing the hosts here (the job then does not: not twice either)."""
     from omegaconf import open_dict
 
     from parallel_lab.config.validate import validate
 
     with open_dict(cfg):
         del cfg["hydra"]
-    validate(cfg, explicit=overrides, warn=lambda message: None)
+    validate(cfg, explicit=overrides, warn=lambda message: None, reach_hosts=True)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool = False) -> DictConfig:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -22,6 +24,7 @@ LOOPBACK = "127.0.0.1"
 MULTI_NODE_LAUNCHERS = ("torchrun", "deepspeed", "mpirun", "slurm")
 # Where rank 0's address is found at run time when launcher.master_addr is null on several nodes.
 FOUND_AT_RUN_TIME = ("mpirun", "slurm")
+REACH_TIMEOUT_S = 20  # seconds a host may take to answer ``<remote_shell> <host> true``
 _ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]]+)(?::(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+))?$")
 
 
@@ -160,3 +163,32 @@ def resolve_hosts(cfg: DictConfig, world: int, single_process: bool) -> None:
     launcher.hostfile = None  # its content now lives in launcher.hosts/nproc_per_node
     launcher.nodes = nodes
     launcher.master_addr = _master_addr(launcher, hosts, nodes)
+
+
+def remote_shell(cfg: DictConfig) -> list[str]:
+    """launcher.remote_shell as argv ([] when null)."""
+    return shlex.split(cfg.launcher.remote_shell or "")
+
+
+def check_reachable(cfg: DictConfig) -> None:
+    """torchrun on several hosts through launcher.remote_shell: `<remote_shell> <host> true` for
+    every host, so an unreachable one is one clear line, not a hang. validate() calls it once a run,
+    before the memory estimate (which imports torch): the refusal comes in well under 2 s."""
+    launcher, shell = cfg.launcher, remote_shell(cfg)
+    if launcher.name != "torchrun" or (launcher.nodes or 1) <= 1 or not shell:
+        return  # the other launchers reach the hosts themselves; no remote shell: commands printed
+    for host in launcher.hosts:
+        try:
+            probe = [*shell, host, "true"]
+            result = subprocess.run(
+                probe, capture_output=True, text=True, timeout=REACH_TIMEOUT_S, stdin=subprocess.DEVNULL
+            )
+            reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+            ok = result.returncode == 0
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            ok, reason = False, str(exc)
+        if not ok:
+            raise ConfigError(
+                f"cannot reach host '{host}' with `{shlex.join([*shell, host, 'true'])}` ({reason}); make it reachable "
+                f"or set launcher.remote_shell=null to print the per-host commands instead"
+            )

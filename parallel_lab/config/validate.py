@@ -230,12 +230,18 @@ def _check_profile(t: DictConfig) -> None:
 
 
 def validate(
-    cfg: DictConfig, run_dir: Path | None = None, explicit: Sequence[str] = (), warn: Warn = print_warning
+    cfg: DictConfig,
+    run_dir: Path | None = None,
+    explicit: Sequence[str] = (),
+    warn: Warn = print_warning,
+    reach_hosts: bool = False,
 ) -> DictConfig:
     """Resolve derived values and check every cross-field rule. Returns a plain resolved config.
     ``explicit``: the command line's overrides, so a DeepSpeed JSON file (strategy.ds_config,
     trainer.recipe) can tell the user's explicit choices (a conflict) from defaults (the file wins).
-    ``warn``: where warnings go (a check that runs again later passes one that drops them)."""
+    ``warn``: where warnings go (a check that runs again later passes one that drops them).
+    ``reach_hosts``: probe the hosts torchrun will reach through launcher.remote_shell (the command
+    line asks once a run: config/hosts.py ``check_reachable``)."""
     if run_dir is not None:
         use_run_dir(cfg, run_dir)
     from parallel_lab.strategies import get_strategy_rules
@@ -282,6 +288,10 @@ def validate(
     if refusal:
         raise ConfigError(refusal)
     validate_checkpoint_config(cfg)
+    if reach_hosts:  # before the memory estimate, which imports torch
+        from parallel_lab.config.hosts import check_reachable
+
+        check_reachable(cfg)
     from parallel_lab.config.devices import resolve_device
     from parallel_lab.config.resources import check_machine_fits
 

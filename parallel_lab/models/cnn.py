@@ -7,6 +7,8 @@ way a user adds one: the smallest model that shows what each strategy does to ba
 
 import torch.nn as nn
 
+from parallel_lab.models.layout import CNN_HIDDEN, cnn_widths
+
 
 def conv_block(c_in: int, c_out: int, norm: str = "group") -> nn.Sequential:
     if norm == "group":  # the cnn as it always was: no normalisation layer
@@ -21,14 +23,16 @@ class SmallCNN(nn.Sequential):
     # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
     activation_bytes_per_sample = 386_096
 
-    def __init__(self, num_classes: int = 10, hidden: int = 256, width: float = 1.0, norm: str = "group") -> None:
+    def __init__(
+        self, num_classes: int = 10, hidden: int = CNN_HIDDEN, width: float = 1.0, norm: str = "group"
+    ) -> None:
         super().__init__()
-        c1, c2, hidden = (max(1, round(c * width)) for c in (32, 64, hidden))  # width 1: 32, 64, 256
+        c1, c2, hidden, features = cnn_widths(width, hidden)  # width 1: 32, 64, 256, 64 x 4 x 4
         self.add_module("block1", conv_block(3, c1, norm))
         self.add_module("block2", conv_block(c1, c2, norm))
         self.add_module("block3", conv_block(c2, c2, norm))
         self.add_module("flatten", nn.Flatten())
         # fc1 then fc2: the column-parallel / row-parallel pair of the Megatron-style TP split.
-        self.add_module("fc1", nn.Linear(c2 * 4 * 4, hidden))
+        self.add_module("fc1", nn.Linear(features, hidden))
         self.add_module("relu", nn.ReLU())
         self.add_module("fc2", nn.Linear(hidden, num_classes))

@@ -10,6 +10,8 @@ the same, for a data-parallel strategy to convert (the model knows nothing of pa
 import torch
 import torch.nn as nn
 
+from parallel_lab.models.layout import RESNET_CHANNELS, scaled
+
 
 def norm_layer(channels: int, kind: str = "group") -> nn.Module:
     """The normalisation layer of ``model.norm`` (parallel_lab/config/schema.py Norm)."""
@@ -39,12 +41,6 @@ def stage(c_in: int, c_out: int, stride: int, kind: str = "group") -> nn.Sequent
     return nn.Sequential(BasicBlock(c_in, c_out, stride, kind), BasicBlock(c_out, c_out, 1, kind))
 
 
-def scaled(channels: int, width: float) -> int:
-    """channels x width, rounded to a multiple of 32 (GroupNorm's 32 groups must divide it);
-    width 1 keeps 64, 128, 256, 512."""
-    return max(32, round(channels * width / 32) * 32)
-
-
 class ResNet18(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
     # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
@@ -53,7 +49,7 @@ class ResNet18(nn.Sequential):
     def __init__(self, num_classes: int = 10, width: float = 1.0, norm: str = "group") -> None:
         super().__init__()
         kind = norm
-        c64, c128, c256, c512 = (scaled(c, width) for c in (64, 128, 256, 512))
+        c64, c128, c256, c512 = (scaled(c, width) for c in RESNET_CHANNELS)
         self.add_module("stem", nn.Sequential(nn.Conv2d(3, c64, 3, 1, 1, bias=False), norm_layer(c64, kind), nn.ReLU()))
         self.add_module("layer1", stage(c64, c64, 1, kind))
         self.add_module("layer2", stage(c64, c128, 2, kind))

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from parallel_lab.models.dropout import SampleDropout, SampleKeys
+from parallel_lab.models.layout import moe_block, vit_widths
 from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
 from parallel_lab.models.recompute import FULL, SELECTIVE, Recompute
 from parallel_lab.models.specs import IMAGE, VIT_DEFAULTS
@@ -159,11 +160,6 @@ class Head(nn.Module):
         return self.fc(self.norm(x).mean(dim=1))
 
 
-def scaled_dim(dim: int, heads: int, width: float) -> int:
-    """model.width on the vit: dim x width, rounded to a multiple of heads (width 1 keeps dim)."""
-    return max(heads, round(dim * width / heads) * heads)
-
-
 class ViT(nn.Sequential):
     """32x32x3 -> (32/patch)^2 tokens of dim -> depth pre-LN blocks -> mean-pooled classifier."""
 
@@ -198,15 +194,14 @@ class ViT(nn.Sequential):
         gpt (models/specs.py ``VIT_PLACEMENTS``)."""
         super().__init__()
         del norm  # LayerNorm always: validate_model_config refuses batch/syncbatch for the vit
-        dim = scaled_dim(dim, heads, width)
+        dim, hidden = vit_widths(dim, heads, width, mlp_ratio)
         keys = SampleKeys(seed) if dropout > 0 else None
         drop = dropouts(dropout, keys)
         setting = Recompute(recompute, keys)
         self.add_module("embed", PatchEmbedding(dim, patch, drop, keys))
-        hidden = round(dim * mlp_ratio)
         self.aux = AuxLosses()  # the MoE layers' load-balancing losses (a plain attribute)
         for i in range(depth):
-            moe = moe_experts > 0 and i % moe_every == moe_every - 1
+            moe = moe_block(i, moe_experts, moe_every)
             args = (dim, hidden, moe_experts, moe_topk, moe_capacity_factor, moe_aux_weight, i, self.aux)
             mlp = MoEMLP(*args) if moe else None
             self.add_module(f"block{i}", Block(dim, heads, hidden, drop, setting, mlp, dropout_placement))

@@ -108,13 +108,14 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
     from omegaconf import OmegaConf
 
     from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.metamemo import MetaMemo
     from parallel_lab.strategies import get_strategy_class
 
     models: dict[str, object] = {}
     cache = SavedBytesCache()
 
     def one(c: Candidate) -> Ranked:
-        key = OmegaConf.to_yaml(c.cfg.model)
+        key = repr(OmegaConf.to_container(c.cfg.model))  # a yaml dump costs 3x
         if key not in models:  # not setdefault: its argument, a whole model, would be built every time
             models[key] = build_meta_model(c.cfg.model)
         model = models[key]
@@ -132,12 +133,13 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
         return Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts)
 
     out, left_out = [], 0
-    for c in cands:
-        out.append(one(c))
-        if fits(out[-1].peak_bytes, cap_bytes):
-            left_out += len(c.levers)
-        else:
-            out += [one(v) for v in with_levers(c)]
+    with MetaMemo():  # the candidates' meta passes repeat a few shapes: each meta kernel runs once per shape
+        for c in cands:
+            out.append(one(c))
+            if fits(out[-1].peak_bytes, cap_bytes):
+                left_out += len(c.levers)
+            else:
+                out += [one(v) for v in with_levers(c)]
     return out, left_out
 
 

@@ -18,13 +18,6 @@ import pytest
 from tests.integration.test_failures import CATALOGUE
 from tests.support.cli import ROOT
 
-# Refusals that must read tensors or build the model to find the fault: (case) -> why.
-NEEDS_TORCH = {
-    "tp-degree": "the split widths are the meta model's (strategy.tp against fc1's 256 features)",
-    "pp-stages": "the cuttable blocks are the meta model's",
-    "pp-virtual-stages": "the cuttable blocks are the meta model's",
-    "host-unreachable": "refused after the memory estimate, which builds the meta model (config/resources.py)",
-}
 # One refusal from every place one comes from: Hydra's typed keys, the ranges, each strategy's
 # rules, the model, data, checkpoint, launcher and host checks.
 IN_MAKE_TEST = (
@@ -71,14 +64,11 @@ def check(cases: list[str], tmp_path) -> None:
         r = results[case]
         assert r["code"] == 2 and "parallel_lab: error:" in r["stderr"], f"{case}: exit {r['code']}\n{r['stderr']}"
         assert not r["deepspeed"], f"{case}: DeepSpeed imported on the way to the refusal"
-        if case not in NEEDS_TORCH:
-            assert not r["torch"], f"{case}: torch imported on the way to the refusal (NEEDS_TORCH says why some may)"
+        assert not r["torch"], f"{case}: torch imported on the way to the refusal"
     slowest = max(cases, key=lambda case: results[case]["seconds"])
-    free = [results[c]["seconds"] for c in cases if c not in NEEDS_TORCH]
     print(
         f"\nslowest refusal: {slowest} {start_s + results[slowest]['seconds']:.2f} s "
-        f"(start {start_s:.2f} s + {results[slowest]['seconds']:.2f} s); without torch at most "
-        f"{start_s + max(free):.2f} s over {len(free)} refusals"
+        f"(start {start_s:.2f} s + {results[slowest]['seconds']:.2f} s) over {len(cases)} refusals"
     )
 
 

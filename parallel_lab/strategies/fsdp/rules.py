@@ -283,5 +283,7 @@ class FSDPPlan(PlanRules):
             return None  # 2-D FSDP2 x TP: not predicted
         if cfg.strategy.version != 2:
             return None
-        dp = cls.dims(cfg).data_parallel_size
-        return add_comm(predict_fsdp2_comm(cfg, model, rank), context_comm(cfg, model, dp))
+        comm = predict_fsdp2_comm(cfg, model, rank)
+        if comm is None:  # HSDP: not predicted
+            return None
+        return add_comm(comm, context_comm(cfg, model, cls.dims(cfg).data_parallel_size))

@@ -11,21 +11,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from parallel_lab.errors import ConfigError
 from parallel_lab.models.flops import layer_flops
+from parallel_lab.strategies.pp.cuts import check_cut, group_blocks
 
 
 def cuttable_blocks(model: nn.Sequential) -> list[list[str]]:
-    """Top-level children grouped into blocks that can start a stage: a child without parameters
-    (ReLU, Flatten, pooling) stays with the block before it, so no stage is left without weights."""
-    blocks: list[list[str]] = []
-    for name, child in model.named_children():
-        has_params = any(True for _ in child.parameters())
-        if has_params or not blocks:
-            blocks.append([name])
-        else:
-            blocks[-1].append(name)
-    return blocks
+    """Top-level children grouped into blocks that can start a stage (chunks.py ``group_blocks``)."""
+    return group_blocks((name, any(True for _ in child.parameters())) for name, child in model.named_children())
 
 
 def block_costs(model: nn.Sequential, balance: str, block_times: Sequence[float] = ()) -> list[float]:
@@ -53,24 +45,6 @@ def balanced_cuts(sizes: Sequence[float], parts: int) -> list[int]:
     return best
 
 
-def block_label(block: list[str]) -> str:
-    return "+".join(block)
-
-
-def _given_cuts(starts: list[str], cuts: list[str], parts: int, what: str) -> list[int]:
-    if len(cuts) != parts - 1:
-        raise ConfigError(f"strategy.cuts={list(cuts)} must name {parts - 1} blocks for {what} (or be [])")
-    bad = [c for c in cuts if c not in starts[1:]]
-    if bad:
-        raise ConfigError(
-            f"strategy.cuts names '{bad[0]}', which cannot start a stage; choose from {', '.join(starts[1:])}"
-        )
-    index = [starts.index(c) for c in cuts]
-    if index != sorted(set(index)):
-        raise ConfigError(f"strategy.cuts={list(cuts)} must be in model order without repeats")
-    return index
-
-
 def plan_stages(
     model: nn.Sequential, stages: int, cuts: list[str], costs: Sequence[float] | None = None, virtual: int = 1
 ) -> list[list[str]]:
@@ -78,18 +52,9 @@ def plan_stages(
     ``costs``: per cuttable block (``block_costs``); None: by parameter count. Raises ConfigError
     for an impossible cut."""
     blocks = cuttable_blocks(model)
-    parts = stages * virtual
-    what = f"strategy.stages={stages}" + (f" x strategy.virtual_stages={virtual}" if virtual > 1 else "")
-    if parts > len(blocks):
-        fix = f"strategy.stages x strategy.virtual_stages<={len(blocks)}" if virtual > 1 else ""
-        raise ConfigError(
-            f"{what} is more than the {len(blocks)} cuttable blocks of this model "
-            f"({', '.join(block_label(b) for b in blocks)}); use {fix or f'strategy.stages<={len(blocks)}'}"
-        )
-    if cuts:
-        index = _given_cuts([b[0] for b in blocks], list(cuts), parts, what)
-    else:
-        index = balanced_cuts(costs if costs is not None else block_costs(model, "params"), parts)
+    index = check_cut(blocks, stages, list(cuts), virtual)
+    if not cuts:
+        index = balanced_cuts(costs if costs is not None else block_costs(model, "params"), stages * virtual)
     bounds = (0, *index, len(blocks))
     return [[name for b in blocks[a:e] for name in b] for a, e in zip(bounds, bounds[1:])]
 

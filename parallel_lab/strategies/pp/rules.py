@@ -23,11 +23,12 @@ from parallel_lab.strategies.pp.chunks import (
     chunk_modules,
     chunk_names,
     chunk_shares,
-    meta_model,
+    meta_model,  # noqa: F401  (re-exported: strategy.py, ds_pipe.py)
     pp_dims,
     rank_module,
     stage_of,
 )
+from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
 from parallel_lab.strategies.registry import register_rules
 
@@ -171,9 +172,7 @@ def check_pp_tp(opts: DictConfig, cfg: DictConfig) -> None:
 def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
     """balance=time: measure each block here, once, in the parent (pp/timing.py); times given
     by hand must name every block."""
-    from parallel_lab.strategies.pp.plan import cuttable_blocks
-
-    blocks = len(cuttable_blocks(meta_model(cfg)))
+    blocks = len(config_blocks(cfg))  # torch-free: the meta model's (models/layout.py)
     if opts.block_times and str(opts.balance) != "time":
         raise ConfigError(
             f"strategy.block_times is for strategy.balance=time (balance={opts.balance}); drop strategy.block_times"
@@ -259,9 +258,7 @@ class PPPlan(PlanRules):
                 f"samples (trainer.global_batch={t.global_batch} / trainer.grad_accum={t.grad_accum}); "
                 f"use a divisor of {per_step}"
             )
-        from parallel_lab.strategies.pp.plan import plan_stages
-
-        plan_stages(meta_model(cfg), opts.stages, list(opts.cuts), None, opts.virtual_stages)  # the cut exists
+        check_cut(config_blocks(cfg), opts.stages, list(opts.cuts), opts.virtual_stages)  # the cut exists
         check_balance(opts, cfg)
         if opts.impl == "deepspeed":
             from parallel_lab.strategies.pp.ds_rules import check_deepspeed_pipe

@@ -52,10 +52,10 @@ from parallel_lab.strategies.tp.comm import (
     sequence_parallel_columns,
 )
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
+from parallel_lab.strategies.tp.plans import COLUMNS, ROWS, block_plan
+from parallel_lab.strategies.tp.plans import block_columns as plan_block_columns
 
 TOKENS = 1  # the tokens dimension of the vit's (batch, tokens, dim) activations
-COLUMNS = ("attn.q", "attn.k", "attn.v", "mlp.fc1")  # in each block, split by output features
-ROWS = ("attn.proj", "mlp.fc2")  # in each block, split by input features
 # Per sublayer: the module whose input enters the split region, its row layer, its dropouts.
 SUBLAYERS = {"attn": ("attn.proj", "attn.drop"), "mlp": ("mlp.fc2", "mlp.drop2")}
 
@@ -75,25 +75,30 @@ def blocks(model: nn.Module) -> list[str]:
     return [name for name, child in model.named_children() if name.startswith("block") and hasattr(child, "attn")]
 
 
+def has_layer(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` has a submodule ``name`` (the gpt's gelu MLP sets ``gate`` to None)."""
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def dense_mlp(model: nn.Module, block: str) -> bool:
     """Whether the block's MLP is the dense fc1 -> fc2 that Megatron splits; an MoE MLP
     (models/moe.py) stays whole on every tp rank (its experts are sharded by strategy.ep instead)."""
-    return hasattr(model.get_submodule(f"{block}.mlp"), "fc1")
+    return has_layer(model, f"{block}.{COLUMNS[-1]}")
 
 
 def block_columns(model: nn.Module, block: str) -> list[str]:
-    """The block's column-parallel layers: q, k, v and, where its MLP is dense, fc1 (the gpt's
-    swiglu MLP also its ``gate``, split as fc1 is: Llama's w1 and w3 are both column-parallel)."""
-    if not dense_mlp(model, block):
-        return list(COLUMNS[:-1])
-    gate = getattr(model.get_submodule(f"{block}.mlp"), "gate", None) is not None
-    return [*COLUMNS[:-1], *(["mlp.gate"] if gate else []), COLUMNS[-1]]
+    """The block's column-parallel layers (tp/plans.py ``block_columns``)."""
+    return plan_block_columns(lambda name: has_layer(model, f"{block}.{name}"))
 
 
 def vit_plan(model: nn.Module) -> list[tuple[str | None, str]]:
-    """The (column, row) pairs of ``tp/rules.py``'s plans: per block q, k, v -> proj and fc1 (and
-    the gpt's gate) -> fc2 (the last where the block's MLP is dense). The gpt's blocks split alike."""
-    return [(f"{b}.{c}", f"{b}.{ROWS[c.startswith('mlp.')]}") for b in blocks(model) for c in block_columns(model, b)]
+    """The (column, row) pairs of ``tp/rules.py``'s plans (plans.py ``block_plan``) of the module's blocks.
+    The gpt's blocks split alike."""
+    return block_plan(blocks(model), lambda name: has_layer(model, name))
 
 
 def split_transformer_manual(

@@ -18,13 +18,14 @@ from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.registry import register_rules
+from parallel_lab.strategies.tp.plans import block_plan
 
 if TYPE_CHECKING:
     from torch import nn
 
 # (column-parallel layer, row-parallel layer) pairs; None = the row layer's input is replicated.
-# vit, gpt: Megatron's per-block split, built from the model's blocks (tp/megatron.py ``vit_plan``);
-# the gpt's vocabulary layers too (tp/vocab.py ``vocab_layers``).
+# vit, gpt: Megatron's per-block split, built from the model's blocks (plans.py ``block_plan``); the gpt's
+# vocabulary layers too (tp/vocab.py ``vocab_layers``).
 TP_PLANS: dict[str, list[tuple[str | None, str]]] = {
     "cnn": [("fc1", "fc2")],
     "resnet18": [(None, "fc")],
@@ -46,6 +47,30 @@ def split_plan(model_name: str, split_conv: bool, model: nn.Module) -> list[tupl
     return (CONV_PLANS.get(model_name, []) if split_conv else []) + TP_PLANS[model_name]
 
 
+def config_split_plan(model: DictConfig, split_conv: bool) -> list[tuple[str | None, str]]:
+    """``split_plan`` from ``model.*`` alone (torch-free, models/layout.py): the same pairs."""
+    from parallel_lab.models.layout import children, weight_shapes
+
+    if model.name not in BLOCK_SPLIT:
+        return (CONV_PLANS.get(model.name, []) if split_conv else []) + TP_PLANS[model.name]
+    shapes = weight_shapes(model)
+    blocks = [name for name, _ in children(model) if name.startswith("block")]
+    return block_plan(blocks, shapes.__contains__)
+
+
+def split_widths(model: DictConfig, split_conv: bool) -> list[tuple[str, int, str]]:
+    """(layer, width, which width) for every dimension ``config_split_plan`` splits: a column
+    layer's output features/channels, a row layer's input ones (models/layout.py)."""
+    from parallel_lab.models.layout import weight_shapes
+
+    shapes, widths = weight_shapes(model), []
+    for column, row in config_split_plan(model, split_conv):
+        if column is not None:
+            widths.append((column, shapes[column][0], "output features/channels"))
+        widths.append((row, shapes[row][1], "input features/channels"))
+    return widths
+
+
 def tp_dims(opts: DictConfig) -> MeshDims:
     """strategy.replicate copies of a tp group of strategy.tp consecutive ranks; the tp group is
     laid out even at tp=1 (f and g talk over it, never over the world)."""
@@ -55,7 +80,8 @@ def tp_dims(opts: DictConfig) -> MeshDims:
 def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
     """Megatron's split needs whole heads and hidden features per rank; sequence parallelism whole
     tokens; DTensor's SP regions would hand DTensors to the per-sample dropout (also fsdp's 2-D)."""
-    from parallel_lab.models import IMAGE, build_meta_model, vit_sizes
+    from parallel_lab.models import IMAGE, vit_sizes
+    from parallel_lab.models.layout import vit_widths
 
     sizes = vit_sizes(cfg.model)
     if sizes["heads"] % tp:
@@ -63,7 +89,7 @@ def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str
             f"strategy.tp={tp} does not divide model.heads={sizes['heads']} (each rank holds whole heads); "
             f"use a strategy.tp that divides {sizes['heads']}"
         )
-    hidden = build_meta_model(cfg.model).block0.mlp.fc1.out_features
+    hidden = vit_widths(sizes["dim"], sizes["heads"], float(cfg.model.get("width", 1.0)), sizes["mlp_ratio"])[1]
     if hidden % tp:
         raise ConfigError(
             f"strategy.tp={tp} does not divide the {hidden} output features of mlp.fc1 (the MLP's hidden width); "
@@ -226,19 +252,11 @@ class TPPlan(PlanRules):
 
     @classmethod
     def _split_widths(cls, cfg: DictConfig, opts: DictConfig) -> list[tuple[str, int, str]]:
-        """(layer, width, which width) for every dimension the plan splits; built on the meta
-        device, so no memory is used and no weights are initialised."""
-        if cfg.model.name == "gpt":  # its split widths are checked in model.* terms (gpt_rules.py), torch-free
+        """(layer, width, which width) for every dimension the plan splits, from model.* alone
+        (models/layout.py: torch-free, the meta model's shapes)."""
+        if cfg.model.name == "gpt":  # its split widths are checked in model.* terms (gpt_rules.py)
             return []
-        from parallel_lab.models import build_meta_model
-
-        model = build_meta_model(cfg.model)
-        widths = []
-        for column, row in split_plan(cfg.model.name, opts.split_conv, model):
-            if column is not None:
-                widths.append((column, model.get_submodule(column).weight.shape[0], "output features/channels"))
-            widths.append((row, model.get_submodule(row).weight.shape[1], "input features/channels"))
-        return widths
+        return split_widths(cfg.model, opts.split_conv)
 
     @classmethod
     def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
