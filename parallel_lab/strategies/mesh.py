@@ -32,12 +32,13 @@ if TYPE_CHECKING:  # MeshDims and check_degrees are the parent's (torch-free) ru
     from parallel_lab.comm.counter import CommCounter
 
 REPLICATE = "replicate"  # the mesh dimension data parallelism runs over, in every layout
+TENSOR = "tp"  # the mesh dimension of tensor parallelism, and the strategy.<key> of its degree
 # Outermost first. Data parallelism outside model parallelism: a pipeline or a tp group is a run of
 # consecutive ranks (the layouts of dp x pp and dp x tp keep the rank numbering they always had).
 # Context parallelism (cp) sits with the data-parallel dims: its ranks read the same samples, each a
 # slice of their tokens, and their gradients are averaged like data parallelism's (torchtitan's FSDP
 # shards over shard x cp).
-DIM_ORDER = (REPLICATE, "shard", "cp", "pp", "tp")
+DIM_ORDER = (REPLICATE, "shard", "cp", "pp", TENSOR)
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,8 @@ def test_recommender_prices_fsdp_x_tp_as_its_own_command_plans_it():
     from parallel_lab.plan.cluster.recommend import other_strategies
     from parallel_lab.plan.cluster.steptime import predict
 
-    given = ["model=gpt", "model.preset=generic_7b", "plan.hardware=h100_sxm", "plan.gpus=16", "trainer.global_batch=64"]
+    given = ["model=gpt", "model.preset=generic_7b", "plan.hardware=h100_sxm", "plan.gpus=16"]
+    given.append("trainer.global_batch=64")
     candidates = other_strategies(compose_config(given), given, 16)
     fsdp = {c.command: c for c in candidates if c.command.startswith("strategy=fsdp")}
     assert {int(cmd.split("strategy.tp=")[1].split()[0]) for cmd in fsdp if "strategy.tp=" in cmd} == {2, 4, 8}

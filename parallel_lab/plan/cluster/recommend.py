@@ -25,7 +25,7 @@ from parallel_lab.plan.cluster.hardware import Hardware, from_config
 from parallel_lab.plan.cluster.layout import cluster_precision, describe, shape_text
 from parallel_lab.plan.cluster.shape import ModelShape, from_model_config
 from parallel_lab.plan.cluster.steptime import ClusterPrediction, ClusterRun, predict
-from parallel_lab.strategies.mesh import MeshDims
+from parallel_lab.strategies.mesh import TENSOR, MeshDims
 from parallel_lab.strategies.planning import ClusterLayout
 
 RECOMPUTE = ("none", "selective", "full")
@@ -103,7 +103,7 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
     accums = {tp: [a for a in MICRO if batch % (gpus // tp * a) == 0] for tp in degrees}
 
     def candidates_fit(rules) -> bool:  # composing costs ~0.2 s a strategy: only those with a grad_accum that fits
-        split = "tp" in {f.name for f in dataclasses.fields(rules.Options)}
+        split = TENSOR in {f.name for f in dataclasses.fields(rules.Options)}
         return any(accums[t] for t in (degrees if split else [1]))
 
     names = [
@@ -117,9 +117,9 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
     for name, base in zip(names, compose_configs([[*keep, f"strategy={name}"] for name in names])):
         if isinstance(base, ConfigError):
             continue
-        own = get_strategy_class(name).plan.degree_key == "tp"  # strategy=tp: tp=1 would be plain data parallelism
-        for tp in [t for t in degrees if t > 1 or not own] if "tp" in base.strategy else [None]:
-            split = [] if tp in (None, 1) else [f"strategy.tp={tp}"]
+        own = get_strategy_class(name).plan.degree_key == TENSOR  # strategy=tp: tp=1 would be plain data parallelism
+        for tp in [t for t in degrees if t > 1 or not own] if TENSOR in base.strategy else [None]:
+            split = [] if tp in (None, 1) else [f"strategy.{TENSOR}={tp}"]
             for accum in accums[tp or 1]:
                 for recompute in RECOMPUTE:
                     args = [f"strategy={name}", *split, f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
