@@ -153,22 +153,14 @@ def _split_block(
         model.get_submodule(f"{block}.{sublayer}").register_forward_pre_hook(
             _entry(tp, sequence_parallel, entering, keep_gathered)
         )
-        if not _has(model, f"{block}.{drop}"):  # the gpt's MLP has one dropout, ``drop``, after fc2
+        if not has_layer(model, f"{block}.{drop}"):  # the gpt's MLP has one dropout, ``drop``, after fc2
             drop = f"{sublayer}.drop"
         if sequence_parallel:  # the sublayer's output dropout acts on this rank's tokens
             _slice_dropout(model, f"{block}.{drop}", TOKENS, tp)
     _slice_dropout(model, f"{block}.attn.core.drop", 1, tp)  # (batch, heads, tokens, tokens): its heads
-    if dense and _has(model, f"{block}.mlp.drop1"):
+    if dense and has_layer(model, f"{block}.mlp.drop1"):
         _slice_dropout(model, f"{block}.mlp.drop1", -1, tp)  # (batch, tokens, hidden): its hidden features
     return shard_dims
-
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _entry(tp: TPGroup, sequence_parallel: bool, columns: tuple[str, ...], keep_gathered: bool = False):
