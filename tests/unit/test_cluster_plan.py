@@ -160,6 +160,22 @@ def test_published_table_fit_set():
     assert all(r.source for r in rows)
 
 
+def test_top_pick_beside_the_published_layout():
+    """bench published's top-pick line per Table 1 row: the published layout is one of the
+    candidates, so our pick (which fits) and our pick among the source's techniques (its full
+    recompute, no sequence parallelism) are never slower than it, the latter never faster than the
+    former, and "within 10%" compares the published seconds with the pick's."""
+    from parallel_lab.bench.published import TABLE, read_rows, top_picks
+
+    rows = [r for r in read_rows(TABLE) if r.name == "narayanan_t1_1.7B"]
+    (row,) = top_picks(rows, {})  # the profile's own figures: nothing fitted here
+    pick, (own, own_s) = row.pick, row.own
+    assert pick.fits and pick.prediction.step_time_s <= own_s <= row.published_s
+    assert own.recompute == row.published.recompute == "full" and not own.layout.sequence_parallel
+    assert row.within == (row.published_s <= 1.1 * pick.prediction.step_time_s)
+    assert row.within_own == (row.published_s <= 1.1 * own_s)
+
+
 def test_stage_blocks_leave_the_ends_short():
     """Llama 3's 126 layers over 16 stages: one fewer on the first and the last (arXiv 2407.21783 3.3.2)."""
     from parallel_lab.plan.cluster.steptime import stage_blocks
