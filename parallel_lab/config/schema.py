@@ -125,7 +125,7 @@ class TrainerConfig:
     # A DeepSpeed JSON config whose optimizer, scheduler, clipping, precision and batch become these
     # trainer settings (and strategy precision) for every strategy (parallel_lab/strategies/zero/ds_file.py)
     recipe: Optional[str] = None
-    # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, manual_ddp, zero*, tp:
+    # fp32 | bf16 for every strategy that has a bf16 mode, set on its own key (single, ddp, manual_ddp, zero*, tp, pp:
     # strategy.precision; fsdp: strategy.mixed_precision); the others refuse bf16 (config/validate.py)
     precision: Precision = Precision.fp32
     # Activation recomputation (models/recompute.py, docs/vit.md): none | selective (each block's

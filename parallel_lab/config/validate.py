@@ -191,7 +191,7 @@ def apply_precision(cfg: DictConfig, explicit: Sequence[str] = ()) -> None:
     if key is None:
         raise ConfigError(
             f"trainer.precision=bf16: strategy={name} has no bf16 mode (it trains in fp32); "
-            f"use single, ddp, manual_ddp, fsdp, zero0-3 or tp, or drop trainer.precision"
+            f"use single, ddp, manual_ddp, fsdp, zero0-3, tp or pp, or drop trainer.precision"
         )
     if given.get(f"strategy.{key}", "bf16") != "bf16":
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""bf16 rows: ddp, manual_ddp, fsdp and ZeRO in bf16 train the same function as `single` in bf16, judged like
+"""bf16 rows: ddp, manual_ddp, fsdp, ZeRO and pp in bf16 train the same function as `single` in bf16, judged like
 every row (parallel_lab/report/parity.py) against an independent plain-torch mixed-precision loop
 and its own 1-ulp reruns (tests/support/reference.py, precision="bf16"); a broken bf16 variant (gradients
 never averaged) fails the same criterion; and a sharded bf16 rank holds the ZeRO paper's mixed-
@@ -30,6 +30,7 @@ ROWS = {  # name -> overrides; every row through trainer.precision=bf16 (each st
     "zero2": ("strategy=zero2",),
     "zero3": ("strategy=zero3",),
     "manual_ddp": ("strategy=manual_ddp",),  # ddp's bf16 (a copy per forward), our bucketed all-reduce
+    "pp": ("strategy=pp",),  # Megatron's bf16 pipeline: each chunk on bf16 copies, bf16 sends (pp/manual.py)
 }
 MODEL_STATE = ("param_bytes", "master_param_bytes", "grad_bytes", "optim_bytes")
 
@@ -39,6 +40,7 @@ READS = {
     "test_bf16_gradients_not_averaged_fail": ("not_averaged",),
     "test_bf16_reference_is_not_the_fp32_one": ("ddp",),
     "test_zero3_bf16_holds_the_mixed_precision_model_states": ("zero3",),
+    "test_pp_bf16_sends_bf16_and_holds_what_the_planner_says": ("pp",),
 }
 
 
@@ -117,6 +119,35 @@ def test_zero3_bf16_holds_the_mixed_precision_model_states(bf16_runs):
             assert rank[f"analytic_{key}"] == int(per_param * psi / n), (key, rank)
             assert rank[key] == pytest.approx(per_param * psi / n, rel=0.01), (key, rank)
     assert metrics["comm_theory_psi"] == 1.5  # stage 3's 3Ψ, in bf16 bytes
+
+
+def test_pp_bf16_sends_bf16_and_holds_what_the_planner_says(bf16_runs):
+    """pp in bf16 (2 stages): every micro-batch's activation crosses the cut forward and its gradient
+    back in bf16, 2 bytes per element of the cut's tensor (a real forward of the first chunk's
+    layers here); each rank's fp32 model state, its communication and the bytes autograd held at
+    the step's peak (the per-chunk bf16 weight copies among them) are the planner's."""
+    import torch
+
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model, build_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    metrics = bf16_runs["pp"]
+    cfg = load_run_config(metrics["run_dir"] + ".yaml")
+    extras, m = metrics["strategy_extras"], cfg.strategy.microbatches
+    model = build_model(cfg.model, seed=0)  # only its shapes are read
+    x = torch.randn(BATCH // m, 3, 32, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name in extras["pp_chunk_layers"][0]:
+            x = model.get_submodule(name).to(torch.bfloat16)(x)
+    assert x.dtype == torch.bfloat16
+    plans = plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
+    for rank, plan in zip(metrics["ranks"], plans):
+        assert rank["comm_bytes_by_op"] == {"isend": m * x.numel() * 2} == plan.comm, (rank["rank"], plan.comm)
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):  # fp32 weights, gradients, Adam
+            assert rank[key] == rank[f"predicted_{key}"], (key, rank)
+    assert extras["pp_activation_peak_bytes"] == [plan.activation_bytes for plan in plans]
 
 
 EXTRA_ROWS = {"zero1": ("strategy=zero1",), "fsdp-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op")}

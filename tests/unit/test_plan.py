@@ -240,7 +240,7 @@ def get_model(cfg):
 def test_plan_honours_trainer_precision_bf16_as_a_run_does():
     """trainer.precision=bf16 becomes each strategy's own precision key, as a run's validation
     does: ZeRO rows hold 2-byte parameters and gradients beside the fp32 master, fsdp/ddp fp32
-    state, tp fp32 state with bf16 activations; strategies without bf16 are "cannot run" rows with
+    state, tp and pp fp32 state with bf16 activations; strategies without bf16 are "cannot run" rows with
     the run's own error."""
     from parallel_lab.plan.configs import planned_configs
     from parallel_lab.plan.main import build_plans
@@ -248,20 +248,22 @@ def test_plan_honours_trainer_precision_bf16_as_a_run_does():
     row_list, ranks = build_plans(planned_configs(["model=cnn", "world_size=2", "trainer.precision=bf16"]), 2**40)
     rows = {r["strategy"]: r for r in row_list}
     psi = rows["zero0"]["params"]
-    for name in ("pp", "dp"):
-        assert rows[name]["fits"].startswith(f"cannot run: trainer.precision=bf16: strategy={name} has no bf16 mode")
+    assert rows["dp"]["fits"].startswith("cannot run: trainer.precision=bf16: strategy=dp has no bf16 mode")
     # tp, pp: Megatron's bf16, fp32 state (their shards, stages) and bf16 activations on the wire
-    assert not rows["tp"]["fits"].startswith("cannot run") and rows["tp"]["param_bytes"] == rows["tp"]["grad_bytes"]
-    fp32_rows, fp32_ranks = build_plans(planned_configs(["model=cnn", "world_size=2", "strategy=tp"]), 2**40)
-    assert rows["tp"]["param_bytes"] == fp32_rows[0]["param_bytes"]
-    tp_fp32 = next(r["comm"] for r in fp32_ranks if r["rank"] == 0)
+    fp32 = {}
+    for name in ("tp", "pp"):
+        assert not rows[name]["fits"].startswith("cannot run") and rows[name]["param_bytes"] == rows[name]["grad_bytes"]
+        fp32_rows, fp32_ranks = build_plans(planned_configs(["model=cnn", "world_size=2", f"strategy={name}"]), 2**40)
+        assert rows[name]["param_bytes"] == fp32_rows[0]["param_bytes"]
+        fp32[name] = next(r["comm"] for r in fp32_ranks if r["rank"] == 0)
     # zero0: 16-bit module + FP16_UnfusedOptimizer's fp32 copy of every parameter = the paper's 16Ψ
     assert (rows["zero0"]["param_bytes"], rows["zero0"]["master_param_bytes"]) == (2 * psi, 4 * psi)
     assert rows["zero3"]["param_bytes"] == rows["zero3"]["grad_bytes"] == rows["zero3"]["master_param_bytes"] // 2
     assert rows["ddp"]["param_bytes"] == rows["manual_ddp"]["param_bytes"] == 4 * psi  # fp32; bf16 copies
     comm = {r["strategy"]: r["comm"] for r in ranks if r["rank"] == 0}
     assert comm["zero0"] == {"all_reduce": 2.0 * 2 * psi}  # bf16 gradients all-reduced: half of fp32's
-    assert comm["tp"] == {"all_reduce": tp_fp32["all_reduce"] / 2}
+    assert comm["tp"] == {"all_reduce": fp32["tp"]["all_reduce"] / 2}
+    assert comm["pp"] == {"isend": fp32["pp"]["isend"] / 2}  # the stages send bf16 activations and gradients
 
 
 def test_zero_fp16_and_offload_are_planned():

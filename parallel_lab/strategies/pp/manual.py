@@ -27,6 +27,7 @@ from parallel_lab.models.dropout import SampleDropout
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.pp.schedules import SCHEDULES, SPLIT_BACKWARD
 from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
+from parallel_lab.strategies.precision import as_compute
 
 BACKWARD_TAG = 1 << 20
 
@@ -98,7 +99,8 @@ class ManualLoop:
             return
         self.late += late
         start = time.perf_counter()
-        buf = torch.empty(self.pipe.chunk_input_shape(boundary, self.xs[i]), device=self.pipe.device)
+        shape = self.pipe.chunk_input_shape(boundary, self.xs[i])
+        buf = torch.empty(shape, dtype=self.pipe.compute_dtype, device=self.pipe.device)  # bf16: sent in bf16
         self.posted[tag] = dist.irecv(buf, src=self.rank_of(g_from), tag=tag, group=self.pipe.group), buf
         self.pipe.recv_wait += time.perf_counter() - start
 
@@ -133,7 +135,7 @@ class ManualLoop:
         if self.keys is None or g == 0:
             return  # chunk 0's embed keys the micro-batch itself
         if i not in self.micro_keys:  # a rank without chunk 0: key the micro-batch from its pixels
-            self.keys.set(self.xs[i])
+            self.keys.set(as_compute(self.xs[i], self.pipe.compute_dtype))  # as chunk 0's embed sees them
             self.micro_keys[i] = self.keys.keys
         self.keys.keys = self.micro_keys[i]
 
@@ -147,7 +149,7 @@ class ManualLoop:
             x = self.recv(shape, g - 1, tag=g * m + i).requires_grad_()
         self.use_keys(g, i)
         start = time.perf_counter()
-        out = pipe.chunks[c](x)
+        out = pipe.run_chunk(c, x)  # bf16: on copies of the weights, logits in fp32
         if g == 0 and self.keys is not None:
             self.micro_keys[i] = self.keys.keys  # what the embed set, for this rank's later chunks
         if g == self.n - 1:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from parallel_lab.choices import Choice, make_choice
+from parallel_lab.choices import Choice, Precision, make_choice
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
@@ -83,6 +83,10 @@ class PPOptions(StrategyOptions):
     tp: int = 1
     # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
     sequence_parallel: bool = False
+    # fp32 | bf16 (impl=manual, tp=1): as Megatron trains, each chunk computes on a bf16 copy of the
+    # stage's fp32 weights, so the activations and gradients sent between stages are bf16; fp32
+    # weights, gradients and Adam state (strategies/precision.py)
+    precision: Precision = Precision.fp32
 
 
 def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
@@ -136,6 +140,17 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
         raise ConfigError(
             f"strategy.microbatches={m} < strategy.stages={p}: torch's Schedule1F1B "
             f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
+        )
+
+
+def check_bf16(opts: DictConfig) -> None:
+    """bf16 runs in the manual loop's whole-stage chunks (no tp split), backward not split (B and W)."""
+    bad = {"impl": str(opts.impl) != "manual", "tp": opts.get("tp", 1) > 1, "schedule": opts.schedule == "zero_bubble"}
+    for key in [k for k, v in bad.items() if v and opts.get("precision", "fp32") == "bf16"][:1]:
+        raise ConfigError(
+            f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on the manual loop's "
+            f"whole-stage chunks; use strategy.{key}={dict(impl='manual', tp=1, schedule='1f1b')[key]} or "
+            "strategy.precision=fp32"
         )
 
 
@@ -194,6 +209,7 @@ class PPPlan(PlanRules):
     Options = PPOptions
     degree_key = "stages"
     ranks_differ = True  # each stage holds, stashes and sends its own part
+    weight_copies = True  # strategy.precision=bf16: Bf16Compute on the stage's chunks
 
     @classmethod
     def cluster_layout(cls, cfg: DictConfig) -> ClusterLayout:
@@ -241,6 +257,7 @@ class PPPlan(PlanRules):
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
+        check_bf16(opts)
         if cfg.model.get("tied") and opts.stages > 1:
             raise ConfigError(
                 f"strategy=pp with model.tied=true: the head on the last of {opts.stages} stages would project with "
@@ -364,7 +381,8 @@ class PPPlan(PlanRules):
         last = len(sizes) - 2
         mine = rank_chunks(o, stage_of(cfg, rank))
         sent = sum((sizes[g + 1] if g < last else 0) + (sizes[g] if g > 0 else 0) for g in mine)
-        comm = {"isend": 4.0 * sent * cfg.trainer.grad_accum} if sent else {}
+        elem = 2.0 if o.get("precision") == "bf16" else 4.0  # bf16: activations and their gradients
+        comm = {"isend": elem * sent * cfg.trainer.grad_accum} if sent else {}
         stage = split_meta_stage(cfg, rank_module(cfg, model, rank), rank)
         if tp > 1:
             for op, n in stage_tp_comm(cfg, stage, shapes[1], cfg.trainer.grad_accum).items():

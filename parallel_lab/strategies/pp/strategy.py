@@ -67,6 +67,7 @@ from parallel_lab.strategies.pp.tensor import (
     sum_sequence_parallel_grads,
 )
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
+from parallel_lab.strategies.precision import Bf16Compute, as_compute
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
@@ -100,7 +101,7 @@ class PPMemory(HeldMemory):  # the model here is this stage only
 
 
 @register("pp")
-class PipelineParallelStrategy(Strategy):
+class PipelineParallelStrategy(Bf16Compute, Strategy):
     plan = PPPlan
     State = PPState
     Memory = PPMemory
@@ -169,6 +170,21 @@ class PipelineParallelStrategy(Strategy):
             self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
         # the chunks from the (split) model's children: the SP split replaces the head itself
         return model, [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n, _ in chunk)) for chunk in chunks]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the chunks compute in and send: bf16 under strategy.precision=bf16 (Megatron's bf16)."""
+        return torch.bfloat16 if self._bf16() else torch.float32
+
+    def run_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk c on ``x``; bf16: on a bf16 copy of its fp32 weights (the cast is in the
+        graph, so the gradients land in the fp32 weights' .grad) with bf16 inputs, logits in fp32."""
+        chunk = self.chunks[c]
+        if not self._bf16():
+            return chunk(x)
+        copies = {name: p.to(torch.bfloat16) for name, p in chunk.named_parameters()}
+        out = torch.func.functional_call(chunk, copies, (as_compute(x, torch.bfloat16),))
+        return out.float() if self.chunk_ids[c] == self.opts.stages * self.opts.virtual_stages - 1 else out
 
     def chunk_order(self, name: str) -> int:
         return [n for names in self.chunk_names for n in names].index(name)
@@ -255,11 +271,11 @@ class PipelineParallelStrategy(Strategy):
     def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Logits on the rank of the last chunk, None elsewhere (every stage must call this together)."""
         n, x = self.opts.stages * self.opts.virtual_stages, inputs
-        for chunk, g in zip(self.chunks, self.chunk_ids):
+        for c, g in enumerate(self.chunk_ids):
             if g > 0 and self.rank_of(g - 1) != self.env.rank:
-                x = torch.empty(self.chunk_input_shape(g, inputs), device=self.device)
+                x = torch.empty(self.chunk_input_shape(g, inputs), dtype=self.compute_dtype, device=self.device)
                 dist.recv(x, src=self.rank_of(g - 1), group=self.group)
-            x = chunk(x)
+            x = self.run_chunk(c, x)
             if g < n - 1 and self.rank_of(g + 1) != self.env.rank:
                 dist.send(x.contiguous(), dst=self.rank_of(g + 1), group=self.group)
         return x if n - 1 in self.chunk_ids else None
