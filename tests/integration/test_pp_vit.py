@@ -133,6 +133,25 @@ def test_each_stages_step_splits_into_compute_and_its_waits(runs):
 @pytest.mark.extra
 @pytest.mark.slow
 @pytest.mark.parity
+def test_pp_bf16_with_dropout_trains_as_single_bf16(tmp_path):
+    """bf16 (1F1B): the stage without the embed keys each micro-batch from its pixels in bf16, as
+    the embed sees them (pp/manual.py), so every stage draws single bf16's masks; judged against
+    the bf16 reference loop and its own floor, with the planned activation peaks (the bf16 weight
+    copies among them). Keyed from the fp32 pixels it fails (early |dloss| 33x the envelope).
+    Extra: the bf16 dropout reference costs about a minute; test_bf16.py's row pp keeps pp's bf16
+    in make test."""
+    results = run_pp_vit({"1f1b-bf16": ["strategy.schedule=1f1b", "trainer.precision=bf16"]}, tmp_path)
+    result = results["1f1b-bf16"]
+    reference = parity_reference("vit_dropout", steps=STEPS, global_batch=BATCH, precision="bf16")
+    params = torch.load(tmp_path / "1f1b-bf16.pt", weights_only=True)
+    verdict = reference.verdict(result["losses"], params, "vit pp 1f1b bf16 dropout")
+    assert verdict.passed, f"not single bf16's training: {verdict.reason()}"
+    assert result["extras"]["pp_activation_peak_bytes"] == planned_activations(result["config"])
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
 def test_time_balance_cuts_where_the_block_times_say(runs, tmp_path):
     """The ranks cut by the times config.yaml holds (the parent's measurement, or these by hand).
     Default suite: tests/unit/test_pipeline_parallel.py
