@@ -20,6 +20,18 @@ from parallel_lab.cli.run import load_metrics
 from tests.support.cli import run_cli
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_references(tmp_path_factory) -> None:
+    """Every process of this session (both test processes, every rank they start) reads a parity
+    reference another one already computed (tests/support/reference.py): the session's temporary
+    root, above each test process's own folder under pytest-xdist."""
+    from tests.support.reference import SHARED_REFERENCES_ENV
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    os.environ.setdefault(SHARED_REFERENCES_ENV, str(root / "references"))
+
+
 @pytest.fixture
 def cli(tmp_path):
     """cli(*overrides) runs one training run in a fresh folder and returns its metrics (plus run_dir)."""
