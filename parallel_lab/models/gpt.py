@@ -50,12 +50,14 @@ def _normal(t: torch.Tensor, std: float) -> None:
         nn.init.normal_(t, std=std)
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding (Su et al. arXiv 2104.09864) on (batch, heads, seq, head_dim), the
-    halves-paired form of GPT-NeoX and Llama: pair i is (x[i], x[i + head_dim/2])."""
+    halves-paired form of GPT-NeoX and Llama: pair i is (x[i], x[i + head_dim/2]). ``positions``:
+    each of the seq tokens' place in its sequence (None: 0 .. seq-1)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = ROPE_THETA ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    where = torch.arange(seq) if positions is None else positions
+    angles = torch.outer(where.to(device=x.device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -112,13 +114,17 @@ class Attention(nn.Module):
         self.core = CausalCore(self.head_dim, drop, recompute)
         self.proj = nn.Linear(hidden, hidden, bias=s["bias"])
         self.drop = drop()
+        # The rotary positions of the tokens x holds, when they are not 0 .. seq-1 (a plain
+        # attribute, no state_dict key): a caller that feeds the block a subset of each sequence's
+        # tokens names their places, so each is rotated by its own position.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share;
         # the shapes come from q, k, v (under sequence parallelism x holds a slice of the tokens).
         q, k, v = (f(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for f in (self.q, self.k, self.v))
         if self.rotary:
-            q, k = rotate(q), rotate(k)
+            q, k = rotate(q, self.positions), rotate(k, self.positions)
         out = self.core(q, k, v).transpose(1, 2).flatten(2)
         return self.drop(self.proj(out))
 

@@ -1,9 +1,11 @@
-"""strategy.cp on model=vit (context parallelism, parallel_lab/strategies/cp) on 2 real ranks, each
-cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp on 4 ranks): each configuration is the
-single run's training (the report's parity criterion against the plain-torch reference), holds the
-planned model state to the byte, issues exactly the communication of the formula derived in the
-test body (which is also the planner's prediction), and saves the activations the planner counts.
-Attention alone against full attention: tests/unit/test_cp.py."""
+"""strategy.cp on model=vit and model=gpt (context parallelism, parallel_lab/strategies/cp) on 2 real
+ranks, each cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp on 4 ranks); the gpt's
+causal, load-balanced ring with grouped-query attention and rotary positions, its Ulysses and
+DeepSpeed's, in the same ranks: each configuration is the single run's training (the report's
+parity criterion against the plain-torch reference), holds the planned model state to the byte,
+issues exactly the communication of the formula derived in the test body (which is also the
+planner's prediction), and saves the activations the planner counts. Attention alone against full
+attention: tests/unit/test_cp.py."""
 
 from __future__ import annotations
 
@@ -11,12 +13,22 @@ import pytest
 
 from tests.support.bodies.cp_vit import cp_vit_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
+from tests.support.reference import GPT_RUN, GPT_VARIANTS
 
 STEPS, BATCH = 2, 16
+LLAMA = [*GPT_RUN, *(f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS["gpt_llama"].items())]
+GPT = {  # name -> the reference model (tests/support/reference.py MODELS): GQA (kv_heads 2) and rotary
+    "gpt-ddp-ring": "gpt_llama",
+    "gpt-ddp-ulysses": "gpt_llama",
+    "gpt-ddp-deepspeed": "gpt",
+}
 DEFAULT = {  # one set of ranks for the default suite
     "ddp-ring": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "ddp-ulysses": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
     "ddp-deepspeed": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
+    "gpt-ddp-ring": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
+    "gpt-ddp-ulysses": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
+    "gpt-ddp-deepspeed": [*GPT_RUN, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
 }
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
@@ -27,7 +39,9 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
 
 @pytest.fixture(scope="module")
 def default_results() -> dict[str, list]:
-    return run_configurations(cp_vit_body, DEFAULT, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH)
+    return run_configurations(
+        cp_vit_body, DEFAULT, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH, references=GPT
+    )
 
 
 @pytest.mark.parity
