@@ -15,6 +15,10 @@ Layout, for the strategies that take a model apart (as the vit's, models/vit.py)
 Input: token ids (batch, seq), int64. Output: logits (batch, vocab, seq), the class dimension
 second as ``torch.nn.functional.cross_entropy`` and ``argmax(1)`` take it, so the next-token loss
 and the accuracy are the vit's code unchanged (labels (batch, seq)).
+MoE (``moe_experts`` > 0): every ``moe_every``-th block's MLP (blocks moe_every-1, 2*moe_every-1,
+..., as the vit's) is a mixture of experts (models/moe.py: router, top-k, the Switch/GShard
+load-balancing loss in ``aux``), each expert the dense GELU MLP's shape; its sample's tokens are
+one routing group.
 Dropout where GPT-2 and Megatron put it: after the embeddings, on the attention probabilities,
 after the attention's output projection and after the MLP's output (none after GELU). Masks are
 keyed by each sample's tokens (models/dropout.py), as the vit's by its pixels.
@@ -40,7 +44,10 @@ from parallel_lab.models.gpt_sizes import (  # noqa: F401  (re-exported: their t
     gpt_sizes,
     resolve_sizes,
 )
+from parallel_lab.models.layout import moe_block
+from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
 from parallel_lab.models.recompute import FULL, Recompute
+from parallel_lab.models.specs import moe_options
 from parallel_lab.models.vit import AttentionCore, Dropout, dropouts
 
 
@@ -147,14 +154,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)); recomputed whole under trainer.recompute=full."""
+    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)); recomputed whole under trainer.recompute=full.
+    mlp: the block's MLP when it is not the dense one (an MoE layer, models/moe.py)."""
 
-    def __init__(self, s: dict[str, Any], drop: Dropout, recompute: Recompute) -> None:
+    def __init__(self, s: dict[str, Any], drop: Dropout, recompute: Recompute, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(s["hidden"])
         self.attn = Attention(s, drop, recompute)
         self.norm2 = nn.LayerNorm(s["hidden"])
-        self.mlp = MLP(s, drop)
+        self.mlp = mlp if mlp is not None else MLP(s, drop)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +208,10 @@ class GPT(nn.Sequential):
         return int(2 * s["layers"] * per_layer + 2 * 4 * seq * s["vocab"])
 
     def __init__(self, seed: int = 0, recompute: str = "none", **sizes: Any) -> None:
-        """sizes: resolve_sizes' keys (missing ones take DEFAULTS). seed: of the dropout masks."""
+        """sizes: resolve_sizes' keys (missing ones take DEFAULTS) and the model.moe_* keys
+        (models/specs.py MOE_DEFAULTS). seed: of the dropout masks."""
         super().__init__()
+        moe = {key: default if sizes.get(key) is None else sizes[key] for key, default in MOE_DEFAULTS.items()}
         s = resolve_sizes(None, sizes)
         self.sizes = s
         self.input_shape = (s["seq"],)  # one sample: seq token ids (models.input_shape)
@@ -210,9 +220,11 @@ class GPT(nn.Sequential):
         setting = Recompute(recompute, keys)
         embed = Embedding(s["vocab"], s["hidden"], s["seq"], s["positions"] == "learned", drop, keys)
         self.add_module("embed", embed)
+        self.aux = AuxLosses()  # the MoE layers' load-balancing losses (a plain attribute)
         for i in range(s["layers"]):
-            block = Block(s, drop, setting)
-            for linear in (block.attn.proj, block.mlp.fc2):  # GPT-2's 1/sqrt(2 x layers) on residual outputs
+            block = Block(s, drop, setting, self._moe(i, s, moe))
+            residual_outputs = [block.attn.proj] + ([block.mlp.fc2] if isinstance(block.mlp, MLP) else [])
+            for linear in residual_outputs:  # GPT-2's 1/sqrt(2 x layers) on residual outputs
                 _normal(linear.weight, 0.02 / math.sqrt(2 * s["layers"]))
             self.add_module(f"block{i}", block)
         self.add_module("head", Head(s["hidden"], s["vocab"], embed if s["tied"] else None))
@@ -220,12 +232,19 @@ class GPT(nn.Sequential):
         # gathers weights block by block must treat them as one (strategies/fsdp/rules.py).
         self.tied_children = ("embed", "head") if s["tied"] else ()
 
+    def _moe(self, i: int, s: dict[str, Any], moe: dict[str, Any]) -> MoEMLP | None:
+        """Block i's MoE MLP (hidden -> ffn -> hidden experts), or None where it is dense."""
+        if not moe_block(i, moe["moe_experts"], moe["moe_every"]):
+            return None
+        args = (moe["moe_experts"], moe["moe_topk"], moe["moe_capacity_factor"], moe["moe_aux_weight"], i, self.aux)
+        return MoEMLP(s["hidden"], s["ffn"], *args)
+
 
 def build_gpt(cfg: Mapping[str, Any], device: str | torch.device = "meta", seed: int = 0) -> GPT:
     """The GPT a model config asks for (``{"preset": "gpt3_175b"}``, or ``layers``/``hidden``/...)
     on ``device``: on "meta" (the default) any size is built with no memory and no random numbers
     drawn, for the planner; elsewhere seeded, the same weights for the same seed."""
-    sizes = gpt_sizes(cfg)
+    sizes = {**gpt_sizes(cfg), **moe_options(cfg)}
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return GPT(**sizes)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.bodies.cp_vit import cp_vit_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
-from tests.support.reference import GPT_RUN, GPT_VARIANTS
+from tests.support.reference import GPT_MOE, GPT_RUN, GPT_VARIANTS
 
 STEPS, BATCH = 2, 16
 LLAMA = [*GPT_RUN, *(f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS["gpt_llama"].items())]
@@ -21,7 +21,11 @@ GPT = {  # name -> the reference model (tests/support/reference.py MODELS): GQA 
     "gpt-ddp-ring": "gpt_llama",
     "gpt-ddp-ulysses": "gpt_llama",
     "gpt-ddp-deepspeed": "gpt",
+    "gpt-moe-ddp-ep": "gpt_moe",
 }
+# The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
+# claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
+GPT_EP = [*GPT_RUN, *(f"model.{key}={value}" for key, value in GPT_MOE.items()), "strategy=ddp", "strategy.ep=2"]
 DEFAULT = {  # one set of ranks for the default suite
     "ddp-ring": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "ddp-ulysses": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
@@ -29,6 +33,7 @@ DEFAULT = {  # one set of ranks for the default suite
     "gpt-ddp-ring": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "gpt-ddp-ulysses": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
     "gpt-ddp-deepspeed": [*GPT_RUN, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
+    "gpt-moe-ddp-ep": [*GPT_EP, "trainer.optimizer=sgd"],
 }
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],

@@ -1,7 +1,9 @@
 """The gpt's checks of the context-parallel test body (tests/support/bodies/cp_vit.py trains the
-configurations; tests/integration/test_cp_vit.py names them): parity with single, the gradient of
-one more batch, the planned model state, the bytes of the formula derived here and the planned
-activations against a real forward's."""
+configurations; tests/integration/test_cp_vit.py names them): under cp, parity with single, the
+gradient of one more batch, the planned model state, the bytes of the formula derived here and the
+planned activations against a real forward's; under expert parallelism (the MoE gpt, in the same
+ranks: one start-up), parity with single aux loss included, each rank's planned expert state and
+the all-to-all bytes of its routing and of the dropless formula."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from parallel_lab.data.tokens import markov_tokens
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from tests.support.model_parallel import DATA_SIZE
-from tests.support.reference import GPT_SIZES, parity_reference
+from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
 
 def cp_gpt_bytes(impl: str, cp: int, batch: int, accum: int, kv_heads: int) -> dict[str, float]:
@@ -95,3 +97,37 @@ def check_gpt(cfg, strategy, metrics, rank: int, label: str, reference: str) -> 
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
     assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
+
+
+def check_gpt_ep(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None:
+    """strategy.ep on the MoE gpt, as tests/integration/test_ep.py judges the vit: parity with the
+    single reference (SGD: an expert gradient summed over the ep group instead of averaged would
+    show at once, where Adam divides it out), the planned state to the byte with half the experts a
+    rank, and the exchanges' bytes: this rank's measured all-to-all equals what its routing implied
+    (the strategy's record), and over the ranks every token's k copies of h fp32 elements went out
+    and came back, forward and backward: 4 x B x seq x k x h x 4 bytes per MoE layer and step, the
+    planner's balanced prediction times the ranks."""
+    full = strategy.state.full_parameters()
+    theory = strategy.experts.theory_bytes_per_step()
+    plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
+    if rank == 0:
+        t = cfg.trainer
+        ref = parity_reference(
+            reference, optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
+            data_size=DATA_SIZE,
+        )  # fmt: skip
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+    row = metrics.ranks[rank]
+    for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
+    assert row["param_bytes"] < row["analytic_param_bytes"], (label, "half of the experts a rank")
+    measured = row["comm_bytes_by_op"]
+    assert measured["all_to_all_single"] == theory["all_to_all_single"], (label, measured, theory)
+    moe_layers = GPT_SIZES["layers"] // 2  # moe_every=2: block 1
+    ep, experts = cfg.strategy.ep, GPT_MOE["moe_experts"]
+    assert measured["all_gather_single"] == theory["all_gather_single"] == moe_layers * ep * experts * 8, label
+    total = sum(r["comm_bytes_by_op"]["all_to_all_single"] for r in metrics.ranks)
+    k, h, seq = GPT_MOE["moe_topk"], GPT_SIZES["hidden"], GPT_SIZES["seq"]
+    assert total == moe_layers * 4 * cfg.trainer.global_batch * seq * k * h * 4, (label, total)
+    # the planner's exchanges with every expert equally loaded: the same total, an equal share a rank
+    assert plan.comm["all_to_all_single"] * len(metrics.ranks) == total, (label, plan.comm, total)

@@ -12,7 +12,7 @@ from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
-from tests.support.bodies.cp_gpt import check_gpt
+from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
@@ -106,6 +106,8 @@ def cp_vit_body(
     configs = {name: o if any(x.startswith("model=") for x in o) else ["model=vit", *o] for name, o in configs.items()}
 
     def judge(name: str, _, cfg, strategy, metrics) -> None:
+        if cfg.model.name == "gpt" and cfg.strategy.get("ep", 1) > 1:
+            return check_gpt_ep(cfg, strategy, metrics, rank, name, (references or {})[name])
         if cfg.model.name == "gpt":
             return check_gpt(cfg, strategy, metrics, rank, name, (references or {})[name])
         return check(cfg, strategy, metrics, rank, name)
