@@ -22,6 +22,7 @@ GPT = {  # name -> the reference model (tests/support/reference.py MODELS): GQA 
     "gpt-ddp-ulysses": "gpt_llama",
     "gpt-ddp-deepspeed": "gpt",
     "gpt-moe-ddp-ep": "gpt_moe",
+    "gpt-fsdp-ring": "gpt_llama",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -37,6 +38,7 @@ DEFAULT = {  # one set of ranks for the default suite
 }
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
+    "gpt-fsdp-ring": [*LLAMA, "strategy=fsdp", "strategy.cp=2"],
     "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
     "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
 }
@@ -58,8 +60,10 @@ def test_cp_vit_is_singles_training_with_the_formulas_bytes(default_results, con
 
 @pytest.fixture(scope="module")
 def extra_results() -> dict[str, list]:
-    world2 = run_configurations(cp_vit_body, {"fsdp-ring": EXTRA["fsdp-ring"]}, world_size=2, timeout=300,
-                                steps=STEPS, global_batch=BATCH)  # fmt: skip
+    world2 = {name: EXTRA[name] for name in ("fsdp-ring", "gpt-fsdp-ring")}
+    world2 = run_configurations(
+        cp_vit_body, world2, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH, references=GPT
+    )
     world4 = {name: overrides for name, overrides in EXTRA.items() if "strategy.tp=2" in overrides}
     return {
         **world2,
@@ -72,7 +76,8 @@ def extra_results() -> dict[str, list]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(EXTRA))
 def test_fsdp_x_cp_is_singles_training(extra_results, config):
-    """strategy=fsdp strategy.cp=2 (world 2: its bytes and activations checked as ddp's), and with
+    """strategy=fsdp strategy.cp=2 (world 2, the vit and the gpt's causal ring: its bytes and
+    activations checked as ddp's), and with
     strategy.tp=2 at world 4 (parity and the attention's bytes). Extra: the suite's budget; the cp
     attention itself is judged in make test above, the 2-D FSDP2 x TP split in test_tp_vit.py."""
     assert_every_rank_passed(extra_results, config)

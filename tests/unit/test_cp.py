@@ -47,8 +47,8 @@ def _causal_reference() -> tuple[torch.Tensor, ...]:
 
 
 def _mine(t: torch.Tensor, rank: int, impl: str) -> torch.Tensor:
-    """This rank's tokens of a full (B, heads, T, D) tensor: the gpt's pieces (cp/rules.py)."""
-    from parallel_lab.strategies.cp.rules import token_pieces
+    """This rank's tokens of a full (B, heads, T, D) tensor: the gpt's pieces (cp/parallelize.py)."""
+    from parallel_lab.strategies.cp.parallelize import token_pieces
 
     return torch.cat([t.narrow(2, start, n) for start, n in token_pieces(T, 2, rank, impl)], dim=2)
 

@@ -34,7 +34,6 @@ from parallel_lab.models.gpt import GPT
 from parallel_lab.strategies.cp.causal import causal_ring_attention
 from parallel_lab.strategies.cp.comm import TOKENS, CPGroup, pool_tokens, to_heads, to_sequence
 from parallel_lab.strategies.cp.ring import ring_attention
-from parallel_lab.strategies.cp.rules import token_pieces
 
 
 class ContextParallelCore(nn.Module):
@@ -103,6 +102,16 @@ def parallelize_vit(model: nn.Module, cp: CPGroup, impl: str) -> nn.Module:
         block.attn.core = ContextParallelCore(block.attn.core, cp, impl)
     model.head = ContextParallelHead(model.head, cp)
     return model
+
+
+def token_pieces(seq: int, cp: int, rank: int, impl: str) -> list[tuple[int, int]]:
+    """The (start, length) pieces of a gpt sequence of ``seq`` tokens cp rank ``rank`` holds: under
+    the ring chunks rank and 2cp-1-rank of 2cp (the causal work balanced, cp/causal.py), under
+    Ulysses and DeepSpeed the rank-th of cp (their all-to-all gathers the tokens in rank order)."""
+    if impl != "ring":
+        return [(rank * (seq // cp), seq // cp)]
+    chunk = seq // (2 * cp)
+    return [(rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk)]
 
 
 def take_tokens(x: torch.Tensor, pieces: list[tuple[int, int]], dim: int = TOKENS) -> torch.Tensor:

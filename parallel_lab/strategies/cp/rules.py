@@ -48,16 +48,6 @@ def vit_tokens(cfg: DictConfig) -> int:
     return (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2
 
 
-def token_pieces(seq: int, cp: int, rank: int, impl: str) -> list[tuple[int, int]]:
-    """The (start, length) pieces of a gpt sequence of ``seq`` tokens cp rank ``rank`` holds: under
-    the ring chunks rank and 2cp-1-rank of 2cp (the causal work balanced, cp/causal.py), under
-    Ulysses and DeepSpeed the rank-th of cp (their all-to-all gathers the tokens in rank order)."""
-    if impl != "ring":
-        return [(rank * (seq // cp), seq // cp)]
-    chunk = seq // (2 * cp)
-    return [(rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk)]
-
-
 def _check_vit(cp: int, impl: str, tp: int, cfg: DictConfig) -> dict:
     """The vit's tokens and heads under cp; returns its sizes."""
     from parallel_lab.models import vit_sizes

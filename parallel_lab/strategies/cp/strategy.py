@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.strategies.cp.comm import CPGroup
-from parallel_lab.strategies.cp.parallelize import parallelize, take_tokens
-from parallel_lab.strategies.cp.rules import token_pieces
+from parallel_lab.strategies.cp.parallelize import parallelize, take_tokens, token_pieces
 from parallel_lab.strategies.mesh import Mesh
 
 

