@@ -17,12 +17,15 @@ from tests.support.reference import GPT_MOE, GPT_RUN, GPT_VARIANTS
 
 STEPS, BATCH = 2, 16
 LLAMA = [*GPT_RUN, *(f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS["gpt_llama"].items())]
-GPT = {  # name -> the reference model (tests/support/reference.py MODELS): GQA (kv_heads 2) and rotary
+# name -> the reference model (tests/support/reference.py MODELS): make test's three cp_impl on one
+# (GQA with kv_heads 2, rotary positions: one reference computed), extra's fsdp on the plain gpt
+# (learned positions, tied embedding)
+GPT = {
     "gpt-ddp-ring": "gpt_llama",
     "gpt-ddp-ulysses": "gpt_llama",
-    "gpt-ddp-deepspeed": "gpt",
+    "gpt-ddp-deepspeed": "gpt_llama",
     "gpt-moe-ddp-ep": "gpt_moe",
-    "gpt-fsdp-ring": "gpt_llama",
+    "gpt-fsdp-ring": "gpt",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -33,12 +36,12 @@ DEFAULT = {  # one set of ranks for the default suite
     "ddp-deepspeed": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
     "gpt-ddp-ring": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
     "gpt-ddp-ulysses": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ulysses"],
-    "gpt-ddp-deepspeed": [*GPT_RUN, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
+    "gpt-ddp-deepspeed": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
     "gpt-moe-ddp-ep": [*GPT_EP, "trainer.optimizer=sgd"],
 }
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
-    "gpt-fsdp-ring": [*LLAMA, "strategy=fsdp", "strategy.cp=2"],
+    "gpt-fsdp-ring": [*GPT_RUN, "strategy=fsdp", "strategy.cp=2"],
     "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
     "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
 }
