@@ -53,6 +53,9 @@ MODELS.update(
     gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES),
     gpt_untied=functools.partial(GPT, tied=False, **GPT_SIZES),  # model.tied=false: what pp trains
 )
+# model=gpt with MoE MLPs (GPT_MOE's model.* keys; tests/support/bodies/cp_gpt.py): block 1 of 2
+GPT_MOE = {"moe_experts": 4, "moe_topk": 2}
+MODELS["gpt_moe"] = functools.partial(GPT, **GPT_MOE, **GPT_SIZES)
 # The gpt's other layouts (tests/support/bodies/tp_gpt.py): name -> its model.* overrides.
 GPT_VARIANTS = {
     "gpt_llama": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "bias": False},
@@ -158,7 +161,7 @@ def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision:
     if precision == "bf16":
         return _bf16_backward(net, x, y, parts)
     loss = torch.nn.functional.cross_entropy(net(x), y)
-    aux = getattr(net, "aux", None)  # an MoE vit's load-balancing losses of this forward: part of the loss
+    aux = getattr(net, "aux", None)  # an MoE model's load-balancing losses of this forward: part of the loss
     if aux is not None and aux.total() is not None:
         loss = loss + aux.total()
     share = loss / parts if parts > 1 else loss
