@@ -49,9 +49,10 @@ lint: $(STAMP)
 FOREIGN_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # Two test processes side by side (pytest-xdist), each test file whole in one of them (its module
 # fixtures train once): one process alone leaves a core idle while it composes configs or waits on its
-# ranks (docs/testing.md#how-long). TEST_WORKERS=0 runs the suite in this one process.
+# ranks (docs/testing.md#how-long). TEST_WORKERS=0 runs the suite in this one process. Files go out
+# longest first (tests/conftest.py LONGEST_FIRST), not by their count of tests.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not extra"
 	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q $(XDIST) --durations=5 -p no:cacheprovider -m "dispatch and not extra" \
