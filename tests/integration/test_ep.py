@@ -4,7 +4,8 @@ included, the report's parity criterion), every rank holds the model-state bytes
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
-(Adam, evaluation at the end) make the same claims. Refusals: one line, exit 2, in the parent.
+(Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
+ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py). Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
