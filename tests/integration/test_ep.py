@@ -5,7 +5,8 @@ predicted for it, and the all-to-all bytes each rank issued are what the step's 
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
 (Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
-ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py). Refusals: one line, exit 2, in the parent.
+ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
+Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
