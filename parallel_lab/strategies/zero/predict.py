@@ -193,18 +193,24 @@ def predict_zero_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dic
         numels = [p.numel() for p in model.parameters()]
         full = stage3_partition_numel(numels, world) * world
         return {"all_gather_single": 2.0 * w * full, "reduce_scatter_single": float(c * full)}
-    comm = zero_group_comm(stage, zero_groups(cfg, model, rank), w, c)
-    if ep_degree(cfg) > 1:
-        micro = cfg.trainer.global_batch // (world * cfg.trainer.grad_accum)
-        comm = add_comm(comm, deepspeed_moe_comm(cfg, model, micro))
-    return comm
+    if ep_degree(cfg) == 1:
+        return zero_group_comm(stage, zero_groups(cfg, model, rank), w, c)
+    comm = zero_group_comm(stage, zero_groups(cfg, model, rank), w, c, cfg.trainer.grad_accum)
+    micro = cfg.trainer.global_batch // (world * cfg.trainer.grad_accum)
+    return add_comm(comm, deepspeed_moe_comm(cfg, model, micro))
 
 
-def zero_group_comm(stage: int, groups: list[tuple[list[int], int, int]], w: int, c: int) -> dict[str, float]:
+def zero_group_comm(
+    stage: int, groups: list[tuple[list[int], int, int]], w: int, c: int, micro_batches: int = 1
+) -> dict[str, float]:
     """Stages 0-2, counted on gloo: every group's gradients all-reduced over its ranks (DeepSpeed
-    calls it on a group of one rank too: counted, nothing moves); stages 1-2 all-gather the updated
-    partitions of each group partitioned over more than one rank."""
-    comm = {"all_reduce": sum(2.0 * c * sum(group) for group, _, _ in groups)}
+    calls it on a group of one rank too: counted, nothing moves), at stage 2 once per micro-batch
+    (its hooks reduce each bucket in every backward; stages 0-1 once, at the boundary: measured
+    under ep with trainer.grad_accum=2); stages 1-2 all-gather the updated partitions of each
+    group partitioned over more than one rank. Without ep the planner counts one reduction per
+    step at every stage (``micro_batches`` 1)."""
+    reductions = micro_batches if stage == 2 else 1
+    comm = {"all_reduce": sum(2.0 * c * reductions * sum(group) for group, _, _ in groups)}
     if stage >= 1:
         comm["all_gather_single"] = sum(float(w * flat_partition(g, ways)[0]) for g, ways, _ in groups if ways > 1)
     return comm

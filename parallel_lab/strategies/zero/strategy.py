@@ -226,7 +226,7 @@ class ZeroStrategy(Strategy):
         local = [p.numel() for p in self.experts.expert_parameters()]
         world, rank, ep = self.env.world_size, self.env.rank, self.layout.ep
         groups = [(dense, world, rank), (local, world // ep, rank // ep)]
-        reduced = sum(zero_group_comm(self.opts.stage, groups, 4, 4).values())
+        reduced = sum(zero_group_comm(self.opts.stage, groups, 4, 4, self.cfg.trainer.grad_accum).values())
         routed = sum(self.experts.theory_bytes_per_step().values())
         return (reduced + routed) / (4 * num_params)
 
