@@ -90,7 +90,12 @@ class ZeroPlan(PlanRules):
     @classmethod
     def reshard_refusal(cls, cfg: DictConfig) -> str | None:
         """16-bit ZeRO keeps an fp32 master beside 16-bit weights in layouts (FP16_UnfusedOptimizer at
-        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill."""
+        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill. Under ep the
+        experts live in DeepSpeed's layer (ds_moe.py), which the bridge does not scatter either."""
+        if ep_degree(cfg) > 1:
+            return (
+                f"trainer.reshard=true does not scatter experts under strategy.ep={ep_degree(cfg)}; use strategy.ep=1"
+            )
         if cfg.strategy.precision != "fp32" or cfg.strategy.ds_config:
             return (
                 f"trainer.reshard=true into strategy={cfg.strategy.name} needs strategy.precision=fp32 and no "
