@@ -45,16 +45,18 @@ lint: $(STAMP)
 # extra matrices and runs every parity/floats test under the foreign dispatch.
 # oneDNN on AVX2, not SSE4.1: the reported failing CPU class (AMD EPYC, AVX2), and 37 s shorter (SSE4.1
 # runs the convolutions several times slower); bench parity_robustness covers SSE4.1 among all 18.
-# Which float comparisons the second pass leaves out, and why: docs/testing.md.
+# Which float comparisons the second pass leaves out, and why: docs/testing.md; it collects only their files.
 FOREIGN_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # Two test processes side by side (pytest-xdist), each test file whole in one of them (its module
 # fixtures train once): one process alone leaves a core idle while it composes configs or waits on its
-# ranks (docs/testing.md#how-long). TEST_WORKERS=0 runs the suite in this one process.
+# ranks (docs/testing.md#how-long). TEST_WORKERS=0 runs the suite in this one process. Files go out
+# longest first (tests/conftest.py LONGEST_FIRST), not by their count of tests.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not extra"
-	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q $(XDIST) --durations=5 -p no:cacheprovider -m "dispatch and not extra"
+	env $(FOREIGN_DISPATCH) $(PY) -m pytest -q $(XDIST) --durations=5 -p no:cacheprovider -m "dispatch and not extra" \
+		$$($(PY) -m tests.support.dispatch)
 
 test-all: lint
 	$(PY) -m pytest -q $(XDIST) --durations=15

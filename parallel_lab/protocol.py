@@ -169,6 +169,7 @@ class RunMetrics(_Record):
     kernel_dispatch: dict[str, str] = field(default_factory=dict)
     norm: str = "group"  # model.norm: group | batch | syncbatch (docs/batchnorm.md)
     recompute: str = "none"  # trainer.recompute: none | selective | full (models/recompute.py)
+    moe_experts: int = 0  # model.moe_experts (0: a dense model; docs/moe.md): the report's label of its rows
     # BatchNorm models only ({} otherwise; parallel_lab/worker/train.py batchnorm_record): layers,
     # synced, samples (how many samples each training forward normalised over), the running
     # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.

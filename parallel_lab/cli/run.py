@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -244,6 +245,11 @@ def run_ranks(
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
+    # Everything imported by now (torch, its compiler, this package: the zygote's objects in a forked
+    # rank) lives as long as the rank: frozen, each full collection (a body's gc.collect() between
+    # runs, the collector's own) walks only what the function creates, as in a worker
+    # (parallel_lab.worker.main.leave_imports_out_of_collections). gc.freeze() itself costs nothing.
+    gc.freeze()
     target, kwargs = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
     env = read_dist_env("cpu")
     dist.init_process_group(

@@ -225,7 +225,7 @@ class ModelConfig:
     # vit | gpt (null = vit): where the MLP has dropout. vit: after GELU and after fc2; gpt: after
     # fc2 only, as GPT-2 and Megatron (the layout Korthikanti et al.'s activation count assumes).
     dropout_placement: Optional[str] = None
-    # Mixture of experts on the vit (models/moe.py, docs/moe.md); null = the default in
+    # Mixture of experts on the vit and the gpt (models/moe.py, docs/moe.md); null = the default in
     # parallel_lab/models/moe.py MOE_DEFAULTS. moe_experts=0: dense MLPs (the default).
     moe_experts: Optional[int] = ranged(None, 0, example=4)  # E experts in each MoE block's MLP
     moe_topk: Optional[int] = ranged(None, 1, example=2)  # experts per token (1), <= moe_experts

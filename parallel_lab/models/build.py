@@ -21,7 +21,7 @@ MODELS = dict(zip(MODEL_NAMES, (SmallCNN, ResNet18, ViT, GPT)))
 
 def _kwargs(cfg: DictConfig) -> dict:
     if cfg.name == "gpt":
-        return gpt_sizes(cfg)
+        return {**gpt_sizes(cfg), **moe_options(cfg)}
     common = {"num_classes": cfg.num_classes, "width": float(cfg.get("width", 1.0)), "norm": norm_of(cfg)}
     return {**common, **vit_sizes(cfg), **moe_options(cfg)} if cfg.name == "vit" else common
 

@@ -15,6 +15,10 @@ Layout, for the strategies that take a model apart (as the vit's, models/vit.py)
 Input: token ids (batch, seq), int64. Output: logits (batch, vocab, seq), the class dimension
 second as ``torch.nn.functional.cross_entropy`` and ``argmax(1)`` take it, so the next-token loss
 and the accuracy are the vit's code unchanged (labels (batch, seq)).
+MoE (``moe_experts`` > 0): every ``moe_every``-th block's MLP (blocks moe_every-1, 2*moe_every-1,
+..., as the vit's) is a mixture of experts (models/moe.py: router, top-k, the Switch/GShard
+load-balancing loss in ``aux``), each expert the dense GELU MLP's shape; its sample's tokens are
+one routing group.
 Dropout where GPT-2 and Megatron put it: after the embeddings, on the attention probabilities,
 after the attention's output projection and after the MLP's output (none after GELU). Masks are
 keyed by each sample's tokens (models/dropout.py), as the vit's by its pixels.
@@ -40,7 +44,10 @@ from parallel_lab.models.gpt_sizes import (  # noqa: F401  (re-exported: their t
     gpt_sizes,
     resolve_sizes,
 )
+from parallel_lab.models.layout import moe_block
+from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
 from parallel_lab.models.recompute import FULL, Recompute
+from parallel_lab.models.specs import moe_options
 from parallel_lab.models.vit import AttentionCore, Dropout, dropouts
 
 
@@ -50,12 +57,14 @@ def _normal(t: torch.Tensor, std: float) -> None:
         nn.init.normal_(t, std=std)
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding (Su et al. arXiv 2104.09864) on (batch, heads, seq, head_dim), the
-    halves-paired form of GPT-NeoX and Llama: pair i is (x[i], x[i + head_dim/2])."""
+    halves-paired form of GPT-NeoX and Llama: pair i is (x[i], x[i + head_dim/2]). ``positions``:
+    each of the seq tokens' place in its sequence (None: 0 .. seq-1)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = ROPE_THETA ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    where = torch.arange(seq) if positions is None else positions
+    angles = torch.outer(where.to(device=x.device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -112,13 +121,17 @@ class Attention(nn.Module):
         self.core = CausalCore(self.head_dim, drop, recompute)
         self.proj = nn.Linear(hidden, hidden, bias=s["bias"])
         self.drop = drop()
+        # The rotary positions of the tokens x holds, when they are not 0 .. seq-1 (a plain
+        # attribute, no state_dict key): a caller that feeds the block a subset of each sequence's
+        # tokens names their places, so each is rotated by its own position.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # -1 heads: a column-parallel rank holding heads / tp of them runs the same code on its share;
         # the shapes come from q, k, v (under sequence parallelism x holds a slice of the tokens).
         q, k, v = (f(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for f in (self.q, self.k, self.v))
         if self.rotary:
-            q, k = rotate(q), rotate(k)
+            q, k = rotate(q, self.positions), rotate(k, self.positions)
         out = self.core(q, k, v).transpose(1, 2).flatten(2)
         return self.drop(self.proj(out))
 
@@ -141,14 +154,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)); recomputed whole under trainer.recompute=full."""
+    """Pre-LN: x + attn(norm1(x)), then + mlp(norm2(x)); recomputed whole under trainer.recompute=full.
+    mlp: the block's MLP when it is not the dense one (an MoE layer, models/moe.py)."""
 
-    def __init__(self, s: dict[str, Any], drop: Dropout, recompute: Recompute) -> None:
+    def __init__(self, s: dict[str, Any], drop: Dropout, recompute: Recompute, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(s["hidden"])
         self.attn = Attention(s, drop, recompute)
         self.norm2 = nn.LayerNorm(s["hidden"])
-        self.mlp = MLP(s, drop)
+        self.mlp = mlp if mlp is not None else MLP(s, drop)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,8 +208,10 @@ class GPT(nn.Sequential):
         return int(2 * s["layers"] * per_layer + 2 * 4 * seq * s["vocab"])
 
     def __init__(self, seed: int = 0, recompute: str = "none", **sizes: Any) -> None:
-        """sizes: resolve_sizes' keys (missing ones take DEFAULTS). seed: of the dropout masks."""
+        """sizes: resolve_sizes' keys (missing ones take DEFAULTS) and the model.moe_* keys
+        (models/specs.py MOE_DEFAULTS). seed: of the dropout masks."""
         super().__init__()
+        moe = {key: default if sizes.get(key) is None else sizes[key] for key, default in MOE_DEFAULTS.items()}
         s = resolve_sizes(None, sizes)
         self.sizes = s
         self.input_shape = (s["seq"],)  # one sample: seq token ids (models.input_shape)
@@ -204,9 +220,11 @@ class GPT(nn.Sequential):
         setting = Recompute(recompute, keys)
         embed = Embedding(s["vocab"], s["hidden"], s["seq"], s["positions"] == "learned", drop, keys)
         self.add_module("embed", embed)
+        self.aux = AuxLosses()  # the MoE layers' load-balancing losses (a plain attribute)
         for i in range(s["layers"]):
-            block = Block(s, drop, setting)
-            for linear in (block.attn.proj, block.mlp.fc2):  # GPT-2's 1/sqrt(2 x layers) on residual outputs
+            block = Block(s, drop, setting, self._moe(i, s, moe))
+            residual_outputs = [block.attn.proj] + ([block.mlp.fc2] if isinstance(block.mlp, MLP) else [])
+            for linear in residual_outputs:  # GPT-2's 1/sqrt(2 x layers) on residual outputs
                 _normal(linear.weight, 0.02 / math.sqrt(2 * s["layers"]))
             self.add_module(f"block{i}", block)
         self.add_module("head", Head(s["hidden"], s["vocab"], embed if s["tied"] else None))
@@ -214,12 +232,19 @@ class GPT(nn.Sequential):
         # gathers weights block by block must treat them as one (strategies/fsdp/rules.py).
         self.tied_children = ("embed", "head") if s["tied"] else ()
 
+    def _moe(self, i: int, s: dict[str, Any], moe: dict[str, Any]) -> MoEMLP | None:
+        """Block i's MoE MLP (hidden -> ffn -> hidden experts), or None where it is dense."""
+        if not moe_block(i, moe["moe_experts"], moe["moe_every"]):
+            return None
+        args = (moe["moe_experts"], moe["moe_topk"], moe["moe_capacity_factor"], moe["moe_aux_weight"], i, self.aux)
+        return MoEMLP(s["hidden"], s["ffn"], *args)
+
 
 def build_gpt(cfg: Mapping[str, Any], device: str | torch.device = "meta", seed: int = 0) -> GPT:
     """The GPT a model config asks for (``{"preset": "gpt3_175b"}``, or ``layers``/``hidden``/...)
     on ``device``: on "meta" (the default) any size is built with no memory and no random numbers
     drawn, for the planner; elsewhere seeded, the same weights for the same seed."""
-    sizes = gpt_sizes(cfg)
+    sizes = {**gpt_sizes(cfg), **moe_options(cfg)}
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return GPT(**sizes)

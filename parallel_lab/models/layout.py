@@ -42,7 +42,7 @@ def vit_widths(dim: int, heads: int, width: float, mlp_ratio: float) -> tuple[in
 
 
 def moe_block(i: int, experts: int, every: int) -> bool:
-    """Whether the vit's block i has an MoE MLP: every ``every``-th block (V-MoE's layout)."""
+    """Whether block i (the vit's or the gpt's) has an MoE MLP: every ``every``-th block (V-MoE's layout)."""
     return experts > 0 and i % every == every - 1
 
 
@@ -68,7 +68,7 @@ def weight_shapes(cfg: DictConfig) -> Shapes:
     if cfg.name == "resnet18":
         return {"fc": (cfg.num_classes, scaled(RESNET_CHANNELS[-1], width))}
     if cfg.name == "gpt":
-        return _gpt_shapes(_gpt(cfg))
+        return _gpt_shapes(_gpt(cfg), moe_options(cfg))
     s, m = vit_sizes(cfg), moe_options(cfg)
     dim, hidden = vit_widths(s["dim"], s["heads"], width, s["mlp_ratio"])
     shapes: Shapes = {}
@@ -85,9 +85,13 @@ def _gpt(cfg: DictConfig) -> dict:
     return gpt_sizes(cfg)
 
 
-def _gpt_shapes(s: dict) -> Shapes:
+def _gpt_shapes(s: dict, m: dict) -> Shapes:
     h, ffn, kv = s["hidden"], s["ffn"], s["kv_heads"] * (s["hidden"] // s["heads"])
-    block = {"attn.q": (h, h), "attn.k": (kv, h), "attn.v": (kv, h), "attn.proj": (h, h)}
-    block.update({"mlp.gate": (ffn, h)} if s["mlp"] == "swiglu" else {})
-    block.update({"mlp.fc1": (ffn, h), "mlp.fc2": (h, ffn)})
-    return {f"block{i}.{name}": shape for i in range(s["layers"]) for name, shape in block.items()}
+    attention = {"attn.q": (h, h), "attn.k": (kv, h), "attn.v": (kv, h), "attn.proj": (h, h)}
+    mlp = {"mlp.gate": (ffn, h)} if s["mlp"] == "swiglu" else {}
+    mlp.update({"mlp.fc1": (ffn, h), "mlp.fc2": (h, ffn)})
+    shapes: Shapes = {}
+    for i in range(s["layers"]):
+        dense = not moe_block(i, m["moe_experts"], m["moe_every"])
+        shapes.update({f"block{i}.{name}": shape for name, shape in {**attention, **(mlp if dense else {})}.items()})
+    return shapes

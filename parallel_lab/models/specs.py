@@ -71,8 +71,11 @@ def _validate_moe(cfg: DictConfig) -> None:
     m = moe_options(cfg)
     if not m["moe_experts"]:
         return
-    if cfg.name != "vit":
-        raise ConfigError(f"model.moe_experts={m['moe_experts']}: only the vit has MoE layers; use model=vit")
+    if cfg.name not in ("vit", "gpt"):
+        raise ConfigError(
+            f"model.moe_experts={m['moe_experts']}: only the vit and the gpt have MoE layers; "
+            "use model=vit or model=gpt"
+        )
     for key, low in (("moe_experts", 1), ("moe_topk", 1), ("moe_every", 1)):
         if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < low:
             raise ConfigError(f"model.{key}={m[key]} must be an integer >= {low}; e.g. model.{key}=2")
@@ -81,19 +84,38 @@ def _validate_moe(cfg: DictConfig) -> None:
             f"model.moe_topk={m['moe_topk']} exceeds model.moe_experts={m['moe_experts']}; "
             f"use model.moe_topk<={m['moe_experts']}"
         )
-    if m["moe_every"] > vit_sizes(cfg)["depth"]:
+    depth_key, depth, dropout = _moe_host(cfg)
+    if m["moe_every"] > depth:
         raise ConfigError(
-            f"model.moe_every={m['moe_every']} > model.depth={vit_sizes(cfg)['depth']} leaves no MoE block; "
-            "use model.moe_every=2"
+            f"model.moe_every={m['moe_every']} > model.{depth_key}={depth} leaves no MoE block; use model.moe_every=2"
         )
     cf = m["moe_capacity_factor"]
     if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
         raise ConfigError(f"model.moe_capacity_factor={cf} must be > 0 (null = dropless); e.g. 1.25")
-    if vit_sizes(cfg)["dropout"]:
+    if dropout:
         raise ConfigError(
-            f"model.dropout={vit_sizes(cfg)['dropout']} with MoE layers: experts reorder tokens, a sample's "
+            f"model.dropout={dropout} with MoE layers: experts reorder tokens, a sample's "
             "mask cannot follow them; use model.dropout=0"
         )
+    if cfg.name == "gpt" and _gpt_value(cfg, "mlp") != "gelu":
+        raise ConfigError(
+            f"model.mlp={_gpt_value(cfg, 'mlp')} with MoE layers: each expert is the dense GELU MLP "
+            "(fc1 -> GELU -> fc2, models/moe.py); use model.mlp=gelu"
+        )
+
+
+def _gpt_value(cfg: DictConfig, key: str):
+    from parallel_lab.models.gpt_sizes import gpt_sizes
+
+    return gpt_sizes(cfg)[key]
+
+
+def _moe_host(cfg: DictConfig) -> tuple[str, int, float]:
+    """(the depth key, its value, model.dropout) of the model the MoE layers sit in."""
+    if cfg.name == "gpt":
+        return "layers", _gpt_value(cfg, "layers"), _gpt_value(cfg, "dropout")
+    s = vit_sizes(cfg)
+    return "depth", s["depth"], s["dropout"]
 
 
 def _validate_vit(cfg: DictConfig) -> None:

@@ -100,8 +100,12 @@ def mark_variants(runs: list[Row]) -> None:
     for rows in by_strategy.values():
         keys = sorted({k for r in rows for k in r.metrics.strategy_options if k != "name"})
         varying = [k for k in keys if len({repr(r.metrics.strategy_options.get(k)) for r in rows}) > 1]
+        moe = len({r.metrics.moe_experts for r in rows}) > 1  # MoE rows beside dense ones (compare_vit)
         for run in rows:
-            run.variant = " ".join(f"{k}={run.metrics.strategy_options.get(k)}" for k in varying)
+            experts = f"moe_experts={run.metrics.moe_experts}" if moe and run.metrics.moe_experts else ""
+            run.variant = " ".join(
+                filter(None, [experts, *(f"{k}={run.metrics.strategy_options.get(k)}" for k in varying)])
+            )
 
 
 def strategy_label(run: Row) -> str:

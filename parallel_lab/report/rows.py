@@ -107,8 +107,9 @@ def baseline_key(run: Row) -> tuple:
     m = run.metrics
     if not m:
         return (run.failure.model,)
-    # norm: a BatchNorm row is judged against single with the same layers (and its own reruns).
-    return (m.model, m.global_batch, m.steps, m.data, m.optimizer, m.lr, precision_of(m), m.norm)
+    # norm: a BatchNorm row is judged against single with the same layers (and its own reruns);
+    # params: an MoE vit (model.moe_experts) is another network than the dense vit of the same name.
+    return (m.model, m.params, m.global_batch, m.steps, m.data, m.optimizer, m.lr, precision_of(m), m.norm)
 
 
 def is_baseline(run: Row) -> bool:

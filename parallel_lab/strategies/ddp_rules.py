@@ -10,18 +10,19 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.models.specs import sample_shape
 from parallel_lab.strategies.cp.rules import (
     ContextOptions,
     add_comm,
     check_context,
     context_comm,
-    context_meta_vit,
+    context_meta,
     cp_of,
 )
 from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, SavedBytes
+from parallel_lab.strategies.planning import SavedBytes
 from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.replicated_rules import ReplicatedPlan
 
@@ -80,10 +81,10 @@ class DDPPlan(ReplicatedPlan):
     def activation_bytes(
         cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
-        """With cp: what the cp-sharded vit saves on this rank (its tokens only; cp/rules.py)."""
+        """With cp: what the cp-sharded vit or gpt saves on this rank (its tokens only; cp/rules.py)."""
         if cp_of(cfg) < 2:
             return super().activation_bytes(cfg, model, rank, micro, saved)
-        return saved(context_meta_vit(cfg, model, rank % cp_of(cfg)), micro, SAMPLE_SHAPE, True), micro
+        return saved(context_meta(cfg, model, rank % cp_of(cfg)), micro, sample_shape(cfg.model), True), micro
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:

@@ -350,6 +350,7 @@ def _run_fields(cfg: DictConfig, env: DistEnv, strategy: Strategy, num_params: i
         kernel_dispatch=kernel_dispatch(),
         norm=norm_of(cfg.model),
         recompute=str(t.get("recompute", "none")),
+        moe_experts=int(cfg.model.get("moe_experts") or 0),
         strategy_options=OmegaConf.to_container(cfg.strategy, resolve=True),
     )
 

@@ -4,16 +4,23 @@ included, the report's parity criterion), every rank holds the model-state bytes
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
-(Adam, evaluation at the end) make the same claims. Refusals: one line, exit 2, in the parent.
+(Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
+ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
+Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
-from parallel_lab.cli.run import load_metrics
+from parallel_lab.cli.run import load_metrics, run_ranks
+from tests.support.bodies.runs import train_and_record
 from tests.support.checks import assert_plan_matches
-from tests.support.cli import assert_one_clean_line, run_cli
+from tests.support.cli import assert_one_clean_line, run_cli, write_config
 from tests.support.reference import VIT_MOE, parity_reference
 
 STEPS, BATCH, K, DIM, TOKENS, MOE_LAYERS = 3, 16, VIT_MOE["moe_topk"], 64, (32 // VIT_MOE["patch"]) ** 2, 1
@@ -24,6 +31,7 @@ RUN = [*MOE, f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", "trainer
 # SGD: under Adam an expert gradient N times too large (summed over the ep group, not averaged)
 # changes almost nothing (Adam divides by the gradient's own scale); under SGD it shows at once.
 SGD = "trainer.optimizer=sgd"
+DS_ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))}
 
 
 def run(tmp_path_factory, name: str, *overrides: str) -> dict:
@@ -32,9 +40,34 @@ def run(tmp_path_factory, name: str, *overrides: str) -> dict:
     return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
 
+# zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 trains in the ddp run's
+# set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1 (make test-all) adds a launch.
+SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2")}
+
+
 @pytest.fixture(scope="module")
-def ddp_ep(tmp_path_factory) -> dict:
-    return run(tmp_path_factory, "ddp", "strategy=ddp", "strategy.ep=2", "world_size=2", SGD, *RUN)
+def shared_ep(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("ep_shared")
+    paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in SHARED.items()]
+    run_ranks(train_and_record, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
+    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in SHARED}
+
+
+@pytest.fixture(scope="module")
+def ddp_ep(shared_ep) -> dict:
+    return shared_ep["ddp"]
+
+
+@pytest.fixture(scope="module")
+def zero1_ep(tmp_path_factory) -> dict:
+    return run(tmp_path_factory, "zero1", "strategy=zero1", "strategy.ep=2", "world_size=2", SGD, *RUN)
+
+
+def zero_ep_run(request, name: str) -> dict:
+    return request.getfixturevalue("shared_ep")[name] if name in SHARED else request.getfixturevalue(f"{name}_ep")
+
+
+ZERO_EP = ["zero2", pytest.param("zero1", marks=pytest.mark.extra)]
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +108,43 @@ def test_fsdp_and_tp_with_ep_train_as_single_does_and_evaluate(request, name):
 
 
 @pytest.mark.slow
-def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(ddp_ep, fsdp_ep, tp_ep):
-    for metrics in (ddp_ep, fsdp_ep, tp_ep):
+@pytest.mark.parity
+@pytest.mark.floats
+@pytest.mark.parametrize("name", ZERO_EP)
+def test_zero_with_ep_runs_deepspeeds_moe_layer_and_trains_as_single_does(request, name):
+    """DeepSpeed's layer, dropless, one call per sample, its l_aux in the loss: the same training
+    (zero1: DeepSpeed's contiguous-gradient path; its other one scales expert gradients ep times)."""
+    metrics = zero_ep_run(request, name)
+    assert metrics["strategy_extras"]["ep"]["layer"] == "deepspeed.moe.layer.MoE"
+    reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(metrics, f"{name} ep=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZERO_EP)
+def test_zero_with_ep_comm_is_deepspeeds_padded_exchange_and_its_reductions(request, name):
+    """Per sample and MoE layer four all-to-alls of DeepSpeed's E x C x h buffer (C: the largest
+    count, at least ceil(k S / E)) and the capacity's all-reduce; the dense group's all-reduce and
+    all-gather, the experts' all-reduce over their (one-rank) expert-data-parallel group; every
+    rank's model state as the planner predicted, to the byte."""
+    metrics = zero_ep_run(request, name)
+    assert_plan_matches(metrics, tolerance=0.0)
+    theory = metrics["strategy_extras"]["ep"]["theory_bytes_per_step"]
+    measured = metrics["ranks"][0]["comm_bytes_by_op"]
+    assert measured["all_to_all_single"] == theory["all_to_all_single"]
+    least = MOE_LAYERS * BATCH // 2 * 4 * 4 * -(-K * TOKENS // 4) * DIM * 4  # E = 4 experts, balanced
+    assert theory["all_to_all_single"] >= least
+    assert theory["all_reduce"] == MOE_LAYERS * BATCH // 2 * 16
+    # the report's comm Ψ meas/theory: DeepSpeed's few scalar all-reduces (24 bytes a step) are outside the theory
+    extra = (metrics["comm_volume_psi"] - metrics["comm_theory_psi"]) * 4 * metrics["params"]
+    assert 0 <= extra <= 24 + 1e-6, extra
+
+
+@pytest.mark.slow
+def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(shared_ep, fsdp_ep, tp_ep):
+    for metrics in (*shared_ep.values(), fsdp_ep, tp_ep):
         assert_plan_matches(metrics, tolerance=0.0)
-    ranks = ddp_ep["ranks"]
+    ranks = shared_ep["ddp"]["ranks"]
     assert ranks[0]["param_bytes"] < ranks[0]["analytic_param_bytes"]  # half of the experts each
 
 
@@ -116,11 +182,13 @@ def test_fsdp_and_tp_comm_is_their_own_and_the_routings_exchanges(fsdp_ep, tp_ep
         (["strategy=ddp", "strategy.ep=2", "world_size=2", "trainer.grad_clip=1"], "trainer.grad_clip=1.0"),
         (["strategy=fsdp", "strategy.ep=2", "strategy.sharding=grad_op"], "sharding=grad_op"),
         (["strategy=zero3", "strategy.ep=2"], "DeepSpeed refuses MoE under ZeRO-3"),
+        (["strategy=zero2", "strategy.ep=2", "model.moe_topk=3"], "model.moe_topk=3"),
+        (["strategy=zero2", "strategy.ep=2", "model.moe_capacity_factor=1.25"], "model.moe_capacity_factor=1.25"),
         (["strategy=tp", "strategy.ep=2", "world_size=4", "strategy.sequence_parallel=true"], "sequence parallelism"),
     ],
 )
 def test_refusals_are_one_line_in_the_parent(tmp_path, overrides, named):
-    result = run_cli(tmp_path / "run", *overrides, *MOE, check=False, timeout=120)
+    result = run_cli(tmp_path / "run", *MOE, *overrides, check=False, timeout=120)
     assert result.returncode == 2
     assert_one_clean_line(result, tmp_path / "run", named)
 

@@ -42,3 +42,12 @@ def listed(nodeid: str) -> str | None:
         ),
         None,
     )
+
+
+def files() -> list[str]:
+    """The test files the listed tests live in: the second pass collects only these."""
+    return sorted({prefix.split("::")[0] for prefix in DISPATCH})
+
+
+if __name__ == "__main__":  # the Makefile's second pass: `pytest ... $(python -m tests.support.dispatch)`
+    print(" ".join(files()))

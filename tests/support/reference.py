@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,9 @@ MODELS.update(
     gpt_dropout=functools.partial(GPT, dropout=0.1, **GPT_SIZES),
     gpt_untied=functools.partial(GPT, tied=False, **GPT_SIZES),  # model.tied=false: what pp trains
 )
+# model=gpt with MoE MLPs (GPT_MOE's model.* keys; tests/support/bodies/cp_gpt.py): block 1 of 2
+GPT_MOE = {"moe_experts": 4, "moe_topk": 2}
+MODELS["gpt_moe"] = functools.partial(GPT, **GPT_MOE, **GPT_SIZES)
 # The gpt's other layouts (tests/support/bodies/tp_gpt.py): name -> its model.* overrides.
 GPT_VARIANTS = {
     "gpt_llama": {"tied": False, "kv_heads": 2, "mlp": "swiglu", "positions": "rotary", "bias": False},
@@ -156,7 +161,7 @@ def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision:
     if precision == "bf16":
         return _bf16_backward(net, x, y, parts)
     loss = torch.nn.functional.cross_entropy(net(x), y)
-    aux = getattr(net, "aux", None)  # an MoE vit's load-balancing losses of this forward: part of the loss
+    aux = getattr(net, "aux", None)  # an MoE model's load-balancing losses of this forward: part of the loss
     if aux is not None and aux.total() is not None:
         loss = loss + aux.total()
     share = loss / parts if parts > 1 else loss
@@ -214,10 +219,22 @@ class ParityReference:
         return self.assert_matches(metrics["losses"], params, label or metrics["strategy"])
 
 
+# A folder every process of one test session shares (tests/conftest.py sets it: the session's
+# temporary root, which both test processes and every rank they start see): a reference computed
+# once is read by the others instead of trained again. Unset, each process computes its own.
+SHARED_REFERENCES_ENV = "PARALLEL_LAB_TEST_REFERENCES"
+# What selects the kernels, hence the reference's bits: a process under another dispatch computes its own.
+DISPATCH_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
 @functools.lru_cache(maxsize=None)  # several test files compare with the same reference: compute it once
 def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e-3, **kwargs) -> ParityReference:
-    """reference_run(**kwargs) plus its noise-floor reruns (parallel_lab.report.parity.noise_reruns)."""
+    """reference_run(**kwargs) plus its noise-floor reruns (parallel_lab.report.parity.noise_reruns),
+    computed once per test session (SHARED_REFERENCES_ENV) and per process otherwise."""
     kwargs.update(optimizer=optimizer, lr=lr)
+    path = _shared_path(model, kwargs)
+    if path is not None and path.is_file():
+        return _read_reference(path, model, kwargs)
     losses, _, net = reference_run(model, **kwargs)
     defaults = {name: p.default for name, p in inspect.signature(reference_run).parameters.items()}
     batch, threads, norm = (kwargs.get(key, defaults[key]) for key in ("global_batch", "threads", "norm"))
@@ -225,7 +242,43 @@ def parity_reference(model: str = "cnn", optimizer: str = "adam", lr: float = 1e
     for changes in noise_reruns(batch, 1, threads, batch_statistics=norm != "group").values():
         noise_losses, _, noise_net = reference_run(model, **{**kwargs, **changes})
         noise.append((noise_losses, _named(noise_net)))
-    return ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))
+    reference = ParityReference(losses, net, noise, adam_lr_of(optimizer, lr))
+    if path is not None:
+        _write_reference(path, reference)
+    return reference
+
+
+def _shared_path(model: str, kwargs: dict) -> Path | None:
+    folder = os.environ.get(SHARED_REFERENCES_ENV)
+    if not folder:
+        return None
+    key = repr((model, sorted(kwargs.items()), [os.environ.get(k) for k in DISPATCH_ENV], torch.__version__))
+    return Path(folder) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def _write_reference(path: Path, reference: ParityReference) -> None:
+    """Written whole, then renamed into place: a process reading it never sees a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "losses": reference.losses,
+        "state": reference.net.state_dict(),
+        "noise": reference.noise,
+        "adam_lr": reference.adam_lr,
+    }
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(record, partial)
+    os.replace(partial, path)
+
+
+def _read_reference(path: Path, model: str, kwargs: dict) -> ParityReference:
+    """The stored reference, its model rebuilt as reference_run builds it and given the stored state."""
+    record = torch.load(path, weights_only=True)
+    norm = kwargs.get("norm", "group")
+    with torch.random.fork_rng():  # building draws initial weights: the caller's generator is left as found
+        net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
+    net.load_state_dict(record["state"])
+    noise = [(losses, params) for losses, params in record["noise"]]
+    return ParityReference(record["losses"], net, noise, record["adam_lr"])
 
 
 def vit_reference(cfg, data_size: int) -> ParityReference:

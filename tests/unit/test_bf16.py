@@ -15,7 +15,8 @@ def test_a_bf16_row_is_grouped_with_the_bf16_baseline():
     from parallel_lab.report.table import Row, baseline_key
 
     def row(strategy: str, options: dict) -> Row:
-        same = dict(model="cnn", global_batch=64, steps=20, data="synthetic", optimizer="adam", lr=1e-3, norm="group")
+        same = dict(model="cnn", params=321290, global_batch=64, steps=20, data="synthetic", optimizer="adam", lr=1e-3)
+        same.update(norm="group")
         return Row(strategy, SimpleNamespace(strategy=strategy, strategy_options=options, **same))
 
     single_fp32, single_bf16 = row("single", {"precision": "fp32"}), row("single", {"precision": "bf16"})

@@ -1,6 +1,7 @@
 """Context parallelism's attention (parallel_lab/strategies/cp) on 2 real gloo ranks, each against
 plain full attention computed here: ring attention's forward and its own backward (dq, dk, dv),
-Ulysses' all-to-alls, DeepSpeed's DistributedAttention, and the bytes each sends."""
+Ulysses' all-to-alls, DeepSpeed's DistributedAttention, and the bytes each sends; the gpt's causal
+attention with grouped-query heads the same way (the load-balanced ring on chunks r and 3-r of 4)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,42 @@ def _reference() -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
+KV = 2  # the causal case's kv heads: each serves H / KV = 2 query heads
+
+
+def _causal_full(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, H, T, D))
+    return tuple(torch.randn(*shape, generator=g, dtype=torch.float64) for shape in shapes)  # q, k, v, dout
+
+
+def _causal_reference() -> tuple[torch.Tensor, ...]:
+    """Causal grouped-query attention on one process, written out here: output and dq, dk, dv."""
+    q, k, v, dout = (t.clone().requires_grad_(i < 3) for i, t in enumerate(_causal_full(1)))
+    wide_k, wide_v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
+    scores = (q @ wide_k.transpose(-2, -1) / D**0.5).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ wide_v
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _mine(t: torch.Tensor, rank: int, impl: str) -> torch.Tensor:
+    """This rank's tokens of a full (B, heads, T, D) tensor: the gpt's pieces (cp/parallelize.py)."""
+    from parallel_lab.strategies.cp.parallelize import token_pieces
+
+    return torch.cat([t.narrow(2, start, n) for start, n in token_pieces(T, 2, rank, impl)], dim=2)
+
+
 def cp_attention_body(rank: int, world_size: int) -> None:
     """This rank's tokens of q, k, v through each cp attention; prints its outputs, grads and bytes."""
-    print(json.dumps({impl: _attend(rank, world_size, impl) for impl in IMPLS}))
+    results = {impl: _attend(rank, world_size, impl) for impl in IMPLS}
+    results.update({f"causal-{impl}": _attend(rank, world_size, impl, causal=True) for impl in IMPLS})
+    print(json.dumps(results))
 
 
-def _attend(rank: int, world_size: int, impl: str) -> dict:
+def _attend(rank: int, world_size: int, impl: str, causal: bool = False) -> dict:
     from parallel_lab.comm.counter import CommCounter
+    from parallel_lab.models.gpt import CausalCore
     from parallel_lab.models.vit import AttentionCore
     from parallel_lab.strategies.cp.comm import CPGroup
     from parallel_lab.strategies.cp.parallelize import ContextParallelCore
@@ -43,9 +73,12 @@ def _attend(rank: int, world_size: int, impl: str) -> dict:
         import_deepspeed().init_distributed(dist_backend="gloo")  # adopts run_ranks' process group
 
     cp = CPGroup(None, rank, world_size, tuple(range(world_size)))
-    mine = [t.chunk(world_size, dim=2)[rank].clone() for t in _full(0)]
+    if causal:
+        mine = [_mine(t, rank, impl).clone() for t in _causal_full(1)]
+    else:
+        mine = [t.chunk(world_size, dim=2)[rank].clone() for t in _full(0)]
     q, k, v = (t.requires_grad_() for t in mine[:3])
-    core = ContextParallelCore(AttentionCore(D), cp, impl)
+    core = ContextParallelCore((CausalCore if causal else AttentionCore)(D), cp, impl, causal=causal)
     counter = CommCounter().install()
     with counter.counting():
         out = core(q, k, v)
@@ -79,6 +112,7 @@ def test_deepspeed_ulysses_builds_no_cpp_op(cp_outputs, extensions_dir):
 
 
 IMPLS = ("ring", "ulysses", "deepspeed")
+GPT = ["model=gpt", "data=tokens"]
 
 
 @pytest.mark.floats
@@ -100,11 +134,43 @@ def test_cp_attention_is_full_attention_forward_and_backward(cp_outputs, impl):
         assert got["bytes"] == want, (rank, got["bytes"], want)
 
 
+@pytest.mark.floats
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_causal_cp_attention_is_causal_gqa_attention(cp_outputs, impl):
+    """The gpt's causal attention with 2 kv heads for 4 query heads: each rank's output and dq, dk,
+    dv are its tokens' rows of the one-process causal attention's (the ring's rank r holds chunks r
+    and 3-r of 4, Ulysses' the r-th half); the bytes: the ring's 3 hops of K/V blocks kv_heads
+    wide (half the queries' bytes), Ulysses' q and output H wide, k and v KV wide, each way."""
+    ref = _causal_reference()
+    q_bytes, kv_bytes = B * H * (T // 2) * D * 8, B * KV * (T // 2) * D * 8
+    want = {"isend": 3 * 2 * kv_bytes} if impl == "ring" else {"all_to_all_single": 2 * (2 * q_bytes + 2 * kv_bytes)}
+    for rank, out in enumerate(cp_outputs):
+        got = out[f"causal-{impl}"]
+        for name, mine, full in zip(("out", "dq", "dk", "dv"), got["tensors"], ref, strict=True):
+            expected = _mine(full, rank, impl)
+            assert torch.allclose(torch.tensor(mine, dtype=torch.float64), expected, atol=1e-12), (rank, name)
+        assert got["bytes"] == want, (rank, got["bytes"], want)
+
+
 REFUSALS = {  # overrides -> what the one line must name
     "tokens": (["strategy=ddp", "strategy.cp=3", "world_size=3"], ["strategy.cp=3", "64 tokens", "model.patch"]),
     "heads": (["strategy=ddp", "strategy.cp=8", "strategy.cp_impl=ulysses", "world_size=8"], ["model.heads=4"]),
     "model": (["strategy=ddp", "strategy.cp=2", "model=cnn"], ["model=cnn", "use model=vit"]),
-    "gpt": (["strategy=ddp", "strategy.cp=2", "model=gpt"], ["model=gpt", "use model=vit"]),
+    "gpt-seq": (["strategy=ddp", "strategy.cp=2", *GPT, "model.seq=6"], ["model.seq=6", "2 x strategy.cp=2", "4"]),
+    "gpt-seq-ulysses": (
+        ["strategy=ddp", "strategy.cp=4", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.seq=6"],
+        ["model.seq=6", "multiple of 4"],
+    ),
+    "gpt-kv": (
+        ["strategy=ddp", "strategy.cp=4", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
+        ["model.kv_heads=2", "strategy.cp_impl=ring"],
+    ),
+    "gpt-tp": (["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT], ["strategy.tp=1"]),
+    "moe": (
+        ["strategy=ddp", "strategy.cp=2", "model.moe_experts=4", "model.moe_topk=2"],
+        ["model.moe_experts=4", "strategy.cp=1"],
+    ),
     "dropout": (["strategy=ddp", "strategy.cp=2", "model.dropout=0.1"], ["model.dropout=0.1", "model.dropout=0"]),
     "world": (["strategy=ddp", "strategy.cp=4", "world_size=2"], ["world_size=2", "world_size=4"]),
     "fsdp1": (["strategy=fsdp", "strategy.cp=2", "strategy.version=1"], ["strategy.version=2"]),

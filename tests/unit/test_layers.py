@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.source import nodes
+
 PACKAGE = Path(__file__).resolve().parents[2] / "parallel_lab"
 DOCS = PACKAGE.parent / "docs" / "architecture.md"
 
@@ -125,7 +127,7 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     known = modules(package)
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in known.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[module].update(_targets(module, node, path.name == "__init__.py", known))
             elif (arg := _dynamic_call(node)) is not None:
@@ -142,7 +144,7 @@ def unlisted_dynamic_imports(package: Path = PACKAGE) -> tuple[list[str], list[t
     DYNAMIC_IMPORTS entries no code has any more)."""
     known, unlisted, seen = modules(package), [], set()
     for module, path in sorted(known.items()):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             arg = _dynamic_call(node)
             if arg is None or dynamic_targets(module, arg, known) is not None:
                 continue
@@ -221,19 +223,19 @@ def strategy_names() -> set[str]:
 _OVERRIDE = re.compile(r"(?<![\w.])strategy(?:\.name)?=([\w,]+)")
 
 
-def _string_texts(tree: ast.Module):
+def _string_texts(walked: tuple[ast.AST, ...]):
     """(line, text, is_fstring) of every string in the code, docstrings left out; an f-string's
     text has ``{}`` for each replacement field."""
     docstrings = {
         id(node.body[0].value)
-        for node in ast.walk(tree)
+        for node in walked
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
         and node.body
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
-    parts_of_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-    for node in ast.walk(tree):
+    parts_of_fstrings = {id(v) for n in walked if isinstance(n, ast.JoinedStr) for v in n.values}
+    for node in walked:
         if isinstance(node, ast.JoinedStr):
             text = "".join(str(v.value) if isinstance(v, ast.Constant) else "{}" for v in node.values)
             yield node.lineno, text, True
@@ -250,7 +252,7 @@ def named_strategies(names: set[str], package: Path = PACKAGE) -> list[str]:
     for module, path in sorted(modules(package).items()):
         if package_of(module) == "strategies":
             continue
-        for line, text, fstring in _string_texts(ast.parse(path.read_text(), str(path))):
+        for line, text, fstring in _string_texts(nodes(path)):
             hits = {text} if text in names else set()
             if fstring and text.split("{}", 1)[0] in names:
                 hits.add(text.split("{}", 1)[0])

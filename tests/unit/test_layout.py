@@ -32,6 +32,7 @@ CONFIGS = {  # model -> the model.* keys of each config checked
         {"ffn": 100, "positions": "rotary", "bias": False},
         {"preset": "narayanan_1.7b"},
         {"preset": "llama3_8b", "layers": 2},
+        {"layers": 4, "moe_experts": 4, "moe_every": 2},
     ],
 }
 CASES = [(name, keys) for name, configs in CONFIGS.items() for keys in configs]

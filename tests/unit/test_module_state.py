@@ -13,6 +13,7 @@ or ``setattr`` on it, from a function where the name is not a local.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from tests.unit.test_layers import modules  # one walk of the package, shared with the layer check
@@ -121,21 +122,32 @@ def findings(files: dict[str, Path]) -> tuple[list[str], dict[tuple[str, str], l
     globals_found: list[str] = []
     changed: dict[tuple[str, str], list[str]] = {}
     for module, path in sorted(files.items()):
-        tree = ast.parse(path.read_text(), str(path))
-        top = _top_level_names(tree)
         parts = path.parts
         where = "/".join(parts[len(parts) - 1 - parts[::-1].index(module.split(".")[0]) :])
-        for function in ast.walk(tree):
-            if isinstance(function, ast.Global):
-                globals_found.append(f"{where}:{function.lineno}: global {', '.join(function.names)}")
-            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            local = _locals(function)
-            for node in _own_nodes(function):
-                for name in _changed(node):
-                    if name in top and name not in local:
-                        lines = changed.setdefault((module, name), [])
-                        lines += [] if f"{where}:{node.lineno}" in lines else [f"{where}:{node.lineno}"]
+        found, changes = _file_findings(path.read_text(), where)
+        globals_found += found
+        for name, lines in changes.items():
+            changed[(module, name)] = lines
+    return globals_found, changed
+
+
+@functools.lru_cache(maxsize=None)  # three tests read the same package: each text is walked once
+def _file_findings(text: str, where: str) -> tuple[list[str], dict[str, list[str]]]:
+    tree = ast.parse(text, where)
+    top = _top_level_names(tree)
+    globals_found: list[str] = []
+    changed: dict[str, list[str]] = {}
+    for function in ast.walk(tree):
+        if isinstance(function, ast.Global):
+            globals_found.append(f"{where}:{function.lineno}: global {', '.join(function.names)}")
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        local = _locals(function)
+        for node in _own_nodes(function):
+            for name in _changed(node):
+                if name in top and name not in local:
+                    lines = changed.setdefault(name, [])
+                    lines += [] if f"{where}:{node.lineno}" in lines else [f"{where}:{node.lineno}"]
     return globals_found, changed
 
 

@@ -1,7 +1,8 @@
 """The MoE MLP in one process (models/moe.py): the layer against a token-by-token reference, the
 routing's independence of how the batch is split (what makes data and expert parallelism train as
 single does), the capacity's drops, the load-balancing loss by its formula and in the training
-loss, the meta-device forward and the config's one-line refusals. Expert parallelism on real
+loss, the meta-device forward and the config's one-line refusals; the same layer in the gpt's
+blocks (models/gpt.py). Expert parallelism on real
 ranks: tests/integration/test_ep.py."""
 
 from __future__ import annotations
@@ -133,3 +134,48 @@ def test_bad_moe_keys_are_refused_naming_the_value(keys, named):
 
 def test_capacity_formula():
     assert capacity(1.0, 2, 64, 4) == 32 and capacity(1.25, 1, 10, 4) == math.ceil(1.25 * 10 / 4)
+
+
+GPT_MOE = {"name": "gpt", "layers": 4, "hidden": 16, "heads": 2, "seq": 8, "vocab": 32, "moe_experts": E, "moe_topk": K}
+
+
+def test_the_gpt_has_moe_mlps_in_every_moe_every_th_block_and_adds_their_aux_loss():
+    """Blocks 1 and 3 of 4 (moe_every=2) hold E experts of the dense MLP's shape (hidden -> ffn ->
+    hidden) and a router; the training loss is the token cross-entropy plus both layers' weighted
+    load-balancing losses, each Switch's formula on the block's input."""
+    model = build_model(OmegaConf.create(GPT_MOE), seed=0)
+    assert [m.layer for m in moe_layers(model)] == [1, 3]
+    assert [type(getattr(model, f"block{i}").mlp).__name__ for i in range(4)] == ["MLP", "MoEMLP"] * 2
+    assert model.block1.mlp.experts[0].fc1.weight.shape == (64, 16) and model.block1.mlp.router.out_features == E
+    ids = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(0))
+    inputs = {}
+    for i in (1, 3):
+        mlp = getattr(model, f"block{i}").mlp
+        mlp.register_forward_hook(lambda m, args, _out, i=i: inputs.__setitem__(i, args[0].detach()))
+    logits = model(ids)
+    loss = training_loss(model)(logits, ids)
+    with torch.no_grad():
+        expected = sum(0.01 * switch_aux(getattr(model, f"block{i}").mlp, inputs[i]) for i in (1, 3))
+    torch.testing.assert_close(model.aux.total().detach(), expected.float(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, ids) + model.aux.total())
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        ({"mlp": "swiglu"}, "model.mlp=swiglu"),
+        ({"moe_every": 5}, "model.layers=4"),
+        ({"dropout": 0.1}, "model.dropout=0.1"),
+    ],
+)
+def test_bad_gpt_moe_keys_are_refused_naming_the_value(keys, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        validate_model_config(OmegaConf.create({**GPT_MOE, **keys}))
+
+
+def test_tp_on_the_moe_gpt_is_refused_in_one_line():
+    """The gpt's tp loss (vocab-parallel cross-entropy) would drop the load-balancing loss."""
+    from tests.support.model_parallel import assert_one_line_config_error
+
+    overrides = ["model=gpt", "data=tokens", "world_size=2", f"model.moe_experts={E}", f"model.moe_topk={K}"]
+    assert_one_line_config_error("tp", overrides, [f"model.moe_experts={E}", "strategy=tp", "load-balancing loss"])

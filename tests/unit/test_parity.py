@@ -130,3 +130,26 @@ def test_a_reference_leaves_the_thread_count_it_found():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_reference_read_from_the_session_store_is_the_one_computed(tmp_path, monkeypatch):
+    """A reference another process of the session computed (tests/support/reference.py's store) is
+    read back bit for bit: its losses, its final parameters, its noise floor and a forward of its
+    model; a store whose model state is not loaded back would hand every reader initial weights."""
+    from tests.support import reference
+
+    monkeypatch.setenv(reference.SHARED_REFERENCES_ENV, str(tmp_path))
+    args = {"steps": 2, "global_batch": 8, "data_size": 32, "threads": 1}
+    computed = reference.parity_reference.__wrapped__("cnn", **args)
+    (stored,) = tmp_path.glob("*.pt")
+    read = reference.parity_reference.__wrapped__("cnn", **args)
+    assert list(tmp_path.glob("*.pt")) == [stored] and read is not computed
+    assert read.losses == computed.losses and read.adam_lr == computed.adam_lr
+    for (name, want), (same, got) in zip(computed.params.items(), read.params.items(), strict=True):
+        assert name == same and torch.equal(want, got), name
+    for (want_losses, want_params), (got_losses, got_params) in zip(computed.noise, read.noise, strict=True):
+        assert want_losses == got_losses and all(torch.equal(want_params[n], got_params[n]) for n in want_params)
+    x = reference.reference_data("cnn", 8, 1).tensors[0]
+    assert torch.equal(read.net(x), computed.net(x))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # another dispatch: its own entry, not this one
+    assert reference._shared_path("cnn", {**args, "optimizer": "adam", "lr": 1e-3}) != stored

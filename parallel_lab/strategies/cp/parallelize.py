@@ -1,6 +1,8 @@
-"""Context parallelism on the vit (torchtitan's separate parallelize step): the same single-device
-model, changed in place on every cp rank so that rank r holds tokens [r*T/cp, (r+1)*T/cp) of every
-sample of its batch, T = (32/patch)^2.
+"""Context parallelism on the vit and the gpt (torchtitan's separate parallelize step): the same
+single-device model, changed in place on every cp rank so that rank r holds its share of every
+sample's T tokens: on the vit (T = (32/patch)^2) and under the gpt's Ulysses tokens
+[r*T/cp, (r+1)*T/cp); under the gpt's ring chunks r and 2cp-1-r of 2cp (causal.py: the causal work
+balanced, ``token_pieces``).
 
 - ``embed``: its output is sliced to this rank's tokens (a forward hook; the patch convolution and
   the position embedding are cheap, and only this rank's tokens receive gradient);
@@ -12,6 +14,13 @@ sample of its batch, T = (32/patch)^2.
   single takes, on every cp rank. LayerNorm, the MLP, the residuals and the q/k/v/proj Linears act
   token by token and run unchanged on the slice.
 
+The gpt (``parallelize_gpt``): ``embed``'s output is sliced the same way, after the learned
+positions were added to every token, so each token keeps its own; each block's ``attn.positions``
+names the rank's tokens' places for the rotary embedding; the core is causal (the ring: causal.py;
+Ulysses' local core holds every token of its heads, in order, and masks as single does); the head
+acts token by token, so the loss is the cross-entropy of the rank's tokens against their labels
+(the strategy slices the labels, cp/strategy.py): the cp ranks' equal shares average to single's.
+
 Parameter names and state_dict keys do not change (the replaced modules keep the originals'
 children; the attention core has no parameters).
 """
@@ -21,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel_lab.models.gpt import GPT
+from parallel_lab.strategies.cp.causal import causal_ring_attention
 from parallel_lab.strategies.cp.comm import TOKENS, CPGroup, pool_tokens, to_heads, to_sequence
 from parallel_lab.strategies.cp.ring import ring_attention
 
@@ -28,16 +39,18 @@ from parallel_lab.strategies.cp.ring import ring_attention
 class ContextParallelCore(nn.Module):
     """The attention core of one block on this rank's tokens, (batch, heads, tokens/cp, head_dim)
     in and out: ``impl`` ring | ulysses | deepspeed. ``local``: the model's own core (no
-    parameters), which Ulysses and DeepSpeed run on all tokens of heads/cp heads."""
+    parameters), which Ulysses and DeepSpeed run on all tokens of heads/cp heads. ``causal``: the
+    gpt's (the ring then causal.py's load-balanced one)."""
 
-    def __init__(self, local: nn.Module, cp: CPGroup, impl: str) -> None:
+    def __init__(self, local: nn.Module, cp: CPGroup, impl: str, causal: bool = False) -> None:
         super().__init__()
         self.local, self.cp, self.impl = local, cp, impl
+        self.ring = causal_ring_attention if causal else ring_attention
         self.distributed = _deepspeed_attention(local, cp) if impl == "deepspeed" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.local.scale, self.cp)
+            return self.ring(q, k, v, self.local.scale, self.cp)
         if self.distributed is not None and not q.is_meta:  # DeepSpeed's layout: (batch, tokens, heads, d)
             return self.distributed(*(t.transpose(1, 2) for t in (q, k, v)), 0).transpose(1, 2)
         heads = [to_heads(t, self.cp) for t in (q, k, v)]
@@ -89,3 +102,39 @@ def parallelize_vit(model: nn.Module, cp: CPGroup, impl: str) -> nn.Module:
         block.attn.core = ContextParallelCore(block.attn.core, cp, impl)
     model.head = ContextParallelHead(model.head, cp)
     return model
+
+
+def token_pieces(seq: int, cp: int, rank: int, impl: str) -> list[tuple[int, int]]:
+    """The (start, length) pieces of a gpt sequence of ``seq`` tokens cp rank ``rank`` holds: under
+    the ring chunks rank and 2cp-1-rank of 2cp (the causal work balanced, cp/causal.py), under
+    Ulysses and DeepSpeed the rank-th of cp (their all-to-all gathers the tokens in rank order)."""
+    if impl != "ring":
+        return [(rank * (seq // cp), seq // cp)]
+    chunk = seq // (2 * cp)
+    return [(rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk)]
+
+
+def take_tokens(x: torch.Tensor, pieces: list[tuple[int, int]], dim: int = TOKENS) -> torch.Tensor:
+    """This rank's tokens of ``x``: the (start, length) pieces along ``dim``, in order, contiguous."""
+    parts = [x.narrow(dim, start, length) for start, length in pieces]
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def parallelize_gpt(model: nn.Module, cp: CPGroup, impl: str) -> list[tuple[int, int]]:
+    """Shard the gpt's tokens over the cp ranks, in place (the module docstring); returns this
+    rank's pieces of the sequence, which the strategy takes of the labels."""
+    pieces = token_pieces(model.sizes["seq"], cp.size, cp.rank, impl)
+    positions = torch.cat([torch.arange(start, start + length) for start, length in pieces])
+    model.embed.register_forward_hook(lambda _m, _a, out: take_tokens(out, pieces))
+    for block in blocks(model):
+        block.attn.positions = positions
+        block.attn.core = ContextParallelCore(block.attn.core, cp, impl, causal=True)
+    return pieces
+
+
+def parallelize(model: nn.Module, cp: CPGroup, impl: str) -> list[tuple[int, int]] | None:
+    """The model's tokens sharded over the cp ranks (vit or gpt), in place; the gpt's pieces."""
+    if isinstance(model, GPT):
+        return parallelize_gpt(model, cp, impl)
+    parallelize_vit(model, cp, impl)
+    return None

@@ -27,9 +27,15 @@ from parallel_lab.strategies.cp.comm import CPGroup, RingPass
 KV_TAG, DKV_TAG = 11, 12  # the two kinds of hops in flight at once in backward
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One K/V block's attention output and its rows' log-sum-exp."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, future: torch.Tensor | None) -> torch.Tensor:
+    """q k^T * scale, the keys in ``future`` (a (queries, keys) bool mask, None: none) at -inf."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return scores if future is None else scores.masked_fill(future, float("-inf"))
+
+
+def _block(q, k, v, scale: float, future: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's attention output and its rows' log-sum-exp (every row sees a key)."""
+    scores = _scores(q, k, scale, future)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(torch.exp(scores - lse), v), lse
 
@@ -42,9 +48,9 @@ def _merge(out, lse, block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[
     return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
 
 
-def _block_grads(q, k, v, dout, lse, delta, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _block_grads(q, k, v, dout, lse, delta, scale: float, future: torch.Tensor | None = None):
     """(dq, dk, dv) of one K/V block, its probabilities recomputed from the saved log-sum-exp."""
-    probs = torch.exp(torch.matmul(q, k.transpose(-2, -1)) * scale - lse)
+    probs = torch.exp(_scores(q, k, scale, future) - lse)
     dv = torch.matmul(probs.transpose(-2, -1), dout)
     dscores = probs * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
     return torch.matmul(dscores, k) * scale, torch.matmul(dscores.transpose(-2, -1), q) * scale, dv

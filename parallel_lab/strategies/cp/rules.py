@@ -1,7 +1,7 @@
 """``strategy.cp`` in the parent: its options (``ContextOptions``, mixed into a strategy's Options),
 the refusals, and what the planner predicts of it: the bytes each implementation sends per step
-and the meta copy of the cp-sharded vit whose saved tensors are a rank's activations. Torch-free at
-import (the parent refuses bad input before torch is imported)."""
+and the meta copy of the cp-sharded model (vit or gpt) whose saved tensors are a rank's
+activations. Torch-free at import (the parent refuses bad input before torch is imported)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ class ContextOptions:
 
     # context-parallel degree: each sample's tokens are split over cp ranks, which read the same
     # samples and average their gradients like data-parallel ranks; cp must divide the vit's tokens
+    # (the gpt's model.seq; under the gpt's ring 2 x cp must: each rank holds two chunks)
     cp: int = 1
-    cp_impl: ContextImpl = ContextImpl.ring  # ring | ulysses (cp must divide model.heads) | deepspeed
+    # ring | ulysses (cp must divide model.heads, and the gpt's model.kv_heads) | deepspeed
+    cp_impl: ContextImpl = ContextImpl.ring
 
 
 def cp_of(cfg: DictConfig) -> int:
@@ -46,16 +48,8 @@ def vit_tokens(cfg: DictConfig) -> int:
     return (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2
 
 
-def check_context(opts: DictConfig, cfg: DictConfig) -> None:
-    """One line for every context-parallel configuration this project cannot run."""
-    cp, impl = opts.cp, str(opts.cp_impl)
-    if cp < 1:
-        raise ConfigError(f"strategy.cp={cp} must be >= 1 (1 = no context parallelism); e.g. strategy.cp=2")
-    if cp == 1:
-        return
-    if cfg.model.name != "vit":
-        what = "is not built on it (causal, load-balanced ring attention)" if cfg.model.name == "gpt" else "has none"
-        raise ConfigError(f"strategy.cp={cp} shards the vit's tokens; model={cfg.model.name} {what}: use model=vit")
+def _check_vit(cp: int, impl: str, tp: int, cfg: DictConfig) -> dict:
+    """The vit's tokens and heads under cp; returns its sizes."""
     from parallel_lab.models import vit_sizes
 
     sizes, tokens = vit_sizes(cfg.model), vit_tokens(cfg)
@@ -64,12 +58,56 @@ def check_context(opts: DictConfig, cfg: DictConfig) -> None:
             f"strategy.cp={cp} does not divide the {tokens} tokens of model.patch={sizes['patch']}; "
             f"use a strategy.cp that divides {tokens} (or a model.patch whose (32/patch)^2 tokens it divides)"
         )
-    tp = opts.get("tp") or 1
     if impl != "ring" and (sizes["heads"] // tp) % cp:
         held = f"the {sizes['heads'] // tp} heads of a tp rank" if tp > 1 else f"model.heads={sizes['heads']}"
         raise ConfigError(
             f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of {held}; "
             f"use a strategy.cp that divides {sizes['heads'] // tp} or strategy.cp_impl=ring"
+        )
+    return sizes
+
+
+def _check_gpt(cp: int, impl: str, tp: int, cfg: DictConfig) -> dict:
+    """The gpt's sequence and heads under cp (the ring's two chunks, Ulysses' whole kv heads); its sizes."""
+    from parallel_lab.models.gpt_sizes import gpt_sizes
+
+    sizes = gpt_sizes(cfg.model)
+    if tp > 1:
+        raise ConfigError(f"strategy.cp={cp} with strategy.tp={tp} is not built on model=gpt; use strategy.tp=1")
+    parts = 2 * cp if impl == "ring" else cp
+    if sizes["seq"] % parts:
+        why = f"2 x strategy.cp={cp} chunks (the load-balanced causal ring)" if impl == "ring" else f"strategy.cp={cp}"
+        raise ConfigError(
+            f"model.seq={sizes['seq']} does not split into {why}; use a model.seq that is a multiple of {parts}"
+        )
+    for key in ("heads", "kv_heads"):
+        if impl != "ring" and sizes[key] % cp:
+            raise ConfigError(
+                f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of "
+                f"model.{key}={sizes[key]}; use a strategy.cp that divides {sizes[key]} or strategy.cp_impl=ring"
+            )
+    return sizes
+
+
+def check_context(opts: DictConfig, cfg: DictConfig) -> None:
+    """One line for every context-parallel configuration this project cannot run."""
+    cp, impl = opts.cp, str(opts.cp_impl)
+    if cp < 1:
+        raise ConfigError(f"strategy.cp={cp} must be >= 1 (1 = no context parallelism); e.g. strategy.cp=2")
+    if cp == 1:
+        return
+    if cfg.model.name not in ("vit", "gpt"):
+        raise ConfigError(
+            f"strategy.cp={cp} shards a transformer's tokens; model={cfg.model.name} has none: "
+            "use model=vit or model=gpt"
+        )
+    tp = opts.get("tp") or 1
+    sizes = (_check_gpt if cfg.model.name == "gpt" else _check_vit)(cp, impl, tp, cfg)
+    experts = cfg.model.get("moe_experts") or 0
+    if experts:
+        raise ConfigError(
+            f"model.moe_experts={experts} with strategy.cp={cp} is not built (a sample's routing group would "
+            "be split over the cp ranks); use model.moe_experts=0 or strategy.cp=1"
         )
     precision = opts.get("precision") or opts.get("mixed_precision") or "fp32"
     for key, value, fix in (
@@ -92,27 +130,42 @@ def check_context(opts: DictConfig, cfg: DictConfig) -> None:
 def context_comm(cfg: DictConfig, model: nn.Module, data_parallel: int, tp: int = 1) -> dict[str, float]:
     """Bytes per step one cp rank sends for its attention and pool (comm/counter.py's units), with
     b the micro-batch (global batch / accumulation / ``data_parallel`` ranks), t = tokens/cp this
-    rank's tokens, h/tp the width of its heads, A = b*t*(h/tp)*4 one rank's K (or V):
+    rank's tokens, Q = b*t*(h/tp)*4 one rank's queries and K = b*t*(kv width/tp)*4 its keys (or
+    values; the vit's and a gpt without grouped-query attention: K = Q):
 
     - ring: per block and micro-batch, forward (cp-1) hops of K and V, backward (cp-1) of K and V
-      and (cp-1) of dK and dV: ``isend`` 3*(cp-1)*2A;
+      and (cp-1) of dK and dV: ``isend`` 3*(cp-1)*2K (the gpt's causal ring sends whole blocks too);
     - ulysses / deepspeed: per block and micro-batch 4 all-to-alls forward (q, k, v to heads, the
-      output back) and 4 backward, each of A: ``all_to_all_single`` 8A;
-    - the head's pool: a forward all-reduce of (b, h) per micro-batch (counted twice its bytes)."""
+      output back) and their 4 inverses backward: ``all_to_all_single`` 2*(2Q + 2K);
+    - the vit's head pool: a forward all-reduce of (b, h) per micro-batch (counted twice its bytes);
+      the gpt's head acts on each token alone and sends nothing."""
     cp = cp_of(cfg)
     if cp < 2:
         return {}
+    accum = cfg.trainer.grad_accum
+    batch = cfg.trainer.global_batch // accum // data_parallel
+    depth, tokens, dim, kv_dim = _attention_shape(cfg, model)
+    q, k = (batch * (tokens // cp) * (width // tp) * 4 for width in (dim, kv_dim))
+    if str(cfg.strategy.cp_impl) == "ring":
+        comm = {"isend": float(accum * depth * 3 * (cp - 1) * 2 * k)}
+    else:
+        comm = {"all_to_all_single": float(accum * depth * 2 * (2 * q + 2 * k))}
+    if cfg.model.name == "vit":
+        comm["all_reduce"] = float(accum * 2 * batch * dim * 4)
+    return comm
+
+
+def _attention_shape(cfg: DictConfig, model: nn.Module) -> tuple[int, int, int, int]:
+    """(blocks, tokens of a sample, query width, key/value width) of the vit or the gpt."""
+    if cfg.model.name == "gpt":
+        from parallel_lab.models.gpt_sizes import gpt_sizes
+
+        s = gpt_sizes(cfg.model)
+        return s["layers"], s["seq"], s["hidden"], s["kv_heads"] * (s["hidden"] // s["heads"])
     from parallel_lab.strategies.cp.parallelize import blocks
 
-    accum, depth, dim = cfg.trainer.grad_accum, len(blocks(model)), model.embed.pos.shape[-1]
-    batch = cfg.trainer.global_batch // accum // data_parallel
-    a = batch * (vit_tokens(cfg) // cp) * (dim // tp) * 4
-    if str(cfg.strategy.cp_impl) == "ring":
-        comm = {"isend": float(accum * depth * 3 * (cp - 1) * 2 * a)}
-    else:
-        comm = {"all_to_all_single": float(accum * depth * 8 * a)}
-    comm["all_reduce"] = float(accum * 2 * batch * dim * 4)
-    return comm
+    dim = model.embed.pos.shape[-1]
+    return len(blocks(model)), vit_tokens(cfg), dim, dim
 
 
 def add_comm(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]:
@@ -120,12 +173,14 @@ def add_comm(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]
     return {op: comm.get(op, 0.0) + more.get(op, 0.0) for op in {**comm, **more}}
 
 
-def context_meta_vit(cfg: DictConfig, model: nn.Module, cp_rank: int) -> nn.Module:
-    """A meta copy of the vit sharded as cp rank ``cp_rank`` shards it (its collectives only shape
-    their outputs there; DeepSpeed's layer is counted as the hand-written Ulysses, which saves the
-    same tensors): the planner counts what it saves."""
+def context_meta(cfg: DictConfig, model: nn.Module, cp_rank: int) -> nn.Module:
+    """A meta copy of the vit or the gpt sharded as cp rank ``cp_rank`` shards it (its collectives
+    only shape their outputs there; DeepSpeed's layer is counted as the hand-written Ulysses, which
+    saves the same tensors): the planner counts what it saves."""
     from parallel_lab.strategies.cp.comm import CPGroup
-    from parallel_lab.strategies.cp.parallelize import parallelize_vit
+    from parallel_lab.strategies.cp.parallelize import parallelize
 
     cp, impl = cp_of(cfg), str(cfg.strategy.cp_impl)
-    return parallelize_vit(copy.deepcopy(model), CPGroup(None, cp_rank, cp), "ulysses" if impl == "deepspeed" else impl)
+    copied = copy.deepcopy(model)
+    parallelize(copied, CPGroup(None, cp_rank, cp), "ulysses" if impl == "deepspeed" else impl)
+    return copied

@@ -1,9 +1,11 @@
 """``ContextParallel``: what a strategy with ``strategy.cp`` does at run time, mixed into its class
 (ddp, fsdp). The cp ranks of a replica read the same samples (``MeshDims.dp_rank`` ignores cp), each
-runs the vit on its slice of their tokens (``parallelize.py``), and every one of them computes the
-same loss: the strategy's gradient average over all its ranks (DDP's all-reduce over the world,
-FSDP's reduce-scatter over shard x cp) is then the data-parallel average of the whole gradient, as
-torchtitan lays it out (the pool's backward, ``comm.pool_tokens``, says why)."""
+runs the model on its slice of their tokens (``parallelize.py``). On the vit every one of them
+computes the same loss (the pool's backward, ``comm.pool_tokens``, says why); on the gpt each
+computes the cross-entropy of its own tokens, the same number of them on every rank, so the mean of
+the cp ranks' losses is the replica's mean over all its tokens. Either way the strategy's gradient
+average over all its ranks (DDP's all-reduce over the world, FSDP's reduce-scatter over shard x cp)
+is the data-parallel average of the whole gradient, as torchtitan lays it out."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.strategies.cp.comm import CPGroup
-from parallel_lab.strategies.cp.parallelize import parallelize_vit
+from parallel_lab.strategies.cp.parallelize import parallelize, take_tokens, token_pieces
 from parallel_lab.strategies.mesh import Mesh
 
 
@@ -34,7 +36,28 @@ class ContextParallel:
             # import_deepspeed: a plain import would build DeepSpeed's shm comm op (~50 s of C++)
             deepspeed = import_deepspeed()
             deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
-        parallelize_vit(model, self.cp_group, str(self.opts.cp_impl))
+        self.cp_pieces = parallelize(model, self.cp_group, str(self.opts.cp_impl))
+        if self.cp_pieces is not None:  # the gpt: each rank's loss over its own tokens' labels
+            whole, pieces = self.loss_fn, self.cp_pieces
+            self.loss_fn = lambda logits, labels: whole(logits, take_tokens(labels, pieces))
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The gpt's logits of every token, gathered from the cp ranks (each computed its own): every
+        cp rank then scores the whole sequence, as on the vit, whose pool gives each the same logits."""
+        logits = super().predict(inputs)
+        if getattr(self, "cp_pieces", None) is None:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.layout.cp)]
+        dist.all_gather(parts, logits.contiguous(), group=self.cp_group.group)
+        seq, impl = sum(length for _, length in self.cp_pieces), str(self.opts.cp_impl)
+        whole = logits.new_empty(*logits.shape[:2], seq * self.layout.cp)
+        for rank, part in enumerate(parts):
+            at = 0
+            for start, length in token_pieces(seq * self.layout.cp, self.layout.cp, rank, impl):
+                whole[:, :, start : start + length] = part[:, :, at : at + length]
+                at += length
+        return whole
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """Every cp rank of a replica holds the replica's loss: the mean over all ranks is the mean

@@ -116,6 +116,9 @@ def balanced_comm(cfg: DictConfig, model: nn.Module, micro_batch: int) -> dict[s
 
 
 def _tokens(cfg: DictConfig) -> int:
-    from parallel_lab.models import IMAGE, vit_sizes
+    """A sample's tokens: the vit's patches or the gpt's model.seq."""
+    from parallel_lab.models import IMAGE, sample_shape, vit_sizes
 
+    if cfg.model.name == "gpt":
+        return sample_shape(cfg.model)[0]
     return (IMAGE // vit_sizes(cfg.model)["patch"]) ** 2

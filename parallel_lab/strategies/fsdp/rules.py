@@ -13,18 +13,19 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.models.specs import sample_shape
 from parallel_lab.strategies.cp.rules import (
     ContextOptions,
     add_comm,
     check_context,
     context_comm,
-    context_meta_vit,
+    context_meta,
     cp_of,
 )
 from parallel_lab.strategies.ep.rules import check_ep, ep_degree
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
-from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.registry import register_rules
 
 if TYPE_CHECKING:
@@ -262,8 +263,8 @@ class FSDPPlan(PlanRules):
 
             model = split_meta_vit(cfg, model, rank)
         if cp > 1:  # the cp-sharded vit (cp/rules.py), on the tp split's heads
-            model = context_meta_vit(cfg, model, cls.dims(cfg).coords(rank)["cp"])
-        return saved(model, micro, SAMPLE_SHAPE, True), micro
+            model = context_meta(cfg, model, cls.dims(cfg).coords(rank)["cp"])
+        return saved(model, micro, sample_shape(cfg.model), True), micro
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:

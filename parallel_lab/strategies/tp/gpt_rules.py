@@ -25,6 +25,12 @@ def check_gpt_split(cfg: DictConfig, opts: DictConfig) -> None:
             f"strategy.impl={opts.impl} with model=gpt: the vocab-parallel embedding and cross-entropy are "
             "the manual split's (tp/vocab.py); use strategy.impl=manual"
         )
+    experts = cfg.model.get("moe_experts") or 0
+    if experts:  # VocabParallelLoss is the cross-entropy alone: the MoE layers' aux loss would be lost
+        raise ConfigError(
+            f"model.moe_experts={experts} with strategy=tp on model=gpt: the vocab-parallel loss does not add "
+            "the load-balancing loss; use model=vit for tp x MoE or model.moe_experts=0"
+        )
     sizes, tp = gpt_sizes(cfg.model), opts.tp
     for key, what in SPLIT_SIZES:
         if sizes[key] % tp:

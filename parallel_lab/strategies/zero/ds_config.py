@@ -32,9 +32,13 @@ def build_ds_config(cfg: DictConfig, opts: DictConfig) -> dict:
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
     }
-    if opts.stage == 1:
+    if opts.stage == 1 and not (opts.get("ep") or 1) > 1:
         # ZeRO-1 as in the paper: gradients stay whole during backward and are reduced once at
         # the accumulation boundary (no per-bucket hooks; those make stage 1 behave like 2).
+        # Not under strategy.ep: that path (allreduce_bucket, 0.19.8) divides the experts'
+        # gradients by their expert-data-parallel size instead of the data-parallel size, ep times
+        # too large (measured: zero1 ep=2 failed parity at 195x the envelope; with DeepSpeed's
+        # default contiguous gradients it passes, as zero0 and zero2 do).
         zero.update(contiguous_gradients=False, overlap_comm=False)
     if opts.stage == 3:
         # Partition every parameter (DeepSpeed keeps ones below 100k elements whole by default,

@@ -43,7 +43,10 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.strategies.cp.rules import add_comm
+from parallel_lab.strategies.ep.rules import ep_degree, expert_ids, local_expert_numels
 from parallel_lab.strategies.memory import optimizer_bytes_per_param
+from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES
 
 ALIGNMENT_PER_RANK = 2  # deepspeed stage_1_and_2: nccl_start_alignment_factor
@@ -112,11 +115,27 @@ def zero_settings(cfg: DictConfig) -> dict | None:
     }
 
 
+def zero_groups(cfg: DictConfig, model: torch.nn.Module, rank: int) -> list[tuple[list[int], int, int]]:
+    """Each flat group of stages 1-2: (its element counts, the ranks it is partitioned over, this
+    rank's place among them). One group of every parameter over the world; under strategy.ep the
+    dense parameters over the world and this rank's experts over their expert-data-parallel group
+    (ranks rank % ep, rank % ep + ep, ...: DeepSpeed's ``_create_expert_and_data_parallel``), as
+    ``split_params_into_different_moe_groups_for_optimizer`` groups them (ds_moe.py)."""
+    ep = ep_degree(cfg)
+    if ep == 1:
+        return [([p.numel() for p in model.parameters()], cfg.world_size, rank)]
+    experts = expert_ids(model)
+    dense = [p.numel() for p in model.parameters() if id(p) not in experts]
+    local = local_expert_numels(MeshDims(replicate=cfg.world_size, ep=ep), model, rank)
+    return [(dense, cfg.world_size, rank), (local, cfg.world_size // ep, rank // ep)]
+
+
 def predict_zero_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
     s = zero_settings(cfg)
     if s is None:
         return None
-    numels = [p.numel() for p in model.parameters()]
+    groups = zero_groups(cfg, model, rank)
+    numels = [n for group, _, _ in groups for n in group]
     world, stage, k = cfg.world_size, cfg.strategy.stage, optimizer_bytes_per_param(cfg.trainer)
     w, offload = s["w"], s["offload"]
     total = sum(numels)
@@ -138,11 +157,13 @@ def predict_zero_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> d
             "optim_bytes": k * part,
             "comm_buffer_bytes": s["reduce_bucket_size"] * s["comm_bytes"] if s["contiguous_gradients"] else 0,
         }
-    padded, part = flat_partition(numels, world)
+    padded = sum(flat_partition(group, ways)[0] for group, ways, _ in groups)
+    part = sum(flat_partition(group, ways)[1] for group, ways, _ in groups)
     if stage == 1:
         grads = w * total + (4 * part if offload else 0)
     else:
-        grads = 4 * part if offload else w * stage2_grad_numel(numels, world, rank)
+        held = sum(stage2_grad_numel(group, ways, place) for group, ways, place in groups)
+        grads = 4 * part if offload else w * held
     buckets = 0
     if s["contiguous_gradients"] or offload:  # stage_1_and_2: contiguous_gradients or cpu_offload
         buckets = s["reduce_bucket_size"] * w * (2 if s["overlap_comm"] else 1)
@@ -167,12 +188,44 @@ def predict_zero_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dic
         return None
     if cfg.world_size < 2:
         return {}
-    numels = [p.numel() for p in model.parameters()]
     world, stage, w, c = cfg.world_size, cfg.strategy.stage, s["w"], s["comm_bytes"]
     if stage == 3:
+        numels = [p.numel() for p in model.parameters()]
         full = stage3_partition_numel(numels, world) * world
         return {"all_gather_single": 2.0 * w * full, "reduce_scatter_single": float(c * full)}
-    comm = {"all_reduce": 2.0 * c * sum(numels)}
+    if ep_degree(cfg) == 1:
+        return zero_group_comm(stage, zero_groups(cfg, model, rank), w, c)
+    comm = zero_group_comm(stage, zero_groups(cfg, model, rank), w, c, cfg.trainer.grad_accum)
+    micro = cfg.trainer.global_batch // (world * cfg.trainer.grad_accum)
+    return add_comm(comm, deepspeed_moe_comm(cfg, model, micro))
+
+
+def zero_group_comm(
+    stage: int, groups: list[tuple[list[int], int, int]], w: int, c: int, micro_batches: int = 1
+) -> dict[str, float]:
+    """Stages 0-2, counted on gloo: every group's gradients all-reduced over its ranks (DeepSpeed
+    calls it on a group of one rank too: counted, nothing moves), at stage 2 once per micro-batch
+    (its hooks reduce each bucket in every backward; stages 0-1 once, at the boundary: measured
+    under ep with trainer.grad_accum=2); stages 1-2 all-gather the updated partitions of each
+    group partitioned over more than one rank. Without ep the planner counts one reduction per
+    step at every stage (``micro_batches`` 1)."""
+    reductions = micro_batches if stage == 2 else 1
+    comm = {"all_reduce": sum(2.0 * c * reductions * sum(group) for group, _, _ in groups)}
     if stage >= 1:
-        comm["all_gather_single"] = float(w * flat_partition(numels, world)[0])
+        comm["all_gather_single"] = sum(float(w * flat_partition(g, ways)[0]) for g, ways, _ in groups if ways > 1)
     return comm
+
+
+def deepspeed_moe_comm(cfg: DictConfig, model: torch.nn.Module, micro_batch: int) -> dict[str, float]:
+    """Bytes per step per rank of DeepSpeed's MoE layer with every expert equally loaded (ds_moe.py):
+    per MoE layer and sample, four all-to-alls (dispatch, combine, and both again in backward) of
+    its E x C x h fp32 buffer, C = ceil(k x S / E), and the capacity's all-reduce (one int64)."""
+    from parallel_lab.strategies.ep.rules import _moe_layers, _tokens
+
+    samples = micro_batch * cfg.trainer.grad_accum
+    out = {"all_to_all_single": 0.0, "all_reduce": 0.0}
+    for moe in _moe_layers(model):
+        per_expert = -(-moe.topk * _tokens(cfg) // moe.num_experts)
+        out["all_to_all_single"] += samples * 4 * moe.num_experts * per_expert * moe.router.in_features * 4
+        out["all_reduce"] += samples * 2 * 8
+    return out

@@ -12,6 +12,8 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.ep.rules import check_ep, ep_degree
+from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules
 from parallel_lab.strategies.registry import register_rules
@@ -75,8 +77,8 @@ class ZeroOptions(StrategyOptions):
     # a DeepSpeed JSON config of yours, taken unedited: what it sets is what the run does (batch,
     # clipping, optimizer, schedule, bf16, ZeRO keys); an explicit override contradicting it is refused
     ds_config: Optional[str] = None
-    # Expert parallelism (docs/moe.md): refused here. DeepSpeed refuses MoE under ZeRO-3; its MoE
-    # layer under stages 0-2 is not wired to this strategy. 1 = none.
+    # Expert parallelism (docs/moe.md): stages 0-2 run DeepSpeed's own MoE layer (ds_moe.py),
+    # experts sharded over ep data-parallel ranks; ZeRO-3 is refused, as DeepSpeed refuses it. 1 = none.
     ep: int = 1
 
 
@@ -88,7 +90,12 @@ class ZeroPlan(PlanRules):
     @classmethod
     def reshard_refusal(cls, cfg: DictConfig) -> str | None:
         """16-bit ZeRO keeps an fp32 master beside 16-bit weights in layouts (FP16_UnfusedOptimizer at
-        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill."""
+        stage 0, BF16_Optimizer for a user's ds_config) this bridge does not fill. Under ep the
+        experts live in DeepSpeed's layer (ds_moe.py), which the bridge does not scatter either."""
+        if ep_degree(cfg) > 1:
+            return (
+                f"trainer.reshard=true does not scatter experts under strategy.ep={ep_degree(cfg)}; use strategy.ep=1"
+            )
         if cfg.strategy.precision != "fp32" or cfg.strategy.ds_config:
             return (
                 f"trainer.reshard=true into strategy={cfg.strategy.name} needs strategy.precision=fp32 and no "
@@ -105,7 +112,14 @@ class ZeroPlan(PlanRules):
         return dataclasses.replace(layout, shard_stage=stage, shard_ways=ways, regathers_on_recompute=stage == 3)
 
     @classmethod
-    def comm_theory_psi(cls, cfg: DictConfig) -> float:
+    def dims(cls, cfg: DictConfig) -> MeshDims:
+        """Every rank a data-parallel one; under strategy.ep the experts over ep of them."""
+        return MeshDims(replicate=cfg.world_size, ep=ep_degree(cfg))
+
+    @classmethod
+    def comm_theory_psi(cls, cfg: DictConfig) -> float | None:
+        if ep_degree(cfg) > 1:  # the run's routing decides (strategy.py run_comm_theory_psi)
+            return None
         # ZeRO paper section 7: stages 0-2 move 2Ψ per step (reduce-scatter + all-gather of the
         # gradients/parameters); stage 3 adds one more all-gather of the parameters for backward.
         # In bf16 DeepSpeed reduces and gathers bf16 tensors: half the bytes (measured: 1.5 / 1.03
@@ -139,15 +153,7 @@ class ZeroPlan(PlanRules):
             )
         named = _stage_from_name(opts.name)
         if opts.ep != 1:
-            why = (
-                "DeepSpeed refuses MoE under ZeRO-3"
-                if named == 3
-                else "DeepSpeed's MoE layer is not wired to the zero strategies"
-            )
-            raise ConfigError(
-                f"strategy.ep={opts.ep} with strategy={opts.name}: {why}; "
-                "use strategy=ddp, fsdp or tp with strategy.ep, or strategy.ep=1"
-            )
+            check_zero_ep(opts, cfg, named)
         if opts.stage is None:
             opts.stage = named
         if opts.stage not in STAGES:
@@ -192,3 +198,33 @@ class ZeroPlan(PlanRules):
         from parallel_lab.strategies.zero.predict import predict_zero_comm
 
         return predict_zero_comm(cfg, model, rank)
+
+
+def check_zero_ep(opts: DictConfig, cfg: DictConfig, stage: int) -> None:
+    """strategy.ep under ZeRO: stages 0-2 with what DeepSpeed's MoE layer does as the model does
+    (ds_moe.py): top-1 or top-2, dropless, no offload and no file of the user's (check_ep refuses
+    bf16, which strategy.precision mirrors into trainer.precision)."""
+    if stage == 3:
+        raise ConfigError(
+            f"strategy.ep={opts.ep} with strategy={opts.name}: DeepSpeed refuses MoE under ZeRO-3; "
+            "use strategy=zero2 (or ddp, fsdp, tp) with strategy.ep, or strategy.ep=1"
+        )
+    check_ep(cfg, MeshDims(replicate=cfg.world_size, ep=opts.ep))
+    model = cfg.model
+    why = f"with strategy={opts.name} strategy.ep={opts.ep}"
+    if (model.get("moe_topk") or 1) > 2:
+        raise ConfigError(
+            f"model.moe_topk={model.moe_topk} {why}: DeepSpeed's MoE layer gates top-1 or top-2 only; "
+            "use model.moe_topk=1 or 2, or strategy=ddp with strategy.ep"
+        )
+    if model.get("moe_capacity_factor") is not None:
+        raise ConfigError(
+            f"model.moe_capacity_factor={model.moe_capacity_factor} {why}: DeepSpeed's layer renormalises the "
+            "gates over the kept copies, the model does not; use model.moe_capacity_factor=null (dropless)"
+        )
+    for key, bad, fix in (
+        ("offload", opts.offload != "none", "strategy.offload=none"),
+        ("ds_config", bool(opts.ds_config), "no strategy.ds_config"),
+    ):
+        if bad:
+            raise ConfigError(f"strategy.{key}={opts.get(key)} {why} is not wired; use {fix}")

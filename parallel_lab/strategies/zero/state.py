@@ -111,6 +111,8 @@ class ZeroState(State):
             p.ds_tensor.data.narrow(0, 0, numel).copy_(master)
 
     def full_parameters(self) -> list[torch.Tensor]:
+        if self.strategy.experts is not None:  # strategy.ep: each layer's experts gathered (ds_moe.py)
+            return self.strategy.experts.full_parameters(self.engine.module)
         if self.opts.stage == 3:
             import deepspeed
 

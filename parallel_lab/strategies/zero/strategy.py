@@ -59,10 +59,13 @@ from omegaconf import DictConfig
 
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
+from parallel_lab.strategies.ep.groups import ep_rank
 from parallel_lab.strategies.precision import as_compute
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.zero.ds_config import build_ds_config
+from parallel_lab.strategies.zero.ds_moe import DeepSpeedExperts
 from parallel_lab.strategies.zero.memory import ZeroMemory
+from parallel_lab.strategies.zero.predict import zero_group_comm
 from parallel_lab.strategies.zero.rules import STAGES, ZeroPlan, zero_name, zero_stage
 from parallel_lab.strategies.zero.state import ZeroState
 
@@ -150,11 +153,13 @@ class ZeroStrategy(Strategy):
         self.engine = None
         self.ds_config = build_ds_config(cfg, self.opts)
         self._init_step = None  # stage 0 in 16 bits: what became of DeepSpeed's optimizer step at init
+        self.experts: DeepSpeedExperts | None = None  # strategy.ep > 1: the swapped MoE layers
 
     def setup(self, model: torch.nn.Module, make_optimizer: OptimizerFactory) -> None:
         deepspeed = import_deepspeed()
         model = model.to(self.device)
-        optimizer = make_optimizer(model.parameters())
+        self.experts = deepspeed_experts(self, model)  # strategy.ep > 1: DeepSpeed's MoE layer (ds_moe.py)
+        optimizer = make_optimizer(self.experts.param_groups(model) if self.experts else model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config
         )
@@ -207,6 +212,23 @@ class ZeroStrategy(Strategy):
         # The accumulation boundary: clipping at gradient_clipping (= trainer.grad_clip, 0 = off),
         # the optimizer step on each rank's partition, the all-gather of updated weights.
         self.engine.step()
+        if self.experts is not None:
+            self.experts.traffic.steps += 1
+
+    def run_comm_theory_psi(self, num_params: int) -> float | None:
+        """Under ep: the gradients' reductions and gathers of each flat group as DeepSpeed issues
+        them (predict.py ``zero_group_comm``) and the exchanges the step's routing implied
+        (ds_moe.py), in Ψ of the whole model (fp32: strategy.precision=bf16 is refused with ep)."""
+        if self.experts is None:
+            return super().run_comm_theory_psi(num_params)
+        experts = {id(p) for p in self.experts.expert_parameters()}
+        dense = [p.numel() for p in self.engine.module.parameters() if id(p) not in experts]
+        local = [p.numel() for p in self.experts.expert_parameters()]
+        world, rank, ep = self.env.world_size, self.env.rank, self.layout.ep
+        groups = [(dense, world, rank), (local, world // ep, rank // ep)]
+        reduced = sum(zero_group_comm(self.opts.stage, groups, 4, 4, self.cfg.trainer.grad_accum).values())
+        routed = sum(self.experts.theory_bytes_per_step().values())
+        return (reduced + routed) / (4 * num_params)
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -217,6 +239,8 @@ class ZeroStrategy(Strategy):
         extras = {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
         if self._init_step:
             extras["zero0_init_step"] = self._init_step
+        if self.experts is not None:
+            extras.update(self.experts.metrics())
         return extras
 
     def teardown(self) -> None:
@@ -224,6 +248,13 @@ class ZeroStrategy(Strategy):
             self.engine.destroy()  # releases stage-3 hooks and buffers
         self.engine = None
         super().teardown()
+
+
+def deepspeed_experts(strategy: ZeroStrategy, model: torch.nn.Module) -> DeepSpeedExperts | None:
+    """The model's MoE MLPs swapped for DeepSpeed's layer, None at strategy.ep=1."""
+    if strategy.layout.ep == 1:
+        return None
+    return DeepSpeedExperts(model, strategy.layout.ep, ep_rank(strategy.layout, strategy.env.rank))
 
 
 def use_deepspeed_checkpointing(model: torch.nn.Module, ds_config: dict) -> None:

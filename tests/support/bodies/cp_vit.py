@@ -1,6 +1,7 @@
-"""Distributed test body for context parallelism on the vit (run with parallel_lab.cli.run.run_ranks
-by tests/integration/test_cp_vit.py): each configuration trains through the real loop in one set
-of ranks and is checked against things computed here."""
+"""Distributed test body for context parallelism on the vit and the gpt (run with
+parallel_lab.cli.run.run_ranks by tests/integration/test_cp_vit.py): each configuration trains
+through the real loop in one set of ranks and is checked against things computed here (the gpt's
+checks: cp_gpt.py). A configuration without a model= override is the vit's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
+from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
@@ -90,7 +92,24 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
 
 
-def cp_vit_body(rank: int, world_size: int, configs: dict[str, list[str]], steps: int, global_batch: int) -> None:
-    """Train each configuration in turn and check it (tests/support/matrix.py judge_each)."""
-    base = ["model=vit", f"world_size={world_size}", "trainer.eval_batches=0"]
-    judge_each(configs, steps, global_batch, base, lambda name, _, cfg, s, m: check(cfg, s, m, rank, name))
+def cp_vit_body(
+    rank: int,
+    world_size: int,
+    configs: dict[str, list[str]],
+    steps: int,
+    global_batch: int,
+    references: dict[str, str] | None = None,
+) -> None:
+    """Train each configuration in turn and check it (tests/support/matrix.py judge_each).
+    references: a gpt configuration's reference model (tests/support/reference.py MODELS)."""
+    base = [f"world_size={world_size}", "trainer.eval_batches=0"]
+    configs = {name: o if any(x.startswith("model=") for x in o) else ["model=vit", *o] for name, o in configs.items()}
+
+    def judge(name: str, _, cfg, strategy, metrics) -> None:
+        if cfg.model.name == "gpt" and cfg.strategy.get("ep", 1) > 1:
+            return check_gpt_ep(cfg, strategy, metrics, rank, name, (references or {})[name])
+        if cfg.model.name == "gpt":
+            return check_gpt(cfg, strategy, metrics, rank, name, (references or {})[name])
+        return check(cfg, strategy, metrics, rank, name)
+
+    judge_each(configs, steps, global_batch, base, judge)
