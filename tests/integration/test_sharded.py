@@ -262,6 +262,9 @@ BF16_CASES = {
     "fsdp-bf16-full": ("strategy=fsdp", "strategy.sharding=full"),
     "fsdp-bf16-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op"),
     "ddp-bf16": ("strategy=ddp",),
+    # stage 2 reduces its buckets in every backward, stage 1 once at the boundary (predict.py zero_group_comm)
+    "zero1-bf16-accum2": ("strategy=zero1", "trainer.grad_accum=2"),
+    "zero2-bf16-accum2": ("strategy=zero2", "trainer.grad_accum=2"),
 }
 
 
@@ -298,7 +301,7 @@ def test_bf16_and_offload_plans_are_exact(request, case):
     """The planner's bf16 (and offload) predictions, stored by the worker as predicted_*, equal
     what the rank measured from DeepSpeed's / FSDP's / DDP's real buffers, to the byte; and the
     communication the run counted is the predicted one (stages 0-2: every step; a few scalar
-    collectives of 8-16 bytes aside)."""
+    collectives of 8-16 bytes aside), with trainer.grad_accum=2 too."""
     from omegaconf import OmegaConf
 
     from parallel_lab.models import build_meta_model

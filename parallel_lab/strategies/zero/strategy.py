@@ -257,7 +257,7 @@ def restore_functional_linear() -> None:
     ``_enable_mem_efficient_linear``, deepspeed/runtime/zero/partition_parameters.py; "This will
     persist unless manually reset") and neither ``engine.destroy()`` nor anything else puts it
     back. Every later ``nn.Linear`` in the process would run it: a run after a zero3 run in the same
-    ranks (tests train many configurations in one set) saved other activations (measured: 532
+    ranks (tests train many configurations in one set) saved other activations (seen: 532
     bytes more per micro-batch on a pp stage). The original waits on
     ``InsertPostInitMethodToModuleSubClasses.linear_bk``, where DeepSpeed's own compile path
     restores it from (deepspeed/compile/init_z3.py); nothing happens before any stage-3 run."""
