@@ -83,6 +83,7 @@ def training_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tenso
         return cross_entropy
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets) + aux.total().to(logits.dtype)
+        total = aux.total()  # None on a pipeline's last chunk without MoE layers (pp/manual.py)
+        return cross_entropy(logits, targets) + (0 if total is None else total.to(logits.dtype))
 
     return loss

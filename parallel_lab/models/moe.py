@@ -50,6 +50,10 @@ class AuxLosses:
     def record(self, layer: int, value: torch.Tensor) -> None:
         self.by_layer[layer] = value
 
+    def clear(self) -> None:
+        """Forget every layer's: a pipeline stage's next forward then records only its own layers."""
+        self.by_layer.clear()
+
     def total(self) -> torch.Tensor | None:
         return sum(self.by_layer.values()) if self.by_layer else None
 

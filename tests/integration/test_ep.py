@@ -43,14 +43,22 @@ def run(tmp_path_factory, name: str, *overrides: str) -> dict:
 # zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 trains in the ddp run's
 # set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1 (make test-all) adds a launch.
 SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2")}
+# pp trains in the same ranks too: the MoE block (block1) cut onto the first stage, the loss on the last
+PP_MOE = ("strategy=pp", "strategy.stages=2", "strategy.cuts=[head]", "world_size=2", SGD, *RUN)
 
 
 @pytest.fixture(scope="module")
-def shared_ep(tmp_path_factory) -> dict[str, dict]:
+def shared_runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("ep_shared")
-    paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in SHARED.items()]
+    runs = {**SHARED, "pp": PP_MOE}
+    paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in runs.items()]
     run_ranks(train_and_record, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
-    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in SHARED}
+    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in runs}
+
+
+@pytest.fixture(scope="module")
+def shared_ep(shared_runs) -> dict[str, dict]:
+    return {name: shared_runs[name] for name in SHARED}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,19 @@ def fsdp_ep(tmp_path_factory) -> dict:
 def test_dropless_ep_trains_as_single_does_aux_loss_included(ddp_ep):
     reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
     reference.assert_run_matches(ddp_ep, "ddp ep=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.floats
+def test_pp_backpropagates_the_load_balancing_loss_of_every_stage(shared_runs):
+    """The MoE block on stage 0, the loss on stage 1: each stage adds its own blocks' aux loss to
+    what it backpropagates and the logged loss is the sum (pp/manual.py), so pp trains as single
+    does (without: step 0's loss lacks stage 0's aux loss, its router lacks that gradient)."""
+    metrics = shared_runs["pp"]
+    assert metrics["strategy_options"]["cuts"] == ["head"]
+    reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(metrics, "pp, the MoE block on stage 0")
 
 
 @pytest.fixture(scope="module")

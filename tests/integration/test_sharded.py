@@ -11,6 +11,7 @@ TORCH_EXTENSIONS_DIR (the Makefile points it inside .venv; so does this module w
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
 from parallel_lab.comm.dist_env import free_port
-from tests.support.bodies.runs import train_and_record
+from tests.support.bodies.runs import train_and_record, train_and_watch_linear
 from tests.support.checks import assert_losses_close, assert_plan_matches
 from tests.support.cli import ROOT, run_cli, write_config
 from tests.support.reference import parity_reference
@@ -86,14 +87,16 @@ def train_in_one_set_of_ranks(root: Path, zero_cases, fsdp_cases, memory_cases) 
     }
     cases |= {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in memory_cases.items()}
     paths = {name: write_config(root / f"{name}.yaml", *overrides) for name, overrides in cases.items()}
-    run_ranks(
-        train_and_record,
-        world_size=2,
-        timeout=600,
-        env=ENV,
-        config_paths=list(paths.values()),
-    )
-    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in cases}
+    outputs = run_ranks(train_and_watch_linear, world_size=2, timeout=600, env=ENV, config_paths=list(paths.values()))
+    kept = [json.loads(out.strip().splitlines()[-1]) for out in outputs]  # per rank: path -> F.linear kept
+    return {
+        name: {
+            **load_metrics(root / name),
+            "run_dir": str(root / name),
+            "linear_kept": [k[str(paths[name])] for k in kept],
+        }
+        for name in cases
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +131,17 @@ def test_fsdp_matches_single_process(sharded_runs, reference, version, sharding)
     assert_parity(metrics, reference)
     if version == 2 and sharding != "no_shard":  # the planner predicts FSDP2's per-parameter shards (measured
         assert_plan_matches(metrics)  # full and grad_op), not FSDP1's flat parameters
+
+
+def test_zero3_teardown_gives_torch_its_own_linear_back(sharded_runs):
+    """ZeRO-3 swaps torch.nn.functional.linear for DeepSpeed's zero3_linear_wrap for the rest of
+    the process; its teardown puts torch's back (zero/strategy.py restore_functional_linear), so
+    after every run of the matrix, on every rank, nn.Linear runs torch's own function again (without
+    the restore: False from the first zero3 run on)."""
+    assert any("zero3" in name for name in sharded_runs)
+    assert {name: run["linear_kept"] for name, run in sharded_runs.items()} == {
+        name: [True, True] for name in sharded_runs
+    }
 
 
 def test_non_deepspeed_strategies_do_not_import_deepspeed():
@@ -248,6 +262,9 @@ BF16_CASES = {
     "fsdp-bf16-full": ("strategy=fsdp", "strategy.sharding=full"),
     "fsdp-bf16-grad_op": ("strategy=fsdp", "strategy.sharding=grad_op"),
     "ddp-bf16": ("strategy=ddp",),
+    # stage 2 reduces its buckets in every backward, stage 1 once at the boundary (predict.py zero_group_comm)
+    "zero1-bf16-accum2": ("strategy=zero1", "trainer.grad_accum=2"),
+    "zero2-bf16-accum2": ("strategy=zero2", "trainer.grad_accum=2"),
 }
 
 
@@ -284,7 +301,7 @@ def test_bf16_and_offload_plans_are_exact(request, case):
     """The planner's bf16 (and offload) predictions, stored by the worker as predicted_*, equal
     what the rank measured from DeepSpeed's / FSDP's / DDP's real buffers, to the byte; and the
     communication the run counted is the predicted one (stages 0-2: every step; a few scalar
-    collectives of 8-16 bytes aside)."""
+    collectives of 8-16 bytes aside), with trainer.grad_accum=2 too."""
     from omegaconf import OmegaConf
 
     from parallel_lab.models import build_meta_model

@@ -149,16 +149,21 @@ class ManualLoop:
             x = self.recv(shape, g - 1, tag=g * m + i).requires_grad_()
         self.use_keys(g, i)
         start = time.perf_counter()
+        if pipe.aux is not None:
+            pipe.aux.clear()  # what this chunk's MoE layers record now is this micro-batch's, theirs alone
         out = pipe.run_chunk(c, x)  # bf16: on copies of the weights, logits in fp32
         if g == 0 and self.keys is not None:
             self.micro_keys[i] = self.keys.keys  # what the embed set, for this rank's later chunks
+        aux = None
         if g == self.n - 1:
-            out = pipe.loss_fn(out, self.ys[i])
+            out = pipe.loss_fn(out, self.ys[i])  # + the last chunk's load-balancing losses
             pipe.losses.append(out.detach())
+        elif pipe.aux is not None and (aux := pipe.aux.total()) is not None:
+            pipe.aux_losses.append(aux.detach())  # an earlier chunk's: its own backward adds it (below)
         self.timed("F", g, start)
         if g < self.n - 1:
             self.send(out.detach(), g + 1, tag=(g + 1) * m + i)
-        return x, out
+        return x, out, aux
 
     def timed(self, op: str, g: int, start: float) -> None:
         """Count the op's compute since ``start`` as busy, and keep it per (op, chunk): the replay
@@ -167,7 +172,10 @@ class ManualLoop:
         self.pipe.busy.seconds += seconds
         self.op_seconds[-1].setdefault((op, g), []).append(seconds)
 
-    def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Micro-batch i's backward through chunk g. ``aux``: the load-balancing losses of the
+        chunk's MoE layers (not the last chunk's, which its loss holds): one more root of the same
+        backward, scaled as the loss is, so every stage's routers get single's gradient."""
         tag = BACKWARD_TAG + g * self.m + i
         # zero bubble: this is B, the weight-gradient GEMMs wait for W (weights)
         split = self.deferred.pass_of((g, i)) if self.deferred else contextlib.nullcontext()
@@ -180,7 +188,10 @@ class ManualLoop:
             grad = self.recv(out.shape, g + 1, tag=tag)
             start = time.perf_counter()
             with split:
-                out.backward(grad)
+                if aux is None:
+                    out.backward(grad)
+                else:
+                    torch.autograd.backward((out, aux / (self.m * self.num_micro)), (grad, None))
         self.timed("B", g, start)
         if g > 0:
             self.send(x.grad, g - 1, tag=tag - self.m)

@@ -136,6 +136,13 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
             "of the first micro-batch to infer shapes, which draws that micro-batch's dropout keys twice; "
             "use strategy.impl=manual"
         )
+    experts = cfg.model.get("moe_experts") or 0
+    if impl != "manual" and experts:
+        raise ConfigError(
+            f"model.moe_experts={experts} with strategy.impl={impl}: its pipeline backpropagates the last "
+            "stage's loss alone, so the load-balancing loss of MoE blocks on earlier stages would be lost; "
+            "use strategy.impl=manual (each stage adds its own)"
+        )
     if impl == "torch" and schedule == "1f1b" and m < p:
         raise ConfigError(
             f"strategy.microbatches={m} < strategy.stages={p}: torch's Schedule1F1B "

@@ -49,6 +49,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.comm.counter import trace_label
+from parallel_lab.models.moe import moe_layers
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
@@ -144,7 +145,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
         )
         self.optimizer = make_optimizer(self.model.parameters())
         self.shapes: dict[tuple, torch.Size] = {}
-        self.busy, self.recv_wait, self.send_time, self.losses = Busy(), 0.0, 0.0, []
+        self.busy, self.recv_wait, self.send_time, self.losses, self.aux_losses = Busy(), 0.0, 0.0, [], []
+        self.aux = model.aux if moe_layers(model) else None  # the MoE layers' load-balancing losses
         # per train_step: (total, busy, recv wait, isend calls) seconds
         self.records: list[tuple[float, float, float, float]] = []
         self.saved = SavedTracker(self.model.parameters())
@@ -206,7 +208,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
 
     # ----- training -----
     def train_step(self, inputs, targets, micro: int, num_micro: int) -> torch.Tensor:
-        self.recv_wait, self.send_time, self.num_micro, self.losses = 0.0, 0.0, num_micro, []
+        self.recv_wait, self.send_time, self.num_micro, self.losses, self.aux_losses = 0.0, 0.0, num_micro, [], []
         self.busy.seconds = 0.0
         self.saved.peak = held_before = self.saved.held
         start = time.perf_counter()
@@ -223,9 +225,12 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
                 dist.barrier(group=self.group)
         self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait, self.send_time))
         self.activation_peak = self.saved.peak - held_before
-        # Only the last stage has the loss; the others return a placeholder (see global_mean_loss).
-        has_loss = bool(self.losses)
-        return torch.stack(self.losses).mean() if has_loss else torch.zeros((), device=self.device)
+        # Only the last stage has the loss; the others return their MoE chunks' load-balancing
+        # losses (mean over the micro-batches) or 0: global_mean_loss sums the stages.
+        local = torch.stack(self.losses).mean() if self.losses else torch.zeros((), device=self.device)
+        if self.aux_losses:
+            local = local + torch.stack(self.aux_losses).sum() / self.opts.microbatches
+        return local
 
     def _torch_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Called by torch per micro-batch (and once on placeholder tensors while it infers shapes).

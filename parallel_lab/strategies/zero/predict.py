@@ -193,9 +193,9 @@ def predict_zero_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dic
         numels = [p.numel() for p in model.parameters()]
         full = stage3_partition_numel(numels, world) * world
         return {"all_gather_single": 2.0 * w * full, "reduce_scatter_single": float(c * full)}
-    if ep_degree(cfg) == 1:
-        return zero_group_comm(stage, zero_groups(cfg, model, rank), w, c)
     comm = zero_group_comm(stage, zero_groups(cfg, model, rank), w, c, cfg.trainer.grad_accum)
+    if ep_degree(cfg) == 1:
+        return comm
     micro = cfg.trainer.global_batch // (world * cfg.trainer.grad_accum)
     return add_comm(comm, deepspeed_moe_comm(cfg, model, micro))
 
@@ -206,9 +206,8 @@ def zero_group_comm(
     """Stages 0-2, counted on gloo: every group's gradients all-reduced over its ranks (DeepSpeed
     calls it on a group of one rank too: counted, nothing moves), at stage 2 once per micro-batch
     (its hooks reduce each bucket in every backward; stages 0-1 once, at the boundary: measured
-    under ep with trainer.grad_accum=2); stages 1-2 all-gather the updated partitions of each
-    group partitioned over more than one rank. Without ep the planner counts one reduction per
-    step at every stage (``micro_batches`` 1)."""
+    with trainer.grad_accum=2, with and without ep); stages 1-2 all-gather the updated partitions
+    of each group partitioned over more than one rank."""
     reductions = micro_batches if stage == 2 else 1
     comm = {"all_reduce": sum(2.0 * c * reductions * sum(group) for group, _, _ in groups)}
     if stage >= 1:

@@ -247,7 +247,24 @@ class ZeroStrategy(Strategy):
         if self.engine is not None and hasattr(self.engine, "destroy"):
             self.engine.destroy()  # releases stage-3 hooks and buffers
         self.engine = None
+        restore_functional_linear()
         super().teardown()
+
+
+def restore_functional_linear() -> None:
+    """Stage 3 swaps ``torch.nn.functional.linear`` for DeepSpeed's ``zero3_linear_wrap`` (its own
+    autograd function: ``Init(module=...)`` in the stage-3 optimizer calls
+    ``_enable_mem_efficient_linear``, deepspeed/runtime/zero/partition_parameters.py; "This will
+    persist unless manually reset") and neither ``engine.destroy()`` nor anything else puts it
+    back. Every later ``nn.Linear`` in the process would run it: a run after a zero3 run in the same
+    ranks (tests train many configurations in one set) saved other activations (seen: 532
+    bytes more per micro-batch on a pp stage). The original waits on
+    ``InsertPostInitMethodToModuleSubClasses.linear_bk``, where DeepSpeed's own compile path
+    restores it from (deepspeed/compile/init_z3.py); nothing happens before any stage-3 run."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def deepspeed_experts(strategy: ZeroStrategy, model: torch.nn.Module) -> DeepSpeedExperts | None:

@@ -8,6 +8,7 @@ start-up (and one DeepSpeed import) per rank instead of one per run."""
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 
 import torch
@@ -38,6 +39,18 @@ def record_run(config_path: str, strategy_cls: type | None = None) -> None:
 def train_and_record(rank: int, world_size: int, config_paths: list[str]) -> None:
     for path in config_paths:
         record_run(path)
+
+
+def train_and_watch_linear(rank: int, world_size: int, config_paths: list[str]) -> None:
+    """train_and_record, noting after each run (torn down) whether torch.nn.functional.linear is
+    still the function it was before the first: ZeRO-3 swaps it for the process unless its teardown
+    puts it back (zero/strategy.py restore_functional_linear). Prints one JSON line: path -> kept."""
+    original = torch.nn.functional.linear
+    kept = {}
+    for path in config_paths:
+        record_run(path)
+        kept[path] = torch.nn.functional.linear is original
+    print(json.dumps(kept))
 
 
 # ----- deliberately broken bf16 data parallelism: the bf16 parity criterion must mark it FAIL -----
