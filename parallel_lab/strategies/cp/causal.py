@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from parallel_lab.strategies.cp.comm import SEQ, CPGroup, RingPass
-from parallel_lab.strategies.cp.ring import DKV_TAG, KV_TAG, _block, _block_grads, _merge
+from parallel_lab.strategies.cp.ring import KV_TAG, _block, _block_grads, _merge, ring_backward
 
 
 def _widen(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -102,21 +102,11 @@ class CausalRingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         scale, cp = ctx.scale, ctx.cp
         delta = (dout * out).sum(dim=-1, keepdim=True)
-        kv, dq, own, carried = torch.stack([k, v]), torch.zeros_like(q), None, None
-        for step in range(cp.size):
-            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None
-            dkv = _gradients(q, kv, dout, lse, delta, scale, cp, step, dq)
-            if step == 0:
-                own = dkv  # this rank's share of its own block: stays home
-            else:  # this block's accumulator, from the rank before (it started one rank after the owner)
-                if carried is not None:
-                    dkv += carried.wait()
-                carried = RingPass(dkv, cp, DKV_TAG)
-            if hop is not None:
-                kv = hop.wait()
-        if carried is not None:  # the last hop brought every other rank's share of this rank's block
-            own = own + carried.wait()
-        return dq, own[0], own[1], None, None
+
+        def block(step: int, kv: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
+            return _gradients(q, kv, dout, lse, delta, scale, cp, step, dq)
+
+        return (*ring_backward(q, torch.stack([k, v]), cp, block), None, None)
 
 
 def causal_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:

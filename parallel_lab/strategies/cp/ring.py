@@ -20,6 +20,8 @@ So a step's bytes per rank per attention: forward (cp - 1) x (K, V); backward (c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from parallel_lab.strategies.cp.comm import CPGroup, RingPass
@@ -78,23 +80,39 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         scale, cp = ctx.scale, ctx.cp
         delta = (dout * out).sum(dim=-1, keepdim=True)
-        kv, dq, own, carried = torch.stack([k, v]), torch.zeros_like(q), None, None
-        for step in range(cp.size):
-            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None
+
+        def block(step: int, kv: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
             dq_j, dk_j, dv_j = _block_grads(q, kv[0], kv[1], dout, lse, delta, scale)
             dq += dq_j
-            dkv = torch.stack([dk_j, dv_j])
-            if step == 0:
-                own = dkv  # this rank's share of its own block: stays home
-            else:  # this block's accumulator, from the rank before (it started one rank after the owner)
-                if carried is not None:
-                    dkv += carried.wait()
-                carried = RingPass(dkv, cp, DKV_TAG)
-            if hop is not None:
-                kv = hop.wait()
-        if carried is not None:  # the last hop brought every other rank's share of this rank's block
-            own = own + carried.wait()
-        return dq, own[0], own[1], None, None
+            return torch.stack([dk_j, dv_j])
+
+        return (*ring_backward(q, torch.stack([k, v]), cp, block), None, None)
+
+
+BlockGrads = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ring_backward(q: torch.Tensor, kv: torch.Tensor, cp: CPGroup, block: BlockGrads):
+    """The ring's backward pass, shared by the plain and the causal ring: K/V go round again, and
+    each block's K/V gradient travels with it, accumulated by every rank it passes, until it comes
+    home to the rank that owns it. ``block(step, kv, dq)`` adds this rank's queries' gradient from
+    the block held at ``step`` into dq and returns the block's (dk, dv) share, stacked.
+    Returns (dq, dk, dv) of this rank's own block."""
+    dq, own, carried = torch.zeros_like(q), None, None
+    for step in range(cp.size):
+        hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None
+        dkv = block(step, kv, dq)
+        if step == 0:
+            own = dkv  # this rank's share of its own block: stays home
+        else:  # this block's accumulator, from the rank before (it started one rank after the owner)
+            if carried is not None:
+                dkv += carried.wait()
+            carried = RingPass(dkv, cp, DKV_TAG)
+        if hop is not None:
+            kv = hop.wait()
+    if carried is not None:  # the last hop brought every other rank's share of this rank's block
+        own = own + carried.wait()
+    return dq, own[0], own[1]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:

@@ -80,14 +80,7 @@ class ExpertParallel:
         """Every parameter of the single model in its order, each MoE layer's experts gathered from
         its ep group (collective); ``whole(p)``: a dense parameter whole (FSDP: gathered)."""
         first = {id(next(moe.experts.parameters())): moe for moe in self.layers}
-        skip = {id(p) for p in self.expert_parameters()}
-        out: list[torch.Tensor] = []
-        for p in model.parameters():
-            if id(p) in first:
-                out += self._gather(first[id(p)])
-            if id(p) not in skip:
-                out.append(whole(p))
-        return out
+        return in_single_order(model, first, {id(p) for p in self.expert_parameters()}, self._gather, whole)
 
     def _gather(self, moe) -> list[torch.Tensor]:
         """All experts' parameters, expert by expert, from the ranks of the ep group."""
@@ -121,3 +114,17 @@ def expert_parallel(strategy, model: nn.Module) -> ExpertParallel | None:
     if strategy.layout.ep == 1:
         return None
     return ExpertParallel(model, strategy.layout, strategy.env.rank, strategy.cfg.dist_timeout_s, strategy.comm)
+
+
+def in_single_order(model: nn.Module, first: dict, held: set[int], gather, whole) -> list[torch.Tensor]:
+    """The single model's parameters in its order from a rank holding a share of the experts:
+    ``first`` maps the id of a layer's first local expert parameter to the layer, where ``gather(layer)``
+    puts every expert's parameters (all ep ranks'); ``held`` are the local experts' ids, left out;
+    every other parameter is ``whole(p)``."""
+    out: list[torch.Tensor] = []
+    for p in model.parameters():
+        if id(p) in first:
+            out += gather(first[id(p)])
+        if id(p) not in held:
+            out.append(whole(p))
+    return out

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from parallel_lab.models.moe import MoEMLP, moe_layers
 from parallel_lab.strategies.ep.dispatch import Traffic
+from parallel_lab.strategies.ep.parallel import in_single_order
 
 CAPACITY_BYTES = 8  # the all-reduce MAX of the capacity: one int64
 
@@ -134,14 +135,7 @@ class DeepSpeedExperts:
         """Every parameter in ``single``'s order (router, then every expert), each layer's experts
         gathered from its ep group (collective)."""
         first = {id(next(layer.local_experts().parameters())): layer for layer in self.layers}
-        skip = {id(p) for p in self.expert_parameters()}
-        out: list[torch.Tensor] = []
-        for p in model.parameters():
-            if id(p) in first:
-                out += self._gather(first[id(p)])
-            if id(p) not in skip:
-                out.append(whole(p))
-        return out
+        return in_single_order(model, first, {id(p) for p in self.expert_parameters()}, self._gather, whole)
 
     def _gather(self, layer: DeepSpeedMoE) -> list[torch.Tensor]:
         local = [p.detach().float() for p in layer.local_experts().parameters()]
