@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel_lab.strategies.cp.comm import SEQ, CPGroup, RingPass
-from parallel_lab.strategies.cp.ring import KV_TAG, _block, _block_grads, _merge, ring_backward
+from parallel_lab.strategies.cp.comm import SEQ, CPGroup
+from parallel_lab.strategies.cp.ring import _block, _block_grads, _merge, ring_backward, ring_forward
 
 
 def _widen(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -86,13 +86,10 @@ class CausalRingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:
-        kv = torch.stack([k, v])  # one message per hop, kv_heads wide
-        out = lse = None
-        for step in range(cp.size):
-            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None  # the next block, in flight
-            out, lse = _attend(q, kv, scale, cp, step, out, lse)
-            if hop is not None:
-                kv = hop.wait()
+        def block(step: int, kv: torch.Tensor, out, lse):
+            return _attend(q, kv, scale, cp, step, out, lse)
+
+        out, lse = ring_forward(torch.stack([k, v]), cp, block)  # K/V kv_heads wide
         ctx.scale, ctx.cp = scale, cp
         ctx.save_for_backward(q, k, v, out, lse)
         return out

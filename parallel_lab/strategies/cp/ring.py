@@ -64,13 +64,10 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: CPGroup) -> torch.Tensor:
-        kv = torch.stack([k, v])  # one message per hop
-        out = lse = None
-        for step in range(cp.size):
-            hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None  # the next block, in flight
-            out, lse = _merge(out, lse, *_block(q, kv[0], kv[1], scale))
-            if hop is not None:
-                kv = hop.wait()
+        def block(step: int, kv: torch.Tensor, out, lse):
+            return _merge(out, lse, *_block(q, kv[0], kv[1], scale))
+
+        out, lse = ring_forward(torch.stack([k, v]), cp, block)
         ctx.scale, ctx.cp = scale, cp
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -87,6 +84,20 @@ class RingAttention(torch.autograd.Function):
             return torch.stack([dk_j, dv_j])
 
         return (*ring_backward(q, torch.stack([k, v]), cp, block), None, None)
+
+
+def ring_forward(kv: torch.Tensor, cp: CPGroup, block: Callable):
+    """The ring's forward pass, shared by the plain and the causal ring: K/V (stacked, one message
+    per hop) go round the cp ranks, the next block in flight while this one is attended to;
+    ``block(step, kv, out, lse)`` merges the block held at ``step`` into the online softmax's
+    (out, lse) and returns them. Returns the final (out, lse)."""
+    out = lse = None
+    for step in range(cp.size):
+        hop = RingPass(kv, cp, KV_TAG) if step + 1 < cp.size else None
+        out, lse = block(step, kv, out, lse)
+        if hop is not None:
+            kv = hop.wait()
+    return out, lse
 
 
 BlockGrads = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
