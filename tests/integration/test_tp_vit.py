@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.bodies.tp_vit import tp_vit_body
-from tests.support.matrix import assert_every_rank_passed, run_configurations
+from tests.support.matrix import assert_every_rank_passed, run_configurations, selected
 
 STEPS, BATCH = 3, 16
 DEFAULT = {  # one set of ranks for the default suite: SP, per-rank dropout masks, both impls
@@ -32,8 +32,9 @@ EXTRA = {
 
 
 @pytest.fixture(scope="module")
-def default_results() -> dict[str, list]:
-    return run_configurations(tp_vit_body, DEFAULT, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH)
+def default_results(request) -> dict[str, list]:
+    configs = selected(request, DEFAULT)  # make test: all three; its foreign-dispatch pass: manual-sp-dropout
+    return run_configurations(tp_vit_body, configs, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,10 @@ DISPATCH: dict[str, str] = {
     "tests/integration/test_spine.py::test_single_and_ddp_match_independent_reference": (
         "plain-torch kernels, single and ddp, against the independent reference"
     ),
-    "tests/integration/test_tp_vit.py": "the transformer: Megatron split, sequence parallelism, per-sample dropout",
+    "tests/integration/test_tp_vit.py::test_tp_vit_is_singles_training_with_the_megatron_bytes[manual-sp-dropout]": (
+        "the transformer: Megatron split, sequence parallelism, per-sample dropout (the dtensor and bf16 ids: "
+        "the same kernels, and the 16-bit tolerance has its own id)"
+    ),
     "tests/integration/test_bf16.py::test_bf16_row_matches_the_bf16_reference[ddp]": (
         "the 16-bit tolerance (one row: the others are the same bf16 kernels under DeepSpeed/FSDP casts)"
     ),

@@ -61,3 +61,15 @@ def assert_every_rank_passed(results: dict[str, list], name: str) -> None:
     """The configuration's checks passed on every rank; else each failing rank's traceback."""
     failed = {rank: error for rank, error in enumerate(results[name]) if error is not None}
     assert not failed, f"{name}:\n" + "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in failed.items())
+
+
+def selected(request, configs: dict[str, list[str]], param: str = "config") -> dict[str, list[str]]:
+    """The configurations this session's selected tests of the fixture's module read (their ``param``),
+    in the matrix's order: make test's second pass selects one id of a file (tests/support/dispatch.py),
+    and training the others under ATen's default kernels would cost it time for nothing."""
+    wanted = {
+        item.callspec.params[param]
+        for item in request.session.items
+        if item.module is request.module and param in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    return {name: overrides for name, overrides in configs.items() if name in wanted}
