@@ -12,7 +12,7 @@ from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
-from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep
+from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
@@ -37,20 +37,8 @@ def cp_bytes(impl: str, cp: int, batch: int, accum: int, tp: int = 1) -> dict[st
 
 
 def gradient_gap(cfg, strategy, full: list[torch.Tensor]) -> float:
-    """Relative L2 distance between the run's gradient of one more batch (DDP's, averaged over every
-    rank) and the single model's gradient of the same batch at the same weights, computed here. The
-    parity criterion under Adam cannot see a gradient scaled by a constant (Adam divides it out);
-    this can (collective: every rank runs it)."""
-    x, y = make_synthetic(cfg.trainer.global_batch, 7).tensors
-    strategy.loss_fn(strategy.model(x), y).backward()
-    got = [p.grad for p in strategy.model.parameters()]
-    ref = build_model(cfg.model, 0)
-    with torch.no_grad():
-        for p, weights in zip(ref.parameters(), full, strict=True):
-            p.copy_(weights)
-    torch.nn.functional.cross_entropy(ref(x), y).backward()
-    gap = sum(float((g - r.grad).pow(2).sum()) for g, r in zip(got, ref.parameters(), strict=True))
-    return (gap / sum(float(r.grad.pow(2).sum()) for r in ref.parameters())) ** 0.5
+    """gradient_gap_on a batch of synthetic images (tests/support/bodies/cp_gpt.py)."""
+    return gradient_gap_on(cfg, strategy, full, *make_synthetic(cfg.trainer.global_batch, 7).tensors)
 
 
 def check(cfg, strategy, metrics, rank: int, label: str) -> None:
