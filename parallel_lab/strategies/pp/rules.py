@@ -139,9 +139,8 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
     experts = cfg.model.get("moe_experts") or 0
     if impl != "manual" and experts:
         raise ConfigError(
-            f"model.moe_experts={experts} with strategy.impl={impl}: its pipeline backpropagates the last "
-            "stage's loss alone, so the load-balancing loss of MoE blocks on earlier stages would be lost; "
-            "use strategy.impl=manual (each stage adds its own)"
+            f"model.moe_experts={experts} with strategy.impl={impl}: its pipeline backpropagates the last stage's "
+            "loss alone (earlier stages' load-balancing losses lost); use strategy.impl=manual, whose stages add theirs"
         )
     if impl == "torch" and schedule == "1f1b" and m < p:
         raise ConfigError(
