@@ -128,7 +128,7 @@ def reference_run(
     whole batch, the one-process training every syncbatch row must match)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
+    net = _build(model, norm)
     if ulp_jitter_seed is not None:
         jitter_one_ulp(net, ulp_jitter_seed)
     data = reference_data(model, data_size, seed)
@@ -153,6 +153,10 @@ def reference_run(
         losses.append(loss.item())
     checksum = float(sum(p.detach().double().sum().item() for p in net.parameters()))
     return losses, checksum, net
+
+
+def _build(model: str, norm: str) -> torch.nn.Module:
+    return MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
 
 
 def _backward(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, parts: int) -> torch.Tensor:
@@ -275,7 +279,7 @@ def _read_reference(path: Path, model: str, kwargs: dict) -> ParityReference:
     record = torch.load(path, weights_only=True)
     norm = kwargs.get("norm", "group")
     with torch.random.fork_rng():  # building draws initial weights: the caller's generator is left as found
-        net = MODELS[model]() if norm == "group" else MODELS[model](norm=norm)
+        net = _build(model, norm)
     net.load_state_dict(record["state"])
     noise = [(losses, params) for losses, params in record["noise"]]
     return ParityReference(record["losses"], net, noise, record["adam_lr"])

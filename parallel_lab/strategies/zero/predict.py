@@ -127,7 +127,13 @@ def zero_groups(cfg: DictConfig, model: torch.nn.Module, rank: int) -> list[tupl
     experts = expert_ids(model)
     dense = [p.numel() for p in model.parameters() if id(p) not in experts]
     local = local_expert_numels(MeshDims(replicate=cfg.world_size, ep=ep), model, rank)
-    return [(dense, cfg.world_size, rank), (local, cfg.world_size // ep, rank // ep)]
+    return expert_flat_groups(dense, local, cfg.world_size, rank, ep)
+
+
+def expert_flat_groups(dense: list[int], local: list[int], world: int, rank: int, ep: int) -> list[tuple]:
+    """Under strategy.ep: the dense parameters partitioned over the world, this rank's experts over
+    their expert-data-parallel group of world / ep ranks, where this rank is rank // ep."""
+    return [(dense, world, rank), (local, world // ep, rank // ep)]
 
 
 def predict_zero_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:

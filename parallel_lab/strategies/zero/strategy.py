@@ -65,7 +65,7 @@ from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.zero.ds_config import build_ds_config
 from parallel_lab.strategies.zero.ds_moe import DeepSpeedExperts
 from parallel_lab.strategies.zero.memory import ZeroMemory
-from parallel_lab.strategies.zero.predict import zero_group_comm
+from parallel_lab.strategies.zero.predict import expert_flat_groups, zero_group_comm
 from parallel_lab.strategies.zero.rules import STAGES, ZeroPlan, zero_name, zero_stage
 from parallel_lab.strategies.zero.state import ZeroState
 
@@ -224,8 +224,7 @@ class ZeroStrategy(Strategy):
         experts = {id(p) for p in self.experts.expert_parameters()}
         dense = [p.numel() for p in self.engine.module.parameters() if id(p) not in experts]
         local = [p.numel() for p in self.experts.expert_parameters()]
-        world, rank, ep = self.env.world_size, self.env.rank, self.layout.ep
-        groups = [(dense, world, rank), (local, world // ep, rank // ep)]
+        groups = expert_flat_groups(dense, local, self.env.world_size, self.env.rank, self.layout.ep)
         reduced = sum(zero_group_comm(self.opts.stage, groups, 4, 4, self.cfg.trainer.grad_accum).values())
         routed = sum(self.experts.theory_bytes_per_step().values())
         return (reduced + routed) / (4 * num_params)
