@@ -10,6 +10,7 @@ without MASTER_ADDR it is rank 0's node in the allocation (its NodeAddr), the po
 
 from __future__ import annotations
 
+import glob
 import ipaddress
 import os
 import re
@@ -17,10 +18,12 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch
+from typing import TYPE_CHECKING
 
 from parallel_lab.errors import ConfigError
+
+if TYPE_CHECKING:  # the parent imports this module (ports, launcher names) and never needs torch
+    import torch
 
 # (rank, world size, local rank) variable names, in order of precedence.
 _RANK_SOURCES = (
@@ -118,8 +121,25 @@ def slurm_port(environ) -> int:
     return 20000 + int(environ.get("SLURM_JOB_ID", 0)) % 20000
 
 
+# Where a GPU driver shows itself without torch: NVIDIA's kernel module and device nodes, and ROCm's
+# /dev/kfd (torch.cuda covers both). Where none of them exists torch sees no GPU either.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def cuda_gpus() -> int:
+    """The CUDA GPUs torch sees here. Without a GPU driver 0, and torch is not imported: the parent
+    (about 1.5 s of CPU to import it) and the zygote's check need no more."""
+    if not any(glob.glob(pattern) for pattern in GPU_DRIVER_PATHS):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     """cuda:{local_rank} + nccl when CUDA is there (or asked for), else cpu + gloo."""
+    import torch
+
     use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
@@ -173,6 +193,8 @@ def init_process_group(env: DistEnv, timeout_s: int) -> None:
     if dist.is_initialized():
         return
     if env.device.type == "cuda":
+        import torch
+
         torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=timeout_s)
     common = dict(backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout)

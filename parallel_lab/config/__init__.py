@@ -10,6 +10,7 @@
 from parallel_lab.config.compose import (
     CONF_DIR,
     CONFIG_GROUPS,
+    Checked,
     available_options,
     check_group_overrides,
     check_overrides_compose,
@@ -22,6 +23,7 @@ from parallel_lab.config.validate import load_run_config, validate, write_run_co
 __all__ = [
     "CONF_DIR",
     "CONFIG_GROUPS",
+    "Checked",
     "Config",
     "available_options",
     "check_group_overrides",

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from hydra.core.config_store import ConfigStore
 from hydra.types import RunMode
@@ -112,12 +113,20 @@ def _sweep_variants(argv: list[str]) -> list[list[str]]:
     return variants
 
 
-def check_overrides_compose(argv: list[str]) -> bool:
+class Checked(NamedTuple):
+    """What ``check_overrides_compose`` learnt before Hydra runs."""
+
+    validated: bool  # it validated the single run (and probed its hosts)
+    mode_known: bool  # no hydra.* override: ``mode`` is what Hydra will compose
+    mode: RunMode | None  # hydra.mode of the composed config (None: not set; Hydra decides by --multirun)
+
+
+def check_overrides_compose(argv: list[str]) -> Checked:
     """Compose the config with the user's overrides before Hydra runs, so a wrong type or an
     unknown key is one line (Hydra's own report is a page) and nothing is launched. A single run
     (no sweep) is also validated here, so bad values are refused before Hydra makes a run folder;
     a sweep goes on past its bad points (each becomes a failed row), so its points are validated
-    one by one in their jobs. Returns whether it validated (and probed the hosts of) the run."""
+    one by one in their jobs."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
 
     known, _ = get_args_parser().parse_known_args(argv)
@@ -127,12 +136,13 @@ def check_overrides_compose(argv: list[str]) -> bool:
     except Exception as exc:  # a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
     configs = [compose_config(variant, with_hydra=True) for variant in variants]
+    mode, mode_known = configs[0].hydra.mode, len(overrides) == len(known.overrides)
     if known.help or known.hydra_help:  # nothing runs: the help text only
-        return False
-    if len(configs) == 1 and not known.multirun and configs[0].hydra.mode != RunMode.MULTIRUN:
+        return Checked(False, mode_known, mode)
+    if len(configs) == 1 and not known.multirun and mode != RunMode.MULTIRUN:
         _validate_before_hydra(configs[0], overrides)
-        return True
-    return False
+        return Checked(True, mode_known, mode)
+    return Checked(False, mode_known, mode)
 
 
 def _validate_before_hydra(cfg: DictConfig, overrides: list[str]) -> None:

@@ -12,20 +12,15 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from parallel_lab.comm.dist_env import cuda_gpus
 from parallel_lab.errors import ConfigError, Warn, print_warning
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_device(cfg: DictConfig, warn: Warn = print_warning) -> None:
     """Check or settle ``cfg.device`` for a one-node run (cfg.launcher.nproc_per_node is known)."""
     if cfg.device == "cpu" or cfg.launcher.nodes > 1:
         return
-    gpus, ranks = visible_gpus(), cfg.launcher.nproc_per_node
+    gpus, ranks = cuda_gpus(), cfg.launcher.nproc_per_node
     if cfg.device == "cuda" and gpus == 0:
         raise ConfigError("device=cuda but no CUDA GPU is visible here; use device=cpu or device=auto")
     if cfg.device == "cuda" and ranks > gpus:

@@ -41,9 +41,12 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the gaps are taken on tensors that whoever loaded them brought (a report of runs
+    import torch  # without a baseline never needs torch)
 
 ENVELOPE_MULTIPLE = 10.0  # the pass bound; real runs measured at most 0.29 of it over 18 CPU dispatches
 EARLY_STEPS = 5  # where bugs show at 100-100,000x the envelope (docs/parity.md), before chaos widens it

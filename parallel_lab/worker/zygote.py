@@ -34,8 +34,7 @@ import sys
 import types
 from multiprocessing import forkserver, reduction
 
-import torch
-
+from parallel_lab.comm.dist_env import cuda_gpus
 from parallel_lab.protocol import RANK_START_ENV
 
 # What every rank imports anyway, loaded once into the fork server. DeepSpeed is left out: it
@@ -105,7 +104,7 @@ def context() -> multiprocessing.context.ForkServerContext:
 def can_fork(device: str, env: dict[str, str]) -> bool:
     """True when a rank with this environment may be forked from the zygote (module docstring).
     A zygote started under another import-time environment is replaced by a new one first."""
-    if device != "cpu" or not sys.platform.startswith("linux") or torch.cuda.is_available():
+    if device != "cpu" or not sys.platform.startswith("linux") or cuda_gpus():
         return False
     context()
     if _import_time_env(env) != _import_time_env(_zygote.env) and hasattr(forkserver._forkserver, "_stop"):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.checkpoint import COMPLETE, checkpoint_name
-from parallel_lab.config.devices import visible_gpus
+from parallel_lab.comm.dist_env import cuda_gpus
 from parallel_lab.config.resources import memory_available_bytes
 from parallel_lab.data.cifar10 import TRAIN_MEMBERS
 from parallel_lab.protocol import PIDS_DIR
@@ -396,7 +396,7 @@ CATALOGUE = {
     "device": (["device=tpu"], ("device=tpu", "use device=auto, cpu or cuda")),
     # NCCL refuses two ranks on one GPU: more ranks than visible GPUs (none here) is refused up front.
     "device-cuda-too-few-gpus": (
-        lambda tmp_path, _: ["device=cuda", f"world_size={visible_gpus() + 1}"],
+        lambda tmp_path, _: ["device=cuda", f"world_size={cuda_gpus() + 1}"],
         ("device=cuda", "device=cpu"),
     ),
     "optimizer": (["trainer.optimizer=lbfgs"], ("trainer.optimizer=lbfgs", "use trainer.optimizer=adam, adamw or sgd")),

@@ -60,3 +60,27 @@ def test_typed_choices_reach_config_yaml_as_the_strings_users_type(tmp_path):
     read = OmegaConf.load(tmp_path / "config.yaml")
     typed = (read.strategy.schedule, read.fault.mode, read.trainer.optimizer, read.device)
     assert typed == ("1f1b", "kill", "sgd", "auto") and all(type(v) is str for v in typed), typed
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["+experiment=compare_all"], ["-m", "strategy=ddp,fsdp"], ["hydra.mode=MULTIRUN"]],
+    ids=["experiment-sets-multirun", "unset", "hydra-override"],
+)
+def test_the_mode_handed_to_hydra_is_the_one_hydra_composes(argv):
+    """The command line hands Hydra the hydra.mode that check_overrides_compose composed, instead of
+    Hydra composing the whole config once more to read it (cli/main.py hydra_mode_known). Reference:
+    Hydra's own get_mode on the same overrides. A hydra.* override must leave Hydra to ask itself."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from parallel_lab.config import CONF_DIR, check_overrides_compose, register_configs
+
+    checked = check_overrides_compose(argv)
+    register_configs()
+    overrides = [a for a in argv if not a.startswith("-")]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hydras_own = GlobalHydra.instance().hydra.get_mode(config_name="config", overrides=overrides)
+    assert checked.mode_known == (not any(a.startswith("hydra.") for a in argv))
+    if checked.mode_known:
+        assert checked.mode == hydras_own, (checked, hydras_own)
