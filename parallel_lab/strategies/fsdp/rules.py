@@ -130,7 +130,18 @@ class FSDPPlan(PlanRules):
         pass; FSDP2's parameters are DTensors, which the optimizer steps one dispatch at a time."""
         shape = super().compute_shape(cfg, model)
         units = len(fsdp_units(model)) + 1
-        return dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
+        shape = dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
+        tp = cfg.strategy.get("tp", 1)
+        if tp == 1:
+            return shape
+        from parallel_lab.strategies.tp.megatron import blocks, vit_plan
+        from parallel_lab.strategies.tp.predict import tp_share
+
+        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp
+        split = [layer for pair in vit_plan(model) for layer in pair if layer]
+        split += [f"{b}.attn.core" for b in blocks(model)]
+        share = tp_share(model, split, tp)
+        return dataclasses.replace(shape, flop_share=share, note=f"tp rank does {share:.2f} of the FLOPs")
 
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
@@ -138,8 +149,13 @@ class FSDPPlan(PlanRules):
         when it reshards after forward; one reduce-scatter per unit."""
         units = len(fsdp_units(model)) + 1
         gathers = 2 if cfg.strategy.sharding != "grad_op" else 1
-        return {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
-                "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+        calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
+                 "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+        if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
+            from parallel_lab.strategies.tp.megatron import blocks
+
+            calls["all_reduce"] = 4 * len(blocks(model)) * cfg.trainer.grad_accum
+        return calls
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
