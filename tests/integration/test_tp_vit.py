@@ -63,9 +63,12 @@ def test_tp_vit_more_configurations(extra_results, config):
 @pytest.mark.slow
 def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
     """torchtitan's 2-D layout, strategy=fsdp strategy.tp=2 at world 4 (slow on 2 cores: extra;
-    tests/unit/test_tensor_parallel.py::test_fsdp_tp_lays_out_one_shard_x_tp_mesh keeps the layout
-    and its refusals in make test, and the split itself is the dtensor one judged above)."""
+    tests/unit/test_tensor_parallel.py keeps the layout, its refusals and the planner's state and
+    bytes against the same derivation in make test, and the split itself is the dtensor one judged
+    above): every rank's model state is the planned one and tests/support/fsdp_tp.py's, its bytes
+    FSDP's over the tp-local shards plus Megatron's all-reduces."""
     from parallel_lab.models import build_meta_model
+    from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state
     from tests.support.model_parallel import compose_config
     from tests.support.reference import parity_reference
 
@@ -77,5 +80,12 @@ def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
     parity_reference("vit", steps=steps, global_batch=batch).assert_run_matches(m, "vit fsdp x tp")
     assert m["strategy_extras"]["mesh"]["dims"] == {"shard": 2, "tp": 2}
     # fully_shard halves everything, Megatron's split halves the blocks' Linears again: < a half each
-    full = 4 * sum(p.numel() for p in build_meta_model(compose_config("model=vit").model).parameters())
+    meta = build_meta_model(compose_config("model=vit").model)
+    full = 4 * sum(p.numel() for p in meta.parameters())
     assert all(r["param_bytes"] < full / 2 for r in m["ranks"]), [r["param_bytes"] for r in m["ranks"]]
+    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+    bytes_ = fsdp_tp_bytes(shapes, 4, 2, 1, batch // 2, 64, 64)  # 2 data-parallel ranks of 8 samples
+    for rank, r in enumerate(m["ranks"]):
+        state = fsdp_tp_state(shapes, 4, 2, rank)
+        assert state == {key: r[key] for key in state} == {key: r[f"predicted_{key}"] for key in state}, (rank, r)
+        assert r["comm_bytes_by_op"] == bytes_, (rank, r["comm_bytes_by_op"], bytes_)

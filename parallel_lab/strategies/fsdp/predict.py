@@ -29,12 +29,28 @@ from parallel_lab.strategies.mesh import MeshDims
 
 
 def _shard_world(cfg: DictConfig) -> int:
-    """Ranks one parameter is sharded over: all, one (no_shard), or a shard group (hybrid = HSDP)."""
+    """Ranks one parameter is sharded over: all, one (no_shard), a shard group (hybrid = HSDP),
+    or the world / tp ranks of one tp coordinate (FSDP2 x TP, shard x cp flattened)."""
     if cfg.strategy.sharding == "no_shard":
         return 1
     if cfg.strategy.sharding == "hybrid":
         return cfg.world_size // (cfg.strategy.get("replicate") or 1)
-    return cfg.world_size
+    return cfg.world_size // _tp(cfg)
+
+
+def _tp(cfg: DictConfig) -> int:
+    return cfg.strategy.get("tp") or 1
+
+
+def _sharded(cfg: DictConfig, model: torch.nn.Module, rank: int) -> tuple[torch.nn.Module, int, int]:
+    """(the model whose parameters fully_shard shards on ``rank``: the tp-local split under FSDP2 x
+    TP, the ranks it shards them over, ``rank``'s place among them)."""
+    world, tp = _shard_world(cfg), _tp(cfg)
+    if tp == 1:
+        return model, world, rank % world
+    from parallel_lab.strategies.tp.predict import split_meta_vit
+
+    return split_meta_vit(cfg, model, rank % tp), world, rank // tp
 
 
 def shard_layout(params, world: int, rank: int) -> list[tuple[int, int]]:
@@ -56,9 +72,9 @@ def sharded_params(model: torch.nn.Module) -> list:
 
 def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
     """Under ep (strategies/ep/) the rank's own experts are held whole beside the shards."""
-    world = _shard_world(cfg)
+    local, world, index = _sharded(cfg, model, rank)
     experts = local_expert_numels(MeshDims(shard=cfg.world_size, ep=ep_degree(cfg)), model, rank)
-    layout = shard_layout(sharded_params(model), world, rank % world) + [(n, n) for n in experts]
+    layout = shard_layout(sharded_params(local), world, index) + [(n, n) for n in experts]
     padded = 4 * sum(p for p, _ in layout)
     report = {"param_bytes": padded, "master_param_bytes": 0, "grad_bytes": padded}
     if cfg.strategy.sharding == "grad_op":
@@ -79,10 +95,11 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
         return {}
     if cfg.strategy.sharding == "hybrid":
         return None  # HSDP's two dimensions are not predicted (docs/meshes.md measures them)
-    full_padded = 4 * sum(p for p, _ in shard_layout(sharded_params(model), cfg.world_size, rank)) * cfg.world_size
     sharding = cfg.strategy.sharding
     if sharding == "no_shard":
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
+    local, world, index = _sharded(cfg, model, rank)
+    full_padded = 4 * sum(p for p, _ in shard_layout(sharded_params(local), world, index)) * world
     gathers = 2 if sharding == "full" else 1
     # bf16: parameters are all-gathered in bf16; gradients are reduce-scattered in fp32 (reduce_dtype)
     gathered = full_padded // (2 if _bf16(cfg) else 1)
@@ -90,4 +107,21 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
     routed = balanced_comm(cfg, model, cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum))
     for op, nbytes in routed.items():  # strategy.ep: the exchanges with every expert equally loaded
         comm[op] = comm.get(op, 0.0) + nbytes
+    if _tp(cfg) > 1:
+        comm["all_reduce"] = comm.get("all_reduce", 0.0) + megatron_all_reduce_bytes(cfg, model)
     return comm
+
+
+def megatron_all_reduce_bytes(cfg: DictConfig, model: torch.nn.Module) -> float:
+    """FSDP2 x TP's Megatron collectives per step and rank (tp/predict.py ``vit_comm_formula``
+    without sequence parallelism, DTensor's split): 4 all-reduces a block of the micro-batch's
+    (b, tokens/cp, h) activation."""
+    from parallel_lab.strategies.cp.parallelize import blocks
+    from parallel_lab.strategies.cp.rules import cp_of, vit_tokens
+    from parallel_lab.strategies.tp.predict import vit_comm_formula
+
+    cp, accum = cp_of(cfg), cfg.trainer.grad_accum
+    batch = cfg.trainer.global_batch // accum // (cfg.world_size // (cp * _tp(cfg)))
+    dim = model.embed.pos.shape[-1]
+    per_micro = vit_comm_formula(batch, vit_tokens(cfg) // cp, dim, len(blocks(model)), False, "dtensor")
+    return accum * per_micro["all_reduce"]

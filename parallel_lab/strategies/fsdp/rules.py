@@ -130,7 +130,18 @@ class FSDPPlan(PlanRules):
         pass; FSDP2's parameters are DTensors, which the optimizer steps one dispatch at a time."""
         shape = super().compute_shape(cfg, model)
         units = len(fsdp_units(model)) + 1
-        return dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
+        shape = dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
+        tp = cfg.strategy.get("tp", 1)
+        if tp == 1:
+            return shape
+        from parallel_lab.strategies.tp.megatron import blocks, vit_plan
+        from parallel_lab.strategies.tp.predict import tp_share
+
+        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp
+        split = [layer for pair in vit_plan(model) for layer in pair if layer]
+        split += [f"{b}.attn.core" for b in blocks(model)]
+        share = tp_share(model, split, tp)
+        return dataclasses.replace(shape, flop_share=share, note=f"tp rank does {share:.2f} of the FLOPs")
 
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
@@ -138,8 +149,13 @@ class FSDPPlan(PlanRules):
         when it reshards after forward; one reduce-scatter per unit."""
         units = len(fsdp_units(model)) + 1
         gathers = 2 if cfg.strategy.sharding != "grad_op" else 1
-        return {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
-                "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+        calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
+                 "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+        if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
+            from parallel_lab.strategies.tp.megatron import blocks
+
+            calls["all_reduce"] = 4 * len(blocks(model)) * cfg.trainer.grad_accum
+        return calls
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -240,8 +256,8 @@ class FSDPPlan(PlanRules):
         # grad_op keeps the forward gather for backward (2Ψ); no_shard all-reduces grads (2Ψ);
         # hybrid: full inside a shard group (3Ψ) + all-reduce of the Ψ/S gradient shard across (2Ψ/S).
         # bf16 (MixedPrecisionPolicy): each all-gather moves bf16, half of Ψ; the reductions stay fp32.
-        if cp_of(cfg) > 1:
-            return None  # the attention's bytes are no multiple of Ψ: the report takes predict_comm's
+        if cp_of(cfg) > 1 or cfg.strategy.get("tp", 1) > 1:
+            return None  # the attention's (Megatron's) bytes are no multiple of Ψ: the report takes predict_comm's
         gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
         if ep_degree(cfg) > 1:
             return None  # the run's routing decides (fsdp/strategy.py run_comm_theory_psi)
@@ -268,23 +284,23 @@ class FSDPPlan(PlanRules):
 
     @classmethod
     def predict_memory(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int] | None:
-        """FSDP2's per-parameter dim-0 shards with padding (``predict.py``); FSDP1's flat
-        parameters are not predicted."""
+        """FSDP2's per-parameter dim-0 shards with padding (``predict.py``; under FSDP2 x TP of
+        each tp-local shard); FSDP1's flat parameters are not predicted."""
         from parallel_lab.strategies.fsdp.predict import predict_fsdp2_memory
 
-        if cfg.strategy.get("tp", 1) > 1:
-            return None  # 2-D FSDP2 x TP: not predicted
         return predict_fsdp2_memory(cfg, model, rank) if cfg.strategy.version == 2 else None
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:
+        """FSDP2's gathers and reductions (``predict.py``; under FSDP2 x TP over the tp-local
+        shards, plus Megatron's all-reduces), plus context parallelism's attention on the tp
+        rank's heads (cp/rules.py)."""
         from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
 
-        if cfg.strategy.get("tp", 1) > 1:
-            return None  # 2-D FSDP2 x TP: not predicted
         if cfg.strategy.version != 2:
             return None
         comm = predict_fsdp2_comm(cfg, model, rank)
         if comm is None:  # HSDP: not predicted
             return None
-        return add_comm(comm, context_comm(cfg, model, cls.dims(cfg).data_parallel_size))
+        dims = cls.dims(cfg)
+        return add_comm(comm, context_comm(cfg, model, dims.data_parallel_size, dims.tp))

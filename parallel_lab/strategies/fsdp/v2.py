@@ -110,6 +110,17 @@ class FSDP2(ContextParallel, FSDPStrategy):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
 
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, num_micro: int) -> torch.Tensor:
+        """FSDP2 x TP: DTensor's Megatron collectives are functional ones (``_c10d_functional``),
+        which the counter's wrappers of torch.distributed never see; ``CountFunctional`` records
+        them under the tp group while the step runs (tp/megatron_dtensor.py)."""
+        if self.opts.tp == 1:
+            return super().train_step(inputs, targets, micro, num_micro)
+        from parallel_lab.strategies.tp.megatron_dtensor import CountFunctional
+
+        with CountFunctional(self.comm, self.mesh.group("tp")):
+            return super().train_step(inputs, targets, micro, num_micro)
+
     def clip_gradients(self) -> None:
         if self.cfg.trainer.grad_clip > 0:
             # DTensor gradients: the norm is reduced over the shards inside clip_grad_norm_.

@@ -14,6 +14,7 @@ from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward
+from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
@@ -67,15 +68,19 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     measured = row["comm_bytes_by_op"]
     if s.name == "ddp":  # + every gradient all-reduced over all ranks, 2Ψ
         want["all_reduce"] += 2 * 4 * sum(p.numel() for p in meta.parameters())
+    for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
     if tp == 1:  # ddp's, or fsdp's all-gathers and reduce-scatters over shard x cp, as predicted
-        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
-            assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
         want = {**plan.comm, **want}
-        assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
-        assert measured == want, (label, measured, want)
-    else:  # FSDP2 x TP predicts neither; the attention's bytes on the tp rank's heads
-        attention = next(op for op in want if op != "all_reduce")
-        assert measured[attention] == want[attention], (label, measured, want)
+    else:  # FSDP2 x TP: the state and FSDP's and Megatron's bytes derived from the shapes (fsdp_tp.py)
+        shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+        state = fsdp_tp_state(shapes, world, tp, rank)
+        assert {key: row[key] for key in state} == state, (label, state, row)
+        more = fsdp_tp_bytes(shapes, world, tp, s.cp, batch, TOKENS, DIM)
+        want = {op: more.get(op, 0.0) + want.get(op, 0.0) for op in {**more, **want}}  # grad_accum 1
+    assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
+    assert measured == want, (label, measured, want)
+    if tp > 1:
         return  # the 2-D split's activations are not measured (test_tp_vit.py's FSDP2 x TP neither)
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
 
