@@ -12,14 +12,24 @@ with a schedule pay for it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:  # torch-free at import: the parent's memory check reads optimizer_bytes_per_param
+    import torch
+
+
+def optimizer_bytes_per_param(trainer: DictConfig) -> int:
+    """fp32 optimizer state per parameter: Adam/AdamW keep two moments, SGD one momentum buffer."""
+    if trainer.optimizer in ("adam", "adamw"):
+        return 8
+    return 4 if trainer.momentum else 0
 
 
 def scheduler_class(name: str) -> Any:
     """DeepSpeed's lookup: its own schedules first, then torch's; None if neither has the name."""
+    import torch
     from deepspeed.runtime import lr_schedules
 
     if name in lr_schedules.VALID_LR_SCHEDULES and hasattr(lr_schedules, name):
@@ -47,6 +57,8 @@ def make_scheduler(trainer: DictConfig, optimizer: Any, first_step: int = 0) -> 
 
 
 def optimizer_factory(trainer: DictConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    import torch
+
     def make(params):
         if trainer.optimizer == "sgd":
             return torch.optim.SGD(params, lr=trainer.lr, momentum=trainer.momentum, weight_decay=trainer.weight_decay)

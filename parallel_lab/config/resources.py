@@ -5,9 +5,9 @@ its activations, so world_size ranks need world_size times one rank's share. A r
 is refused with the figures: too many ranks used to swap for minutes without a line of output.
 CPU: more threads than cores still works, only slowly, so that is a one-line warning.
 
-The estimate, per rank (host memory, as on CPU; sharded strategies and CUDA runs hold less):
-  the parent's own RSS now (Python, torch and this package: what a worker imports too)
-  + WORKER_RUNTIME_BYTES (what a worker adds running: torch kernels paged in, gloo, the process group)
+The estimate, per rank (host memory, as on CPU; sharded strategies and CUDA runs hold less), from
+model.* alone (models/counts.py: the parent imports no torch for it):
+  WORKER_RUNTIME_BYTES (Python, torch and this package, torch kernels paged in, gloo, the process group)
   + DATA_PEAK_FACTOR x the dataset's float bytes (each rank loads the whole set)
   + model state: 4 bytes/param of weights + 4 of gradients + the optimizer's state (Adam 8, SGD 4)
   + ACTIVATION_FACTOR x the model's saved-for-backward bytes per sample x the per-rank micro-batch.
@@ -32,8 +32,8 @@ MIB, GIB = 2**20, 2**30
 MEMINFO = Path("/proc/meminfo")
 SELF_STATUS = Path("/proc/self/status")
 # A ddp cnn worker with data.size=64 and a micro-batch of 1 (data, model and activations 9 MiB)
-# peaked at 333 MiB while the parent held 231 MiB: the rest is the worker's own runtime.
-WORKER_RUNTIME_BYTES = 92 * MIB
+# peaked at 333 MiB (torch 2.13's CPU wheel): the rest is the worker's own runtime.
+WORKER_RUNTIME_BYTES = 324 * MIB
 # Loading keeps about three float copies of the training images alive at once (synthetic: the class
 # prototypes per sample, the noise and their sum; cifar10: the images, minus MEAN, divided by STD).
 # Measured peaks over the images' float bytes: synthetic 148 MiB / 54 MiB, cifar10 1937 / 703 MiB.
@@ -88,19 +88,16 @@ def memory_available_bytes() -> int | None:
 def estimate_rank_memory(cfg: DictConfig, micro_batch: int) -> RankMemory | None:
     """One rank's peak host memory for this validated config (None where /proc is missing)."""
     from parallel_lab.data import dataset_bytes
-    from parallel_lab.models import build_meta_model, count_params
-    from parallel_lab.strategies.memory import optimizer_bytes_per_param
+    from parallel_lab.models.counts import activation_bytes_per_sample, param_count
+    from parallel_lab.optim import optimizer_bytes_per_param
 
-    parent_rss = _proc_bytes(SELF_STATUS, "VmRSS")
-    if parent_rss is None:
+    if _proc_bytes(SELF_STATUS, "VmRSS") is None:
         return None
-    model = build_meta_model(cfg.model)
-    params = count_params(model)
     return RankMemory(
-        runtime=parent_rss + WORKER_RUNTIME_BYTES,
+        runtime=WORKER_RUNTIME_BYTES,
         data=int(DATA_PEAK_FACTOR * dataset_bytes(cfg.data)),
-        model_state=params * (4 + 4 + optimizer_bytes_per_param(cfg.trainer)),
-        activations=int(ACTIVATION_FACTOR * model.activation_bytes_per_sample * micro_batch),
+        model_state=param_count(cfg.model) * (4 + 4 + optimizer_bytes_per_param(cfg.trainer)),
+        activations=int(ACTIVATION_FACTOR * activation_bytes_per_sample(cfg.model) * micro_batch),
     )
 
 

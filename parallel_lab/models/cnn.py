@@ -7,6 +7,7 @@ way a user adds one: the smallest model that shows what each strategy does to ba
 
 import torch.nn as nn
 
+from parallel_lab.models.counts import ACTIVATION_BYTES_PER_SAMPLE
 from parallel_lab.models.layout import CNN_HIDDEN, cnn_widths
 
 
@@ -21,7 +22,7 @@ class SmallCNN(nn.Sequential):
 
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
     # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
-    activation_bytes_per_sample = 386_096
+    activation_bytes_per_sample = ACTIVATION_BYTES_PER_SAMPLE["cnn"]
 
     def __init__(
         self, num_classes: int = 10, hidden: int = CNN_HIDDEN, width: float = 1.0, norm: str = "group"

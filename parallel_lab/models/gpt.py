@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel_lab.models.counts import gpt_activation_bytes
 from parallel_lab.models.dropout import SampleKeys
 from parallel_lab.models.gpt_sizes import (  # noqa: F401  (re-exported: their torch-free home)
     DEFAULTS,
@@ -198,14 +199,8 @@ class GPT(nn.Sequential):
 
     @property
     def activation_bytes_per_sample(self) -> int:
-        """About what autograd saves per sample, for the memory check before a run
-        (config/resources.py; the planner counts it exactly): Korthikanti et al. (arXiv 2205.05198)
-        s h (34 + 5 a s / h) bytes per layer in 16-bit, twice that in fp32, plus the logits and
-        their log-softmax."""
-        s = self.sizes
-        seq, hidden = s["seq"], s["hidden"]
-        per_layer = seq * hidden * (34 + 5 * s["heads"] * seq / hidden)
-        return int(2 * s["layers"] * per_layer + 2 * 4 * seq * s["vocab"])
+        """About what autograd saves per sample, for the memory check before a run (models/counts.py)."""
+        return gpt_activation_bytes(self.sizes)
 
     def __init__(self, seed: int = 0, recompute: str = "none", **sizes: Any) -> None:
         """sizes: resolve_sizes' keys (missing ones take DEFAULTS) and the model.moe_* keys

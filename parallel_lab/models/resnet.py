@@ -10,6 +10,7 @@ the same, for a data-parallel strategy to convert (the model knows nothing of pa
 import torch
 import torch.nn as nn
 
+from parallel_lab.models.counts import ACTIVATION_BYTES_PER_SAMPLE
 from parallel_lab.models.layout import RESNET_CHANNELS, scaled
 
 
@@ -44,7 +45,7 @@ def stage(c_in: int, c_out: int, stride: int, kind: str = "group") -> nn.Sequent
 class ResNet18(nn.Sequential):
     # Bytes autograd saves for backward per sample of batch, for the memory check before a run
     # (parallel_lab/config/resources.py); tests/unit/test_resources.py recounts them from a real forward.
-    activation_bytes_per_sample = 4_705_328
+    activation_bytes_per_sample = ACTIVATION_BYTES_PER_SAMPLE["resnet18"]
 
     def __init__(self, num_classes: int = 10, width: float = 1.0, norm: str = "group") -> None:
         super().__init__()

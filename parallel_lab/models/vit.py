@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from parallel_lab.models.counts import ACTIVATION_BYTES_PER_SAMPLE
 from parallel_lab.models.dropout import SampleDropout, SampleKeys
 from parallel_lab.models.layout import moe_block, vit_widths
 from parallel_lab.models.moe import MOE_DEFAULTS, AuxLosses, MoEMLP
@@ -165,7 +166,7 @@ class ViT(nn.Sequential):
 
     # Bytes autograd saves for backward per sample of batch at the default sizes, for the memory
     # check before a run (config/resources.py); tests/unit/test_resources.py recounts them.
-    activation_bytes_per_sample = 1_082_160
+    activation_bytes_per_sample = ACTIVATION_BYTES_PER_SAMPLE["vit"]
 
     def __init__(
         self,

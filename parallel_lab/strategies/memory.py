@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.optim import optimizer_bytes_per_param
 from parallel_lab.strategies.part import Part
 
 
@@ -37,13 +38,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         if storage.nbytes():
             seen[storage.data_ptr()] = storage.nbytes()
     return int(sum(seen.values()))
-
-
-def optimizer_bytes_per_param(trainer: DictConfig) -> int:
-    """fp32 optimizer state per parameter: Adam/AdamW keep two moments, SGD one momentum buffer."""
-    if trainer.optimizer in ("adam", "adamw"):
-        return 8
-    return 4 if trainer.momentum else 0
 
 
 def held_param_grad_bytes(model: torch.nn.Module) -> dict[str, int]:

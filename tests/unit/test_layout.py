@@ -1,5 +1,6 @@
 """The torch-free answers the parent refuses with (models/layout.py: each model's top-level blocks
-and the weight shapes a tensor-parallel split splits) equal the meta model's, for several configs
+and the weight shapes a tensor-parallel split splits) and sizes its memory check with
+(models/counts.py: the parameter count, the saved bytes per sample) equal the meta model's, for several configs
 of every model: the tp plan and its split widths (tp/rules.py ``config_split_plan``,
 ``split_widths``), the pipeline's cuttable blocks (pp/cuts.py ``config_blocks``). Each
 reference is read here from a model built on the meta device, so the two can never drift."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from parallel_lab.models import build_meta_model, validate_model_config
+from parallel_lab.models import build_meta_model, count_params, validate_model_config
+from parallel_lab.models.counts import activation_bytes_per_sample, param_count
 from parallel_lab.models.layout import children, weight_shapes
 from parallel_lab.strategies.pp.cuts import config_blocks
 from parallel_lab.strategies.pp.plan import cuttable_blocks
@@ -67,6 +69,8 @@ def test_torch_free_layout_is_the_meta_models(bases, name, keys):
     cfg = model_cfg(bases, name, keys)
     model = build_meta_model(cfg)
     assert children(cfg) == [(n, any(True for _ in c.parameters())) for n, c in model.named_children()]
+    assert param_count(cfg) == count_params(model)  # the parent's memory check (models/counts.py)
+    assert activation_bytes_per_sample(cfg) == model.activation_bytes_per_sample
     assert config_blocks(DictConfig({"model": cfg})) == cuttable_blocks(model)
     for layer, shape in weight_shapes(cfg).items():
         assert tuple(model.get_submodule(layer).weight.shape[:2]) == shape, layer

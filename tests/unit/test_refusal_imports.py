@@ -9,6 +9,7 @@ refusal: the command line's start (timed once) plus the child's seconds."""
 
 from __future__ import annotations
 
+import glob
 import json
 import subprocess
 import sys
@@ -91,3 +92,22 @@ def test_help_imports_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "strategy:" in result.stdout and result.stderr.strip().splitlines()[-1] == "False", result.stderr[-2000:]
+
+
+def test_a_valid_runs_parent_imports_no_torch_where_no_gpu_driver_is():
+    """A single run's parent validates (the memory check sized from model.*: models/counts.py) and
+    launches without torch on a machine without a GPU driver (comm/dist_env.py cuda_gpus): ~1.5 s of
+    CPU per command. The ranks import it (a sweep's parent too: its report judges parity on tensors)."""
+    from parallel_lab.comm.dist_env import GPU_DRIVER_PATHS
+
+    probe = (
+        "import sys\n"
+        "from parallel_lab.config import check_overrides_compose\n"
+        "assert check_overrides_compose(['strategy=ddp', 'model=resnet18', 'world_size=4']).validated\n"
+        "import parallel_lab.cli.launch, parallel_lab.cli.main\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if not any(glob.glob(pattern) for pattern in GPU_DRIVER_PATHS):
+        assert result.stderr.strip().splitlines()[-1] == "False", result.stderr[-2000:]

@@ -55,10 +55,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from parallel_lab.optim import optimizer_bytes_per_param
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.fsdp.rules import FSDPPlan, fsdp_units, shard_size  # noqa: F401  (fsdp_units: re-exported)
-from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
+from parallel_lab.strategies.memory import Memory, storage_bytes
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.state import State
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from parallel_lab.strategies.memory import Memory, optimizer_bytes_per_param, storage_bytes
+from parallel_lab.optim import optimizer_bytes_per_param
+from parallel_lab.strategies.memory import Memory, storage_bytes
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES
 
 

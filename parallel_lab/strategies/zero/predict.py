@@ -43,9 +43,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from parallel_lab.optim import optimizer_bytes_per_param
 from parallel_lab.strategies.cp.rules import add_comm
 from parallel_lab.strategies.ep.rules import ep_degree, expert_ids, local_expert_numels
-from parallel_lab.strategies.memory import optimizer_bytes_per_param
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES
 
