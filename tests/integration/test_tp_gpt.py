@@ -37,6 +37,18 @@ EXTRA = {
 }
 
 
+# strategy=pp on the tied gpt (tests/support/bodies/pp_gpt.py), in the same ranks: one start-up
+PP_DEFAULT = {"pp-tied-1f1b": (["strategy=pp", "strategy.schedule=1f1b"], "gpt")}
+PP_EXTRA = {
+    "pp-tied-gpipe": (["strategy=pp"], "gpt"),
+    "pp-tied-interleaved": (
+        ["strategy=pp", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"], "gpt"
+    ),  # fmt: skip
+    "pp-tied-zero_bubble": (["strategy=pp", "strategy.schedule=zero_bubble"], "gpt"),
+    "pp-tied-dropout-grad_accum": (["strategy=pp", "model.dropout=0.1", "trainer.grad_accum=2"], "gpt_dropout"),
+}
+
+
 def _run(configs: dict, timeout: int) -> dict[str, list]:
     overrides = {name: o for name, (o, _) in configs.items()}
     references = {name: r for name, (_, r) in configs.items()}
@@ -47,12 +59,12 @@ def _run(configs: dict, timeout: int) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def default_results() -> dict[str, list]:
-    return _run(DEFAULT, 300)
+    return _run({**DEFAULT, **PP_DEFAULT}, 300)
 
 
 @pytest.fixture(scope="module")
 def extra_results() -> dict[str, list]:
-    return _run(EXTRA, 600)
+    return _run({**EXTRA, **PP_EXTRA}, 600)
 
 
 @pytest.mark.parity
@@ -68,4 +80,23 @@ def test_tp_gpt_is_singles_training_with_the_vocab_parallel_bytes(default_result
 @pytest.mark.parametrize("config", list(EXTRA))
 def test_tp_gpt_more_configurations(extra_results, config):
     """The rest of the matrix; the test above keeps the claim in make test."""
+    assert_every_rank_passed(extra_results, config)
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_DEFAULT))
+def test_pp_ties_the_gpt_embedding_across_its_stages(default_results, config):
+    """model.tied=true under strategy=pp (Megatron's embedding group, pp/tied.py): single's training,
+    the last stage's copy bit-equal to the first's, state, bytes and activations as planned, a
+    checkpoint of single's names that reshards into both copies (tests/support/bodies/pp_gpt.py)."""
+    assert_every_rank_passed(default_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_EXTRA))
+def test_pp_ties_the_gpt_embedding_under_more_schedules(extra_results, config):
+    """The other manual schedules, dropout and gradient accumulation; the test above keeps the claim in make test."""
     assert_every_rank_passed(extra_results, config)

@@ -1,0 +1,40 @@
+"""What ``pp`` refuses of the model's ties and the precision, per ``strategy.impl``: tied embeddings
+run on the manual loop, which sums the last stage's copy of the embedding with the first's
+(pp/tied.py); bf16 on the chunks of the manual loop, backward whole. Torch-free (the parent reads
+it before any process starts)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.pp.chunks import ties_across_stages
+
+# why an impl cannot tie the embedding across its stages
+TIED_REASONS = {
+    "torch": "torch.distributed.pipelining's stages hold modules whole, and its "
+    "shape-inferring first forward would run on the copy before it is tied",
+    "deepspeed": "DeepSpeed's PipelineModule ties weights only through its own TiedLayerSpec, which "
+    "pp/ds_pipe.py does not build",
+}
+
+
+def check_tied(opts: DictConfig, cfg: DictConfig) -> None:
+    """model.tied=true over several stages: the manual loop's embedding group (pp/tied.py)."""
+    impl = str(opts.impl)
+    if ties_across_stages(cfg) and impl in TIED_REASONS:
+        raise ConfigError(
+            f"strategy=pp strategy.impl={impl} with model.tied=true: {TIED_REASONS[impl]}; use "
+            "strategy.impl=manual (its last stage keeps a copy of the embedding, gradients summed) or model.tied=false"
+        )
+
+
+def check_bf16(opts: DictConfig) -> None:
+    """bf16 runs in the manual loop's chunks (tp-split or not), backward not split into B and W."""
+    bad = {"impl": str(opts.impl) != "manual", "schedule": opts.schedule == "zero_bubble"}
+    for key in [k for k, v in bad.items() if v and opts.get("precision", "fp32") == "bf16"][:1]:
+        raise ConfigError(
+            f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on the manual loop's "
+            f"chunks, backward whole; use strategy.{key}={dict(impl='manual', schedule='1f1b')[key]} or "
+            "strategy.precision=fp32"
+        )
