@@ -1,7 +1,7 @@
 """What ``pp`` refuses of the model's ties and the precision, per ``strategy.impl``: tied embeddings
-run on the manual loop, which sums the last stage's copy of the embedding with the first's
-(pp/tied.py); bf16 on the chunks of the manual loop, backward whole. Torch-free (the parent reads
-it before any process starts)."""
+run where the last stage's copy of the embedding is in its chunk and our optimizer step sums its
+gradient with the first's (pp/tied.py: manual, torch); bf16 on the chunks of the manual loop,
+backward whole. Torch-free (the parent reads it before any process starts)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from omegaconf import DictConfig
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.pp.chunks import ties_across_stages
 
-# why an impl cannot tie the embedding across its stages
+# why an impl cannot tie the embedding across its stages (manual and torch: the stage's copy is in
+# its last chunk, the all-reduce in our optimizer step, pp/tied.py)
 TIED_REASONS = {
-    "torch": "torch.distributed.pipelining's stages hold modules whole, and its "
-    "shape-inferring first forward would run on the copy before it is tied",
     "deepspeed": "DeepSpeed's PipelineModule ties weights only through its own TiedLayerSpec, which "
     "pp/ds_pipe.py does not build",
 }
 
 
 def check_tied(opts: DictConfig, cfg: DictConfig) -> None:
-    """model.tied=true over several stages: the manual loop's embedding group (pp/tied.py)."""
+    """model.tied=true over several stages: where our step sums the copies' gradients (pp/tied.py)."""
     impl = str(opts.impl)
     if ties_across_stages(cfg) and impl in TIED_REASONS:
         raise ConfigError(
             f"strategy=pp strategy.impl={impl} with model.tied=true: {TIED_REASONS[impl]}; use "
-            "strategy.impl=manual (its last stage keeps a copy of the embedding, gradients summed) or model.tied=false"
+            "strategy.impl=manual or torch (the last stage keeps a copy of the embedding, gradients summed) or "
+            "model.tied=false"
         )
 
 
