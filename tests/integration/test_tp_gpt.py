@@ -48,6 +48,7 @@ PP_EXTRA = {
     ),
     "pp-tied-zero_bubble": (["strategy=pp", "strategy.schedule=zero_bubble"], "gpt"),
     "pp-tied-torch-1f1b": (["strategy=pp", "strategy.impl=torch", "strategy.schedule=1f1b"], "gpt"),
+    "pp-tied-bf16": (["strategy=pp", "strategy.schedule=1f1b", "trainer.precision=bf16"], "gpt"),
     "pp-tied-dropout-grad_accum": (["strategy=pp", "model.dropout=0.1", "trainer.grad_accum=2"], "gpt_dropout"),
 }
 
@@ -101,6 +102,6 @@ def test_pp_ties_the_gpt_embedding_across_its_stages(default_results, config):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(PP_EXTRA))
 def test_pp_ties_the_gpt_embedding_under_more_schedules(extra_results, config):
-    """The other manual schedules, torch's 1F1B, dropout with gradient accumulation, Adam; the test
-    above keeps the claim in make test."""
+    """The other manual schedules, torch's 1F1B, bf16, dropout with gradient accumulation, Adam; the
+    test above keeps the claim in make test."""
     assert_every_rank_passed(extra_results, config)

@@ -84,9 +84,10 @@ def check_pp_tied(cfg, strategy, metrics, rank: int, label: str, reference: str)
     assert torch.equal(gathered, first), (label, "the gathered embedding is the first stage's")
     if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
         t = cfg.trainer
+        bf16 = {"precision": "bf16"} if cfg.strategy.precision == "bf16" else {}  # the bf16 loop and floor
         ref = parity_reference(
             reference, optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
-            data_size=DATA_SIZE,
+            data_size=DATA_SIZE, **bf16,
         )  # fmt: skip
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
         assert names == single_names and names.count(TIED) == 1, (label, "checkpoint names", names)
@@ -98,14 +99,15 @@ def check_pp_tied(cfg, strategy, metrics, rank: int, label: str, reference: str)
     assert row["param_bytes"] == row["grad_bytes"] == 4 * held, (label, row["param_bytes"], 4 * held)
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
-    # a step's (batch, seq, hidden) fp32 tensor out of each of the rank's chunks but the last (forward)
-    # and each but the first (the gradient back); the tied weight's fp32 gradient all-reduced over
-    # the two ends (counter units: 2 x bytes)
+    # a step's (batch, seq, hidden) tensor (fp32, bf16: 2 bytes) out of each of the rank's chunks but
+    # the last (forward) and each but the first (the gradient back); the tied weight's fp32 gradient
+    # all-reduced over the two ends (counter units: 2 x bytes)
     accum, batch = cfg.trainer.grad_accum, cfg.trainer.global_batch // cfg.trainer.grad_accum
     v = cfg.strategy.virtual_stages
     n, mine = world * v, [rank + k * world for k in range(v)]
     sends = sum((g < n - 1) + (g > 0) for g in mine)
-    want = {"isend": sends * accum * batch * seq * hidden * 4.0, "all_reduce": 2.0 * 4 * vocab * hidden}
+    elem = 2.0 if cfg.strategy.precision == "bf16" else 4.0
+    want = {"isend": sends * accum * batch * seq * hidden * elem, "all_reduce": 2.0 * 4 * vocab * hidden}
     assert plans[rank].comm == want, (label, plans[rank].comm, want)  # the planner's prediction is the formula
     # torch's stages also exchange shapes once (the first step): there the all-reduce alone
     measured, expected = row["comm_bytes_by_op"], want
