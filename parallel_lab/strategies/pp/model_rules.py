@@ -1,6 +1,6 @@
 """What ``pp`` refuses of the model's ties and the precision, per ``strategy.impl``: tied embeddings
 run where the last stage's copy of the embedding is in its chunk and our optimizer step sums its
-gradient with the first's (pp/tied.py: manual, torch); bf16 on the chunks of the manual loop,
+gradient with the first's (pp/tied.py: manual, torch); bf16 on our chunks (manual, torch),
 backward whole. Torch-free (the parent reads it before any process starts)."""
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ def check_tied(opts: DictConfig, cfg: DictConfig) -> None:
 
 
 def check_bf16(opts: DictConfig) -> None:
-    """bf16 runs in the manual loop's chunks (tp-split or not), backward not split into B and W."""
-    bad = {"impl": str(opts.impl) != "manual", "schedule": opts.schedule == "zero_bubble"}
+    """bf16 runs in our chunks (tp-split or not) under the manual loop or torch's schedules, backward
+    not split into B and W; DeepSpeed's engine would run its own bf16 optimizer, not our copies."""
+    bad = {"impl": str(opts.impl) not in ("manual", "torch"), "schedule": opts.schedule == "zero_bubble"}
     for key in [k for k, v in bad.items() if v and opts.get("precision", "fp32") == "bf16"][:1]:
         raise ConfigError(
-            f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on the manual loop's "
-            f"chunks, backward whole; use strategy.{key}={dict(impl='manual', schedule='1f1b')[key]} or "
-            "strategy.precision=fp32"
+            f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on our chunks "
+            f"(manual loop or torch's schedules), backward whole; use strategy.{key}="
+            f"{dict(impl='manual', schedule='1f1b')[key]} or strategy.precision=fp32"
         )

@@ -86,7 +86,7 @@ class PPOptions(StrategyOptions):
     tp: int = 1
     # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
     sequence_parallel: bool = False
-    # fp32 | bf16 (impl=manual): as Megatron trains, each chunk computes on a bf16 copy of the stage's
+    # fp32 | bf16 (impl=manual|torch): as Megatron trains, each chunk computes on a bf16 copy of the stage's
     # fp32 weights (its tp shards), so the activations and gradients sent between stages and over tp
     # are bf16; fp32 weights, gradients and Adam state (strategies/precision.py)
     precision: Precision = Precision.fp32
