@@ -56,9 +56,10 @@ from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp.activations import SavedTracker
+from parallel_lab.strategies.pp.chunks import in_embedding_group, ties_across_stages
 from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
-from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, in_embedding_group, meta_model
+from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
 from parallel_lab.strategies.pp.schedules import Busy, bubble_fraction
 from parallel_lab.strategies.pp.tensor import (
     boundary_shape,
@@ -148,7 +149,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             if all(child is not c for chunk in mine for _, c in chunk):
                 child.to("meta")  # free the weights of the other stages: this rank holds only its own
         self.model, self.chunks = self.build_stage(mine, self.group)
-        self.embedding_group = embedding_group(self)  # collective; None off the ends of a tied pipeline
+        if ties_across_stages(self.cfg):  # collective; None off the ends of the pipeline
+            self.embedding_group = embedding_group(self)
         self.optimizer = make_optimizer(self.model.parameters())
         self.shapes: dict[tuple, torch.Size] = {}
         self.busy, self.recv_wait, self.send_time, self.losses, self.aux_losses = Busy(), 0.0, 0.0, [], []

@@ -17,13 +17,11 @@ counts it in the last stage's state and the all-reduce in both ends' communicati
 from __future__ import annotations
 
 import copy
-import weakref
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from parallel_lab.strategies.pp.chunks import ties_across_stages
 
 EMBED = "embed"  # the first stage's block that owns the word embedding (models/gpt.py)
 
@@ -40,17 +38,17 @@ class EmbeddingCopy(nn.Module):
         return x
 
 
-_META_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def planned_copy(model: nn.Module) -> EmbeddingCopy:
     """The planner's view of the copy on the meta model: its own ``tokens`` module, shared (the
-    head's tied weight is that module's, so the meta forward reads the copy's weight), one holder
-    per model so the planner's caches keyed by modules still hit."""
-    tokens = model.get_submodule(EMBED).tokens
-    if tokens not in _META_COPIES:
-        _META_COPIES[tokens] = EmbeddingCopy(tokens)
-    return _META_COPIES[tokens]
+    head's tied weight is that module's, so the meta forward reads the copy's weight)."""
+    return _holder(model.get_submodule(EMBED).tokens)
+
+
+@functools.lru_cache(maxsize=32)
+def _holder(tokens: nn.Embedding) -> EmbeddingCopy:
+    """One holder per meta embedding, so the planner's caches keyed by modules still hit (a meta
+    module holds no memory)."""
+    return EmbeddingCopy(tokens)
 
 
 def make_copy(children: dict[str, nn.Module]) -> EmbeddingCopy:
@@ -63,10 +61,9 @@ def make_copy(children: dict[str, nn.Module]) -> EmbeddingCopy:
 
 def embedding_group(pipe):
     """This rank's embedding group (the first and last stage of its pipeline), None when it is in
-    none. Collective: every rank of the world creates every pipeline's group, in the same order."""
-    cfg, layout = pipe.cfg, pipe.layout
-    if not ties_across_stages(cfg):
-        return None
+    none. Collective (a tied pipeline's ranks only call it): every rank of the world creates every
+    pipeline's group, in the same order."""
+    layout = pipe.layout
     pipelines = dict.fromkeys(tuple(layout.group_ranks(r, "pp")) for r in range(pipe.env.world_size))
     mine = None
     for ranks in pipelines:
