@@ -3,7 +3,8 @@ on 2 real ranks: each configuration is the single run's training (the report's p
 against the plain-torch reference), predicts single's logits from the gathered vocabulary columns,
 holds the planned model state to the byte, issues exactly the communication of the vocab-parallel
 formula derived in the test body (also the planner's prediction) and saves the activations the
-planner counts. The cross-entropy alone and the refusals: tests/unit/test_vocab_parallel.py."""
+planner counts. The cross-entropy alone and the refusals: tests/unit/test_vocab_parallel.py. In the
+same ranks: the tied gpt under strategy=pp (tests/support/bodies/pp_gpt.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ EXTRA = {
 # SGD in make test's: a tied gradient scaled by a constant (averaged, not summed) shows, where Adam divides it out
 PP_DEFAULT = {"pp-tied-1f1b-sgd": (["strategy=pp", "strategy.schedule=1f1b", "trainer.optimizer=sgd"], "gpt")}
 PP_EXTRA = {
-    "pp-tied-gpipe": (["strategy=pp"], "gpt"),
+    # the clipping norm counts the tied weight once (0.05: below the gradient's norm, so it clips;
+    # SGD: Adam would divide a uniformly scaled gradient out)
+    "pp-tied-gpipe-grad_clip-sgd": (["strategy=pp", "trainer.grad_clip=0.05", "trainer.optimizer=sgd"], "gpt"),
     "pp-tied-interleaved": (
         ["strategy=pp", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
         "gpt",
