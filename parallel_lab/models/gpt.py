@@ -190,6 +190,11 @@ class Head(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.out.weight if self.out is not None else self.tied_to.tokens.weight
 
+    def tie(self, holder: nn.Module) -> None:
+        """Project with ``holder.tokens.weight`` from now on (a pipeline's last stage: its own copy
+        of the embedding, strategies/pp/tied.py); held by reference, as the embedding is."""
+        self.__dict__["tied_to"] = holder
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.weight()).transpose(1, 2)
 

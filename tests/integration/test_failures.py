@@ -278,9 +278,9 @@ CATALOGUE = {
     "fp16-on-cpu": (["strategy=zero2", "strategy.precision=fp16", "device=cpu"], "strategy.precision=fp16"),
     "precision-unknown": (["trainer.precision=fp8"], ("trainer.precision=fp8", "use trainer.precision=fp32 or bf16")),
     "precision-bf16-on-dp": (["strategy=dp", "trainer.precision=bf16"], ("strategy=dp has no bf16 mode",)),
-    "precision-bf16-on-pp-torch": (
-        ["strategy=pp", "strategy.impl=torch", "trainer.precision=bf16"],
-        ("strategy.precision=bf16 with strategy=pp strategy.impl=torch", "use strategy.impl=manual"),
+    "precision-bf16-on-pp-deepspeed": (
+        ["strategy=pp", "strategy.impl=deepspeed", "trainer.precision=bf16"],
+        ("strategy.precision=bf16 with strategy=pp strategy.impl=deepspeed", "use strategy.impl=manual"),
     ),
     "precision-bf16-on-tp-dtensor": (
         ["strategy=tp", "strategy.impl=dtensor", "trainer.precision=bf16"],
@@ -373,6 +373,10 @@ CATALOGUE = {
     "pp-schedule-impl": (
         ["strategy=pp", "strategy.impl=deepspeed", "strategy.schedule=zero_bubble"],
         ("strategy.schedule=zero_bubble", "strategy.impl=deepspeed", "use strategy.impl=manual"),
+    ),
+    "pp-tied-deepspeed": (
+        ["strategy=pp", "model=gpt", "data=tokens", "strategy.impl=deepspeed"],
+        ("strategy.impl=deepspeed with model.tied=true", "TiedLayerSpec", "use strategy.impl=manual or torch"),
     ),
     "pp-microbatches": (
         ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],

@@ -3,7 +3,8 @@ on 2 real ranks: each configuration is the single run's training (the report's p
 against the plain-torch reference), predicts single's logits from the gathered vocabulary columns,
 holds the planned model state to the byte, issues exactly the communication of the vocab-parallel
 formula derived in the test body (also the planner's prediction) and saves the activations the
-planner counts. The cross-entropy alone and the refusals: tests/unit/test_vocab_parallel.py."""
+planner counts. The cross-entropy alone and the refusals: tests/unit/test_vocab_parallel.py. In the
+same ranks: the tied gpt under strategy=pp (tests/support/bodies/pp_gpt.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ EXTRA = {
 }
 
 
+# strategy=pp on the tied gpt (tests/support/bodies/pp_gpt.py), in the same ranks: one start-up
+# SGD in make test's: a tied gradient scaled by a constant (averaged, not summed) shows, where Adam divides it out
+PP_DEFAULT = {"pp-tied-1f1b-sgd": (["strategy=pp", "strategy.schedule=1f1b", "trainer.optimizer=sgd"], "gpt")}
+PP_EXTRA = {
+    # the clipping norm counts the tied weight once (0.05: below the gradient's norm, so it clips;
+    # SGD: Adam would divide a uniformly scaled gradient out)
+    "pp-tied-gpipe-grad_clip-sgd": (["strategy=pp", "trainer.grad_clip=0.05", "trainer.optimizer=sgd"], "gpt"),
+    "pp-tied-interleaved": (
+        ["strategy=pp", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"],
+        "gpt",
+    ),
+    "pp-tied-zero_bubble": (["strategy=pp", "strategy.schedule=zero_bubble"], "gpt"),
+    "pp-tied-torch-1f1b": (["strategy=pp", "strategy.impl=torch", "strategy.schedule=1f1b"], "gpt"),
+    "pp-tied-bf16": (["strategy=pp", "strategy.schedule=1f1b", "trainer.precision=bf16"], "gpt"),
+    "pp-tied-dropout-grad_accum": (["strategy=pp", "model.dropout=0.1", "trainer.grad_accum=2"], "gpt_dropout"),
+}
+
+
 def _run(configs: dict, timeout: int) -> dict[str, list]:
     overrides = {name: o for name, (o, _) in configs.items()}
     references = {name: r for name, (_, r) in configs.items()}
@@ -47,12 +66,12 @@ def _run(configs: dict, timeout: int) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def default_results() -> dict[str, list]:
-    return _run(DEFAULT, 300)
+    return _run({**DEFAULT, **PP_DEFAULT}, 300)
 
 
 @pytest.fixture(scope="module")
 def extra_results() -> dict[str, list]:
-    return _run(EXTRA, 600)
+    return _run({**EXTRA, **PP_EXTRA}, 600)
 
 
 @pytest.mark.parity
@@ -68,4 +87,24 @@ def test_tp_gpt_is_singles_training_with_the_vocab_parallel_bytes(default_result
 @pytest.mark.parametrize("config", list(EXTRA))
 def test_tp_gpt_more_configurations(extra_results, config):
     """The rest of the matrix; the test above keeps the claim in make test."""
+    assert_every_rank_passed(extra_results, config)
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_DEFAULT))
+def test_pp_ties_the_gpt_embedding_across_its_stages(default_results, config):
+    """model.tied=true under strategy=pp (Megatron's embedding group, pp/tied.py): single's training,
+    the last stage's copy bit-equal to the first's, state, bytes and activations as planned, a
+    checkpoint of single's names that reshards into both copies (tests/support/bodies/pp_gpt.py)."""
+    assert_every_rank_passed(default_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_EXTRA))
+def test_pp_ties_the_gpt_embedding_under_more_schedules(extra_results, config):
+    """The other manual schedules, torch's 1F1B, bf16, dropout with gradient accumulation, Adam; the
+    test above keeps the claim in make test."""
     assert_every_rank_passed(extra_results, config)

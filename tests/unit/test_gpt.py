@@ -206,7 +206,10 @@ def test_token_data_labels_are_the_next_token_and_the_chain_is_learnable(tmp_pat
         (("model=vit", "data=tokens"), "model=vit reads images, not data=tokens"),
         (("model=gpt", "data=tokens", "data.seq=32"), "data.seq=32 differs from model.seq=64"),
         (("model=gpt", "data=tokens", "data.vocab=300"), "model.vocab=256 is smaller than the data's vocabulary (300)"),
-        (("model=gpt", "data=tokens", "strategy=pp"), "strategy=pp with model.tied=true"),
+        (
+            ("model=gpt", "data=tokens", "strategy=pp", "strategy.impl=deepspeed"),
+            "strategy=pp strategy.impl=deepspeed with model.tied=true",
+        ),
     ],
 )
 def test_bad_model_and_data_pairs_are_refused_in_one_line(overrides, message):
@@ -257,3 +260,30 @@ def test_planned_pp_activations_equal_each_stages_real_forward():
 
     assert plans[0].activation_bytes == stash[0] * saved_by_forward(first, x, loss=False)
     assert plans[1].activation_bytes == stash[1] * saved_by_forward(last, sent, loss=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pp_plans_the_tied_embeddings_copy_on_the_last_stage_and_its_all_reduce(world):
+    """Tied under pp (strategies/pp/tied.py): the last stage holds a V x h copy of the embedding
+    where the untied one holds its own V x h projection, so every rank's planned model state and
+    activations equal the untied run's, and the two ends (not a middle stage) add the all-reduce
+    of the copy's fp32 gradient: 2 x 4 V h bytes in the counter's units."""
+    from parallel_lab.config import validate
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.cli import compose_cfg
+    from tests.support.reference import GPT_RUN, GPT_SIZES
+
+    def plans(tied: str):
+        run = (*GPT_RUN, "strategy=pp", f"model.tied={tied}", f"world_size={world}", f"strategy.stages={world}")
+        cfg = validate(compose_cfg(*run, "trainer.global_batch=8"))
+        return plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
+
+    tied, untied = plans("true"), plans("false")
+    copy = 2.0 * 4 * GPT_SIZES["vocab"] * GPT_SIZES["hidden"]
+    for rank, (t, u) in enumerate(zip(tied, untied, strict=True)):
+        assert t.state == u.state and t.activation_bytes == u.activation_bytes, rank
+        ends = copy if rank in (0, world - 1) else 0.0
+        assert t.comm.get("all_reduce", 0.0) == u.comm.get("all_reduce", 0.0) + ends, (rank, t.comm, u.comm)
+        assert t.comm["isend"] == u.comm["isend"], rank

@@ -71,16 +71,50 @@ def stage_of(cfg: DictConfig, rank: int) -> int:
     return pp_dims(cfg.strategy).coords(rank)["pp"]
 
 
+def ties_across_stages(cfg: DictConfig) -> bool:
+    """The gpt's tied embedding in a pipeline of several stages: the first stage's word embedding is
+    the last stage's output projection, which holds a copy of it (pp/tied.py)."""
+    if cfg.model.get("name") != "gpt" or cfg.strategy.stages < 2:
+        return False
+    from parallel_lab.models.gpt_sizes import gpt_sizes
+
+    return bool(gpt_sizes(cfg.model)["tied"])
+
+
+def in_embedding_group(cfg: DictConfig, stage: int) -> bool:
+    """Whether ``stage`` holds a copy of a tied embedding (the first stage or the last: pp/tied.py)."""
+    return ties_across_stages(cfg) and stage in (0, cfg.strategy.stages - 1)
+
+
+def held_chunks(cfg: DictConfig, model: nn.Sequential, stage: int) -> list[nn.Sequential]:
+    """``chunk_modules`` as ``stage`` runs them: a tied pipeline's last stage runs its last chunk with
+    its copy of the embedding in front (pp/tied.py; it passes the input through)."""
+    chunks = chunk_modules(cfg, model)
+    if stage > 0 and in_embedding_group(cfg, stage):
+        from torch import nn
+
+        from parallel_lab.strategies.pp.tied import EMBED, planned_copy
+
+        chunks[-1] = nn.Sequential(OrderedDict([(EMBED, planned_copy(model)), *chunks[-1].named_children()]))
+    return chunks
+
+
 def rank_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:
     """Every block rank ``rank`` holds (its chunks), in model order, unsplit (``split_meta_stage``:
-    as a tp rank holds them)."""
+    as a tp rank holds them); the last stage of a tied pipeline also its copy of the embedding, as
+    ``embed`` (pp/tied.py)."""
     from torch import nn
 
     from parallel_lab.strategies.pp.plan import rank_chunks
 
     names = chunk_names(cfg, model)
-    mine = [n for c in rank_chunks(cfg.strategy, stage_of(cfg, rank)) for n in names[c]]
-    return nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n in mine))
+    stage = stage_of(cfg, rank)
+    mine = [(n, model.get_submodule(n)) for c in rank_chunks(cfg.strategy, stage) for n in names[c]]
+    if stage > 0 and in_embedding_group(cfg, stage):
+        from parallel_lab.strategies.pp.tied import EMBED, planned_copy
+
+        mine.insert(0, (EMBED, planned_copy(model)))
+    return nn.Sequential(OrderedDict(mine))
 
 
 def _stage_module(cfg: DictConfig, model: nn.Sequential, rank: int) -> nn.Sequential:

@@ -23,12 +23,15 @@ from parallel_lab.strategies.pp.chunks import (
     chunk_modules,
     chunk_names,
     chunk_shares,
+    held_chunks,
+    in_embedding_group,
     meta_model,  # noqa: F401  (re-exported: strategy.py, ds_pipe.py)
     pp_dims,
     rank_module,
     stage_of,
 )
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
+from parallel_lab.strategies.pp.model_rules import check_bf16, check_tied
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
 from parallel_lab.strategies.registry import register_rules
 
@@ -83,7 +86,7 @@ class PPOptions(StrategyOptions):
     tp: int = 1
     # tp > 1 (arXiv 2205.05198): the token regions and the p2p activations hold tokens/tp per rank
     sequence_parallel: bool = False
-    # fp32 | bf16 (impl=manual): as Megatron trains, each chunk computes on a bf16 copy of the stage's
+    # fp32 | bf16 (impl=manual|torch): as Megatron trains, each chunk computes on a bf16 copy of the stage's
     # fp32 weights (its tp shards), so the activations and gradients sent between stages and over tp
     # are bf16; fp32 weights, gradients and Adam state (strategies/precision.py)
     precision: Precision = Precision.fp32
@@ -146,17 +149,6 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
         raise ConfigError(
             f"strategy.microbatches={m} < strategy.stages={p}: torch's Schedule1F1B "
             f"needs microbatches >= stages; raise strategy.microbatches or use strategy.impl=manual"
-        )
-
-
-def check_bf16(opts: DictConfig) -> None:
-    """bf16 runs in the manual loop's chunks (tp-split or not), backward not split into B and W."""
-    bad = {"impl": str(opts.impl) != "manual", "schedule": opts.schedule == "zero_bubble"}
-    for key in [k for k, v in bad.items() if v and opts.get("precision", "fp32") == "bf16"][:1]:
-        raise ConfigError(
-            f"strategy.precision=bf16 with strategy=pp strategy.{key}={opts[key]}: bf16 runs on the manual loop's "
-            f"chunks, backward whole; use strategy.{key}={dict(impl='manual', schedule='1f1b')[key]} or "
-            "strategy.precision=fp32"
         )
 
 
@@ -264,11 +256,7 @@ class PPPlan(PlanRules):
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
         check_bf16(opts)
-        if cfg.model.get("tied") and opts.stages > 1:
-            raise ConfigError(
-                f"strategy=pp with model.tied=true: the head on the last of {opts.stages} stages would project with "
-                "the token embedding's weight, which the first stage holds; use model.tied=false"
-            )
+        check_tied(opts, cfg)
         keys = {"pp": ("stages", "pipeline stages, one per process")}
         if opts.get("tp", 1) > 1:
             keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}
@@ -333,7 +321,7 @@ class PPPlan(PlanRules):
         o = cfg.strategy
         p, m, v, stage = o.stages, o.microbatches, o.get("virtual_stages", 1), stage_of(cfg, rank)
         mb = max(1, micro // m)
-        shapes, chunks = chunk_inputs(cfg, model, mb), chunk_modules(cfg, model)
+        shapes, chunks = chunk_inputs(cfg, model, mb), held_chunks(cfg, model, stage)
         tp, sp = o.get("tp", 1), bool(o.get("sequence_parallel"))
         shapes = [boundary_shape(s, g, tp, sp) for g, s in enumerate(shapes)]
         mine = rank_chunks(o, stage)
@@ -393,6 +381,9 @@ class PPPlan(PlanRules):
         if tp > 1:
             for op, n in stage_tp_comm(cfg, stage, shapes[1], cfg.trainer.grad_accum).items():
                 comm[op] = comm.get(op, 0.0) + n
+        if in_embedding_group(cfg, stage_of(cfg, rank)):  # the tied embedding's gradient, summed (pp/tied.py)
+            tied = model.get_submodule("embed.tokens").weight.numel()
+            comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * tied
         if replicate > 1:  # dp x pp: the stage's gradients (its shards) all-reduced over replicas
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(q.numel() for q in stage.parameters())
         if cfg.trainer.grad_clip > 0:  # the norm's float64 square sum: over the pipeline (and the tp group)

@@ -56,6 +56,7 @@ from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp.activations import SavedTracker
+from parallel_lab.strategies.pp.chunks import in_embedding_group, ties_across_stages
 from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
 from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
@@ -67,6 +68,7 @@ from parallel_lab.strategies.pp.tensor import (
     local_part,
     sum_sequence_parallel_grads,
 )
+from parallel_lab.strategies.pp.tied import EMBED, embedding_group, make_copy, sum_tied_gradients
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
 from parallel_lab.strategies.precision import Bf16Compute, as_compute
 from parallel_lab.strategies.rank_shards import RankShardState
@@ -92,7 +94,10 @@ class PPState(RankShardState):
         dist.all_gather_object(per_rank, gathered_stage(self.strategy))
         pairs = [pair for r in self.strategy.layout.group_ranks(0, "pp") for pair in per_rank[r]]
         order = self.strategy.chunk_order
-        return [p for _, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0]))]
+        kept: dict[str, torch.Tensor] = {}
+        for name, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0])):
+            kept.setdefault(name, p)  # a tied pipeline's last stage's copy of the embedding: the first's kept
+        return list(kept.values())
 
 
 class PPMemory(HeldMemory):  # the model here is this stage only
@@ -109,6 +114,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
     Norm = ReplicaNorm
     # dp x pp x tp (pp/tensor.py); these defaults: no split (strategy.tp=1, and impl=deepspeed's setup)
     tp_rank, tp_group, shard_dims, sp_params = 0, None, {}, []
+    embedding_group = None  # a tied pipeline's first and last stage (pp/tied.py)
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (SUBCLASSES: deepspeed, pp/ds_pipe.py)."""
@@ -136,13 +142,15 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
         self.chunk_ids = rank_chunks(self.opts, self.stage)
         self.meta_chunks = chunk_modules(self.cfg, meta)
         children = dict(model.named_children())
-        mine = [[children[n] for n in self.chunk_names[g]] for g in self.chunk_ids]
+        mine = [[(n, children[n]) for n in self.chunk_names[g]] for g in self.chunk_ids]
+        if self.stage > 0 and in_embedding_group(self.cfg, self.stage):  # Megatron's copy, tied (pp/tied.py)
+            mine[-1].insert(0, (EMBED, make_copy(children)))
         for name, child in children.items():
-            if all(child is not c for chunk in mine for c in chunk):
+            if all(child is not c for chunk in mine for _, c in chunk):
                 child.to("meta")  # free the weights of the other stages: this rank holds only its own
-        self.model, self.chunks = self.build_stage(
-            [[(n, children[n]) for n in self.chunk_names[g]] for g in self.chunk_ids], self.group
-        )
+        self.model, self.chunks = self.build_stage(mine, self.group)
+        if ties_across_stages(self.cfg):  # collective; None off the ends of the pipeline
+            self.embedding_group = embedding_group(self)
         self.optimizer = make_optimizer(self.model.parameters())
         self.shapes: dict[tuple, torch.Size] = {}
         self.busy, self.recv_wait, self.send_time, self.losses, self.aux_losses = Busy(), 0.0, 0.0, [], []
@@ -252,6 +260,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
 
     def optimizer_step(self) -> None:
         sum_sequence_parallel_grads(self)
+        sum_tied_gradients(self)  # before the norm and the step: both copies hold single's gradient
         self.average_over_replicas()
         super().optimizer_step()
 
@@ -314,7 +323,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "op_seconds_steps": [mean_op_seconds([step]) for step in self.loop.op_seconds[skip:]] if manual else None,
             "recvs_late": self.loop.late if manual else None,
             "params": sum(q.numel() for q in self.model.parameters()),
-            "layers": list(self.model._modules),
+            "layers": [n for g in self.chunk_ids for n in self.chunk_names[g]],  # a tied copy not listed
             "activation_peak": self.activation_peak,
         }
         stages: list = [None] * self.env.world_size

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.strategies.memory import local_tensor
+from parallel_lab.strategies.pp.tied import counted_once
 
 
 def tp_coords(cfg: DictConfig, rank: int) -> tuple[int, int]:
@@ -62,11 +63,12 @@ def boundary_shape(shape: torch.Size, g: int, tp: int, sequence_parallel: bool) 
 def clip_over_stages_and_tp(pipe, max_norm: float) -> None:
     """Scale every gradient by min(1, max_norm / ||g||), ||g|| of the whole model's gradient: each
     rank adds the squares of its shards and (on tp rank 0 only: every tp rank holds them) of its
-    replicated parameters, summed over the tp group, then over the pipeline. Float64 sums."""
+    replicated parameters, summed over the tp group, then over the pipeline (a tied embedding's
+    copies once). Float64 sums."""
     named = [(n, p.grad) for n, p in pipe.model.named_parameters() if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for name, g in named:
-        if name in pipe.shard_dims or pipe.tp_rank == 0:
+        if (name in pipe.shard_dims or pipe.tp_rank == 0) and counted_once(pipe, name):
             sq += local_tensor(g).double().pow(2).sum()
     if pipe.opts.tp > 1:
         dist.all_reduce(sq, group=pipe.tp_group)

@@ -1,5 +1,6 @@
 """``strategy.impl=torch``: the same chunks run by torch.distributed.pipelining (one
-``PipelineStage`` per chunk, global chunk g on pipeline rank g % p: torch's "loop" placement).
+``PipelineStage`` per chunk, global chunk g on pipeline rank g % p: torch's "loop" placement); in
+bf16 each chunk computes as the manual loop's does (``RunChunk``).
 
 Busy time: each stage's ``forward_one_chunk``, ``backward_one_chunk`` and
 ``backward_weight_one_chunk`` are timed (torch receives and sends outside them), the same
@@ -35,6 +36,21 @@ class OwnOutput(nn.Module):
         return x.clone(memory_format=torch.contiguous_format)
 
 
+class RunChunk(nn.Module):
+    """Chunk c as the strategy runs it (``run_chunk``: under strategy.precision=bf16 on a bf16 copy
+    of its fp32 weights with bf16 inputs, the last chunk's logits in fp32, as the manual loop and
+    Megatron's bf16 run), so torch's stage sends bf16 activations and gradients; the chunk is its
+    submodule, so the stage's parameters are its fp32 weights, whose .grad the casts' backward fills."""
+
+    def __init__(self, pipe, c: int) -> None:
+        super().__init__()
+        self.chunk = pipe.chunks[c]
+        self.__dict__["run"] = lambda x: pipe.run_chunk(c, x)  # not a submodule: the strategy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
 def torch_schedule(pipe, loss_fn):
     """The schedule object for ``pipe``'s chunks (``pipe``: the strategy)."""
     from torch.distributed import pipelining
@@ -42,7 +58,8 @@ def torch_schedule(pipe, loss_fn):
     o = pipe.opts
     n = o.stages * o.virtual_stages
     stages = []
-    for chunk, g in zip(pipe.chunks, pipe.chunk_ids):
+    for c, (chunk, g) in enumerate(zip(pipe.chunks, pipe.chunk_ids)):
+        chunk = RunChunk(pipe, c) if pipe.compute_dtype != torch.float32 else chunk
         module = nn.Sequential(chunk, OwnOutput()) if g < n - 1 else chunk
         stage = pipelining.PipelineStage(module, g, n, pipe.device, group=pipe.group)
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -124,16 +124,18 @@ def split_bytes(chunk: nn.Module, batch: int, sample_shape: tuple, loss: bool) -
     is what the run holds, transients of B included."""
     import copy
 
+    from parallel_lab.models import loss_target, sample_input
     from parallel_lab.strategies.pp.activations import SavedTracker
 
     chunk = copy.deepcopy(chunk)
     tracker = SavedTracker(chunk.parameters(), meta=True)
     deferred = DeferredWeights(chunk, tracker.pack)
-    x = torch.empty(batch, *sample_shape, device="meta", requires_grad=True)
+    x = sample_input(chunk, batch, sample_shape)  # the gpt's first chunk: int64 token ids, no gradient
+    x.requires_grad_(x.is_floating_point())
     with tracker.hooks():
         out = chunk(x)
-        if loss:
-            out = F.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta"))
+        if loss:  # the gpt's labels are (batch, seq)
+            out = F.cross_entropy(out, loss_target(out))
     forward = tracker.held
     tracker.peak = forward
     with deferred.pass_of(0):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from tests.support.bodies.pp_gpt import check_pp_tied
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import GPT_RUN, GPT_SIZES, MODELS, parity_reference
@@ -109,8 +110,14 @@ def check(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None
 def tp_gpt_body(
     rank: int, world_size: int, configs: dict[str, list[str]], references: dict[str, str], steps: int, global_batch: int
 ) -> None:
-    """Train each configuration in turn, check it against its reference (tests/support/matrix.py judge_each)."""
+    """Train each configuration in turn, check it against its reference (tests/support/matrix.py judge_each).
+    A configuration with ``strategy=pp`` (a later strategy= wins) is judged by pp_gpt.py: the tied
+    embedding across a pipeline, trained in these ranks to spare a start-up."""
     base = [*GPT_RUN, "strategy=tp", f"world_size={world_size}", "trainer.eval_batches=0"]
-    judge_each(
-        configs, steps, global_batch, base, lambda name, _, cfg, s, m: check(cfg, s, m, rank, name, references[name])
-    )
+
+    def judge(name: str, _, cfg, strategy, metrics) -> None:
+        if cfg.strategy.name == "pp":
+            return check_pp_tied(cfg, strategy, metrics, rank, name, references[name])
+        return check(cfg, strategy, metrics, rank, name, references[name])
+
+    judge_each(configs, steps, global_batch, base, judge)
