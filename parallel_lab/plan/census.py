@@ -24,9 +24,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from parallel_lab.plan.metamemo import PlanMode
 
 KINDS = ("conv", "matmul", "pool", "norm", "memory")
 _NORM = ("norm", "softmax", "gelu")  # normalisations, softmax, GELU and their backward: compute-heavy per byte
@@ -58,7 +59,7 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-class _Counter(TorchDispatchMode):
+class _Counter(PlanMode):
     def __init__(self) -> None:
         super().__init__()
         self.census = Census()

@@ -81,7 +81,19 @@ def _replay(layouts: list[Layout], container: type | None):
     return outs[0] if container is None else container(outs)
 
 
-class MetaMemo(TorchDispatchMode):
+class PlanMode(TorchDispatchMode):
+    """The planner's dispatch modes (the census, this memo, the saved-bytes counts): meta passes that
+    never run under ``torch.compile``. torch wraps a mode's ``__torch_dispatch__`` in
+    ``torch._dynamo.disable`` unless ``_should_skip_dynamo`` says False (its documented opt-out):
+    wrapped, the first operator imports TorchDynamo and every one after pays its frame switch
+    (~10,000 a recommendation)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class MetaMemo(PlanMode):
     """``with MetaMemo():`` every functional operator on meta tensors computed once per distinct
     argument metadata (module docstring); enter it once around many meta passes."""
 

@@ -113,9 +113,9 @@ def _cpu_layer_norm():
     """A dispatch mode under which the meta device's LayerNorm returns its mean and rstd in the
     input's dtype, as CPU's kernel does (torch._refs.native_layer_norm converts them on CPU only;
     the meta kernel keeps CUDA's float32): a bf16 forward on CPU saves 2-byte statistics, not 4."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from parallel_lab.plan.metamemo import PlanMode
 
-    class CpuLayerNorm(TorchDispatchMode):
+    class CpuLayerNorm(PlanMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten.native_layer_norm.default:

@@ -14,6 +14,7 @@ the benchmarks list strategies from here. No module may import heavy optional pa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -34,6 +35,23 @@ RULES_SUFFIX = "_rules"  # a flat strategy module's torch-free rules: <name>_rul
 
 def _discover_rules() -> None:
     """Import every rules module (torch-free) and the plugins."""
+    from parallel_lab.plugins import plugin_names
+
+    _rules_imported(tuple(plugin_names()))
+
+
+def _discover() -> None:
+    """Import every strategy module, runtime classes and all (torch)."""
+    from parallel_lab.plugins import plugin_names
+
+    _runtime_imported(tuple(plugin_names()))
+
+
+# Once per plugin list (lru_cache: a failed import is not remembered and raises again next time):
+# the package's modules do not change in a process, and listing them costs ~1 ms a call (pkgutil
+# reads the folder), which the recommender paid ~400 times a recommendation.
+@functools.lru_cache(maxsize=None)
+def _rules_imported(plugins: tuple[str, ...]) -> None:
     from parallel_lab.plugins import import_plugins
 
     for info in pkgutil.iter_modules(__path__):
@@ -42,8 +60,8 @@ def _discover_rules() -> None:
     import_plugins()
 
 
-def _discover() -> None:
-    """Import every strategy module, runtime classes and all (torch)."""
+@functools.lru_cache(maxsize=None)
+def _runtime_imported(plugins: tuple[str, ...]) -> None:
     from parallel_lab.plugins import import_plugins
 
     for info in pkgutil.iter_modules(__path__):

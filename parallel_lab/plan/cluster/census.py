@@ -14,11 +14,11 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from parallel_lab.plan.census import _is_view, _tensors
 from parallel_lab.plan.cluster.shape import ModelShape
+from parallel_lab.plan.metamemo import PlanMode
 
 _GEMMS = ("mm", "addmm")
 # aten operators that move no bytes: a view its schema does not mark (matmul's reshape of a batched
@@ -69,7 +69,7 @@ def _dims(name: str, args) -> tuple[int, int, int, int]:
     return a.shape[0], a.shape[1], b.shape[1], 1
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(PlanMode):
     def __init__(self, tokens: int, hidden: int, score_numel: int) -> None:
         super().__init__()
         self.phase, self.tokens, self.hidden, self.score_numel = "fwd", tokens, hidden, score_numel
