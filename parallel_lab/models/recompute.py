@@ -13,7 +13,7 @@ parallelism: every strategy runs the same recomputing model.
 
 The checkpoint function is injectable: ``set_recompute(model, mode, checkpoint=fn)`` with
 ``fn(function, *args) -> output`` (default ``torch_checkpoint``: torch.utils.checkpoint's
-non-reentrant one). ``deepspeed.checkpointing.checkpoint`` has that signature.
+non-reentrant one). ``deepspeed.checkpointing.non_reentrant_checkpoint`` has that signature.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def setting_of(model: nn.Module) -> Recompute | None:
 
 def set_recompute(model: nn.Module, mode: str | None = None, checkpoint: Checkpoint | None = None) -> None:
     """Set the model's recompute mode and/or checkpoint function (the injection point: the
-    DeepSpeed strategies pass ``checkpoint=deepspeed.checkpointing.checkpoint``). A model without
-    blocks accepts only ``none`` (config/validate.py refuses the rest in the parent)."""
+    DeepSpeed strategies pass DeepSpeed's non-reentrant checkpoint, strategies/zero/ds_checkpointing.py).
+    A model without blocks accepts only ``none`` (config/validate.py refuses the rest in the parent)."""
     setting = setting_of(model)
     if setting is None:
         if getattr(mode, "value", mode) not in (None, NONE):

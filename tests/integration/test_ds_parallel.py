@@ -113,15 +113,23 @@ def test_ds_checkpoint_recomputes_a_vit_block_bit_for_bit():
     """DeepSpeed's checkpoint (configured from the ds_config's activation_checkpointing section),
     wired into the vit's recomputed blocks as the zero and DeepSpeed-pipeline strategies wire it, on
     2 real ranks with deepspeed.comm up: the same output and gradients, bit for bit, as the model
-    without recomputation (dropout on: the recomputation draws the forward's masks)."""
-    assert _last_line(run_ranks(checkpointed_block_matches_plain, 2, timeout=120)) == []
+    without recomputation (dropout on: the recomputation draws the forward's masks), with torch's
+    linear and with ZeRO-3's (``zero3_linear_wrap``, whose bias gradient is a sum in the output
+    gradient's memory order: DeepSpeed's reentrant checkpoint failed selective there, k.bias,
+    ds_checkpointing.py)."""
+    assert _last_line(run_ranks(checkpointed_block_matches_plain, 2, timeout=120)) == {
+        f"{mode} {linear}": [] for mode in ("full", "selective") for linear in ("torch", "zero3")
+    }
 
 
 def checkpointed_block_matches_plain(rank: int, world_size: int) -> None:
-    """Body: prints the names of the tensors that differ (none: a pass). The vit (per-sample
-    dropout on) with trainer.recompute=full through the zero strategies' wiring
-    (``use_deepspeed_checkpointing``: DeepSpeed's checkpoint in every block) against the same
-    model without recomputation."""
+    """Body: prints, per recompute mode and linear, the names of the tensors that differ (none: a
+    pass). The vit (per-sample dropout on) with trainer.recompute=full|selective through the zero
+    strategies' wiring (``use_deepspeed_checkpointing``: DeepSpeed's checkpoint in every region)
+    against the same model without recomputation, under torch's linear and under the one ZeRO-3
+    swaps in for ``torch.nn.functional.linear`` (DeepSpeed's ``zero3_linear_wrap``)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
     from parallel_lab.models.recompute import set_recompute
     from parallel_lab.models.vit import ViT
     from parallel_lab.strategies.zero.strategy import import_deepspeed, use_deepspeed_checkpointing
@@ -129,20 +137,28 @@ def checkpointed_block_matches_plain(rank: int, world_size: int) -> None:
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     torch.manual_seed(rank)
     plain = ViT(depth=2, dropout=0.1, seed=rank)
-    recomputed = copy.deepcopy(plain)
-    set_recompute(recomputed, "full")
-    use_deepspeed_checkpointing(recomputed, {"activation_checkpointing": {"partition_activations": False}})
-    assert recomputed.block0.recompute.checkpoint is not plain.block0.recompute.checkpoint
-    x = torch.randn(4, 3, 32, 32)
-    results = []
-    for module in (plain, recomputed):
-        torch.manual_seed(1234)
-        out = module(x)
-        torch.rand(3)  # RNG moves between forward and backward: the recomputation must not see it
-        out.square().sum().backward()
-        results.append({"output": out.detach(), **{n: p.grad for n, p in module.named_parameters()}})
-    differ = [name for name, t in results[0].items() if not torch.equal(t, results[1][name])]
+    x, torch_linear, differ = torch.randn(4, 3, 32, 32), torch.nn.functional.linear, {}
+    for mode in ("full", "selective"):
+        for linear, function in (("torch", torch_linear), ("zero3", zero3_linear_wrap)):
+            recomputed = copy.deepcopy(plain)
+            set_recompute(recomputed, mode)
+            use_deepspeed_checkpointing(recomputed, {"activation_checkpointing": {"partition_activations": False}})
+            assert recomputed.block0.recompute.checkpoint is not plain.block0.recompute.checkpoint
+            torch.nn.functional.linear = function  # as ZeRO-3 does (zero/strategy.py restores it at teardown)
+            try:
+                results = [_forward_backward(module, x) for module in (copy.deepcopy(plain), recomputed)]
+            finally:
+                torch.nn.functional.linear = torch_linear
+            differ[f"{mode} {linear}"] = [n for n, t in results[0].items() if not torch.equal(t, results[1][n])]
     print(json.dumps(differ))
+
+
+def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    out = module(x)
+    torch.rand(3)  # RNG moves between forward and backward: the recomputation must not see it
+    out.square().sum().backward()
+    return {"output": out.detach(), **{n: p.grad for n, p in module.named_parameters()}}
 
 
 def _last_line(outputs: list[str]):

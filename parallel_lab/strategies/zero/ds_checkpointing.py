@@ -4,9 +4,20 @@
 ``ds_checkpoint_function(ds_config)`` configures DeepSpeed's checkpointing from the config's
 ``activation_checkpointing`` section (DeepSpeed's own parser, ``DeepSpeedActivationCheckpointingConfig``:
 partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
-synchronize_checkpoint_boundary, profile) and returns ``deepspeed.checkpointing.checkpoint``:
-``checkpoint(function, *tensors)`` runs ``function`` without keeping its activations and runs it
-again in backward, restoring the RNG state first (DeepSpeed's ``CheckpointFunction``).
+synchronize_checkpoint_boundary, profile) and returns DeepSpeed's non-reentrant checkpoint
+(``deepspeed.checkpointing.non_reentrant_checkpoint``, the one ``pipeline.use_reentrant=false`` picks
+for DeepSpeed's own pipeline): ``checkpoint(function, *tensors)`` runs ``function`` without keeping
+its activations and runs it again in backward, restoring the RNG state first.
+
+Non-reentrant, as torch's checkpoint is for every other strategy (models/recompute.py): the
+recomputed region's gradients flow through autograd's own graph, in the layout the region's
+backward gives them. The reentrant ``deepspeed.checkpointing.checkpoint`` hands its inputs' gradients
+back as the leaves' ``.grad`` instead, which autograd lays out like the input (its layout contract),
+not like the matmul backward that made them: the vit's k leaves ``q @ k.transpose(-2, -1)``'s backward
+transposed. Under ZeRO-3, DeepSpeed's linear (``LinearFunctionForZeroStage3``) sums the bias gradient
+in that tensor's memory order, so k.bias's gradient (zero up to rounding: softmax ignores a per-query
+constant) got other rounding noise, which Adam scales up to a step (measured: 1.8e-5; then 63 of the
+vit's 71 tensors 1 ulp off) on every CPU: trainer.recompute=selective was not bit for bit under zero3.
 
 Without a model-parallel unit ``partition_activations`` has nothing to partition over: it is
 refused (``ds_checkpoint_refusal``), as is ``contiguous_memory_optimization``, which DeepSpeed
@@ -53,4 +64,4 @@ def ds_checkpoint_function(ds_config: dict) -> CheckpointFunction:
         synchronize=section.synchronize_checkpoint_boundary,
         profile=section.profile,
     )
-    return checkpointing.checkpoint
+    return checkpointing.non_reentrant_checkpoint

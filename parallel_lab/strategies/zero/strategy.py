@@ -275,7 +275,7 @@ def deepspeed_experts(strategy: ZeroStrategy, model: torch.nn.Module) -> DeepSpe
 
 def use_deepspeed_checkpointing(model: torch.nn.Module, ds_config: dict) -> None:
     """trainer.recompute under DeepSpeed: the model's recomputed regions (models/recompute.py) run
-    through deepspeed.checkpointing.checkpoint, configured from the ds_config's
+    through DeepSpeed's non-reentrant checkpoint (ds_checkpointing.py), configured from the ds_config's
     ``activation_checkpointing`` section, as a DeepSpeed user's model calls it. deepspeed.comm must
     be up (it is, after deepspeed.initialize). Nothing changes where the mode is none."""
     from parallel_lab.models.recompute import NONE, setting_of
