@@ -17,11 +17,15 @@ venv: $(STAMP)
 # --no-compile: pip would compile every file of every package on one core (56 s of installing;
 # compileall on both cores 16 s more). Instead, one import of what every run imports writes their
 # bytecode here (~7 s), so the first run after installing starts as fast as the next; any other
-# module writes its own at its first import (below; docs/testing.md).
+# module writes its own at its first import (below; docs/testing.md). torch's part is written on the
+# other core while pip fetches the rest (mostly waiting on the index); the last import finishes it
+# whatever that one met (it ignores its outcome: a package half-installed beside it, say).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0 numpy setuptools wheel
-	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e ".[all,dev]"
+	$(PY) -c "import torch._dynamo, torch.distributed" > /dev/null 2>&1 & warm=$$!; \
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e ".[all,dev]"; \
+	status=$$?; wait $$warm; exit $$status
 	$(PY) -c "import torch._dynamo, torch.distributed, deepspeed, hydra, parallel_lab.worker.main"
 	touch $@
 
