@@ -52,6 +52,12 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / TRACES_DIR / f"rank{rank}.json"
 
 
+def trace_files(run_dir: str | Path) -> list[Path]:
+    """A run's traces, in rank order ([] for a run that was not profiled)."""
+    folder = trace_path(run_dir, 0).parent
+    return sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:])) if folder.is_dir() else []
+
+
 def default_checkpoint_dir(run_dir: str | Path) -> Path:
     """Where checkpoints go when trainer.checkpoint_dir is not set."""
     return Path(run_dir) / CHECKPOINTS_DIR

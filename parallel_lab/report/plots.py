@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from parallel_lab.protocol import trace_files
 from parallel_lab.report.columns import MiB, max_rank
 from parallel_lab.report.intervals import Interval
 from parallel_lab.report.parity import EARLY_STEPS, ENVELOPE_MULTIPLE
 from parallel_lab.report.rows import Row
 from parallel_lab.report.timing import interval
 from parallel_lab.worker import timeline
-from parallel_lab.worker.profile import trace_files
 
 # What each part of a step looks like in timeline.png; "comm in flight" is drawn thin, under the lane.
 TIMELINE_COLORS = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -105,9 +104,3 @@ class StepProfiler:
             "unprofiled_step_s": statistics.median(rest) if rest else None,
             "loop_step_s": traced,  # the loop's timing of each traced step, beside the trace's own
         }
-
-
-def trace_files(run_dir: str | Path) -> list[Path]:
-    """A run's traces, in rank order ([] for a run that was not profiled)."""
-    folder = trace_path(run_dir, 0).parent
-    return sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:])) if folder.is_dir() else []
