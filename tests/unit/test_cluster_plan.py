@@ -206,31 +206,33 @@ def test_op_policy_keeps_every_other_product():
     assert got == want
 
 
-def test_zero3_regathers_for_the_recomputed_forward():
-    """ZeRO-3 under full recomputation gathers the parameters once more per pass (its hooks release
-    them after every forward); FSDP's layout does not. Comm-bound here (1 Gb/s between nodes), so
-    the difference is exactly one all-gather per micro-batch."""
-    import dataclasses
+def test_zero3_gathers_one_module_ahead():
+    """DeepSpeed's ZeRO-3 (prefetch.py): each stretch between two gathers lasts the longer of its
+    compute and the next gather, so out-of-step modules cost more than max(compute, traffic); a
+    module kept for reuse (within 1e9 elements) gathers nothing and joins the stretch before it."""
 
-    from parallel_lab.plan.cluster.steptime import ClusterRun, predict
+    from parallel_lab.plan.cluster import prefetch
+    from parallel_lab.plan.cluster.census import block_ops
+    from parallel_lab.plan.cluster.prefetch import Visit
+    from parallel_lab.plan.cluster.steptime import ClusterRun
     from parallel_lab.strategies.mesh import MeshDims
     from parallel_lab.strategies.planning import ClusterLayout
 
-    hw = from_spec("a100_80g;inter_node_gbps=1")
-    layout = ClusterLayout(
-        dims=MeshDims(shard=16), shard_stage=3, shard_ways=16, microbatches=2, overlapped=frozenset({"all_gather"})
-    )
-    runs = {
-        (regather, recompute): ClusterRun(
-            LLAMA, hw, dataclasses.replace(layout, regathers_on_recompute=regather), 32, "bf16", recompute
-        )
-        for regather in (False, True)
-        for recompute in ("full", "none")
-    }
-    dp = {key: predict(run).dp_comm_s for key, run in runs.items()}
-    gather = comm.all_gather_s(hw, memory.params_on_rank(LLAMA, 1, 1, True) * 2, 16, 1)
-    assert dp[True, "full"] - dp[False, "full"] == pytest.approx(2 * gather)
-    assert dp[True, "none"] == pytest.approx(dp[False, "none"])
+    def traffic(elements: int) -> float:
+        return float(elements)
+
+    uneven = [Visit(1.0, 1, True), Visit(3.0, 3, True)]  # by hand: max(1, 3) + max(3, 1), not max(4, 4)
+    assert prefetch._stretches(uneven, traffic, lambda e: 0.0) == 6.0
+    kept = [Visit(1.0, 1, True), Visit(2.0, 5, False, reduces=True)]  # one stretch: max(1 + 2, 1 + 5)
+    assert prefetch._stretches(kept, traffic, traffic) == 6.0
+
+    layout = ClusterLayout(dims=MeshDims(shard=16), shard_stage=3, shard_ways=16, regathers_on_recompute=True)
+    hw = from_spec("a100_80g")
+    for shape, regathered in ((GPT3, 5), (LLAMA, 0)):  # 175B: only the last linear is reused; a tiny one: all
+        run = ClusterRun(shape, hw, layout, 16, "bf16", "full")
+        forward, backward, _ = prefetch._visits(block_ops(shape, 1), hw, run, shape.seq)
+        assert backward[: len(forward)] == forward  # the recomputed forward gathers what its forward released
+        assert sum(v.gathers for v in backward[len(forward) :]) == regathered
 
 
 def test_memory_parts_logits_and_allocator_reserve():

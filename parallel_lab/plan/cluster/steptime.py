@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from parallel_lab.plan.cluster import comm, memory
+from parallel_lab.plan.cluster import comm, memory, prefetch
 from parallel_lab.plan.cluster.census import block_ops
 from parallel_lab.plan.cluster.compute import DTYPE_BYTES, PassTime, block_pass, logits_pass
 from parallel_lab.plan.cluster.hardware import Hardware
@@ -134,6 +134,11 @@ def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
     stride, ways = dims.tp * dims.pp, max(1, lay.shard_ways)
     replicas = run.dp // ways
     grads = params * width
+    if lay.shard_stage >= 3 and lay.regathers_on_recompute and "all_gather" in lay.overlapped:
+        # DeepSpeed's ZeRO-3: one sub-module's gather ahead of its compute (prefetch.py)
+        ops = block_ops(run.shape, run.micro_batch)
+        blocks = max(stage_blocks(run.shape.layers, dims.pp))
+        return lay.microbatches * prefetch.exposed_s(run, ops, run.micro_batch * run.shape.seq, blocks, params)
     if lay.shard_stage >= 3:
         # Each pass gathers the parameters (forward; backward, and again for a fully recomputed
         # forward where the strategy released them) and reduce-scatters the gradients: the
