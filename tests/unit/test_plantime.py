@@ -479,7 +479,8 @@ def test_dtensor_dispatch_is_measured_per_tensor_and_fails_when_it_is_not_there(
         plain = min(step() for _ in range(5))
     finally:
         torch.set_num_threads(threads)
-    assert 10e-6 < per_tensor < 2e-3, per_tensor
+    # The upper bound only catches a unit slip (seconds for ms): a loaded CPU measured 2.2 ms here.
+    assert 10e-6 < per_tensor < 50e-3, per_tensor
     assert per_tensor * bench.DTENSOR_BENCH_TENSORS > 0.5 * plain  # dispatch is the larger part
     import torch.distributed as dist
 
