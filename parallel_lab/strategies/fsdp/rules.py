@@ -269,8 +269,8 @@ class FSDPPlan(PlanRules):
     def activation_bytes(
         cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
-        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; not checked
-        against a real 2-D forward); otherwise the whole model's."""
+        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; the real 2-D
+        forward saves the same, tests/integration/test_cp_vit.py); otherwise the whole model's."""
         tp, cp = cfg.strategy.get("tp", 1), cp_of(cfg)
         if tp == 1 and cp == 1:
             return super().activation_bytes(cfg, model, rank, micro, saved)
