@@ -185,6 +185,22 @@ def test_the_moe_gpt_under_fsdp_and_zero2_ep_trains_as_single_does_with_the_plan
 
 
 @pytest.mark.slow
+def test_pp_with_the_moe_block_stashes_the_planned_activations(shared_runs):
+    """Each stage's activation peak (pp/activations.py, the last step) is the planner's count of its
+    chunk under the schedule, the MoE block's experts an equal share of the copies (dropless: all
+    the copies whatever the routing)."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.model_parallel import compose_config
+
+    cfg = compose_config(*PP_MOE)
+    plans = plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
+    measured = shared_runs["pp"]["strategy_extras"]["pp_activation_peak_bytes"]
+    assert measured == [plan.activation_bytes for plan in plans], (measured, [p.activation_bytes for p in plans])
+
+
+@pytest.mark.slow
 def test_the_moe_gpt_under_fsdp_and_zero2_ep_exchanges_the_formulas_bytes(shared_runs):
     """fsdp: each rank's all-to-all bytes are its routing's and over the ranks the dropless
     4 x B x seq x k x h x 4 a MoE layer, beside fully_shard's padded 3Ψ of the dense parameters;
