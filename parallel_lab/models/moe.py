@@ -93,7 +93,8 @@ class Routing:
         """A meta-device forward's routing: no values to route by, so the copies are spread
         evenly, counts on the CPU (a meta tensor has no values to split by)."""
         r = cls.__new__(cls)
-        r.token, r.gate, r.aux = token, gate, aux
+        order = torch.arange(len(token), device=token.device)  # the real sort's gather (it saves its index)
+        r.token, r.gate, r.aux = token[order], gate[order], aux
         share, extra = divmod(len(token), num)
         r.counts = torch.tensor([share + (e < extra) for e in range(num)])
         r.expert = None

@@ -19,7 +19,7 @@ from parallel_lab.strategies.cp.rules import (
     context_meta,
     cp_of,
 )
-from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids
+from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids, expert_parallel_meta
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SavedBytes
@@ -81,8 +81,10 @@ class DDPPlan(ReplicatedPlan):
     def activation_bytes(
         cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
-        """With cp: what the cp-sharded vit or gpt saves on this rank (its tokens only; cp/rules.py)."""
+        """With cp: what the cp-sharded vit or gpt saves on this rank (its tokens only; cp/rules.py);
+        with ep: the rank's experts behind the exchanges (ep/rules.py expert_parallel_meta)."""
         if cp_of(cfg) < 2:
+            model = expert_parallel_meta(model, cls.dims(cfg), rank)
             return super().activation_bytes(cfg, model, rank, micro, saved)
         return saved(context_meta(cfg, model, rank % cp_of(cfg)), micro, sample_shape(cfg.model), True), micro
 

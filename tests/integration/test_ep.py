@@ -6,6 +6,7 @@ summed over the ranks the formula of the dropless exchange (each token's k copie
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
 (Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
 ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
+The MoE gpt under fsdp and zero2, in the same ranks, makes the same claims (ddp's: test_cp_vit.py).
 Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
 
@@ -21,7 +22,7 @@ from parallel_lab.cli.run import load_metrics, run_ranks
 from tests.support.bodies.runs import train_and_record
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import assert_one_clean_line, run_cli, write_config
-from tests.support.reference import VIT_MOE, parity_reference
+from tests.support.reference import GPT_MOE, GPT_RUN, GPT_SIZES, VIT_MOE, parity_reference
 
 STEPS, BATCH, K, DIM, TOKENS, MOE_LAYERS = 3, 16, VIT_MOE["moe_topk"], 64, (32 // VIT_MOE["patch"]) ** 2, 1
 MOE = ["model=vit", *(f"model.{key}={value}" for key, value in VIT_MOE.items())]
@@ -45,12 +46,17 @@ def run(tmp_path_factory, name: str, *overrides: str) -> dict:
 SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2")}
 # pp trains in the same ranks too: the MoE block (block1) cut onto the first stage, the loss on the last
 PP_MOE = ("strategy=pp", "strategy.stages=2", "strategy.cuts=[head]", "world_size=2", SGD, *RUN)
+# The MoE gpt (block 1 of 2 an MoE MLP, tests/support/reference.py) under fsdp and zero2, in the
+# same ranks: its own claims beside the ddp ones of tests/support/bodies/cp_gpt.py check_gpt_ep
+GPT_MOE_RUN = [*GPT_RUN, *(f"model.{key}={value}" for key, value in GPT_MOE.items()), *RUN[len(MOE) :]]
+GPT_EP = {f"gpt_{s}": (f"strategy={s}", "strategy.ep=2", "world_size=2", SGD, *GPT_MOE_RUN) for s in ("fsdp", "zero2")}
+SEQ, HIDDEN, GPT_MOE_LAYERS = GPT_SIZES["seq"], GPT_SIZES["hidden"], GPT_SIZES["layers"] // 2  # moe_every=2
 
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("ep_shared")
-    runs = {**SHARED, "pp": PP_MOE}
+    runs = {**SHARED, "pp": PP_MOE, **GPT_EP}
     paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in runs.items()]
     run_ranks(train_and_record, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
     return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in runs}
@@ -158,6 +164,58 @@ def test_zero_with_ep_comm_is_deepspeeds_padded_exchange_and_its_reductions(requ
     assert theory["all_reduce"] == MOE_LAYERS * BATCH // 2 * 16
     # the report's comm Ψ meas/theory: DeepSpeed's few scalar all-reduces (24 bytes a step) are outside the theory
     extra = (metrics["comm_volume_psi"] - metrics["comm_theory_psi"]) * 4 * metrics["params"]
+    assert 0 <= extra <= 24 + 1e-6, extra
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.floats
+@pytest.mark.parametrize("name", list(GPT_EP))
+def test_the_moe_gpt_under_fsdp_and_zero2_ep_trains_as_single_does_with_the_planned_state(shared_runs, name):
+    """The MoE gpt (token cross-entropy plus the aux loss) under FSDP2 (the experts outside
+    fully_shard) and under zero2 (DeepSpeed's MoE layer): SGD parity with the single reference,
+    every rank's model state the planner's to the byte, half the experts a rank."""
+    metrics = shared_runs[name]
+    reference = parity_reference("gpt_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(metrics, f"gpt {name} ep=2")
+    assert_plan_matches(metrics, tolerance=0.0)
+    if name == "gpt_zero2":  # the dense parameters whole, half the experts (fsdp: both halved)
+        assert metrics["strategy_extras"]["ep"]["layer"] == "deepspeed.moe.layer.MoE"
+        assert all(r["param_bytes"] < r["analytic_param_bytes"] for r in metrics["ranks"]), metrics["ranks"]
+
+
+@pytest.mark.slow
+def test_pp_with_the_moe_block_stashes_the_planned_activations(shared_runs):
+    """Each stage's activation peak (pp/activations.py, the last step) is the planner's count of its
+    chunk under the schedule, the MoE block's experts an equal share of the copies (dropless: all
+    the copies whatever the routing)."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.model_parallel import compose_config
+
+    cfg = compose_config(*PP_MOE)
+    plans = plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
+    measured = shared_runs["pp"]["strategy_extras"]["pp_activation_peak_bytes"]
+    assert measured == [plan.activation_bytes for plan in plans], (measured, [p.activation_bytes for p in plans])
+
+
+@pytest.mark.slow
+def test_the_moe_gpt_under_fsdp_and_zero2_ep_exchanges_the_formulas_bytes(shared_runs):
+    """fsdp: each rank's all-to-all bytes are its routing's and over the ranks the dropless
+    4 x B x seq x k x h x 4 a MoE layer, beside fully_shard's padded 3Ψ of the dense parameters;
+    zero2: DeepSpeed's four all-to-alls a sample of its E x C x h buffer (C at least ceil(k seq / E))
+    and one int64 all-reduce of the capacity a sample. Both: the report's comm Ψ theory."""
+    fsdp, zero2 = shared_runs["gpt_fsdp"], shared_runs["gpt_zero2"]
+    for metrics in (fsdp, zero2):  # rank 0's routing (its strategy_extras) and rank 0's counted bytes
+        theory = metrics["strategy_extras"]["ep"]["theory_bytes_per_step"]
+        assert metrics["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == theory["all_to_all_single"]
+    assert theory["all_to_all_single"] >= GPT_MOE_LAYERS * BATCH // 2 * 4 * 4 * -(-K * SEQ // 4) * HIDDEN * 4
+    assert theory["all_reduce"] == GPT_MOE_LAYERS * BATCH // 2 * 16
+    total = sum(r["comm_bytes_by_op"]["all_to_all_single"] for r in fsdp["ranks"])
+    assert total == GPT_MOE_LAYERS * 4 * BATCH * SEQ * K * HIDDEN * 4, total
+    assert fsdp["comm_theory_psi"] == pytest.approx(fsdp["comm_volume_psi"], rel=1e-12)
+    extra = (zero2["comm_volume_psi"] - zero2["comm_theory_psi"]) * 4 * zero2["params"]
     assert 0 <= extra <= 24 + 1e-6, extra
 
 

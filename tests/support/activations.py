@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from parallel_lab.models import input_shape, loss_target, sample_input
@@ -30,3 +33,23 @@ def saved_by_forward(module: torch.nn.Module, x: torch.Tensor, loss: bool = True
         if loss:
             torch.nn.functional.cross_entropy(logits, loss_target(logits))
     return sum(saved.values())
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Every MoE layer's kept copies dealt to the experts in turn (copy i to expert i mod E; a
+    token's k <= E copies to k different experts), after the router ran as always: the equal share
+    the planner assumes (models/moe.py Routing.balanced), on real tensors. Under expert parallelism
+    what a rank's experts save depends on the routing; under this routing the plan is exact."""
+    from parallel_lab.models import moe
+
+    real = moe.Routing.__init__
+
+    def dealt(self, token, expert, gate, aux, num: int) -> None:
+        real(self, token, torch.arange(len(expert), device=expert.device) % num, gate, aux, num)
+
+    moe.Routing.__init__ = dealt
+    try:
+        yield
+    finally:
+        moe.Routing.__init__ = real

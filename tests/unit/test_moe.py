@@ -116,6 +116,23 @@ def test_meta_forward_counts_each_expert_an_equal_share_of_the_copies():
     assert "block0.mlp.fc1" in flops  # block 0 stays dense (moe_every=2)
 
 
+@pytest.mark.parametrize("model", ["vit", "gpt"])
+def test_planned_activations_of_the_moe_model_are_a_real_forwards(model):
+    """The planner's meta forward (each expert an equal share of the copies) saves what a real
+    forward saves, routing and all: without expert parallelism a dropless layer's experts together
+    take every copy however the router splits them (the sort's gather of the gates included)."""
+    from parallel_lab.models import input_shape
+    from parallel_lab.plan.predict import saved_activation_bytes
+    from tests.support.activations import saved_for_backward_bytes
+
+    sizes = {"vit": {"patch": 8, "depth": 2}, "gpt": {"layers": 2, "hidden": 32, "heads": 4, "seq": 32, "vocab": 64}}
+    cfg = OmegaConf.create({"name": model, "num_classes": 10, **sizes[model], "moe_experts": E, "moe_topk": K})
+    real = build_model(cfg, 0).train()
+    for batch in (3, 8):
+        planned = saved_activation_bytes(build_meta_model(cfg), batch, input_shape(real))
+        assert planned == saved_for_backward_bytes(real, batch), (model, batch)
+
+
 @pytest.mark.parametrize(
     "keys, named",
     [

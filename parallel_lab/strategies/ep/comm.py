@@ -40,3 +40,17 @@ def exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
 def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of the rows of ``x`` (``AllToAll``)."""
     return AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class PlannedExchange(torch.autograd.Function):
+    """AllToAll's shapes without its communication (the planner's meta forward): ``rows`` rows out,
+    nothing saved, as AllToAll saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.rows_in = x.shape[0]
+        return x.new_empty((rows, *x.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_empty((ctx.rows_in, *grad.shape[1:])), None

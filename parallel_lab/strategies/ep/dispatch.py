@@ -47,20 +47,30 @@ class ExpertDispatch:
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
         local = len(experts)
-        table = counts.new_empty(self.ep * counts.numel())  # gloo gathers into a flat tensor
-        dist.all_gather_single(table, counts.contiguous(), group=self.group)
-        table = table.view(self.ep, -1)  # [source rank, expert]
+        table = self._table(counts).view(self.ep, -1)  # [source rank, expert]
         send = counts.view(self.ep, local).sum(1).tolist()  # to each rank: the copies for its experts
         mine = table[:, self.ep_rank * local : (self.ep_rank + 1) * local]  # [source, my expert]
         recv = mine.sum(1).tolist()
-        arrived = all_to_all(tokens, recv, send, self.group)
+        arrived = self._exchange(tokens, recv, send)
         # rows arrive by source, each source's by expert: run each local expert on all of its rows
-        expert_of_row = torch.arange(local, device=tokens.device).repeat(self.ep).repeat_interleave(mine.reshape(-1))
+        repeats = mine.reshape(-1).to(tokens.device)
+        expert_of_row = (
+            torch.arange(local, device=tokens.device).repeat(self.ep).repeat_interleave(repeats, output_size=sum(recv))
+        )
         order = torch.argsort(expert_of_row, stable=True)
         done = run_experts(arrived[order], mine.sum(0), experts)
         back = torch.zeros_like(done).index_copy(0, order, done)  # the rows in the order they arrived
         self._count(tokens, sum(send), sum(recv), table)
-        return all_to_all(back, send, recv, self.group)
+        return self._exchange(back, send, recv)
+
+    def _table(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every ep rank's count per expert, flat (gloo gathers into a flat tensor)."""
+        table = counts.new_empty(self.ep * counts.numel())
+        dist.all_gather_single(table, counts.contiguous(), group=self.group)
+        return table
+
+    def _exchange(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        return all_to_all(x, output_splits, input_splits, self.group)
 
     def _count(self, tokens: torch.Tensor, sent: int, received: int, table: torch.Tensor) -> None:
         if not torch.is_grad_enabled():  # evaluation: no backward, and not a training step
@@ -68,3 +78,24 @@ class ExpertDispatch:
         row = tokens.shape[1] * tokens.element_size()
         self.traffic.all_to_all += 2 * (sent + received) * row
         self.traffic.all_gather_single += table.numel() * table.element_size()
+
+
+class PlannedDispatch(ExpertDispatch):
+    """ExpertDispatch on the meta device for the planner (``ep/rules.py`` ``expert_parallel_meta``):
+    every ep rank routes as this one does (the meta routing's equal share, models/moe.py), the
+    exchanges only shape their outputs (``comm.PlannedExchange``: autograd saves what the real one
+    saves), and nothing is counted."""
+
+    def __init__(self, ep: int, ep_rank: int) -> None:
+        super().__init__(None, ep, ep_rank, Traffic())
+
+    def _table(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts.repeat(self.ep)
+
+    def _exchange(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        from parallel_lab.strategies.ep.comm import PlannedExchange
+
+        return PlannedExchange.apply(x, sum(output_splits))
+
+    def _count(self, *args) -> None:
+        return None

@@ -115,6 +115,26 @@ def balanced_comm(cfg: DictConfig, model: nn.Module, micro_batch: int) -> dict[s
     return out
 
 
+def expert_parallel_meta(model: nn.Module, dims: MeshDims, rank: int) -> nn.Module:
+    """A meta copy of the model as ``rank`` runs it under ep (parallel.py): each MoE layer keeps its
+    E / ep experts and dispatches through ep/dispatch.py's code with every expert equally loaded
+    (``PlannedDispatch``): the planner counts what it saves. The model itself at ep = 1."""
+    if dims.ep == 1 or not _moe_layers(model):
+        return model
+    import copy
+
+    from torch import nn
+
+    from parallel_lab.strategies.ep.dispatch import PlannedDispatch
+
+    copied, share = copy.deepcopy(model), ep_rank(dims, rank)
+    for moe in _moe_layers(copied):
+        local = moe.num_experts // dims.ep
+        moe.experts = nn.ModuleList(list(moe.experts)[share * local : (share + 1) * local])
+        moe.dispatch = PlannedDispatch(dims.ep, share)
+    return copied
+
+
 def _tokens(cfg: DictConfig) -> int:
     """A sample's tokens: the vit's patches or the gpt's model.seq."""
     from parallel_lab.models import IMAGE, sample_shape, vit_sizes

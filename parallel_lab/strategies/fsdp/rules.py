@@ -22,7 +22,7 @@ from parallel_lab.strategies.cp.rules import (
     context_meta,
     cp_of,
 )
-from parallel_lab.strategies.ep.rules import check_ep, ep_degree
+from parallel_lab.strategies.ep.rules import check_ep, ep_degree, expert_parallel_meta
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
@@ -269,10 +269,12 @@ class FSDPPlan(PlanRules):
     def activation_bytes(
         cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
-        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; not checked
-        against a real 2-D forward); otherwise the whole model's."""
+        """strategy.tp > 1: what the rank's Megatron-split vit saves (tp/predict.py; the real 2-D
+        forward saves the same, tests/integration/test_cp_vit.py); otherwise the whole model's, under
+        ep with the rank's experts behind the exchanges (ep/rules.py expert_parallel_meta)."""
         tp, cp = cfg.strategy.get("tp", 1), cp_of(cfg)
         if tp == 1 and cp == 1:
+            model = expert_parallel_meta(model, cls.dims(cfg), rank)
             return super().activation_bytes(cfg, model, rank, micro, saved)
         if tp > 1:
             from parallel_lab.strategies.tp.predict import split_meta_vit

@@ -14,6 +14,7 @@ from parallel_lab.data.tokens import markov_tokens
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize
+from tests.support.activations import balanced_routing
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
@@ -121,10 +122,15 @@ def check_gpt_ep(cfg, strategy, metrics, rank: int, label: str, reference: str) 
     rank, and the exchanges' bytes: this rank's measured all-to-all equals what its routing implied
     (the strategy's record), and over the ranks every token's k copies of h fp32 elements went out
     and came back, forward and backward: 4 x B x seq x k x h x 4 bytes per MoE layer and step, the
-    planner's balanced prediction times the ranks."""
+    planner's balanced prediction times the ranks; and, under the planner's equal share of the
+    copies, the activations a forward saves on each rank the planned ones."""
     full = strategy.state.full_parameters()
     theory = strategy.experts.theory_bytes_per_step()
     plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
+    model = strategy.model.module  # DDP's: its forward exchanges tokens (collective)
+    model.train()
+    with balanced_routing():  # the planner's equal share; what a rank's experts save depends on it
+        measured_activations = saved_bytes_of_a_real_loss(strategy, model, plan.micro_batch)
     if rank == 0:
         t = cfg.trainer
         ref = parity_reference(
@@ -146,3 +152,4 @@ def check_gpt_ep(cfg, strategy, metrics, rank: int, label: str, reference: str) 
     assert total == moe_layers * 4 * cfg.trainer.global_batch * seq * k * h * 4, (label, total)
     # the planner's exchanges with every expert equally loaded: the same total, an equal share a rank
     assert plan.comm["all_to_all_single"] * len(metrics.ranks) == total, (label, plan.comm, total)
+    assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)

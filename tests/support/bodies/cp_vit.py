@@ -13,7 +13,7 @@ from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
-from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward
+from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward, saved_bytes_of_a_sharded_forward
 from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
@@ -28,6 +28,8 @@ def cp_bytes(impl: str, cp: int, batch: int, accum: int, tp: int = 1) -> dict[st
     A = batch x tokens/cp x dim/tp fp32 (one rank's K): ring, (cp-1) hops of K and V forward, and
     of K, V and dK, dV backward; Ulysses, 4 all-to-alls of A each way; plus the head's pool, one
     all-reduce of (batch, dim) forward."""
+    if cp == 1:  # FSDP2 x TP alone: no attention exchange, no pool
+        return {}
     a = batch * TOKENS // cp * DIM // tp * 4
     attention = (
         {"isend": accum * DEPTH * (cp - 1) * 2 * a * 3}
@@ -52,17 +54,22 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     meta = build_meta_model(cfg.model)
     plan = plan_world(cfg, type(strategy), meta)[rank]
     model = getattr(strategy.model, "module", strategy.model)  # DDP's module
-    if cfg.strategy.name == "fsdp":  # FSDP2 saves its all-gathered weights too (no activations): the cp vit unwrapped
-        model = parallelize_vit(build_model(cfg.model, 0), strategy.cp_group, str(cfg.strategy.cp_impl))
-    model.train()
-    measured_activations = saved_bytes_of_a_real_forward(model, plan.micro_batch)
+    tp = cfg.strategy.get("tp", 1)
+    if tp > 1:  # the real 2-D forward: FSDP2's gathered weights are parameters while they are registered
+        strategy.model.train()
+        measured_activations = saved_bytes_of_a_sharded_forward(strategy, plan.micro_batch)
+    else:  # FSDP2 saves its all-gathered weights too (no activations): under fsdp the cp vit unwrapped
+        if cfg.strategy.name == "fsdp":
+            model = parallelize_vit(build_model(cfg.model, 0), strategy.cp_group, str(cfg.strategy.cp_impl))
+        model.train()
+        measured_activations = saved_bytes_of_a_real_forward(model, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     assert gap < 1e-4, (label, "gradient vs single's", gap)  # float32 reordering: ~1e-7
     if rank == 0:  # the parameters are the same on every rank: one judge (2 cores, one reference)
         ref = vit_reference(cfg, DATA_SIZE)
         ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
     row = metrics.ranks[rank]
-    s, accum, tp = cfg.strategy, cfg.trainer.grad_accum, cfg.strategy.get("tp", 1)
+    s, accum = cfg.strategy, cfg.trainer.grad_accum
     batch = cfg.trainer.global_batch // accum // (world // (s.cp * tp))
     want = cp_bytes(str(s.cp_impl), s.cp, batch, accum, tp)
     measured = row["comm_bytes_by_op"]
@@ -80,8 +87,6 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
         want = {op: more.get(op, 0.0) + want.get(op, 0.0) for op in {**more, **want}}  # grad_accum 1
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
     assert measured == want, (label, measured, want)
-    if tp > 1:
-        return  # the 2-D split's activations are not measured (test_tp_vit.py's FSDP2 x TP neither)
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
 
 

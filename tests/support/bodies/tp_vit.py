@@ -69,6 +69,27 @@ def saved_bytes_of_a_real_forward(runner, batch: int) -> int:
     return sum(saved.values())
 
 
+def saved_bytes_of_a_sharded_forward(strategy, batch: int) -> int:
+    """saved_bytes_of_a_real_forward of a strategy whose parameters change while it runs: FSDP2
+    registers each unit's all-gathered (unsharded) parameters for its forward and its sharded ones
+    again after it, so a parameter is whatever the module holds at the moment autograd saves."""
+    saved: dict[int, int] = {}
+
+    def local(t: torch.Tensor):
+        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local tensor's
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        params = {local(p).data_ptr() for p in strategy.model.parameters()}
+        if local(t).data_ptr() not in params:
+            saved[local(t).data_ptr()] = local(t).nbytes()
+        return t
+
+    x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        strategy.forward_loss(x, torch.zeros(batch, dtype=torch.long))
+    return sum(saved.values())
+
+
 def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     """Every collective first (full_parameters, the forward), then the assertions."""
     world = dist.get_world_size()
