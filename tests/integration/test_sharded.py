@@ -22,7 +22,7 @@ import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
 from parallel_lab.comm.dist_env import free_port
-from tests.support.bodies.runs import train_and_record, train_and_watch_linear
+from tests.support.bodies.runs import train_and_watch_linear
 from tests.support.checks import assert_losses_close, assert_plan_matches
 from tests.support.cli import ROOT, run_cli, write_config
 from tests.support.reference import parity_reference
@@ -78,14 +78,18 @@ RESNET_ONE_STEP = (
 )
 
 
-def train_in_one_set_of_ranks(root: Path, zero_cases, fsdp_cases, memory_cases) -> dict[str, dict]:
-    """name -> metrics (with run_dir) of every case given, trained in one set of 2 ranks."""
+def fp32_cases(zero_cases, fsdp_cases, memory_cases) -> dict[str, tuple[str, ...]]:
+    """name -> overrides of the fp32 matrix's cases given."""
     cases = {f"{s}-offload_{o}": (f"strategy={s}", f"strategy.offload={o}", *COMMON) for s, o in zero_cases}
     cases |= {
         f"fsdp{v}-{sh}": ("strategy=fsdp", f"strategy.version={v}", f"strategy.sharding={sh}", *COMMON)
         for v, sh in fsdp_cases
     }
-    cases |= {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in memory_cases.items()}
+    return cases | {f"resnet18-{name}": (*case, *RESNET_ONE_STEP) for name, case in memory_cases.items()}
+
+
+def train_in_one_set_of_ranks(root: Path, cases: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """name -> metrics (with run_dir) of every case given, trained in turn in one set of 2 ranks."""
     paths = {name: write_config(root / f"{name}.yaml", *overrides) for name, overrides in cases.items()}
     outputs = run_ranks(train_and_watch_linear, world_size=2, timeout=600, env=ENV, config_paths=list(paths.values()))
     kept = [json.loads(out.strip().splitlines()[-1]) for out in outputs]  # per rank: path -> F.linear kept
@@ -99,14 +103,37 @@ def train_in_one_set_of_ranks(root: Path, zero_cases, fsdp_cases, memory_cases) 
     }
 
 
+def _groups(item) -> set[str]:
+    """Which of sharded_runs' groups a test of this module reads (group_cases)."""
+    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+    if item.originalname == "test_zero0_bf16_trains_as_zero1_and_matches_the_bf16_reference":
+        return {"zero0_bf16"}
+    if item.originalname == "test_bf16_and_offload_plans_are_exact":
+        return {"zero0_bf16" if case in ZERO0_CASES else "bf16_offload"}
+    return {"fp32_extra" if item.get_closest_marker("extra") else "fp32"}
+
+
+def group_cases(group: str) -> dict[str, tuple[str, ...]]:
+    """name -> overrides of one group: the fp32 matrix (make test's, extra's), zero0/zero1 in bf16
+    at the bf16 reference's steps, every BF16_CASES run at one step."""
+    if group == "fp32":
+        return fp32_cases(ZERO_CASES, FSDP_CASES, MEMORY_CASES)
+    if group == "fp32_extra":
+        return fp32_cases(EXTRA_ZERO_CASES, EXTRA_FSDP_CASES, EXTRA_MEMORY_CASES)
+    cases, steps = (ZERO0_CASES, BF16_STEPS) if group == "zero0_bf16" else (BF16_CASES, 1)
+    common = ("trainer.precision=bf16", f"trainer.steps={steps}", f"trainer.global_batch={BF16_BATCH}", "world_size=2")
+    return {name: (*case, *common, "trainer.eval_batches=0") for name, case in cases.items()}
+
+
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory, request):
-    """Every make-test case above; with an extra case selected (make test-all), the extra ones too."""
-    runs = train_in_one_set_of_ranks(tmp_path_factory.mktemp("sharded"), ZERO_CASES, FSDP_CASES, MEMORY_CASES)
-    if any(item.get_closest_marker("extra") for item in request.session.items if "sharded_runs" in item.fixturenames):
-        root = tmp_path_factory.mktemp("sharded_extra")
-        runs |= train_in_one_set_of_ranks(root, EXTRA_ZERO_CASES, EXTRA_FSDP_CASES, EXTRA_MEMORY_CASES)
-    return runs
+    """Every case the session's tests of this module read (make test: the fp32 matrix and both bf16
+    groups; the parity marker alone: no one-step bf16 runs; an extra case selected: the extra ones
+    too), trained in ONE set of 2 ranks: one start-up and one DeepSpeed import per rank for all."""
+    mine = [item for item in request.session.items if item.module is request.module]
+    groups = sorted(set().union(*(_groups(item) for item in mine if "sharded_runs" in item.fixturenames)))
+    cases = {name: overrides for group in groups for name, overrides in group_cases(group).items()}
+    return train_in_one_set_of_ranks(tmp_path_factory.mktemp("sharded"), cases)
 
 
 @pytest.mark.parity
@@ -268,26 +295,6 @@ BF16_CASES = {
 }
 
 
-def train_bf16(root: Path, cases: dict, steps: int) -> dict[str, dict]:
-    """name -> metrics (with run_dir) of every case in trainer.precision=bf16, in one set of 2 ranks."""
-    common = ("trainer.precision=bf16", f"trainer.steps={steps}", f"trainer.global_batch={BF16_BATCH}", "world_size=2")
-    paths = [write_config(root / f"{n}.yaml", *case, *common, "trainer.eval_batches=0") for n, case in cases.items()]
-    run_ranks(train_and_record, world_size=2, timeout=600, env=ENV, config_paths=paths)
-    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in cases}
-
-
-@pytest.fixture(scope="module")
-def zero0_bf16_runs(tmp_path_factory):
-    """zero0 and zero1 in bf16, the parity reference's 6 steps (the parity marker reruns only these)."""
-    return train_bf16(tmp_path_factory.mktemp("zero0_bf16"), ZERO0_CASES, BF16_STEPS)
-
-
-@pytest.fixture(scope="module")
-def bf16_offload_runs(tmp_path_factory):
-    """Every BF16_CASES run, one step (each kind of state is measured while it exists)."""
-    return train_bf16(tmp_path_factory.mktemp("bf16_offload"), BF16_CASES, 1)
-
-
 def assert_plan_exact(metrics: dict) -> None:
     """Every rank's predicted bytes equal the measured ones, kind by kind (0 bytes off), the
     communication buffers included."""
@@ -297,7 +304,7 @@ def assert_plan_exact(metrics: dict) -> None:
 
 
 @pytest.mark.parametrize("case", [*ZERO0_CASES, *BF16_CASES])
-def test_bf16_and_offload_plans_are_exact(request, case):
+def test_bf16_and_offload_plans_are_exact(sharded_runs, case):
     """The planner's bf16 (and offload) predictions, stored by the worker as predicted_*, equal
     what the rank measured from DeepSpeed's / FSDP's / DDP's real buffers, to the byte; and the
     communication the run counted is the predicted one (stages 0-2: every step; a few scalar
@@ -307,8 +314,7 @@ def test_bf16_and_offload_plans_are_exact(request, case):
     from parallel_lab.models import build_meta_model
     from parallel_lab.strategies import get_strategy_class
 
-    runs = request.getfixturevalue("zero0_bf16_runs" if case in ZERO0_CASES else "bf16_offload_runs")
-    metrics = runs[case]
+    metrics = sharded_runs[case]
     precision = metrics["strategy_options"].get("precision") or metrics["strategy_options"].get("mixed_precision")
     assert precision == "bf16"
     assert_plan_exact(metrics)
@@ -322,13 +328,13 @@ def test_bf16_and_offload_plans_are_exact(request, case):
 
 
 @pytest.mark.parity
-def test_zero0_bf16_trains_as_zero1_and_matches_the_bf16_reference(zero0_bf16_runs):
+def test_zero0_bf16_trains_as_zero1_and_matches_the_bf16_reference(sharded_runs):
     """DeepSpeed's stage-0 bf16 wrapper (FP16_UnfusedOptimizer) steps the optimizer once on zero
     gradients when it is built; with that step undone (ZeroStrategy._undo_stage0_init_step) zero0
     bf16 is the same training as zero1 bf16, bit for bit, and passes the bf16 parity check (without
     the undo its losses differ from step 1 on and, at 20 steps x 64, it fails: docs/zero.md). A
     user's strategy.ds_config keeps the step (tests/integration/test_ds_config.py: the file as DeepSpeed runs it)."""
-    zero0, zero1 = zero0_bf16_runs["zero0-bf16"], zero0_bf16_runs["zero1-bf16"]
+    zero0, zero1 = sharded_runs["zero0-bf16"], sharded_runs["zero1-bf16"]
     assert zero0["strategy_extras"]["zero0_init_step"].startswith("undone")
     assert zero0["losses"] == zero1["losses"]
     assert zero0["final_param_sha256"] == zero1["final_param_sha256"]

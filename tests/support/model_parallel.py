@@ -18,7 +18,25 @@ from tests.support.reference import ParityReference, parity_reference
 
 
 def compose_config(*overrides: str) -> DictConfig:
-    """conf/config.yaml + overrides, validated exactly as the parent does before a run."""
+    """conf/config.yaml + overrides, validated exactly as the parent does before a run. Inside ranks
+    (a process group up) rank 0 composes and broadcasts the result, or its refusal: every rank
+    would compose the same text the same way, and Hydra's compose is about 0.25 s of CPU per call
+    (a matrix's configurations are composed by every rank in turn)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return _compose(overrides)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = _compose(overrides)
+        except Exception as refused:  # the others must not wait forever for a config: they raise it too
+            box[0] = refused
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def _compose(overrides: tuple[str, ...]) -> DictConfig:
     from parallel_lab import config
 
     return config.validate(
