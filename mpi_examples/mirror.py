@@ -24,12 +24,42 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch
-import torch.distributed as dist
 from common import abort_on_exception
 from mpi4py import MPI
 
-from parallel_lab.comm.dist_env import DistEnv, init_process_group, read_dist_env
+
+class RankZeroParser(argparse.ArgumentParser):
+    """Every rank parses the same argv; only rank 0 prints the error, every rank exits 2."""
+
+    def error(self, message):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = RankZeroParser(prog="mirror.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--k", type=positive, default=4, help="elements per rank (default 4)")
+    parser.add_argument("--json", help="rank 0 writes every row (full results) to this file")
+    return parser.parse_args(argv)
+
+
+# Bad input is refused before torch loads (about 2 s of CPU a rank): as the program, this file
+# checks its arguments here, above the imports of torch.
+ARGS = parse_args(None) if __name__ == "__main__" else None
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from parallel_lab.comm.dist_env import DistEnv, init_process_group, read_dist_env  # noqa: E402
 
 ROOT = 0
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a FutureWarning);
@@ -345,30 +375,10 @@ def print_table(rows: list[dict], env: DistEnv, size: int, k: int) -> None:
         print(f"| {r['name']:<20} | {r['mpi_call']:<20} | {r['torch_call']:<22} | {fmt(a):<28} | {fmt(b):<28} | {eq} |")
 
 
-class RankZeroParser(argparse.ArgumentParser):
-    """Every rank parses the same argv; only rank 0 prints the error, every rank exits 2."""
-
-    def error(self, message):
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     abort_on_exception(comm)
-    parser = RankZeroParser(prog="mirror.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--k", type=positive, default=4, help="elements per rank (default 4)")
-    parser.add_argument("--json", help="rank 0 writes every row (full results) to this file")
-    args = parser.parse_args(argv)
+    args = ARGS if argv is None and ARGS is not None else parse_args(argv)
 
     torch.set_num_threads(1)
     env = read_dist_env("cpu")  # rank/world/rendezvous from the MPI environment, as the worker reads them

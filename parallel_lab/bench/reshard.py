@@ -29,6 +29,7 @@ from parallel_lab.protocol import default_checkpoint_dir
 CHILD = """
 import json, resource, sys, time
 from parallel_lab.checkpoint.__main__ import main
+import parallel_lab.checkpoint.export  # main() imports it lazily: loaded before the clock, the time is export's alone
 started = time.perf_counter()
 rc = main(sys.argv[1:])
 print(json.dumps({"rc": rc, "s": time.perf_counter() - started,

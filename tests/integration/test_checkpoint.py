@@ -131,6 +131,10 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, st
     )
     metrics = load_metrics(tmp_path)
     assert metrics["attempt"] == 1
+    # Also make test's proof that another launcher trains as spawn does (test_spine.py's torchrun
+    # case, extra): torchrun started fresh interpreters, the straight run's ranks were forked from
+    # the zygote, and the weights are the same to the last bit.
+    assert (metrics["launcher"], metrics["rank_start"]) == ("torchrun", "exec")
     _assert_same_training(metrics, straight("ddp"), resume_step=2)
     assert _checkpoints(tmp_path) == [checkpoint_name(4), checkpoint_name(6)]
 

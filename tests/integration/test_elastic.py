@@ -118,12 +118,42 @@ def test_losing_a_host_reshards_and_finishes(hosts, tmp_path, strategy):
     assert not wrong.passed
 
 
+def ranks_on(hosts: SimulatedHosts, host: int) -> list[int]:
+    """The worker ranks (python [-u] -m parallel_lab.worker ...) running in host's namespace: not
+    the agent (-m torch.distributed.run ... -m parallel_lab.worker) nor the shell that started it."""
+    found = []
+    for pid in hosts.pids(hosts.namespaces[host]):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-m" in argv[:3] and argv[argv.index(b"-m") + 1 :][:1] == [b"parallel_lab.worker"]:
+            found.append(pid)
+    return found
+
+
+def sigterm_pending(pid: int) -> bool:
+    """SIGTERM sent to a stopped process and not yet delivered (/proc/<pid>/status SigPnd/ShdPnd),
+    or the process gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return True
+    masks = [int(line.split()[1], 16) for line in lines if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
+
+
 @pytest.mark.slow
 @pytest.mark.extra
 def test_a_host_joins_again(hosts, tmp_path):
     """node1 lost after step 20, its agent started again (its own torchrun line) once the group on
     node0 alone has checkpointed step 30: torchrun admits it at the next round, the group grows back
-    to 2 ranks, which reshard the newest checkpoint up and finish (world 2, 1, 2)."""
+    to 2 ranks, which reshard the newest checkpoint up and finish (world 2, 1, 2).
+
+    torchrun admits a waiting host only while the group runs: node0's rank is stopped (SIGSTOP)
+    from step 30 until its agent, seeing node1 wait, has sent it SIGTERM to start the next round.
+    Running on, one rank had raced node1's fresh agent through the remaining 70 steps, and on a
+    quiet machine once finished first (history [2, 1])."""
     from parallel_lab.cli.multinode import torchrun_host_command
     from parallel_lab.config import load_run_config
 
@@ -135,12 +165,20 @@ def test_a_host_joins_again(hosts, tmp_path):
         wait_for(run_dir / "checkpoints" / checkpoint_name(KILL_AFTER), proc)
         assert kill_host(hosts, 1) > 0
         wait_for(run_dir / "checkpoints" / checkpoint_name(KILL_AFTER + EVERY), proc)
+        paused = ranks_on(hosts, 0)
+        assert len(paused) == 1, paused  # the group on node0 alone
+        os.kill(paused[0], signal.SIGSTOP)
         cfg = load_run_config(run_dir / "config.yaml")
         line = torchrun_host_command(cfg, run_dir / "config.yaml", 29577, 1)
         env = {**os.environ, **hosts.env()}
         again = subprocess.Popen(
             [str(hosts.bin / "ssh"), hosts.names[1], line], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not sigterm_pending(paused[0]) and again.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(paused[0], signal.SIGCONT)
+        assert again.poll() is None, "node1's agent ended before it joined"
         out, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:
         for p in (proc, again):

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.cli.run import load_metrics
-from tests.support.cli import ROOT
+from tests.support.cli import ROOT, run_cli
 from tests.support.private_slurm import PrivateSlurm, ensure_packages
 from tests.support.reference import parity_reference
 from tests.support.simulated_hosts import SimulatedHosts, hosts_for_tests
@@ -176,9 +176,9 @@ def slurm(tmp_path_factory, packages):
 def test_slurm_srun_and_sbatch_train_like_one_process(slurm, tmp_path, reference):
     """launcher=slurm: srun on 2 nodes x 1 task; then the sbatch template on the same config.yaml."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "parallel_lab", f"hydra.run.dir={run_dir}", "trainer.progress=false", *COMMON]
-    cmd += ["launcher=slurm", "launcher.nodes=2", "launcher.extra_args=['--immediate=60']"]
-    result = subprocess.run(cmd, cwd=ROOT, env=slurm.env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    # The parent in this process (slurm's environment for its duration), srun's ranks real processes.
+    slurm_args = ("launcher=slurm", "launcher.nodes=2", "launcher.extra_args=['--immediate=60']")
+    result = run_cli(run_dir, *COMMON, *slurm_args, env=slurm.env, timeout=RUN_TIMEOUT, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     metrics = {**load_metrics(run_dir), "run_dir": str(run_dir)}
     assert (metrics["launcher"], metrics["world_size"]) == ("slurm", 2)

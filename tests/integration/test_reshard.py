@@ -427,13 +427,15 @@ def test_export_help_says_what_out_is():
 
 
 @pytest.mark.slow
-def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources):
+def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources, capsys):
     """A trainer file replaced by garbage (complete.json re-hashed, so only the reader can tell):
-    one line, exit 2, nothing written."""
+    one line, exit 2, nothing written; into a folder through a real process, into a file through
+    the same main() in process (the reader refuses after torch is imported: ~4 s a process)."""
     import json
     import shutil
 
     from parallel_lab.checkpoint import COMPLETE, sha256_file
+    from parallel_lab.checkpoint.__main__ import main as checkpoint_main
 
     src = tmp_path / "copy"
     shutil.copytree(sources("single@1")["single@1"], src)
@@ -442,10 +444,14 @@ def test_export_refuses_a_file_that_is_not_what_it_claims(tmp_path, sources):
     manifest = json.loads((src / COMPLETE).read_text())
     manifest["files"]["trainer_rank0.pt"] = {"size": bad.stat().st_size, "sha256": sha256_file(bad)}
     (src / COMPLETE).write_text(json.dumps(manifest))
-    for out in (tmp_path / "out", tmp_path / "made" / "w.safetensors"):
-        result = _checkpoint_cmd("export", str(src), str(out))
-        assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+    out = tmp_path / "out"
+    result = _checkpoint_cmd("export", str(src), str(out))
+    assert result.returncode == 2 and "trainer_rank0.pt" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+    out = tmp_path / "made" / "w.safetensors"
+    code, stderr = checkpoint_main(["export", str(src), str(out)]), capsys.readouterr().err
+    assert code == 2 and "trainer_rank0.pt" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists()
     assert not (tmp_path / "made").exists()
 
 

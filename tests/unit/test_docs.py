@@ -304,12 +304,25 @@ def compose_errors(commands: list[list[str]]) -> list[str | None]:
     """Each command's compose error (None: composes). Hydra's compose takes ~0.2 s, so the config of
     each distinct set of group choices (strategy=, model=, +experiment=, ...) is composed once with
     compose_config, and each command's value overrides are then applied to it as compose applies
-    them (``_apply``): the same result as composing every command, in a fraction of the time."""
+    them (``_apply``): the same result as composing every command, in a fraction of the time. A
+    choice conf/config.yaml already makes (strategy=ddp, model=cnn) selects what the config holds
+    without it, so it is left out of the key, except beside an experiment (whose own defaults may
+    override that group: then the command line's choice is not the default's)."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.compose import CONF_DIR
     from parallel_lab.config.schema import CONFIG_GROUPS
 
     def is_group(override: str) -> bool:
         # plan.hardware=<name> is a group in disguise (compose_config loads conf/hardware/<name>.yaml)
         return override.lstrip("+~").partition("=")[0] in (*CONFIG_GROUPS, "experiment", "plan.hardware")
+
+    entries = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+    defaults = {f"{group}={choice}" for entry in entries if isinstance(entry, dict) for group, choice in entry.items()}
+
+    def key_of(groups: list[str]) -> tuple[str, ...]:
+        with_experiment = any(o.lstrip("+~").startswith("experiment=") for o in groups)
+        return tuple(sorted(o for o in groups if with_experiment or o not in defaults))
 
     errors: list[str | None] = [None] * len(commands)
     bases: dict[tuple[str, ...], object] = {}
@@ -320,10 +333,9 @@ def compose_errors(commands: list[list[str]]) -> list[str | None]:
             errors[index] = f"{type(exc).__name__}: {exc}"
             continue
         for variant in variants:
-            groups = [o for o in variant if is_group(o)]
-            key = tuple(sorted(groups))
+            key = key_of([o for o in variant if is_group(o)])
             if key not in bases:
-                bases[key] = _compose(groups)
+                bases[key] = _compose(list(key))
             base = bases[key]
             error = base if isinstance(base, str) else _apply(base, [o for o in variant if not is_group(o)])
             errors[index] = errors[index] or error
