@@ -7,13 +7,19 @@ beside gloo's, as ``impl`` ``hand``."""
 
 from __future__ import annotations
 
+import gc
 import json
+import multiprocessing
+import multiprocessing.process
 import os
 import select
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from subprocess import PIPE
 
 import torch
 
@@ -21,15 +27,17 @@ TIMEOUT_S = 60.0
 HAND_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # manual_ddp broadcasts with gloo
 # Two rounds over every (impl, op, size), each point's fastest call kept: a passing slowdown then
 # falls on every size alike instead of bending one op's line (the operators' benchmarks showed it:
-# calibrate.OPS_ROUNDS).
+# calibrate.OPS_ROUNDS). Each point warms up once, in the first round: its tensors are kept for
+# the second, where a warm-up call was a sixth of the collectives' time and timed nothing.
 COMM_ROUNDS = 2
 COMM_REPS = 2
 
 
-def _time(fn, device: str, reps: int) -> float:
+def _time(fn, device: str, reps: int, warm: bool = True) -> float:
     from parallel_lab.plan.microbench import sync
 
-    fn()
+    if warm:
+        fn()
     times = []
     for _ in range(reps):
         sync(device)
@@ -60,7 +68,9 @@ def _collective(impl: str, op: str, x: torch.Tensor, out: torch.Tensor, world: i
     }[op]
 
 
-def _worker(rank: int, port: int, device: str) -> None:
+def _worker(rank: int, port: int, device: str) -> dict | None:
+    """One rank's half of the measurement: rank 0 returns {"both": contention probe, "rows": impl
+    -> op -> [(bytes, seconds)]} (the slower rank's time of each point), rank 1 None."""
     import torch.distributed as dist
 
     from parallel_lab.plan.microbench import COMM_OPS, COMM_SIZES, contention_probe
@@ -78,24 +88,20 @@ def _worker(rank: int, port: int, device: str) -> None:
         both = contention_probe(dev, before_each=dist.barrier)  # both ranks' passes at once; the parent timed it alone
         impls = ["gloo" if device == "cpu" else "nccl"] + (["hand"] if device == "cpu" else [])
         points = [(i, op, s) for i in impls for op in (COMM_OPS if i != "hand" else HAND_OPS) for s in COMM_SIZES]
-        fastest = dict.fromkeys(points, float("inf"))
-        for _ in range(COMM_ROUNDS):  # interleaved, as the operators' benchmarks (calibrate.OPS_ROUNDS)
-            for impl, op, size in points:
-                x = torch.zeros(size // 4, device=dev)
-                out = torch.zeros(size // 4, device=dev)
-                t = _time(_collective(impl, op, x, out, 2), dev.split(":")[0], reps=COMM_REPS)
-                slowest = torch.tensor([t], device=dev)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                fastest[impl, op, size] = min(fastest[impl, op, size], slowest.item())
+        bufs = {s: (torch.zeros(s // 4, device=dev), torch.zeros(s // 4, device=dev)) for s in COMM_SIZES}  # any values
+        calls = {(i, op, s): _collective(i, op, *bufs[s], 2) for i, op, s in points}
+        # interleaved, as the operators' benchmarks (calibrate.OPS_ROUNDS); each rank's times, then the
+        # slower rank's of each call (one all-reduce for all: no extra collective between the points)
+        times = [_time(calls[p], dev.split(":")[0], COMM_REPS, warm=r == 0) for r in range(COMM_ROUNDS) for p in points]
+        slowest = torch.tensor(times, dtype=torch.float64, device=dev)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        by_round = slowest.view(COMM_ROUNDS, len(points)).min(dim=0).values.tolist()
         rows: dict = {}
-        for impl, op, size in points:
-            rows.setdefault(impl, {}).setdefault(op, []).append((size, fastest[impl, op, size]))
-        if rank == 0:
-            print(json.dumps({"both": both, "rows": rows}), flush=True)
-        del x, out
+        for (impl, op, size), t in zip(points, by_round):
+            rows.setdefault(impl, {}).setdefault(op, []).append((size, t))
+        del calls, bufs
+        return {"both": both, "rows": rows} if rank == 0 else None
     finally:
-        import gc
-
         from parallel_lab.comm import shm
 
         shm.reset()
@@ -116,46 +122,109 @@ def _fit(points: list):
         return AlphaBeta(t_small, s_large / t_large)
 
 
-def start_pairs(device: str) -> list[subprocess.Popen] | None:
-    """The two processes, started: each imports torch (~1.5 s of this machine's CPU) and then waits
-    for a line on its stdin, so the caller can do untimed work meanwhile and time nothing until
-    ``wait_ready``. Two subprocesses (``python -m parallel_lab.plan.comm_calibration RANK PORT
-    DEVICE``), not multiprocessing's spawn: that re-runs the caller's main module, which a script
-    need not guard. None on one GPU (nothing to pair)."""
+@dataclass
+class _Rank:
+    """One of the two processes, however started: a fresh interpreter (``proc`` a Popen: ready, go
+    and the result travel on its stdin/stdout) or a fork of the caller (``conn``: a pipe carries them)."""
+
+    proc: subprocess.Popen | multiprocessing.process.BaseProcess
+    conn: Connection | None = None
+
+    def ready(self, timeout: float) -> bool:
+        if self.conn is not None:
+            return True  # a fork has everything the caller imported: ready as it starts
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return bool(ready) and self.proc.stdout.readline().strip() == "ready"
+
+    def go(self) -> None:
+        if self.conn is not None:
+            self.conn.send("go")
+        else:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+
+    def result(self, timeout: float) -> dict | None:
+        """Rank 0's measurement (None: none came), the process waited on."""
+        if self.conn is not None:
+            out = self.conn.recv() if self.conn.poll(timeout) else None
+            self.proc.join(timeout)
+            return out
+        lines = (self.proc.communicate(timeout=timeout)[0] or "").strip().splitlines()
+        return json.loads(lines[-1]) if lines else None
+
+    def code(self) -> int | None:
+        return self.proc.exitcode if self.conn is not None else self.proc.poll()
+
+    def stop(self) -> None:
+        if self.code() is not None:
+            return
+        self.proc.kill()
+        if self.conn is not None:
+            self.proc.join()
+        else:
+            self.proc.wait()
+
+
+def start_pairs(device: str) -> list[_Rank] | None:
+    """The two processes, started, each waiting for ``finish_pairs``'s go. On a CPU they are forks of
+    the caller, which has imported torch already: two fresh interpreters spent ~2.6 s of CPU each
+    importing it, beside the caller's untimed work on the same cores. Elsewhere (a GPU: no fork
+    once CUDA may be initialised; a caller inside a process group) two subprocesses (``python -m
+    parallel_lab.plan.comm_calibration RANK PORT DEVICE``), not multiprocessing's spawn: that re-runs
+    the caller's main module, which a script need not guard; they import torch and say ``ready``,
+    so the caller can do untimed work meanwhile and time nothing until ``wait_ready``. None on one
+    GPU (nothing to pair)."""
+    import torch.distributed as dist
+
     from parallel_lab.plan.microbench import free_port
 
     if device == "cuda" and torch.cuda.device_count() < 2:
         return None
-    port = str(free_port())
+    port = free_port()
+    if device == "cpu" and not dist.is_initialized() and "fork" in multiprocessing.get_all_start_methods():
+        return [_fork(rank, port, device) for rank in range(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "parallel_lab.plan.comm_calibration"]
     return [
-        subprocess.Popen(
-            [*cmd, str(r), port, device], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        _Rank(subprocess.Popen([*cmd, str(r), str(port), device], env=env, stdin=PIPE, stdout=PIPE, text=True))
         for r in range(2)
     ]
 
 
-def wait_ready(procs: list[subprocess.Popen] | None) -> None:
-    """Until both processes have imported what they need (each prints ``ready``), so that their
-    start-up does not slow what the caller times next; at most ``TIMEOUT_S``."""
+def _fork(rank: int, port: int, device: str) -> _Rank:
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_forked, args=(rank, port, device, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    return _Rank(proc, mine)
+
+
+def _forked(rank: int, port: int, device: str, conn: Connection) -> None:
+    """A forked rank: the caller's objects frozen out of the collector (a collection would walk every
+    one and copy its page, the fork's memory being the caller's until written), then the go, the
+    measurement, the result sent (rank 0); multiprocessing ends the fork with os._exit, no teardown."""
+    gc.freeze()
+    if conn.recv() == "go":
+        conn.send(_worker(rank, port, device))
+
+
+def wait_ready(procs: list[_Rank] | None) -> None:
+    """Until both processes have imported what they need, so that their start-up does not slow what
+    the caller times next; at most ``TIMEOUT_S``."""
     for p in procs or []:
-        ready, _, _ = select.select([p.stdout], [], [], TIMEOUT_S)
-        if not ready or p.stdout.readline().strip() != "ready":
+        if not p.ready(TIMEOUT_S):
             stop_pairs(procs)
-            raise RuntimeError(f"the two-process calibration did not start (exit codes {[q.poll() for q in procs]})")
+            raise RuntimeError(f"the two-process calibration did not start (exit codes {[q.code() for q in procs]})")
 
 
-def stop_pairs(procs: list[subprocess.Popen] | None) -> None:
+def stop_pairs(procs: list[_Rank] | None) -> None:
     """Both processes killed if still running (a failed calibration leaves none behind)."""
     for p in procs or []:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        p.stop()
 
 
-def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float, device: str) -> dict:
+def finish_pairs(procs: list[_Rank] | None, solo_parent: float, device: str) -> dict:
     """Both processes (``wait_ready`` returned) told to go, their measurement read: {"contention":
     both / alone, "collectives": impl -> op -> alpha-beta}; on one GPU contention 1.0 and no
     collectives (a one-GPU machine has none to calibrate)."""
@@ -165,15 +234,12 @@ def finish_pairs(procs: list[subprocess.Popen] | None, solo_parent: float, devic
         return {"contention": 1.0, "collectives": {}}
     try:
         for p in procs:  # both told before either is waited on: each needs the other to join the group
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+            p.go()
+        result = [p.result(TIMEOUT_S) for p in procs][0]
     finally:
         stop_pairs(procs)
-    lines = (outs[0] or "").strip().splitlines()
-    if not lines:  # rank 0 prints its result before the group closes: a crash at exit is harmless
-        raise RuntimeError(f"the two-process calibration failed (exit codes {[p.returncode for p in procs]})")
-    result = json.loads(lines[-1])
+    if result is None:  # rank 0 sends its result before the group closes: a crash at exit is harmless
+        raise RuntimeError(f"the two-process calibration failed (exit codes {[p.code() for p in procs]})")
     fits = {impl: {op: asdict(_fit(points)) for op, points in by_op.items()} for impl, by_op in result["rows"].items()}
     contention = 1.0 if device == "cuda" else max(1.0, result["both"] / solo_parent)
     return {"contention": contention, "collectives": fits}
@@ -185,6 +251,9 @@ if __name__ == "__main__":
 
     from parallel_lab.comm import collectives  # noqa: F401
 
+    gc.freeze()  # all that was imported: the exit's collection walked it for ~0.5-1 s of CPU (measured)
     print("ready", flush=True)
     if sys.stdin.readline().strip() == "go":
-        _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        result = _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        if result is not None:
+            print(json.dumps(result), flush=True)

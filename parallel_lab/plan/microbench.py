@@ -36,10 +36,17 @@ REPS_BUDGET_S = 0.25
 
 
 def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4) -> float:
-    """The fastest of ``reps`` forward+backward passes (after one warm-up): the machine's cost with
-    the least interference, what the calibration set's scale then corrects for the real run. On a
-    CPU, a pass whose warm-up took more than ``REPS_BUDGET_S / reps`` is repeated only as often as
-    fits that budget (at least once).
+    """The fastest of ``reps`` forward+backward passes (after one warm-up): ``pass_timer``'s first timing."""
+    return pass_timer(module, shape, dtype, device, reps)()
+
+
+def pass_timer(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device: str, reps: int = 4):
+    """A function that returns the fastest of ``reps`` forward+backward passes of ``module`` on an
+    input of ``shape``, warmed up once here (allocations, kernel choice): the machine's cost with
+    the least interference, what the calibration set's scale then corrects for the real run. The
+    calibration's rounds call it again without a new warm-up (``calibrate.measure_ops``). On a CPU,
+    a pass whose warm-up took more than ``REPS_BUDGET_S / reps`` is repeated only as often as fits
+    that budget (at least once).
 
     On a GPU, the ``reps`` passes back to back with one synchronisation, per pass: a training step
     launches its kernels without waiting for them, so an operator costs its launch or its kernel,
@@ -50,19 +57,24 @@ def time_pass(module: torch.nn.Module, shape: tuple, dtype: torch.dtype, device:
     t0 = time.perf_counter()
     module(x).sum().backward()  # warm-up: allocations, kernel choice
     warm_s = time.perf_counter() - t0
-    if on_gpu(device):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
+    cpu_reps = max(1, min(reps, int(REPS_BUDGET_S / warm_s)))
+
+    def fastest() -> float:
+        if on_gpu(device):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                module(x).sum().backward()
+            sync(device)
+            return (time.perf_counter() - t0) / reps
+        times = []
+        for _ in range(cpu_reps):
+            t0 = time.perf_counter()
             module(x).sum().backward()
-        sync(device)
-        return (time.perf_counter() - t0) / reps
-    times = []
-    for _ in range(max(1, min(reps, int(REPS_BUDGET_S / warm_s)))):
-        t0 = time.perf_counter()
-        module(x).sum().backward()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return fastest
 
 
 PROBE_REPS = 7
