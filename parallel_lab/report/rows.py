@@ -6,7 +6,9 @@ parity verdict of every row against it and its noise-floor reruns (``add_parity`
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,9 +123,30 @@ def _losses_params(run: Row) -> tuple[list[float], dict] | None:
     return None if params is None else (run.metrics.losses, params)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch (where already imported) on one thread meanwhile: the gaps are a few hundred small
+    tensor operations, where a second thread only adds its hand-off (the demo's report: 12-14.5 s
+    of CPU on two threads, 10 s on one, measured on 2 busy cores)."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else 0
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch is not None:
+            torch.set_num_threads(before)
+
+
 def add_parity(runs: list[Row]) -> None:
     """Judge every ok run against the single baseline of the same setup and that baseline's
     noise-floor reruns (report/parity.py): fills each row's parity and parity_checks."""
+    with _one_thread():
+        _add_parity(runs)
+
+
+def _add_parity(runs: list[Row]) -> None:
     for key in {baseline_key(r) for r in runs}:
         group = [r for r in runs if baseline_key(r) == key]
         base = next((r for r in group if is_baseline(r)), None)
