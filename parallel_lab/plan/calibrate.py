@@ -332,8 +332,9 @@ def measure_calibration(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTY
     start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # The two processes start first: their imports overlap the operator counts, which are not timed;
-    # nothing is timed until both wait idle (with its modules imported: 6.2-7.0 s in sequence, 5.1-5.9 s so).
+    # The two processes start first (on a CPU forks of this one, before DTensor or the compiler are
+    # imported here; elsewhere fresh interpreters, whose imports overlap the untimed operator counts);
+    # nothing is timed until both wait idle.
     procs = start_pairs(device)
     try:
         censuses = bench_censuses(device, dtypes)

@@ -146,7 +146,10 @@ class _Rank:
     def result(self, timeout: float) -> dict | None:
         """Rank 0's measurement (None: none came), the process waited on."""
         if self.conn is not None:
-            out = self.conn.recv() if self.conn.poll(timeout) else None
+            try:
+                out = self.conn.recv() if self.conn.poll(timeout) else None
+            except EOFError:  # it ended without answering
+                out = None
             self.proc.join(timeout)
             return out
         lines = (self.proc.communicate(timeout=timeout)[0] or "").strip().splitlines()
