@@ -133,7 +133,7 @@ def test_spawn_forks_ranks_only_where_a_fork_equals_a_fresh_interpreter(monkeypa
     os.kill(zygote._zygote.pid, signal.SIGKILL)
 
 
-@pytest.mark.extra  # make test runs the worker under real torchrun through launcher=torchrun (above)
+@pytest.mark.extra  # make test runs the worker under real torchrun: test_checkpoint.py kill-during-write
 def test_worker_runs_under_raw_torchrun_on_a_written_config(tmp_path):
     run_dir = tmp_path / "run"
     run_cli(run_dir, "strategy=ddp", "trainer.steps=2", "trainer.global_batch=16")
