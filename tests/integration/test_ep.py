@@ -12,6 +12,7 @@ The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
-from tests.support.bodies.runs import train_and_record
+from tests.support.bodies.ep import train_and_count_deepspeed_moe
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import assert_one_clean_line, run_cli, write_config
 from tests.support.reference import GPT_MOE, GPT_RUN, GPT_SIZES, VIT_MOE, parity_reference
@@ -58,8 +59,16 @@ def shared_runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("ep_shared")
     runs = {**SHARED, "pp": PP_MOE, **GPT_EP}
     paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in runs.items()]
-    run_ranks(train_and_record, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
-    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in runs}
+    outputs = run_ranks(train_and_count_deepspeed_moe, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
+    counted = [json.loads(out.strip().splitlines()[-1]) for out in outputs]  # the zero runs' saved bytes, per rank
+    return {
+        name: {
+            **load_metrics(root / name),
+            "run_dir": str(root / name),
+            "saved": [c.get(str(root / name)) for c in counted],
+        }
+        for name in runs
+    }
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +207,24 @@ def test_pp_with_the_moe_block_stashes_the_planned_activations(shared_runs):
     plans = plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
     measured = shared_runs["pp"]["strategy_extras"]["pp_activation_peak_bytes"]
     assert measured == [plan.activation_bytes for plan in plans], (measured, [p.activation_bytes for p in plans])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero2", "gpt_zero2"])
+def test_deepspeeds_moe_layer_saves_the_planned_activations_on_every_rank(shared_runs, name):
+    """What one training forward and loss of DeepSpeed's MoE layer save on each rank (its gate's
+    softmax and masks, its E x C x h buffers, the rank's experts on them, the combine), DeepSpeed's
+    gate routing every expert an equal share (tests/support/activations.py
+    balanced_deepspeed_routing): the planner's meta forward of the same layer
+    (zero/ds_moe_plan.py), not the model's own layer's count."""
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = load_run_config(shared_runs[name]["run_dir"] + ".yaml")
+    plans = plan_world(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model))
+    assert shared_runs[name]["saved"] == [plan.activation_bytes for plan in plans], name
 
 
 @pytest.mark.slow

@@ -53,3 +53,34 @@ def balanced_routing() -> Iterator[None]:
         yield
     finally:
         moe.Routing.__init__ = real
+
+
+@contextlib.contextmanager
+def balanced_deepspeed_routing() -> Iterator[None]:
+    """balanced_routing for DeepSpeed's MoE layer (strategies/zero/ds_moe.py): its gate
+    (deepspeed/moe/sharded_moe.py ``top1gating``/``top2gating``) gets the logits ``TopKGate``
+    computed plus a constant that sends token i first to expert i mod E and second to i + 1 mod E,
+    so every expert takes k * S / E copies, the capacity the planner assumes
+    (zero/ds_moe_plan.py). The addition saves nothing for backward: the layer saves what it saves."""
+    from deepspeed.moe import sharded_moe
+
+    real = {name: getattr(sharded_moe, name) for name in ("top1gating", "top2gating")}
+
+    def dealt(gating):
+        def route(logits: torch.Tensor, *args, **kwargs):
+            tokens, experts = logits.shape
+            first = torch.arange(tokens, device=logits.device) % experts
+            push = torch.zeros_like(logits)
+            push[torch.arange(tokens), first] = 2e3
+            push[torch.arange(tokens), (first + 1) % experts] = 1e3
+            return gating(logits + push, *args, **kwargs)
+
+        return route
+
+    for name, gating in real.items():
+        setattr(sharded_moe, name, dealt(gating))
+    try:
+        yield
+    finally:
+        for name, gating in real.items():
+            setattr(sharded_moe, name, gating)
