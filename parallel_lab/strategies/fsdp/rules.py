@@ -19,6 +19,7 @@ from parallel_lab.strategies.cp.rules import (
     add_comm,
     check_context,
     context_comm,
+    context_flop_share,
     context_meta,
     cp_of,
 )
@@ -131,17 +132,17 @@ class FSDPPlan(PlanRules):
         shape = super().compute_shape(cfg, model)
         units = len(fsdp_units(model)) + 1
         shape = dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
-        tp = cfg.strategy.get("tp", 1)
-        if tp == 1:
+        tp, cp = cfg.strategy.get("tp", 1), cp_of(cfg)
+        if tp == 1 and cp == 1:
             return shape
         from parallel_lab.strategies.tp.megatron import blocks, vit_plan
-        from parallel_lab.strategies.tp.predict import tp_share
 
-        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp
-        split = [layer for pair in vit_plan(model) for layer in pair if layer]
-        split += [f"{b}.attn.core" for b in blocks(model)]
-        share = tp_share(model, split, tp)
-        return dataclasses.replace(shape, flop_share=share, note=f"tp rank does {share:.2f} of the FLOPs")
+        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp;
+        # x CP: on its T/cp tokens (cp/rules.py context_flop_share)
+        split = [layer for pair in vit_plan(model) for layer in pair if layer] if tp > 1 else []
+        split += [f"{b}.attn.core" for b in blocks(model)] if tp > 1 else []
+        share = context_flop_share(cfg, model, tuple(split), tp)
+        return dataclasses.replace(shape, flop_share=share, note=f"a rank does {share:.2f} of the FLOPs")
 
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
