@@ -148,10 +148,10 @@ class FSDPPlan(PlanRules):
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """One all-gather per unit (each block, then the root) in forward and again in backward
         when it reshards after forward; one reduce-scatter per unit."""
-        units = len(fsdp_units(model)) + 1
-        gathers = 2 if cfg.strategy.sharding != "grad_op" else 1
+        units, accum = len(fsdp_units(model)) + 1, cfg.trainer.grad_accum  # each micro-batch's passes
+        gathers = accum * (2 if cfg.strategy.sharding != "grad_op" else 1)
         calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
-                 "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+                 "reduce_scatter_tensor": units * accum, "reduce_scatter_single": units * accum}  # fmt: skip
         if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
             from parallel_lab.strategies.tp.megatron import blocks
 
@@ -262,9 +262,11 @@ class FSDPPlan(PlanRules):
         gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
         if ep_degree(cfg) > 1:
             return None  # the run's routing decides (fsdp/strategy.py run_comm_theory_psi)
+        # per micro-batch: each one's backward reduces (fsdp/strategy.py has no no_sync)
         if cfg.strategy.sharding == "hybrid":
-            return 2 * gather + 1.0 + 2.0 / shard_size(cfg)
-        return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+            return cfg.trainer.grad_accum * (2 * gather + 1.0 + 2.0 / shard_size(cfg))
+        per_micro = {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+        return cfg.trainer.grad_accum * per_micro
 
     @classmethod
     def activation_bytes(
