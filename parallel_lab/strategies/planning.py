@@ -42,6 +42,11 @@ class ComputeShape:
     # (each tensor's update pays DTensor's dispatch): the step-time model prices both per unit/tensor.
     hooked_units: int = 0
     dtensor_optimizer: bool = False
+    # A data-parallel strategy's own bucketing (manual_ddp bucketed): the post-accumulate-grad hooks
+    # each pass calls (one per parameter) and the buckets handed to its communication thread per
+    # step: priced per call from the calibration's ``bucketing`` (plan/hook_calibration.py).
+    grad_hooks: int = 0
+    handoffs: int = 0
 
 
 @dataclass(frozen=True)
