@@ -144,8 +144,8 @@ def _cores(
 
 
 def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, shape) -> int:
-    """Calls of one collective per step: the strategy's own count, else the pipeline's per
-    micro-batch, else one per bucket of ``bucket_mb`` (ZeRO, manual_ddp), else one."""
+    """Calls of one collective per step: the strategy's own count (DDP's and manual_ddp's buckets),
+    else the pipeline's per micro-batch, else one per bucket of ``bucket_mb`` (ZeRO), else one."""
     fixed = strategy_cls.plan.collective_calls(cfg, model)
     if op in fixed:
         return fixed[op]

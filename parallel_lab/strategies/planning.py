@@ -168,8 +168,8 @@ class PlanRules:
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """Calls per step of a collective (the counter's names) where it is not one call per bucket
-        of ``strategy.bucket_mb`` (or one per step; DDP counts its reducer's buckets here): the step-time model pays
-        latency per call (plan/steptime.py). {}: the buckets decide."""
+        of ``strategy.bucket_mb`` (or one per step; DDP and manual_ddp count their own buckets here):
+        the step-time model pays latency per call (plan/steptime.py). {}: the buckets decide."""
         return {}
 
     @classmethod
