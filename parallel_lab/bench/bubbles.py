@@ -8,15 +8,18 @@ micro-batches. Each stage's measured idle share of its step (metrics.json's
 ``pp_idle_fraction``: step minus the stage's timed forward and backward calls, the median step
 after warm-up; docs/pp.md "Idle: how it is measured") beside the formula (``pp_bubble_fraction_theory``):
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble; and
-beside both the replay: the orders played out with the run's own measured compute per op
-(``pp_op_seconds``), i.e. the bubble of these unequal chunks without hand-off costs.
+beside both two replays: the orders played out with each op's own measured compute (the bubble
+of these unequal chunks, hand-offs free), and with the hand-offs' measured costs too (posting
+receives, isend calls, each crossing's latency: ``pp_handoff_steps``, pp/handoffs.py). What the
+second leaves of the measured idle is printed per run.
 
 Default: p = 2, m = 2, 4, 8, 6 steps (2 warm-up) of micro-batches of 32: about 2-4 minutes on the
 2-core machine. p = 4 (``--p 2,4``) puts 4 processes on 2 cores: slower and noisier still. The
 machine's load average is printed with every run: this is a shared machine, every hand-off waits
 for the receiving process to be scheduled, and the numbers are as noisy as that load makes them.
 The last lines: whether zero bubble idled at most 1F1B's on every stage, and the largest distance
-between a stage's measured idle share and the formula, and the replay.
+between a stage's measured idle share and the formula, the replay of compute, and the replay of
+compute and hand-offs.
 """
 
 from __future__ import annotations
@@ -85,18 +88,24 @@ def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch
         dist.barrier()
         if rank == 0:
             idle, theory = extras["pp_idle_fraction"], extras["pp_bubble_fraction_theory"]
-            replay = replay_of(extras)
-            row = {"run": key, "idle": idle, "theory": theory, "replay": replay, "load": [load, os.getloadavg()[0]]}
+            row = {"run": key, "idle": idle, "theory": theory, "replay": replay_of(extras)}
+            row["replay_handoffs"] = replay_of(extras, handoffs=True)
+            row["handoff"] = [extras[f"pp_handoff_{k}"] for k in ("latency_s", "op_overhead_s")]
+            row["load"] = [load, os.getloadavg()[0]]
             print(json.dumps(row))
 
 
-def replay_of(extras: dict) -> list[float]:
+def replay_of(extras: dict, handoffs: bool = False) -> list[float]:
     """Each stage's idle in the step its order takes with the run's own measured compute per op
-    (``pp_op_seconds``) and no hand-off cost (schedules.replay_idle)."""
+    (``pp_op_seconds_steps``) and, with ``handoffs``, its measured hand-off costs
+    (``pp_handoff_steps``: posting receives, isend calls, each crossing's latency; pp/handoffs.py),
+    else none (schedules.replay_idle_steps)."""
+    from parallel_lab.strategies.pp.handoffs import compute_only
     from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"])
+    costs = extras["pp_handoff_steps"] if handoffs else compute_only(extras["pp_handoff_steps"])
+    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], costs)
 
 
 def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
@@ -119,7 +128,7 @@ def _gap(row: dict, key: str) -> float:
 def last_line(rows: list[dict]) -> str:
     """The stage farthest from its formula, and from its replay, over every run."""
     lines = []
-    for key, name in (("theory", "formula"), ("replay", "replay")):
+    for key, name in (("theory", "formula"), ("replay", "replay"), ("replay_handoffs", "replay with hand-offs")):
         worst = max(rows, key=lambda r: _gap(r, key))
         where = f"({worst['schedule']}, p={worst['p']}, m={worst['m']})"
         lines.append(f"max |measured − {name}| idle fraction: {_gap(worst, key):.3f} {where}")
@@ -136,16 +145,18 @@ def zero_bubble_vs_1f1b(rows: list[dict]) -> str:
 
 def render(rows: list[dict]) -> str:
     lines = [
-        "| schedule | p | m | formula | replay of measured compute, per stage | measured idle per stage "
-        "| max |measured − formula| | max |measured − replay| | load avg 1 min (before / after) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schedule | p | m | formula | replay of measured compute | replay with measured hand-offs "
+        "| measured idle | hand-off latency / op overhead (ms) | max |measured − formula| "
+        "| max |measured − replay with hand-offs| | load avg 1 min (before / after) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        idle, replay = (" / ".join(f"{f:.3f}" for f in r[k]) for k in ("idle", "replay"))
+        idle, replay, handoffs = (" / ".join(f"{f:.3f}" for f in r[k]) for k in ("idle", "replay", "replay_handoffs"))
+        cost = " / ".join(f"{1e3 * lat:.1f}, {1e3 * op:.1f}" for lat, op in zip(*r["handoff"]))
         load = " / ".join(f"{x:.1f}" for x in r["load"])
         lines.append(
-            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {replay} | {idle} "
-            f"| {_gap(r, 'theory'):.3f} | {_gap(r, 'replay'):.3f} | {load} |"
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {replay} | {handoffs} | {idle} "
+            f"| {cost} | {_gap(r, 'theory'):.3f} | {_gap(r, 'replay_handoffs'):.3f} | {load} |"
         )
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.models.dropout import SampleDropout
 from parallel_lab.protocol import IDLE_LABEL
+from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.schedules import SCHEDULES, SPLIT_BACKWARD
 from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
 from parallel_lab.strategies.precision import as_compute
@@ -47,6 +48,9 @@ class ManualLoop:
         self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
         # per train_step: (op, global chunk) -> the compute of each run of it
         self.op_seconds: list[dict[tuple[str, int], list[float]]] = []
+        # per train_step: its start, its end (the strategy's flush) and each op's marks on the host's
+        # monotonic clock (pp/handoffs.py: the hand-offs' cost, what the replay adds to the compute)
+        self.timeline: list[dict] = []
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
@@ -59,13 +63,16 @@ class ManualLoop:
         self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
         stash: dict = {}
         self.op_seconds.append({})
+        self.timeline.append({"start": time.perf_counter(), "ops": []})
         for k, (op, c, i) in enumerate(self.order):
+            self.marks = {"begin": time.perf_counter()}
             # The next op's receive is posted before this op computes, so its tensor crosses while
             # this rank computes (Megatron posts its recvs with its sends the same way). Posted only
             # when needed, gloo moves nothing until the receiver asks (a rendezvous): every hand-off
             # then waited once more on the critical path (docs/pp.md, "Where the extra idle was").
             self.post(k, late=True)
             self.post(next((j for j in range(k + 1, len(self.order)) if self.order[j][0] != "W"), k + 1))
+            self.marks["posted"] = time.perf_counter()
             g = pipe.chunk_ids[c]
             if op == "F":
                 stash[(c, i)] = self.forward(c, g, i)
@@ -74,12 +81,15 @@ class ManualLoop:
                 self.backward(g, i, *stash.pop((c, i)))
             else:
                 self.weights(g, i)
+            self.marks["end"] = time.perf_counter()
+            self.timeline[-1]["ops"].append((op, g, i, *(self.marks.get(k) for k in handoffs.MARKS)))
         # gloo completes a send when the neighbour has received it: waiting here is waiting for
         # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
         with trace_label(f"{IDLE_LABEL}send"):
             for work, _ in self.pending:
                 work.wait()
         self.pending = []
+        self.timeline[-1]["drained"] = time.perf_counter()
 
     # ----- point to point (a chunk whose neighbour is on this rank hands over in memory) -----
     def post(self, k: int, late: bool = False) -> None:
@@ -112,8 +122,10 @@ class ManualLoop:
         start = time.perf_counter()
         # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
         # idle (the pipeline bubble), not as communication (worker/timeline.py).
+        self.marks["wait"] = time.perf_counter()
         with trace_label(f"{IDLE_LABEL}recv"):
             work.wait()
+        self.marks["got"] = time.perf_counter()
         self.pipe.recv_wait += time.perf_counter() - start
         return buf
 
@@ -168,7 +180,8 @@ class ManualLoop:
     def timed(self, op: str, g: int, start: float) -> None:
         """Count the op's compute since ``start`` as busy, and keep it per (op, chunk): the replay
         of the step from measured compute (schedules.play, bench bubbles) reads them."""
-        seconds = time.perf_counter() - start
+        self.marks["compute"], self.marks["computed"] = start, time.perf_counter()
+        seconds = self.marks["computed"] - start
         self.pipe.busy.seconds += seconds
         self.op_seconds[-1].setdefault((op, g), []).append(seconds)
 
