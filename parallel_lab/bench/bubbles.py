@@ -162,20 +162,26 @@ def render(rows: list[dict]) -> str:
 
 
 NOTE = """
-Formula: (p-1)/(m+p-1) gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble
-(ZB-H1: F, B, W equal). Replay: the schedule's orders played out (schedules.play) with this run's
-own compute per op and chunk, each measured step with its own (pp_op_seconds_steps), the median
-step's, and no hand-off cost: the bubble of these
-chunks, whose forward, input- and weight-gradient passes are not equal (the formula's assumption).
-measured − replay is what the hand-offs (each tensor's crossing through gloo, its isend call and
-the wait for the receiving process to be scheduled) and the step-to-step noise add.
-Idle: each stage's step minus its own timed forward/backward calls, over its step (the flush
-barrier ends every stage's step together), the median of the steps after warm-up. Noise: this
-machine has 2 cores shared with other work (the load averages above); p ranks compete for them,
-every hand-off waits for the receiving process to be scheduled, and op times vary 2-4x from one
-micro-batch to the next under such load (docs/pp.md). Small m has long bubbles and few ops (close
-to the formula); large m has many short ops whose hand-off costs count as idle. The formulas
-themselves are checked exactly in tests/unit/test_pipeline_parallel.py (the orders played out)."""
+Formula: (p-1)/(m+p-1) gpipe and 1f1b (arXiv 1811.06965), (p-1)/(vm+p-1) interleaved (Narayanan et
+al., arXiv 2104.04473), (p-1)/(3m+p-1) zero bubble (ZB-H1, Qi et al., arXiv 2401.10241: F, B, W
+equal); each assumes equal chunks and free hand-offs. Replay of measured compute: the schedule's
+orders played out (schedules.play) with each op's own measured compute in each measured step, the
+median step's: the bubble of these chunks, whose passes are not equal and not constant (an op
+computing while its neighbour idles runs faster than beside it). Replay with measured hand-offs:
+the same plus what each hand-off cost in the run (pp_handoff_steps, pp/handoffs.py): per op the
+time on the stage outside its compute and its waits (posting receives, the isend call: the
+latency / op overhead column's second figure, ms), a crossing's latency from the producer's compute
+end to the receiver's recv returning (its first figure, ms: the stage's mean over the crossings it
+waited for), each stage's start and the flush barrier. replay with hand-offs − replay of compute
+is what the hand-offs add; measured − replay with hand-offs is what remains: the spread of the
+latency (the replay takes each stage's mean, and a wait is max(0, latency − slack), so a latency
+that varies from 0.5 to 20 ms waits more than its mean does) and the steps' noise. Small m has
+long bubbles and few ops (close to the formula); large m and interleaved chunks have many short
+ops, whose hand-off costs weigh more. Idle: each stage's step minus its timed compute, over its
+step, the median of the steps after warm-up. Noise: this machine has 2 cores shared with other
+work (the load averages above): every hand-off waits for the receiving process to be scheduled.
+The formulas themselves are exact in tests/unit/test_pipeline_parallel.py (the orders played
+out); the replay with hand-offs against a timeline worked by hand in tests/unit/test_pp_handoffs.py."""
 
 
 def main(argv: list[str]) -> int:

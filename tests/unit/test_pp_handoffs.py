@@ -65,22 +65,23 @@ def test_costs_are_read_from_the_marks_and_latency_only_from_handoffs_waited_for
     ops0 = [("F", 0, 0, *marks(0.0, 0.1, 1.0, 1.2)), ("F", 0, 1, *marks(1.2, 1.2, 2.0, 2.5))]
     stage0 = {"start": 0.0, "end": 4.5, "ops": ops0}
     stage1 = {
-        "start": 0.2,
+        "start": 0.1,
         "end": 4.6,
         "ops": [
             ("F", 1, 0, *marks(0.2, 1.5, 2.8, 2.8, wait=0.3, got=1.4)),
             ("F", 1, 1, *marks(2.8, 3.05, 4.0, 4.0, wait=2.9, got=3.0)),
-        ]
+        ],
     }
     c0, c1 = handoffs.step_costs([stage0, stage1])
     assert c0["compute"] == pytest.approx({"F0:0": 0.9, "F0:1": 0.8})
     assert c0["pre"] == pytest.approx({"F0:0": 0.1, "F0:1": 0.0})
     assert c0["post"] == pytest.approx({"F0:0": 0.2, "F0:1": 0.5})
     assert c0["latency"] is None  # it received nothing
-    assert c1["pre"] == pytest.approx({"F1:0": 0.1, "F1:1": 0.1}) and c1["latency"] == pytest.approx(0.4)
+    # F1:0's pre: 0.1 posting before its wait, after the step's prologue of 0.1 (its start at 0.1)
+    assert c1["pre"] == pytest.approx({"F1:0": 0.2, "F1:1": 0.1}) and c1["latency"] == pytest.approx(0.4)
     assert handoffs.step_costs([stage0, stage1], one_clock=False)[1]["latency"] is None
-    # stage 1 began its step 0.2 after stage 0; each step ends at its flush, 4.5 and 4.6
-    assert [c[k] for c in (c0, c1) for k in ("start", "flush")] == pytest.approx([0.0, 0.5, 0.2, 0.6])
+    # stage 1 began its step 0.1 after stage 0; each step ends at its flush, 4.5 and 4.6
+    assert [c[k] for c in (c0, c1) for k in ("start", "flush")] == pytest.approx([0.0, 0.5, 0.1, 0.6])
     # a step without a hand-off waited for takes the stage's mean latency of the others
     per_stage = handoffs.costs_per_step([[stage0, stage0], [stage1, {**stage1, "ops": stage1["ops"][1:]}]])
     assert [c["latency"] for c in per_stage[1]] == pytest.approx([0.4, 0.4])

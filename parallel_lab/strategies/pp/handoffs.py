@@ -7,8 +7,9 @@ got it (``got``), its compute (``compute`` .. ``computed``), its ``end`` (after 
 its receives were ``posted``. Per stage and step that gives, per op ("F3:1": the forward of global
 chunk 3 on micro-batch 1), its compute and:
 
-- ``pre``: begin to the wait (or the compute): posting receives (``irecv``), the Python between
-  ops; on this stage's core, before its input can be used;
+- ``pre``: begin to the wait (or the compute): the Python between ops, and for a step's first op
+  the step's prologue (its receives posted: ``irecv``); on this stage's core, before its input
+  can be used;
 - ``post``: the compute's end to the op's end: the ``isend`` call (gloo writes what the socket
   takes in the calling thread) and the Python after it;
 - ``latency`` (one number per stage and step): a tensor's crossing into this stage, from the producer's
@@ -64,6 +65,10 @@ def step_costs(timelines: list[dict], one_clock: bool = True) -> list[dict]:
             if source is not None and t["wait"] <= source["computed"]:
                 crossings.append(t["got"] - source["computed"])
         out.append({**costs, "latency": statistics.fmean(crossings) if crossings else None})
+    for costs, t in zip(out, timelines):  # the step's prologue (its receives posted) is its first op's
+        if t["ops"]:
+            op, g, i, begin = t["ops"][0][:4]
+            costs["pre"][f"{op}{g}:{i}"] += begin - t["start"]
     first = min(t["start"] for t in timelines)
     last = max(t["ops"][-1][3 + MARKS.index("end")] for t in timelines if t["ops"])
     for costs, t in zip(out, timelines):

@@ -43,7 +43,7 @@ class ManualLoop:
         self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
-        self.late = 0  # receives posted only as their own op began (each step's first, on a later stage)
+        self.late = 0  # receives posted only as their own op began (none: all at the step's start)
         split = str(o.schedule) in SPLIT_BACKWARD
         self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
         # per train_step: (op, global chunk) -> the compute of each run of it
@@ -57,21 +57,26 @@ class ManualLoop:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> None:
         pipe = self.pipe
+        self.timeline.append({"start": time.perf_counter(), "ops": []})
         # Micro-batches in storages of their own: what a stage holds for backward is its micro-batch,
         # not a view keeping the whole batch (the activations the planner counts).
         self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
         self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
         stash: dict = {}
         self.op_seconds.append({})
-        self.timeline.append({"start": time.perf_counter(), "ops": []})
+        # Every receive of the step is posted before its first op: gloo moves nothing until the
+        # receiver asks (a rendezvous), so a tensor posted for sends at once, inside the sender's
+        # isend, and arrives while this rank computes. Posted one op ahead instead, each post and
+        # each send met a transfer in flight on the same pair, handled by gloo's own thread: on
+        # shared cores each such hand-off cost the stage a scheduler's time slice now and then,
+        # 10-12 ms per op on average in interleaved 1F1B against 2-5 ms posted at once (docs/pp.md).
+        # The cost: the step's receive buffers (one boundary tensor per micro-batch, chunk and
+        # direction) exist from its start, not what autograd holds (the activation plan).
+        for k in range(len(self.order)):
+            self.post(k)
         for k, (op, c, i) in enumerate(self.order):
             self.marks = {"begin": time.perf_counter()}
-            # The next op's receive is posted before this op computes, so its tensor crosses while
-            # this rank computes (Megatron posts its recvs with its sends the same way). Posted only
-            # when needed, gloo moves nothing until the receiver asks (a rendezvous): every hand-off
-            # then waited once more on the critical path (docs/pp.md, "Where the extra idle was").
-            self.post(k, late=True)
-            self.post(next((j for j in range(k + 1, len(self.order)) if self.order[j][0] != "W"), k + 1))
+            self.post(k, late=True)  # posted above: counts none (pp_recvs_posted_late)
             self.marks["posted"] = time.perf_counter()
             g = pipe.chunk_ids[c]
             if op == "F":

@@ -326,7 +326,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "op_seconds": mean_op_seconds(self.loop.op_seconds[skip:] or self.loop.op_seconds) if manual else None,
             "op_seconds_steps": [mean_op_seconds([step]) for step in self.loop.op_seconds[skip:]] if manual else None,
             "recvs_late": self.loop.late if manual else None,
-            "timeline": self.loop.timeline[skip:] if manual else None,
+            "timeline": (self.loop.timeline[skip:] or self.loop.timeline) if manual else None,
             "host": socket.gethostname(),
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": [n for g in self.chunk_ids for n in self.chunk_names[g]],  # a tied copy not listed
