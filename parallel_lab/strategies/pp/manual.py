@@ -51,6 +51,7 @@ class ManualLoop:
         # per train_step: its start, its end (the strategy's flush) and each op's marks on the host's
         # monotonic clock (pp/handoffs.py: the hand-offs' cost, what the replay adds to the compute)
         self.timeline: list[dict] = []
+        self.marks: dict[str, float] = {}  # the running op's (handoffs.MARKS)
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
@@ -65,13 +66,13 @@ class ManualLoop:
         stash: dict = {}
         self.op_seconds.append({})
         # Every receive of the step is posted before its first op: gloo moves nothing until the
-        # receiver asks (a rendezvous), so a tensor posted for sends at once, inside the sender's
-        # isend, and arrives while this rank computes. Posted one op ahead instead, each post and
-        # each send met a transfer in flight on the same pair, handled by gloo's own thread: on
-        # shared cores each such hand-off cost the stage a scheduler's time slice now and then,
-        # 10-12 ms per op on average in interleaved 1F1B against 2-5 ms posted at once (docs/pp.md).
-        # The cost: the step's receive buffers (one boundary tensor per micro-batch, chunk and
-        # direction) exist from its start, not what autograd holds (the activation plan).
+        # receiver asks (a rendezvous), and a tensor whose receive is already posted leaves inside
+        # the sender's isend and arrives while this rank computes. Posted one op ahead instead,
+        # posts and sends met a transfer in flight on the same pair, carried by gloo's own thread:
+        # on shared cores such a call now and then waited a scheduler's time slice, 10-12 ms per op
+        # on average in interleaved 1F1B against 2-5 ms posted at once (docs/pp.md). The cost: the
+        # step's receive buffers (one boundary tensor per micro-batch, chunk and direction) exist
+        # from its start; what autograd holds (the activation plan) is unchanged.
         for k in range(len(self.order)):
             self.post(k)
         for k, (op, c, i) in enumerate(self.order):

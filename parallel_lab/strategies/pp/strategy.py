@@ -365,7 +365,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "pp_op_seconds": [st["op_seconds"] for st in stages],
             # manual impl: the same per measured step (each step's replay beside its measured idle)
             "pp_op_seconds_steps": [st["op_seconds_steps"] for st in stages],
-            # manual impl: receives posted only as their op began (the rest one op ahead, pp/manual.py)
+            # manual impl: receives posted only as their op began (none: all at the step's start, pp/manual.py)
             "pp_recvs_posted_late": [st["recvs_late"] for st in stages],
             # manual impl, per stage: what its hand-offs cost (pp/handoffs.py), the replay adds them
             "pp_handoff_steps": handoff_costs,
