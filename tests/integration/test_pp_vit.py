@@ -181,19 +181,37 @@ IDLE_CONFIGS = {
 }
 
 
-def replayed(extras: dict) -> list[float]:
+def handoff_s(extras: dict, steps: int) -> float:
+    """The measured cost of one hand-off: the seconds the stages spent in isend calls over the
+    measured steps, per send (each F of a chunk before the last, each B of a chunk after the first)."""
+    from parallel_lab.strategies.pp.schedules import rank_orders
+
+    p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
+    n, orders = p * v, rank_orders(extras["pp_schedule"], m, p, v)
+    sends = sum(
+        (op == "F" and c * p + r < n - 1) or (op == "B" and c * p + r > 0) for r in range(p) for op, c, _ in orders[r]
+    )
+    return sum(extras["pp_send_s"]) / (sends * steps)
+
+
+def replayed(extras: dict, steps: int) -> list[float]:
     """Each stage's idle in its order played out with each measured step's own compute per op
-    (pp_op_seconds_steps) and its measured hand-off costs (pp_handoff_steps: posting receives,
-    isend calls, each crossing's latency), the median step's (schedules.replay_idle_steps: the
-    statistic of pp_idle_fraction)."""
+    (each op its own, pp_handoff_steps' "compute") and the measured isend cost on every crossing
+    (``handoff_s``), the median step's (schedules.replay_idle_steps: the statistic of
+    pp_idle_fraction). Not the run's other measured hand-off costs (pp_handoff_steps' time outside
+    compute per op and crossing latency, bench bubbles): they replay a loop that waits as it
+    waited, and this check is there to catch one."""
+    from parallel_lab.strategies.pp.handoffs import compute_only
     from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    steps, costs = extras["pp_op_seconds_steps"], extras["pp_handoff_steps"]
-    return replay_idle_steps(extras["pp_schedule"], m, p, v, steps, costs)
+    costs = compute_only(extras["pp_handoff_steps"])
+    return replay_idle_steps(
+        extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], costs, handoff_s(extras, steps)
+    )
 
 
-def idle_table(results: dict) -> dict:
+def idle_table(results: dict, steps: int = IDLE_STEPS - 2) -> dict:
     """Per configuration: each stage's idle fraction, the formula's, the replay's, and where each
     stage's time went over the measured steps (compute, blocked in recv, in isend calls; seconds)."""
     table = {}
@@ -202,7 +220,7 @@ def idle_table(results: dict) -> dict:
         table[name] = {
             "idle": [round(f, 3) for f in e["pp_idle_fraction"]],
             "formula": round(e["pp_bubble_fraction_theory"], 3),
-            "replay": [round(f, 3) for f in replayed(e)],
+            "replay": [round(f, 3) for f in replayed(e, steps)],
             "foreign_cpu": round(r["foreign_cpu"], 3),
             **{k: [round(s, 3) for s in e[f"pp_{k}_s"]] for k in ("step", "busy", "recv_wait", "send")},
         }

@@ -185,14 +185,15 @@ def replay_idle_steps(
     v: int,
     op_seconds_steps: list[list[dict[str, float]]],
     costs_steps: list[list[dict]] | None = None,
+    handoff: float = 0.0,
 ) -> list[float]:
     """``replay_idle`` of every measured step with that step's own compute per op
     (``pp_op_seconds_steps``: per rank, per step) and, if given, its own hand-off costs
-    (``pp_handoff_steps``: per rank, per step), the median step's per rank: the same statistic as
-    the measured ``pp_idle_fraction``, so an op slowed by another process in one step is replayed
-    in that step only."""
+    (``pp_handoff_steps``: per rank, per step; else ``handoff`` seconds a crossing), the median
+    step's per rank: the same statistic as the measured ``pp_idle_fraction``, so an op slowed by
+    another process in one step is replayed in that step only."""
     costs = zip(*costs_steps) if costs_steps is not None else [None] * len(op_seconds_steps[0])
-    steps = [replay_idle(schedule, m, p, v, list(ops), 0.0, c) for ops, c in zip(zip(*op_seconds_steps), costs)]
+    steps = [replay_idle(schedule, m, p, v, list(ops), handoff, c) for ops, c in zip(zip(*op_seconds_steps), costs)]
     return [statistics.median(s[r] for s in steps) for r in range(p)]
 
 
