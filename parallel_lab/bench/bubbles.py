@@ -8,15 +8,18 @@ micro-batches. Each stage's measured idle share of its step (metrics.json's
 ``pp_idle_fraction``: step minus the stage's timed forward and backward calls, the median step
 after warm-up; docs/pp.md "Idle: how it is measured") beside the formula (``pp_bubble_fraction_theory``):
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble; and
-beside both the replay: the orders played out with the run's own measured compute per op
-(``pp_op_seconds``), i.e. the bubble of these unequal chunks without hand-off costs.
+beside both two replays: the orders played out with each op's own measured compute (the bubble
+of these unequal chunks, hand-offs free), and with the hand-offs' measured costs too (posting
+receives, isend calls, each crossing's latency: ``pp_handoff_steps``, pp/handoffs.py). What the
+second leaves of the measured idle is printed per run.
 
 Default: p = 2, m = 2, 4, 8, 6 steps (2 warm-up) of micro-batches of 32: about 2-4 minutes on the
 2-core machine. p = 4 (``--p 2,4``) puts 4 processes on 2 cores: slower and noisier still. The
 machine's load average is printed with every run: this is a shared machine, every hand-off waits
 for the receiving process to be scheduled, and the numbers are as noisy as that load makes them.
 The last lines: whether zero bubble idled at most 1F1B's on every stage, and the largest distance
-between a stage's measured idle share and the formula, and the replay.
+between a stage's measured idle share and the formula, the replay of compute, and the replay of
+compute and hand-offs.
 """
 
 from __future__ import annotations
@@ -85,18 +88,24 @@ def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch
         dist.barrier()
         if rank == 0:
             idle, theory = extras["pp_idle_fraction"], extras["pp_bubble_fraction_theory"]
-            replay = replay_of(extras)
-            row = {"run": key, "idle": idle, "theory": theory, "replay": replay, "load": [load, os.getloadavg()[0]]}
+            row = {"run": key, "idle": idle, "theory": theory, "replay": replay_of(extras)}
+            row["replay_handoffs"] = replay_of(extras, handoffs=True)
+            row["handoff"] = [extras[f"pp_handoff_{k}"] for k in ("latency_s", "op_overhead_s")]
+            row["load"] = [load, os.getloadavg()[0]]
             print(json.dumps(row))
 
 
-def replay_of(extras: dict) -> list[float]:
+def replay_of(extras: dict, handoffs: bool = False) -> list[float]:
     """Each stage's idle in the step its order takes with the run's own measured compute per op
-    (``pp_op_seconds``) and no hand-off cost (schedules.replay_idle)."""
+    (``pp_op_seconds_steps``) and, with ``handoffs``, its measured hand-off costs
+    (``pp_handoff_steps``: posting receives, isend calls, each crossing's latency; pp/handoffs.py),
+    else none (schedules.replay_idle_steps)."""
+    from parallel_lab.strategies.pp.handoffs import compute_only
     from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"])
+    costs = extras["pp_handoff_steps"] if handoffs else compute_only(extras["pp_handoff_steps"])
+    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], costs)
 
 
 def measure(p: int, ms: list[int], micro_batch: int, steps: int) -> list[dict]:
@@ -119,7 +128,7 @@ def _gap(row: dict, key: str) -> float:
 def last_line(rows: list[dict]) -> str:
     """The stage farthest from its formula, and from its replay, over every run."""
     lines = []
-    for key, name in (("theory", "formula"), ("replay", "replay")):
+    for key, name in (("theory", "formula"), ("replay", "replay"), ("replay_handoffs", "replay with hand-offs")):
         worst = max(rows, key=lambda r: _gap(r, key))
         where = f"({worst['schedule']}, p={worst['p']}, m={worst['m']})"
         lines.append(f"max |measured − {name}| idle fraction: {_gap(worst, key):.3f} {where}")
@@ -136,35 +145,43 @@ def zero_bubble_vs_1f1b(rows: list[dict]) -> str:
 
 def render(rows: list[dict]) -> str:
     lines = [
-        "| schedule | p | m | formula | replay of measured compute, per stage | measured idle per stage "
-        "| max |measured − formula| | max |measured − replay| | load avg 1 min (before / after) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schedule | p | m | formula | replay of measured compute | replay with measured hand-offs "
+        "| measured idle | hand-off latency / op overhead (ms) | max |measured − formula| "
+        "| max |measured − replay with hand-offs| | load avg 1 min (before / after) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        idle, replay = (" / ".join(f"{f:.3f}" for f in r[k]) for k in ("idle", "replay"))
+        idle, replay, handoffs = (" / ".join(f"{f:.3f}" for f in r[k]) for k in ("idle", "replay", "replay_handoffs"))
+        cost = " / ".join(f"{1e3 * lat:.1f}, {1e3 * op:.1f}" for lat, op in zip(*r["handoff"]))
         load = " / ".join(f"{x:.1f}" for x in r["load"])
         lines.append(
-            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {replay} | {idle} "
-            f"| {_gap(r, 'theory'):.3f} | {_gap(r, 'replay'):.3f} | {load} |"
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {replay} | {handoffs} | {idle} "
+            f"| {cost} | {_gap(r, 'theory'):.3f} | {_gap(r, 'replay_handoffs'):.3f} | {load} |"
         )
     return "\n".join(lines)
 
 
 NOTE = """
-Formula: (p-1)/(m+p-1) gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble
-(ZB-H1: F, B, W equal). Replay: the schedule's orders played out (schedules.play) with this run's
-own compute per op and chunk, each measured step with its own (pp_op_seconds_steps), the median
-step's, and no hand-off cost: the bubble of these
-chunks, whose forward, input- and weight-gradient passes are not equal (the formula's assumption).
-measured − replay is what the hand-offs (each tensor's crossing through gloo, its isend call and
-the wait for the receiving process to be scheduled) and the step-to-step noise add.
-Idle: each stage's step minus its own timed forward/backward calls, over its step (the flush
-barrier ends every stage's step together), the median of the steps after warm-up. Noise: this
-machine has 2 cores shared with other work (the load averages above); p ranks compete for them,
-every hand-off waits for the receiving process to be scheduled, and op times vary 2-4x from one
-micro-batch to the next under such load (docs/pp.md). Small m has long bubbles and few ops (close
-to the formula); large m has many short ops whose hand-off costs count as idle. The formulas
-themselves are checked exactly in tests/unit/test_pipeline_parallel.py (the orders played out)."""
+Formula: (p-1)/(m+p-1) gpipe and 1f1b (arXiv 1811.06965), (p-1)/(vm+p-1) interleaved (Narayanan et
+al., arXiv 2104.04473), (p-1)/(3m+p-1) zero bubble (ZB-H1, Qi et al., arXiv 2401.10241: F, B, W
+equal); each assumes equal chunks and free hand-offs. Replay of measured compute: the schedule's
+orders played out (schedules.play) with each op's own measured compute in each measured step, the
+median step's: the bubble of these chunks, whose passes are not equal and not constant (an op
+computing while its neighbour idles runs faster than beside it). Replay with measured hand-offs:
+the same plus what each hand-off cost in the run (pp_handoff_steps, pp/handoffs.py): per op the
+time on the stage outside its compute and its waits (posting receives, the isend call: the
+latency / op overhead column's second figure, ms), a crossing's latency from the producer's compute
+end to the receiver's recv returning (its first figure, ms: the stage's mean over the crossings it
+waited for), each stage's start and the flush barrier. replay with hand-offs − replay of compute
+is what the hand-offs add; measured − replay with hand-offs is what remains: the spread of the
+latency (the replay takes each stage's mean, and a wait is max(0, latency − slack), so a latency
+that varies from 0.5 to 20 ms waits more than its mean does) and the steps' noise. Small m has
+long bubbles and few ops (close to the formula); large m and interleaved chunks have many short
+ops, whose hand-off costs weigh more. Idle: each stage's step minus its timed compute, over its
+step, the median of the steps after warm-up. Noise: this machine has 2 cores shared with other
+work (the load averages above): every hand-off waits for the receiving process to be scheduled.
+The formulas themselves are exact in tests/unit/test_pipeline_parallel.py (the orders played
+out); the replay with hand-offs against a timeline worked by hand in tests/unit/test_pp_handoffs.py."""
 
 
 def main(argv: list[str]) -> int:

@@ -29,6 +29,7 @@ def test_every_schedule_reports_idle_per_stage_and_more_micro_batches_idle_less(
         v = {"interleaved_1f1b v=2": 2, "zero_bubble": 3}.get(r["schedule"], 1)  # ZB-H1: (p-1)/(3m+p-1)
         assert r["theory"] == pytest.approx((p - 1) / (v * r["m"] + p - 1)), r
         assert len(r["replay"]) == p and all(0 < f < 1 for f in r["replay"]), r
+        assert len(r["replay_handoffs"]) == p and all(0 < f < 1 for f in r["replay_handoffs"]), r
         assert len(r["idle"]) == p and all(0 < f < 1 for f in r["idle"]), r
     idle = {(r["schedule"], r["m"]): sum(r["idle"]) / p for r in rows}
     for schedule in ("gpipe", "1f1b"):

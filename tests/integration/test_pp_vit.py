@@ -119,12 +119,15 @@ def test_measured_activation_peaks_are_the_plans_and_1f1b_holds_less(runs):
 def test_each_stages_step_splits_into_compute_and_its_waits(runs):
     """The per-stage breakdown docs/pp.md explains the idle with: a stage's step is its compute
     plus its idle, and the time blocked in recv and in isend calls (hand-offs) is part of the
-    idle, never of the compute. Every receive but a later stage's first of each step is posted one
-    op ahead (pp/manual.py), so its tensor crosses while the stage computes: gloo moves nothing
-    until the receiver asks, and a receive posted only when needed waits for the whole transfer."""
+    idle, never of the compute. Every receive of a step is posted at its start (pp/manual.py), so
+    its tensor crosses while the stage computes: gloo moves nothing until the receiver asks, and a
+    receive posted only when needed waits for the whole transfer. The hand-offs' measured costs
+    (pp_handoff_*, pp/handoffs.py) are per stage, and an op's time outside its compute is idle."""
     for name, r in runs[0].items():
         e = r["extras"]
-        assert e["pp_recvs_posted_late"] == [0, STEPS], (name, e["pp_recvs_posted_late"])
+        assert e["pp_recvs_posted_late"] == [0, 0], (name, e["pp_recvs_posted_late"])
+        assert len(e["pp_handoff_steps"][0]) == len(e["pp_idle_fraction_steps"][0]), name  # the same steps
+        assert all(lat > 0 for lat in e["pp_handoff_latency_s"][1:]), (name, e["pp_handoff_latency_s"])
         for s, step in enumerate(e["pp_step_s"]):
             assert step == pytest.approx(e["pp_busy_s"][s] + e["pp_idle_s"][s]), (name, s)
             assert 0 < e["pp_send_s"][s] and e["pp_recv_wait_s"][s] + e["pp_send_s"][s] <= e["pp_idle_s"][s], (name, s)
@@ -193,12 +196,19 @@ def handoff_s(extras: dict, steps: int) -> float:
 
 def replayed(extras: dict, steps: int) -> list[float]:
     """Each stage's idle in its order played out with each measured step's own compute per op
-    (pp_op_seconds_steps) and the measured hand-off cost on every crossing, the median step's
-    (schedules.replay_idle_steps: the statistic of pp_idle_fraction)."""
+    (each op its own, pp_handoff_steps' "compute") and the measured isend cost on every crossing
+    (``handoff_s``), the median step's (schedules.replay_idle_steps: the statistic of
+    pp_idle_fraction). Not the run's other measured hand-off costs (pp_handoff_steps' time outside
+    compute per op and crossing latency, bench bubbles): they replay a loop that waits as it
+    waited, and this check is there to catch one."""
+    from parallel_lab.strategies.pp.handoffs import compute_only
     from parallel_lab.strategies.pp.schedules import replay_idle_steps
 
     p, m, v = extras["pp_stages"], extras["pp_microbatches"], extras["pp_virtual_stages"]
-    return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], handoff_s(extras, steps))
+    costs = compute_only(extras["pp_handoff_steps"])
+    return replay_idle_steps(
+        extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], costs, handoff_s(extras, steps)
+    )
 
 
 def idle_table(results: dict, steps: int = IDLE_STEPS - 2) -> dict:

@@ -106,8 +106,8 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
     unit-tested against a simulation); the first stage's measured idle share must match it within
     0.1. m = 2 and 3: every further micro-batch adds one more hand-off and, under load, one more max
     of two jittery stage times to the real pipeline that mean times do not see (measured: up to
-    +0.14 at m = 4, failing 2 of 4 runs under load). The manual loop posts each receive one op
-    ahead (gloo moves a tensor only once its receive is posted), so a hand-off already sent no
+    +0.14 at m = 4, failing 2 of 4 runs under load). The manual loop posts a step's receives at
+    its start (gloo moves a tensor only once its receive is posted), so a hand-off already sent no
     longer waits on the critical path (docs/pp.md)."""
     metrics = runs(
         f"pp_m{microbatches}_{impl}",

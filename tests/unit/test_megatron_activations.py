@@ -136,11 +136,14 @@ def test_bubbles_runs_every_schedule_and_its_last_line_names_the_farthest_stage(
         {"schedule": "1f1b", "p": 4, "m": 8, "theory": 3 / 11, "replay": [0.22, 0.3], "idle": [0.2, 0.3]},
         {"schedule": "zero_bubble", "p": 4, "m": 8, "theory": 3 / 27, "replay": [0.1, 0.1], "idle": [0.1, 0.31]},
     ]
-    for row in rows:
-        row["load"] = [5.0, 5.1]
-    formula, replay = bubbles.last_line(rows).split("\n")
+    handoffs = [[0.2, 0.3], [0.2, 0.29], [0.1, 0.3]]  # the replays with hand-offs, row by row
+    for row, replay in zip(rows, handoffs):
+        row["load"], row["replay_handoffs"], row["handoff"] = [5.0, 5.1], replay, [[0.001, 0.002], [0.003, 0.004]]
+    formula, replay, with_handoffs = bubbles.last_line(rows).split("\n")
     assert formula == "max |measured − formula| idle fraction: 0.199 (zero_bubble, p=4, m=8)"
     assert replay == "max |measured − replay| idle fraction: 0.210 (zero_bubble, p=4, m=8)"
+    assert with_handoffs == "max |measured − replay with hand-offs| idle fraction: 0.050 (gpipe, p=2, m=4)"
+    assert "| 1.0, 3.0 / 2.0, 4.0 |" in bubbles.render(rows)  # each stage's latency, op overhead (ms)
     assert re.match(r"^max \|measured − formula\| idle fraction: \d\.\d{3} \([\w =]+, p=\d+, m=\d+\)$", formula)
     assert bubbles.render(rows).count("\n") == len(rows) + 1
     assert bubbles.zero_bubble_vs_1f1b(rows) == "zero bubble idles at most 1F1B's on every stage: no at p=4 m=8"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from parallel_lab.comm.counter import trace_label
 from parallel_lab.models.dropout import SampleDropout
 from parallel_lab.protocol import IDLE_LABEL
+from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.schedules import SCHEDULES, SPLIT_BACKWARD
 from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
 from parallel_lab.strategies.precision import as_compute
@@ -42,30 +43,42 @@ class ManualLoop:
         self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
-        self.late = 0  # receives posted only as their own op began (each step's first, on a later stage)
+        self.late = 0  # receives posted only as their own op began (none: all at the step's start)
         split = str(o.schedule) in SPLIT_BACKWARD
         self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
         # per train_step: (op, global chunk) -> the compute of each run of it
         self.op_seconds: list[dict[tuple[str, int], list[float]]] = []
+        # per train_step: its start, its end (the strategy's flush) and each op's marks on the host's
+        # monotonic clock (pp/handoffs.py: the hand-offs' cost, what the replay adds to the compute)
+        self.timeline: list[dict] = []
+        self.marks: dict[str, float] = {}  # the running op's (handoffs.MARKS)
 
     def rank_of(self, g: int) -> int:
         return self.pipe.rank_of(g)  # the pipeline's global ranks (tp apart under dp x pp x tp)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> None:
         pipe = self.pipe
+        self.timeline.append({"start": time.perf_counter(), "ops": []})
         # Micro-batches in storages of their own: what a stage holds for backward is its micro-batch,
         # not a view keeping the whole batch (the activations the planner counts).
         self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
         self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
         stash: dict = {}
         self.op_seconds.append({})
+        # Every receive of the step is posted before its first op: gloo moves nothing until the
+        # receiver asks (a rendezvous), and a tensor whose receive is already posted leaves inside
+        # the sender's isend and arrives while this rank computes. Posted one op ahead instead,
+        # posts and sends met a transfer in flight on the same pair, carried by gloo's own thread:
+        # on shared cores such a call now and then waited a scheduler's time slice, 10-12 ms per op
+        # on average in interleaved 1F1B against 2-5 ms posted at once (docs/pp.md). The cost: the
+        # step's receive buffers (one boundary tensor per micro-batch, chunk and direction) exist
+        # from its start; what autograd holds (the activation plan) is unchanged.
+        for k in range(len(self.order)):
+            self.post(k)
         for k, (op, c, i) in enumerate(self.order):
-            # The next op's receive is posted before this op computes, so its tensor crosses while
-            # this rank computes (Megatron posts its recvs with its sends the same way). Posted only
-            # when needed, gloo moves nothing until the receiver asks (a rendezvous): every hand-off
-            # then waited once more on the critical path (docs/pp.md, "Where the extra idle was").
-            self.post(k, late=True)
-            self.post(next((j for j in range(k + 1, len(self.order)) if self.order[j][0] != "W"), k + 1))
+            self.marks = {"begin": time.perf_counter()}
+            self.post(k, late=True)  # posted above: counts none (pp_recvs_posted_late)
+            self.marks["posted"] = time.perf_counter()
             g = pipe.chunk_ids[c]
             if op == "F":
                 stash[(c, i)] = self.forward(c, g, i)
@@ -74,12 +87,15 @@ class ManualLoop:
                 self.backward(g, i, *stash.pop((c, i)))
             else:
                 self.weights(g, i)
+            self.marks["end"] = time.perf_counter()
+            self.timeline[-1]["ops"].append((op, g, i, *(self.marks.get(k) for k in handoffs.MARKS)))
         # gloo completes a send when the neighbour has received it: waiting here is waiting for
         # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
         with trace_label(f"{IDLE_LABEL}send"):
             for work, _ in self.pending:
                 work.wait()
         self.pending = []
+        self.timeline[-1]["drained"] = time.perf_counter()
 
     # ----- point to point (a chunk whose neighbour is on this rank hands over in memory) -----
     def post(self, k: int, late: bool = False) -> None:
@@ -112,8 +128,10 @@ class ManualLoop:
         start = time.perf_counter()
         # The stage cannot compute until its neighbour's tensor arrives: the trace counts this as
         # idle (the pipeline bubble), not as communication (worker/timeline.py).
+        self.marks["wait"] = time.perf_counter()
         with trace_label(f"{IDLE_LABEL}recv"):
             work.wait()
+        self.marks["got"] = time.perf_counter()
         self.pipe.recv_wait += time.perf_counter() - start
         return buf
 
@@ -168,7 +186,8 @@ class ManualLoop:
     def timed(self, op: str, g: int, start: float) -> None:
         """Count the op's compute since ``start`` as busy, and keep it per (op, chunk): the replay
         of the step from measured compute (schedules.play, bench bubbles) reads them."""
-        seconds = time.perf_counter() - start
+        self.marks["compute"], self.marks["computed"] = start, time.perf_counter()
+        seconds = self.marks["computed"] - start
         self.pipe.busy.seconds += seconds
         self.op_seconds[-1].setdefault((op, g), []).append(seconds)
 

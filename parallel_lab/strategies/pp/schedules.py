@@ -94,25 +94,36 @@ def rank_orders(schedule: str, m: int, p: int, v: int) -> list[list[Op]]:
     return [order(m, p, s, v) for s in range(p)]
 
 
+_NO_COSTS: dict = {"compute": {}, "pre": {}, "post": {}, "latency": 0.0}
+
+
 def play(
     orders: list[list[Op]],
     forward: Sequence[float],
     backward: Sequence[float],
     weight: Sequence[float] | None = None,
     handoff: float = 0.0,
+    costs: Sequence[dict] | None = None,
 ) -> tuple[float, list[float]]:
     """Play the ranks' orders out, each op starting when its rank is free and its input is there
     (F of global chunk g after F of g-1; B after B of g+1, or after its own F on the last chunk;
     W after its own B); ``forward[g]``/``backward[g]``/``weight[g]``: one micro-batch through
     global chunk g (``backward`` the input-gradient pass where the order has W passes).
     ``handoff``: seconds added to every dependency between two ranks (a tensor's crossing).
+    ``costs[r]`` (measured, pp/handoffs.py): rank r's ops, {"compute": {"F3:1": s}, "pre": {...},
+    "post": {...}, "latency": s}, keyed by op, global chunk and micro-batch: an op first spends its
+    ``pre`` on the rank (posting receives), then waits for its input, there ``latency`` after its
+    producer's compute ended on another rank, computes (its own measured compute where given, else
+    the chunk's cost) and holds the rank for its ``post`` (its isend); pre and post are not busy.
+    Rank r begins at its ``start`` (0 if not given).
     Returns (the step: the last op's end, each rank's busy time). A cycle (a rank waiting on a rank
     that waits on it) raises: the order would deadlock a real pipeline too."""
     p = len(orders)
     last = len(forward) - 1
     done: dict[tuple[str, int, int], float] = {}
-    free, nxt, busy = [0.0] * p, [0] * p, [0.0] * p
-    costs = {"F": forward, "B": backward, "W": weight if weight is not None else [0.0] * len(forward)}
+    free = [c.get("start", 0.0) for c in costs] if costs is not None else [0.0] * p
+    nxt, busy = [0] * p, [0.0] * p
+    compute = {"F": forward, "B": backward, "W": weight if weight is not None else [0.0] * len(forward)}
     while any(nxt[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -126,10 +137,13 @@ def play(
                     need = ("B", g, i)
                 if need is not None and need not in done:
                     break
-                cost = costs[op][g]
-                ready = done[need] + (handoff if (need[1] % p) != r else 0.0) if need else 0.0
-                start = max(free[r], ready)
-                free[r] = done[(op, g, i)] = start + cost
+                extra, key = costs[r] if costs is not None else _NO_COSTS, f"{op}{g}:{i}"
+                cost = extra["compute"].get(key, compute[op][g])
+                cross = handoff + extra["latency"] if need and need[1] % p != r else 0.0
+                ready = done[need] + cross if need else 0.0
+                start = max(free[r] + extra["pre"].get(key, 0.0), ready)
+                done[(op, g, i)] = start + cost
+                free[r] = start + cost + extra["post"].get(key, 0.0)
                 busy[r] += cost
                 nxt[r] += 1
                 progressed = True
@@ -139,31 +153,47 @@ def play(
 
 
 def replay_idle(
-    schedule: str, m: int, p: int, v: int, op_seconds: list[dict[str, float]], handoff: float = 0.0
+    schedule: str,
+    m: int,
+    p: int,
+    v: int,
+    op_seconds: list[dict[str, float]],
+    handoff: float = 0.0,
+    costs: Sequence[dict] | None = None,
 ) -> list[float]:
     """Each rank's idle share of the step its order would take with the compute the run measured
     (``pp_op_seconds``: per rank, "F3" -> the mean seconds of a forward of global chunk 3, B and
-    W likewise) and ``handoff`` seconds per crossing: the bubble of this run's own chunks, where
-    the formula assumes equal ones."""
-    costs = {k: v for rank in op_seconds for k, v in rank.items()}
+    W likewise), ``handoff`` seconds per crossing and each rank's measured hand-off ``costs``
+    (``play``): the bubble of this run's own chunks, where the formula assumes equal ones."""
+    seconds = {k: v for rank in op_seconds for k, v in rank.items()}
     n = p * v
 
     def of(op: str) -> list[float]:
-        return [costs.get(f"{op}{g}", 0.0) for g in range(n)]
+        return [seconds.get(f"{op}{g}", 0.0) for g in range(n)]
 
     split = schedule == "zero_bubble" and v == 1
-    step, busy = play(rank_orders(schedule, m, p, v), of("F"), of("B"), of("W") if split else None, handoff)
-    return [(step - b) / step for b in busy]
+    step, busy = play(rank_orders(schedule, m, p, v), of("F"), of("B"), of("W") if split else None, handoff, costs)
+    # measured costs: each rank's step from its own start to its own end (pp/handoffs.py)
+    ends = [(c.get("start", 0.0), step + c.get("flush", 0.0)) for c in costs] if costs else [(0.0, step)] * p
+    return [(end - start - b) / (end - start) for (start, end), b in zip(ends, busy)]
 
 
 def replay_idle_steps(
-    schedule: str, m: int, p: int, v: int, op_seconds_steps: list[list[dict[str, float]]], handoff: float = 0.0
+    schedule: str,
+    m: int,
+    p: int,
+    v: int,
+    op_seconds_steps: list[list[dict[str, float]]],
+    costs_steps: list[list[dict]] | None = None,
+    handoff: float = 0.0,
 ) -> list[float]:
     """``replay_idle`` of every measured step with that step's own compute per op
-    (``pp_op_seconds_steps``: per rank, per step), the median step's per rank: the same statistic
-    as the measured ``pp_idle_fraction``, so an op slowed by another process in one step is
-    replayed in that step only."""
-    steps = [replay_idle(schedule, m, p, v, list(step), handoff) for step in zip(*op_seconds_steps)]
+    (``pp_op_seconds_steps``: per rank, per step) and, if given, its own hand-off costs
+    (``pp_handoff_steps``: per rank, per step; else ``handoff`` seconds a crossing), the median
+    step's per rank: the same statistic as the measured ``pp_idle_fraction``, so an op slowed by
+    another process in one step is replayed in that step only."""
+    costs = zip(*costs_steps) if costs_steps is not None else [None] * len(op_seconds_steps[0])
+    steps = [replay_idle(schedule, m, p, v, list(ops), handoff, c) for ops, c in zip(zip(*op_seconds_steps), costs)]
     return [statistics.median(s[r] for s in steps) for r in range(p)]
 
 

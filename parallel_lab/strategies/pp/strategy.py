@@ -39,6 +39,7 @@ by m * grad_accum before backward: the summed gradient is the gradient of the gl
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from collections import OrderedDict
@@ -55,6 +56,7 @@ from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
+from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.activations import SavedTracker
 from parallel_lab.strategies.pp.chunks import in_embedding_group, ties_across_stages
 from parallel_lab.strategies.pp.manual import ManualLoop
@@ -231,6 +233,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             # pipeline's and its idle the schedule's bubble, wherever in the step it falls.
             with trace_label(f"{IDLE_LABEL}flush"):
                 dist.barrier(group=self.group)
+        if self.loop is not None:
+            self.loop.timeline[-1]["end"] = time.perf_counter()
         self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait, self.send_time))
         self.activation_peak = self.saved.peak - held_before
         # Only the last stage has the loss; the others return their MoE chunks' load-balancing
@@ -322,6 +326,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "op_seconds": mean_op_seconds(self.loop.op_seconds[skip:] or self.loop.op_seconds) if manual else None,
             "op_seconds_steps": [mean_op_seconds([step]) for step in self.loop.op_seconds[skip:]] if manual else None,
             "recvs_late": self.loop.late if manual else None,
+            "timeline": (self.loop.timeline[skip:] or self.loop.timeline) if manual else None,
+            "host": socket.gethostname(),
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": [n for g in self.chunk_ids for n in self.chunk_names[g]],  # a tied copy not listed
             "activation_peak": self.activation_peak,
@@ -329,6 +335,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
         stages: list = [None] * self.env.world_size
         dist.all_gather_object(stages, mine)
         stages = [stages[r] for r in self.layout.group_ranks(0, "pp")]  # the first pipeline's; replicas mirror them
+        one_clock = len({st["host"] for st in stages}) == 1  # the marks' clock is the host's
+        handoff_costs = handoffs.costs_per_step([st["timeline"] for st in stages], one_clock) if manual else None
         return {
             "pp_stages": p,
             "pp_microbatches": m,
@@ -357,8 +365,11 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "pp_op_seconds": [st["op_seconds"] for st in stages],
             # manual impl: the same per measured step (each step's replay beside its measured idle)
             "pp_op_seconds_steps": [st["op_seconds_steps"] for st in stages],
-            # manual impl: receives posted only as their op began (the rest one op ahead, pp/manual.py)
+            # manual impl: receives posted only as their op began (none: all at the step's start, pp/manual.py)
             "pp_recvs_posted_late": [st["recvs_late"] for st in stages],
+            # manual impl, per stage: what its hand-offs cost (pp/handoffs.py), the replay adds them
+            "pp_handoff_steps": handoff_costs,
+            **{f"pp_handoff_{k}": val for k, val in (handoffs.summary(handoff_costs) if manual else {}).items()},
             # bytes autograd held for backward at the step's peak (pp/activations.py), last step
             "pp_activation_peak_bytes": [st["activation_peak"] for st in stages],
         }
