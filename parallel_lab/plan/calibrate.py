@@ -11,6 +11,8 @@ What is measured (one thread, the run's device):
   per_unit_s`` (units: FLOPs, or bytes read+written) by least squares in relative error;
 - ``optimizer``: torch's Adam on one large and many small tensors: ``per_param_s``, ``per_tensor_s``;
   and what each tensor adds as a DTensor shard (FSDP2): ``dtensor_per_tensor_s``;
+- ``bucketing``: a gradient hook's call and a bucket's hand-off to a communication thread
+  (``hook_calibration.py``: manual_ddp's bucketed all-reduce);
 - ``contention``: how much slower one process computes while a second computes too, measured with
   two real processes (shared caches, memory bandwidth, SMT siblings; 1.0 on a GPU);
 - ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-16 MiB, each op fitted
@@ -36,14 +38,16 @@ from pathlib import Path
 import torch
 
 from parallel_lab.plan.census import Census
+from parallel_lab.plan.hook_calibration import measure_bucketing
 from parallel_lab.plan.microbench import contention_probe, on_gpu, pass_timer
 from parallel_lab.plan.optimizer_calibration import adam_step, dtensor_or_none
 
 DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides; 4: DTensor's
-# per-tensor optimizer cost measured (optimizer["dtensor_per_tensor_s"]), its per-step part fitted.
-VERSION = 4
+# per-tensor optimizer cost measured (optimizer["dtensor_per_tensor_s"]), its per-step part fitted;
+# 5: manual_ddp's bucketing costs (``bucketing``: a gradient hook's call, a bucket's hand-off).
+VERSION = 5
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
 # docs/plan.md (the 06:11 UTC run of 2026-11-27, the first with the null pass and the runs' own
 # Adam in the micro-benchmarks). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
@@ -65,6 +69,9 @@ DEFAULT_MODEL_ERROR_LOG = (-0.16, 0.03, 0.20)
 # DTensor's optimizer cost per tensor for replaying a CPU calibration measured before version 4:
 # 0.106 (cnn) and 0.113 ms (vit), Adam around fully_shard at world 1 on the 2-core CPU (docs/gpu.md).
 REPLAY_DTENSOR_PER_TENSOR_S = 0.00011
+# Bucketing's costs for replaying a calibration measured before version 5: the median of five
+# ``hook_calibration.measure_bucketing`` on the 2-core CPU (0.82-0.98 and 18.6-24.4 us), load 3-8.
+REPLAY_BUCKETING = {"grad_hook_s": 0.9e-6, "handoff_s": 20e-6}
 DEFAULT_SCALE = {
     "compute": 1.08,
     "loop_s": 0.0,
@@ -93,6 +100,7 @@ class Calibration:
     bench_s: dict[str, float] = field(default_factory=dict)  # every micro-benchmark's fastest seconds
     optimizer: dict[str, float] = field(default_factory=dict)  # per_param_s, per_tensor_s, dtensor_per_tensor_s
     contention: float = 1.0  # one process's slowdown while another computes beside it (>= 1)
+    bucketing: dict[str, float] = field(default_factory=dict)  # grad_hook_s, handoff_s (hook_calibration.py)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # impl -> op -> alpha_s, beta_Bps
     comm_world: int = 2  # the world size the collectives were measured at
     scale: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCALE))
@@ -123,6 +131,7 @@ class Calibration:
         calib = cls(**{k: v for k, v in data.items() if k in known})
         if calib.device == "cpu":  # before version 4: as measured alone on the 2-core CPU (docs/gpu.md)
             calib.optimizer.setdefault("dtensor_per_tensor_s", REPLAY_DTENSOR_PER_TENSOR_S)
+            calib.bucketing = calib.bucketing or dict(REPLAY_BUCKETING)  # before version 5
         return calib
 
 
@@ -343,6 +352,7 @@ def measure_calibration(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTY
         ops, pass_s, bench_s = measure_ops(device, censuses=censuses, dtypes=dtypes)
         optimizer = measure_optimizer(device)
         optimizer["dtensor_per_tensor_s"] = dtensor_or_none(device)
+        bucketing = measure_bucketing()
         solo = contention_probe(device)  # alone, before the two processes compute
     except BaseException:
         stop_pairs(procs)
@@ -359,6 +369,7 @@ def measure_calibration(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTY
         bench_s=bench_s,
         optimizer=optimizer,
         contention=pair["contention"],
+        bucketing=bucketing,
         collectives=pair["collectives"],
         measured_s=time.perf_counter() - start,
     )

@@ -24,6 +24,9 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   stage (a fixed point on the non-idle share of the step). The collectives themselves take their
   two-rank time scaled by the ring (no extra for ranks outnumbering cores: measured at world 3
   and 4 on 2 cores, docs/plan.md).
+* Bucketing written by hand (manual_ddp bucketed): each pass's gradient hooks and each step's buckets
+  handed to the communication thread, at the calibration's measured cost per call
+  (``bucketing_seconds``; ``plan/hook_calibration.py``).
 * Optimizer: torch's Adam per parameter and per tensor, on the parameters this rank updates.
 * Communication: ``PlanRules.predict_comm``'s bytes per collective through Hockney's alpha-beta
   fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
@@ -141,8 +144,8 @@ def _cores(
 
 
 def _calls(cfg, strategy_cls: type, model: nn.Module, op: str, payload: float, shape) -> int:
-    """Calls of one collective per step: the strategy's own count, else the pipeline's per
-    micro-batch, else one per bucket of ``bucket_mb`` (ZeRO, manual_ddp), else one."""
+    """Calls of one collective per step: the strategy's own count (DDP's and manual_ddp's buckets),
+    else the pipeline's per micro-batch, else one per bucket of ``bucket_mb`` (ZeRO), else one."""
     fixed = strategy_cls.plan.collective_calls(cfg, model)
     if op in fixed:
         return fixed[op]
@@ -207,7 +210,7 @@ def predict_step(
     for _ in range(4):
         timeslice, contention, threads = _cores(cfg, strategy_cls, calib, background_load, busy)
         parts = _step_parts(cfg, strategy_cls, model, calib, shape, census, dtype, (timeslice, contention, threads))
-        parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib))
+        parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib, bucketing_seconds(shape, calib)[1]))
         point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
         busy = 1.0 - parts["idle"] / point
     notes = [shape.note] if shape.note else []
@@ -233,7 +236,8 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     # The loop's own cost per pass (the loss, the batch's copy, Python between launches), whatever
     # the pass computes: fitted only where the calibration set has rows of two models (a GPU's).
     loop = calib.scale.get("loop_s", 0.0) * timeslice
-    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks + loop)
+    grad_hooks, _ = bucketing_seconds(shape, calib)
+    fwd_bwd = shape.slots * (shape.flop_share * one_pass * scale + hooks + loop + grad_hooks * timeslice)
     dp = strategy_cls.plan.data_parallel_size(cfg)
     passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
@@ -246,14 +250,28 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
 
 
-def _exposed(cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration) -> dict:
+def _exposed(
+    cfg, strategy_cls: type, comm_by_op: dict[str, float], parts: dict, calib: Calibration, handoff: float = 0.0
+) -> dict:
     """comm, and what of it rank 0 waits out: the collectives not hidden behind backward, plus the
-    wait for the slowest rank (``straggler_wait``)."""
+    wait for the slowest rank (``straggler_wait``) and the buckets' hand-offs to a communication
+    thread (``bucketing_seconds``: the training thread waits on each)."""
     comm = sum(comm_by_op.values())
     overlapped = sum(s for op, s in comm_by_op.items() if op in strategy_cls.plan.overlapped_collectives(cfg))
     hidden = min(overlapped * calib.scale.get("hidden", 0.5), BACKWARD_SHARE * parts["compute"])
-    wait = straggler_wait(cfg, strategy_cls, calib, parts)
+    wait = straggler_wait(cfg, strategy_cls, calib, parts) + handoff
     return {"comm": comm + wait, "exposed_comm": comm - hidden + wait}
+
+
+def bucketing_seconds(shape, calib: Calibration) -> tuple[float, float]:
+    """(per pass, per step) seconds a strategy's own bucketing costs beyond one all-reduce after
+    backward: its gradient hooks (``shape.grad_hooks`` calls a pass) and its buckets' hand-offs to
+    the communication thread and waits (``shape.handoffs`` a step), each at the calibration's
+    measured cost (``Calibration.bucketing``; plan/hook_calibration.py). What bucketing can gain,
+    all-reduces under backward, is the ``hidden`` share of the overlapped collectives
+    (``_exposed``); with one bucket, ready only when backward ends, it gains nothing and pays these."""
+    costs = calib.bucketing
+    return shape.grad_hooks * costs.get("grad_hook_s", 0.0), shape.handoffs * costs.get("handoff_s", 0.0)
 
 
 @functools.cache  # every prediction asks, a recommendation hundreds of times

@@ -91,21 +91,41 @@ def finished_only(read):
 
 
 def mark_variants(runs: list[Row]) -> None:
-    """Label rows of one strategy by the options they differ in (a sweep over
-    strategy.allreduce=ring,builtin,mpi gives three manual_ddp rows: ``manual_ddp allreduce=mpi``)."""
+    """Label rows of one strategy by the options they differ in, each row by those of its values
+    that are not the option's default (a sweep over strategy.allreduce=ring,builtin,mpi gives
+    ``manual_ddp``, ``manual_ddp allreduce=builtin`` and ``manual_ddp allreduce=mpi``; ring is the
+    default). Distinct options still give distinct labels: two rows that differ in an option show
+    it on the row (or rows) not at its default."""
     by_strategy: dict[str, list[Row]] = {}
     for run in runs:
         if run.ok and not run.is_noise:
             by_strategy.setdefault(run.metrics.strategy, []).append(run)
-    for rows in by_strategy.values():
+    for strategy, rows in by_strategy.items():
         keys = sorted({k for r in rows for k in r.metrics.strategy_options if k != "name"})
         varying = [k for k in keys if len({repr(r.metrics.strategy_options.get(k)) for r in rows}) > 1]
+        defaults = option_defaults(strategy)
         moe = len({r.metrics.moe_experts for r in rows}) > 1  # MoE rows beside dense ones (compare_vit)
         for run in rows:
             experts = f"moe_experts={run.metrics.moe_experts}" if moe and run.metrics.moe_experts else ""
-            run.variant = " ".join(
-                filter(None, [experts, *(f"{k}={run.metrics.strategy_options.get(k)}" for k in varying)])
-            )
+            options = run.metrics.strategy_options
+            shown = [f"{k}={options.get(k)}" for k in varying if k not in defaults or defaults[k] != options.get(k)]
+            run.variant = " ".join(filter(None, [experts, *shown]))
+
+
+def option_defaults(strategy: str) -> dict[str, object]:
+    """strategy.<key> -> its default, as metrics.json's ``strategy_options`` holds values (a choice
+    by its value), from the strategy's Options dataclass; {} for a strategy this install lacks."""
+    import dataclasses
+
+    from parallel_lab.errors import ConfigError
+    from parallel_lab.strategies import get_strategy_rules
+
+    try:
+        options = get_strategy_rules(strategy).Options
+    except ConfigError:
+        return {}
+    fields = (f for f in dataclasses.fields(options) if f.default is not dataclasses.MISSING)
+    return {f.name: getattr(f.default, "value", f.default) for f in fields}
 
 
 def strategy_label(run: Row) -> str:

@@ -3,6 +3,7 @@ parent reads them before any process starts (strategies/planning.py). The runtim
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,13 +17,14 @@ from parallel_lab.strategies.cp.rules import (
     add_comm,
     check_context,
     context_comm,
+    context_flop_share,
     context_meta,
     cp_of,
 )
 from parallel_lab.strategies.ep.rules import balanced_comm, check_ep, ep_degree, expert_ids, expert_parallel_meta
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
-from parallel_lab.strategies.planning import SavedBytes
+from parallel_lab.strategies.planning import ComputeShape, SavedBytes
 from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.replicated_rules import ReplicatedPlan
 
@@ -87,6 +89,16 @@ class DDPPlan(ReplicatedPlan):
             model = expert_parallel_meta(model, cls.dims(cfg), rank)
             return super().activation_bytes(cfg, model, rank, micro, saved)
         return saved(context_meta(cfg, model, rank % cp_of(cfg)), micro, sample_shape(cfg.model), True), micro
+
+    @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
+        """With cp: a replica's micro-batch, each rank computing its T/cp tokens' share of the FLOPs
+        (cp/rules.py context_flop_share)."""
+        shape = super().compute_shape(cfg, model)
+        if cp_of(cfg) < 2:
+            return shape
+        share = context_flop_share(cfg, model)
+        return dataclasses.replace(shape, flop_share=share, note=f"cp rank does {share:.2f} of the FLOPs")
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:

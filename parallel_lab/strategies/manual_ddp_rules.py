@@ -4,7 +4,8 @@ The runtime: ``manual_ddp.py``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -12,8 +13,12 @@ from parallel_lab.choices import Precision, make_choice
 from parallel_lab.comm.algorithms import ALGORITHMS
 from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.options import StrategyOptions
+from parallel_lab.strategies.planning import ComputeShape
 from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.replicated_rules import ReplicatedPlan
+
+if TYPE_CHECKING:
+    from torch import nn
 
 Allreduce = make_choice(
     "Allreduce", ALGORITHMS, "strategy.allreduce: manual_ddp's all-reduce (comm/collectives.py).", __name__
@@ -56,6 +61,30 @@ class ManualDDPPlan(ReplicatedPlan):
         return frozenset({"all_reduce"}) if cfg.strategy.bucketed else frozenset()
 
     @classmethod
+    def compute_shape(cls, cfg: DictConfig, model: nn.Module) -> ComputeShape:
+        """Replicas' passes; bucketed, each pass also calls a gradient hook per parameter (the
+        accumulation micro-batches' hooks return at once, but autograd still calls them) and each step
+        hands every bucket to the communication thread and waits for it (``manual_ddp.py``)."""
+        shape = super().compute_shape(cfg, model)
+        if not cfg.strategy.bucketed:
+            return shape
+        params = [p for p in model.parameters() if p.requires_grad]
+        return replace(shape, grad_hooks=len(params), handoffs=cls._buckets(cfg, model))
+
+    @classmethod
+    def collective_calls(cls, cfg: DictConfig, model: nn.Module) -> dict[str, int]:
+        """One all-reduce per bucket as ``make_buckets`` cuts them (a tensor is never split), or one."""
+        if cfg.world_size < 2:
+            return {}
+        return {"all_reduce": cls._buckets(cfg, model) if cfg.strategy.bucketed else 1}
+
+    @classmethod
+    def _buckets(cls, cfg: DictConfig, model: nn.Module) -> int:
+        params = [p for p in model.parameters() if p.requires_grad]
+        sizes = [p.numel() * p.element_size() for p in reversed(params)]  # backward's order, about
+        return bucket_count(sizes, cfg.strategy.bucket_mb * 2**20)
+
+    @classmethod
     def comm_impl(cls, cfg: DictConfig) -> str:
         """Our own all-reduce (comm/collectives.py; star is timed as the ring: not benchmarked)."""
         return "gloo" if cfg.strategy.allreduce == "builtin" else "hand"
@@ -83,6 +112,17 @@ class ManualDDPPlan(ReplicatedPlan):
                 f"strategy.allreduce=mpi reduces CPU tensors through numpy views, but device={cfg.device} puts the "
                 f"gradients on CUDA; set device=cpu with launcher=mpirun, or use strategy.allreduce=builtin (nccl)"
             )
+
+
+def bucket_count(sizes: list[int], cap_bytes: float) -> int:
+    """How many buckets ``manual_ddp.make_buckets`` makes of gradients of these byte sizes (in
+    bucket order): a parameter that would take the open bucket past the cap starts a new one."""
+    buckets, filled = 0, 0
+    for size in sizes:
+        if buckets == 0 or filled + size > cap_bytes:
+            buckets, filled = buckets + 1, 0
+        filled += size
+    return buckets
 
 
 def _cuda_available() -> bool:

@@ -42,6 +42,11 @@ class ComputeShape:
     # (each tensor's update pays DTensor's dispatch): the step-time model prices both per unit/tensor.
     hooked_units: int = 0
     dtensor_optimizer: bool = False
+    # A data-parallel strategy's own bucketing (manual_ddp bucketed): the post-accumulate-grad hooks
+    # each pass calls (one per parameter) and the buckets handed to its communication thread per
+    # step: priced per call from the calibration's ``bucketing`` (plan/hook_calibration.py).
+    grad_hooks: int = 0
+    handoffs: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,8 @@ class PlanRules:
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """Calls per step of a collective (the counter's names) where it is not one call per bucket
-        of ``strategy.bucket_mb`` (or one per step; DDP counts its reducer's buckets here): the step-time model pays
-        latency per call (plan/steptime.py). {}: the buckets decide."""
+        of ``strategy.bucket_mb`` (or one per step; DDP and manual_ddp count their own buckets here):
+        the step-time model pays latency per call (plan/steptime.py). {}: the buckets decide."""
         return {}
 
     @classmethod

@@ -3,7 +3,8 @@
 recomputed forward repeats the collectives; 2 micro-batches), a pp run (1F1B, 2 stages) and a ddp
 run with context parallelism (ring attention, cp=2) on 2 real gloo ranks show a theory
 (report/columns.py ``_theory_psi``: the planner's formula for rank 0, Megatron's per block for tp)
-equal to what the run's communication counter measured."""
+equal to what the run's communication counter measured; an fsdp run's counted bytes are the
+planner's for its 2 micro-batches, each gathering and reduce-scattering (its theory 2 x 3Ψ)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ RUNS = {
     "pp": ["strategy=pp", "strategy.stages=2", "strategy.schedule=1f1b", "strategy.microbatches=2"],
     # context parallelism: ring attention's K/V hops and the gradients' all-reduce (docs/cp.md)
     "cp": ["strategy=ddp", "strategy.cp=2", "strategy.cp_impl=ring"],
+    # FSDP2 gathers and reduce-scatters in every micro-batch (no no_sync): the plan's bytes x 2
+    "fsdp": ["strategy=fsdp"],
 }
 
 
@@ -52,12 +55,21 @@ def comm_body(rank: int, world_size: int, out: str) -> None:
 @pytest.mark.slow
 def test_tp_sp_and_pp_rows_show_a_theory_equal_to_the_measurement(tmp_path):
     from parallel_lab.cli.run import run_ranks
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
     from parallel_lab.report.columns import READ
     from parallel_lab.report.rows import load_runs
+    from parallel_lab.strategies import get_strategy_class
 
     run_ranks(comm_body, 2, timeout=300, out=str(tmp_path))
     rows = {Path(r.run_dir).name: r for r in load_runs([tmp_path])}
     assert sorted(rows) == sorted(RUNS)
+    fsdp = rows.pop("fsdp")  # a ZeRO-paper formula (3Ψ a micro-batch, unpadded): the planner's padded bytes
+    cfg = load_run_config(str(Path(fsdp.run_dir) / "config.yaml"))
+    plan = plan_world(cfg, get_strategy_class("fsdp"), build_meta_model(cfg.model))
+    assert fsdp.metrics.comm_theory_psi == 2 * 3.0, fsdp.metrics.comm_theory_psi
+    assert fsdp.metrics.ranks[0]["comm_bytes_by_op"] == plan[0].comm, (fsdp.metrics.ranks[0], plan[0].comm)
     for name, row in rows.items():
         measured, theory = READ["comm Ψ measured"](row), READ["comm Ψ theory"](row)
         assert row.metrics.comm_theory_psi is None  # no ZeRO-paper formula: the column's own

@@ -12,6 +12,7 @@ The layer in one process: tests/unit/test_moe.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
-from tests.support.bodies.runs import train_and_record
+from tests.support.bodies.ep import train_and_count_ep_activations
 from tests.support.checks import assert_plan_matches
 from tests.support.cli import assert_one_clean_line, run_cli, write_config
 from tests.support.reference import GPT_MOE, GPT_RUN, GPT_SIZES, VIT_MOE, parity_reference
@@ -58,8 +59,16 @@ def shared_runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("ep_shared")
     runs = {**SHARED, "pp": PP_MOE, **GPT_EP}
     paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in runs.items()]
-    run_ranks(train_and_record, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
-    return {name: {**load_metrics(root / name), "run_dir": str(root / name)} for name in runs}
+    outputs = run_ranks(train_and_count_ep_activations, world_size=2, timeout=600, env=DS_ENV, config_paths=paths)
+    counted = [json.loads(out.strip().splitlines()[-1]) for out in outputs]  # the zero runs' saved bytes, per rank
+    return {
+        name: {
+            **load_metrics(root / name),
+            "run_dir": str(root / name),
+            "saved": [c.get(str(root / name)) for c in counted],
+        }
+        for name in runs
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +123,31 @@ def test_pp_backpropagates_the_load_balancing_loss_of_every_stage(shared_runs):
     reference.assert_run_matches(metrics, "pp, the MoE block on stage 0")
 
 
+TP_EP = (
+    "strategy=tp",
+    "strategy.ep=2",
+    "world_size=4",
+    *MOE,
+    f"trainer.steps={STEPS}",
+    f"trainer.global_batch={BATCH}",
+)
+
+
 @pytest.fixture(scope="module")
 def tp_ep(tmp_path_factory) -> dict:
-    """tp=2 inside each of 2 replicas (replicate widened from 1 by ep), ep=2 across them; Adam, evaluation."""
-    return run(
-        tmp_path_factory, "tp", "strategy=tp", "strategy.ep=2", "world_size=4", *MOE,
-        f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}",
-    )  # fmt: skip
+    """tp=2 inside each of 2 replicas (replicate widened from 1 by ep), ep=2 across them; Adam,
+    evaluation; trained in 4 ranks of their own, which then count what a forward saves."""
+    return ranks_of_their_own(tmp_path_factory, "tp", TP_EP, world_size=4)
+
+
+def ranks_of_their_own(tmp_path_factory, name: str, overrides: tuple, world_size: int) -> dict:
+    """One run through the worker's loop in its own set of ranks (tests/support/bodies/ep.py), with
+    each rank's saved bytes of one forward under the planner's balanced routing."""
+    root = tmp_path_factory.mktemp("ep_own")
+    paths = [write_config(root / f"{name}.yaml", *overrides)]
+    outputs = run_ranks(train_and_count_ep_activations, world_size=world_size, timeout=600, config_paths=paths)
+    saved = [json.loads(out.strip().splitlines()[-1])[str(root / name)] for out in outputs]
+    return {**load_metrics(root / name), "run_dir": str(root / name), "saved": saved}
 
 
 @pytest.mark.slow
@@ -198,6 +225,36 @@ def test_pp_with_the_moe_block_stashes_the_planned_activations(shared_runs):
     plans = plan_world(cfg, get_strategy_class("pp"), build_meta_model(cfg.model))
     measured = shared_runs["pp"]["strategy_extras"]["pp_activation_peak_bytes"]
     assert measured == [plan.activation_bytes for plan in plans], (measured, [p.activation_bytes for p in plans])
+
+
+@pytest.mark.slow
+def test_tp_with_ep_saves_the_planned_activations_on_every_rank(tp_ep):
+    """Each rank's split vit with its E / ep experts behind the exchanges (the MoE MLP whole on every
+    tp rank) saves, routing every expert an equal share (tests/support/activations.py
+    balanced_routing), what the planner counts on its meta copy (tp/rules.py activation_bytes)."""
+    assert_saved_as_planned(tp_ep)
+
+
+def assert_saved_as_planned(metrics: dict) -> None:
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = load_run_config(metrics["run_dir"] + ".yaml")
+    plans = plan_world(cfg, get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model))
+    assert metrics["saved"] == [plan.activation_bytes for plan in plans], cfg.strategy.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero2", "gpt_zero2"])
+def test_deepspeeds_moe_layer_saves_the_planned_activations_on_every_rank(shared_runs, name):
+    """What one training forward and loss of DeepSpeed's MoE layer save on each rank (its gate's
+    softmax and masks, its E x C x h buffers, the rank's experts on them, the combine), DeepSpeed's
+    gate routing every expert an equal share (tests/support/activations.py
+    balanced_deepspeed_routing): the planner's meta forward of the same layer
+    (zero/ds_moe_plan.py), not the model's own layer's count."""
+    assert_saved_as_planned(shared_runs[name])
 
 
 @pytest.mark.slow

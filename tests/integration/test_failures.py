@@ -374,10 +374,6 @@ CATALOGUE = {
         ["strategy=pp", "strategy.impl=deepspeed", "strategy.schedule=zero_bubble"],
         ("strategy.schedule=zero_bubble", "strategy.impl=deepspeed", "use strategy.impl=manual"),
     ),
-    "pp-tied-deepspeed": (
-        ["strategy=pp", "model=gpt", "data=tokens", "strategy.impl=deepspeed"],
-        ("strategy.impl=deepspeed with model.tied=true", "TiedLayerSpec", "use strategy.impl=manual or torch"),
-    ),
     "pp-microbatches": (
         ["strategy=pp", "strategy.microbatches=3", "trainer.global_batch=32"],
         ("strategy.microbatches=3", "32"),

@@ -64,3 +64,23 @@ def test_pp_trains_the_untied_gpt_as_single_does_and_as_planned(cli, impl):
     reference = parity_reference("gpt_untied", steps=STEPS, global_batch=BATCH)
     run = cli("strategy=pp", f"strategy.impl={impl}", "model.tied=false", *RUN, "trainer.eval_batches=0")
     check_row(run, reference)
+
+
+@pytest.mark.extra
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("extra", [(), ("world_size=4", "strategy.replicate=2")])
+def test_deepspeed_pipeline_ties_the_gpt_embedding_as_single_does_and_as_planned(cli, extra):
+    """model.tied=true under strategy.impl=deepspeed (pp/ds_pipe.py): the last stage's copy of the
+    embedding in its layers, its gradient summed with the first stage's by DeepSpeed's engine
+    (``_exec_reduce_tied_grads``, over the toolkit's embedding group) before the replicas' average.
+    SGD: a tied gradient scaled by a constant shows, where Adam divides it out. Each end all-reduces
+    the tied weight's fp32 gradient, 2 x 4 V h bytes, derived here."""
+    reference = parity_reference("gpt", steps=STEPS, global_batch=BATCH, optimizer="sgd")
+    base = [o for o in RUN if not any(o.split("=")[0] == x.split("=")[0] for x in extra)]
+    run = cli(
+        "strategy=pp", "strategy.impl=deepspeed", *base, *extra, "trainer.optimizer=sgd", "trainer.eval_batches=0"
+    )
+    check_row(run, reference)
+    tied = 2.0 * 4 * GPT_SIZES["vocab"] * GPT_SIZES["hidden"]
+    assert [r["comm_bytes_by_group"].get("embedding") for r in run["ranks"]] == [tied] * len(run["ranks"])

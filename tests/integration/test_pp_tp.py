@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.bodies.pp_tp import pp_tp_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
+from tests.support.reference import GPT_RUN
 
 STEPS, BATCH = 3, 16
 # one run of 4 ranks (it runs twice in make test: parity): every part of pp x tp at once, SP's
@@ -18,6 +19,14 @@ STEPS, BATCH = 3, 16
 DEFAULT = {
     "1f1b-sp-dropout-clip": [
         "strategy.schedule=1f1b", "strategy.sequence_parallel=true", "model.dropout=0.1", "trainer.grad_clip=0.05",
+    ],
+}  # fmt: skip
+# dp x pp on the tied gpt in the same ranks (tests/support/bodies/pp_gpt.py check_pp_tied_replicas):
+# 2 pipelines of 2 stages, no tp; SGD: a tied gradient scaled by a constant shows, where Adam divides it out
+TIED_GPT = {
+    "dp-pp-tied-gpt-sgd": [
+        *GPT_RUN, "strategy.tp=1", "strategy.replicate=2", "model.tied=true", "trainer.optimizer=sgd",
+        "trainer.eval_batches=0",
     ],
 }  # fmt: skip
 WORLD4_EXTRA = {
@@ -41,13 +50,23 @@ EXTRA = {  # world 8: 2 pipelines of 2 stages x tp 2
 
 @pytest.fixture(scope="module")
 def default_results() -> dict[str, list]:
-    return run_configurations(pp_tp_body, DEFAULT, world_size=4, timeout=300, steps=STEPS, global_batch=BATCH)
+    configs = {**DEFAULT, **TIED_GPT}
+    return run_configurations(pp_tp_body, configs, world_size=4, timeout=300, steps=STEPS, global_batch=BATCH)
 
 
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(DEFAULT))
 def test_two_stages_x_tp2_is_singles_training_with_the_planned_state(default_results, config):
+    assert_every_rank_passed(default_results, config)
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(TIED_GPT))
+def test_dp_x_pp_ties_the_gpt_embedding_in_every_pipeline(default_results, config):
+    """model=gpt model.tied=true, strategy.replicate=2 at world 4: single's training, the four ends'
+    copies bit-equal, state and bytes as planned, the embedding group's all-reduce derived."""
     assert_every_rank_passed(default_results, config)
 
 

@@ -61,12 +61,14 @@ def test_tp_vit_more_configurations(extra_results, config):
 @pytest.mark.extra
 @pytest.mark.parity
 @pytest.mark.slow
-def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli, accum):
     """torchtitan's 2-D layout, strategy=fsdp strategy.tp=2 at world 4 (slow on 2 cores: extra;
     tests/unit/test_tensor_parallel.py keeps the layout, its refusals and the planner's state and
     bytes against the same derivation in make test, and the split itself is the dtensor one judged
     above): every rank's model state is the planned one and tests/support/fsdp_tp.py's, its bytes
-    FSDP's over the tp-local shards plus Megatron's all-reduces."""
+    FSDP's over the tp-local shards plus Megatron's all-reduces (with trainer.grad_accum=2: each
+    micro-batch's)."""
     from parallel_lab.models import build_meta_model
     from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state
     from tests.support.model_parallel import compose_config
@@ -76,6 +78,7 @@ def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
     m = cli(
         "model=vit", "strategy=fsdp", "strategy.tp=2", "world_size=4",
         f"trainer.steps={steps}", f"trainer.global_batch={batch}", "trainer.eval_batches=0",
+        f"trainer.grad_accum={accum}",
     )  # fmt: skip
     parity_reference("vit", steps=steps, global_batch=batch).assert_run_matches(m, "vit fsdp x tp")
     assert m["strategy_extras"]["mesh"]["dims"] == {"shard": 2, "tp": 2}
@@ -84,7 +87,7 @@ def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli):
     full = 4 * sum(p.numel() for p in meta.parameters())
     assert all(r["param_bytes"] < full / 2 for r in m["ranks"]), [r["param_bytes"] for r in m["ranks"]]
     shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
-    bytes_ = fsdp_tp_bytes(shapes, 4, 2, 1, batch // 2, 64, 64)  # 2 data-parallel ranks of 8 samples
+    bytes_ = fsdp_tp_bytes(shapes, 4, 2, 1, batch // 2 // accum, 64, 64, accum)  # 2 data-parallel ranks of 8 samples
     for rank, r in enumerate(m["ranks"]):
         state = fsdp_tp_state(shapes, 4, 2, rank)
         assert state == {key: r[key] for key in state} == {key: r[f"predicted_{key}"] for key in state}, (rank, r)

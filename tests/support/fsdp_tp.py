@@ -40,19 +40,27 @@ def fsdp_tp_state(named_shapes: dict[str, tuple[int, ...]], world: int, tp: int,
 
 
 def fsdp_tp_bytes(
-    named_shapes: dict[str, tuple[int, ...]], world: int, tp: int, cp: int, batch: int, tokens: int, dim: int
+    named_shapes: dict[str, tuple[int, ...]],
+    world: int,
+    tp: int,
+    cp: int,
+    batch: int,
+    tokens: int,
+    dim: int,
+    accum: int = 1,
 ) -> dict[str, float]:
-    """Bytes a rank issues in one step without accumulation (comm/counter.py's units: an all-gather
-    its output, a reduce-scatter its input, an all-reduce twice its bytes): every padded shard
-    all-gathered twice (forward, backward) and reduce-scattered once over the D ranks; per block
-    Megatron's 2 forward and 2 backward all-reduces of one (batch, tokens/cp, dim) fp32 activation,
-    batch the samples of one data-parallel rank. Context parallelism's own bytes: cp_vit.py cp_bytes."""
+    """Bytes a rank issues in one step of ``accum`` micro-batches (comm/counter.py's units: an
+    all-gather its output, a reduce-scatter its input, an all-reduce twice its bytes), each
+    micro-batch's: every padded shard all-gathered twice (forward, backward) and reduce-scattered
+    once over the D ranks (FSDP2 syncs at every backward); per block Megatron's 2 forward and 2
+    backward all-reduces of one (batch, tokens/cp, dim) fp32 activation, batch the samples of one
+    data-parallel rank's micro-batch. Context parallelism's own bytes: cp_vit.py cp_bytes."""
     shards = world // tp
     padded = fsdp_tp_state(named_shapes, world, tp, 0)["param_bytes"]  # the same on every rank
     depth = len({name.partition(".")[0] for name in named_shapes if name.startswith("block")})
     activation = batch * (tokens // cp) * dim * 4
     return {
-        "all_gather_single": 2.0 * shards * padded,
-        "reduce_scatter_single": 1.0 * shards * padded,
-        "all_reduce": depth * 4 * 2.0 * activation,
+        "all_gather_single": accum * 2.0 * shards * padded,
+        "reduce_scatter_single": accum * 1.0 * shards * padded,
+        "all_reduce": accum * depth * 4 * 2.0 * activation,
     }

@@ -206,10 +206,6 @@ def test_token_data_labels_are_the_next_token_and_the_chain_is_learnable(tmp_pat
         (("model=vit", "data=tokens"), "model=vit reads images, not data=tokens"),
         (("model=gpt", "data=tokens", "data.seq=32"), "data.seq=32 differs from model.seq=64"),
         (("model=gpt", "data=tokens", "data.vocab=300"), "model.vocab=256 is smaller than the data's vocabulary (300)"),
-        (
-            ("model=gpt", "data=tokens", "strategy=pp", "strategy.impl=deepspeed"),
-            "strategy=pp strategy.impl=deepspeed with model.tied=true",
-        ),
     ],
 )
 def test_bad_model_and_data_pairs_are_refused_in_one_line(overrides, message):

@@ -33,7 +33,22 @@ def test_an_moe_row_is_grouped_with_the_moe_baseline_and_labelled():
     assert baseline_key(ddp) == baseline_key(single)
     mark_variants([single, single_moe, ddp, ddp_ep, zero2_ep])
     assert [strategy_label(r) for r in (single, single_moe, ddp, ddp_ep, zero2_ep)] == [
-        "single", "single moe_experts=4", "ddp ep=1", "ddp moe_experts=4 ep=2", "zero2",
+        "single", "single moe_experts=4", "ddp", "ddp moe_experts=4 ep=2", "zero2",
+    ]  # fmt: skip
+
+
+def test_a_label_shows_only_the_options_that_differ_from_their_defaults():
+    """compare_gpt's ddp rows: the dense one at every default, the ring at cp=2 (ring: the default
+    cp_impl), Ulysses, and the MoE one with ep=2 (its cp at the default 1)."""
+    dense = row("ddp", DENSE, 0, cp=1, cp_impl="ring", ep=1)
+    ring, ulysses = (
+        row("ddp", DENSE, 0, cp=2, cp_impl="ring", ep=1),
+        row("ddp", DENSE, 0, cp=2, cp_impl="ulysses", ep=1),
+    )
+    ep = row("ddp", MOE, 4, cp=1, cp_impl="ring", ep=2)
+    mark_variants([dense, ring, ulysses, ep])
+    assert [strategy_label(r) for r in (dense, ring, ulysses, ep)] == [
+        "ddp", "ddp cp=2", "ddp cp=2 cp_impl=ulysses", "ddp moe_experts=4 ep=2",
     ]  # fmt: skip
 
 

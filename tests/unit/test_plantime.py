@@ -13,7 +13,7 @@ import statistics
 import pytest
 import torch
 
-from parallel_lab.models import build_meta_model
+from parallel_lab.models import build_meta_model, vit_sizes
 from parallel_lab.models.flops import layer_flops
 from parallel_lab.plan.calibrate import (
     REPLAY_DTENSOR_PER_TENSOR_S,
@@ -548,3 +548,33 @@ def test_a_cached_calibration_serves_the_dtypes_it_holds_only(tmp_path, monkeypa
     monkeypatch.setattr(calibrate, "measure_calibration", measure)
     with pytest.raises(LookupError, match="bf16"):
         load_or_measure_calibration(path)  # every dtype: bf16 is missing, so it is measured
+
+
+@pytest.mark.parametrize(
+    "strategy, extra, tp",
+    [("ddp", (), 1), ("fsdp", (), 1), ("fsdp", ("strategy.tp=2", "world_size=4"), 2)],
+)
+def test_a_cp_rank_computes_its_tokens_share_of_the_vit(strategy, extra, tp):
+    """strategy.cp=2 on the vit (T = 64 tokens of dim h, patch p, MLP width f, 10 classes), the
+    forward's multiply-adds derived here: the patch convolution 2 T h 3p^2 on whole images and the
+    classifier 2 h 10 on the pooled vector, on every cp rank; per block q, k, v, proj 4 x 2 T h^2,
+    fc1 and fc2 2 x 2 T h f and the attention core's two products 2 x 2 T^2 h, of which a cp rank
+    computes its T/2 queries' half (against all T keys), and under tp=2 half of that again. The
+    step's compute is that share of the whole vit's pass at the replica's micro-batch (the cp ranks
+    read the same samples)."""
+    cfg = planned_configs(
+        ["model=vit", f"strategy={strategy}", "strategy.cp=2", "world_size=2", "trainer.global_batch=64", *extra]
+    )[0].cfg
+    s = vit_sizes(cfg.model)
+    h, p, f, tokens = s["dim"], s["patch"], int(s["dim"] * s["mlp_ratio"]), (32 // s["patch"]) ** 2
+    whole = 2 * tokens * h * 3 * p * p + 2 * h * 10
+    block = 4 * 2 * tokens * h * h + 2 * 2 * tokens * h * f + 2 * 2 * tokens * tokens * h
+    share = (whole + s["depth"] * block / (2 * tp)) / (whole + s["depth"] * block)
+    model = build_meta_model(cfg.model)
+    shape = get_strategy_class(strategy).plan.compute_shape(cfg, model)
+    assert shape.micro_batch == 64 // (cfg.world_size // (2 * tp)) and shape.flop_share == pytest.approx(share)
+    if strategy == "ddp":
+        census = census_of(model, shape.micro_batch)
+        one_pass = sum(census.units[k] * (FLOP_S if k in FLOP_KINDS else BYTE_S) for k in KINDS)
+        pred = predict_step(cfg, get_strategy_class(strategy), model, _calib())
+        assert pred.parts["compute"] == pytest.approx(share * one_pass)

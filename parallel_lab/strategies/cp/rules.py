@@ -168,6 +168,29 @@ def _attention_shape(cfg: DictConfig, model: nn.Module) -> tuple[int, int, int, 
     return len(blocks(model)), vit_tokens(cfg), dim, dim
 
 
+# The vit's layers that act on whole images or on the pooled vector, not on a rank's tokens: the
+# patch convolution (its output is sliced after it, parallelize.py) and the classifier (after the
+# pool's all-reduce). Every other counted layer acts on the rank's tokens.
+WHOLE_ON_EVERY_CP_RANK = ("embed.proj", "head.fc")
+
+
+def context_flop_share(cfg: DictConfig, model: nn.Module, tp_split: tuple[str, ...] = (), tp: int = 1) -> float:
+    """A cp rank's share of the model's forward FLOPs (models/flops.py ``layer_flops``), for the
+    step-time model's compute (planning.py ``ComputeShape.flop_share``): each Linear runs on the
+    rank's T/cp tokens, and each attention core on its T/cp queries against all T keys (the ring:
+    one block of T/cp keys per hop, cp hops; the gpt's causal zig-zag ring: 1/cp of the unmasked
+    scores; Ulysses: heads/cp heads of whole sequences), so both are 1/cp of the whole model's;
+    the vit's ``WHOLE_ON_EVERY_CP_RANK`` are not divided. ``tp_split`` (FSDP2 x TP): the layers a
+    tp rank runs at 1/tp."""
+    from parallel_lab.models.flops import layer_flops
+
+    cp = cp_of(cfg)
+    whole = WHOLE_ON_EVERY_CP_RANK if cfg.model.name == "vit" else ()
+    flops = layer_flops(model, 1)
+    mine = sum(f / (tp if name in tp_split else 1) / (1 if name in whole else cp) for name, f in flops.items())
+    return mine / sum(flops.values())
+
+
 def add_comm(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]:
     """Two predictions' bytes by collective, summed."""
     return {op: comm.get(op, 0.0) + more.get(op, 0.0) for op in {**comm, **more}}

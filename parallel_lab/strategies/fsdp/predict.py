@@ -95,15 +95,17 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
         return {}
     if cfg.strategy.sharding == "hybrid":
         return None  # HSDP's two dimensions are not predicted (docs/meshes.md measures them)
-    sharding = cfg.strategy.sharding
+    sharding, accum = cfg.strategy.sharding, cfg.trainer.grad_accum
+    # Every micro-batch's forward gathers and its backward reduces (fsdp/strategy.py train_step has
+    # no no_sync: FSDP syncs the gradients at each backward): each per step is accum x its bytes.
     if sharding == "no_shard":
-        return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}
+        return {"all_reduce": accum * 2.0 * 4 * sum(p.numel() for p in model.parameters())}
     local, world, index = _sharded(cfg, model, rank)
     full_padded = 4 * sum(p for p, _ in shard_layout(sharded_params(local), world, index)) * world
     gathers = 2 if sharding == "full" else 1
     # bf16: parameters are all-gathered in bf16; gradients are reduce-scattered in fp32 (reduce_dtype)
     gathered = full_padded // (2 if _bf16(cfg) else 1)
-    comm = {"all_gather_single": float(gathers * gathered), "reduce_scatter_single": float(full_padded)}
+    comm = {"all_gather_single": float(accum * gathers * gathered), "reduce_scatter_single": float(accum * full_padded)}
     routed = balanced_comm(cfg, model, cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum))
     for op, nbytes in routed.items():  # strategy.ep: the exchanges with every expert equally loaded
         comm[op] = comm.get(op, 0.0) + nbytes

@@ -19,6 +19,7 @@ from parallel_lab.strategies.cp.rules import (
     add_comm,
     check_context,
     context_comm,
+    context_flop_share,
     context_meta,
     cp_of,
 )
@@ -131,26 +132,26 @@ class FSDPPlan(PlanRules):
         shape = super().compute_shape(cfg, model)
         units = len(fsdp_units(model)) + 1
         shape = dataclasses.replace(shape, hooked_units=units, dtensor_optimizer=cfg.strategy.version == 2)
-        tp = cfg.strategy.get("tp", 1)
-        if tp == 1:
+        tp, cp = cfg.strategy.get("tp", 1), cp_of(cfg)
+        if tp == 1 and cp == 1:
             return shape
         from parallel_lab.strategies.tp.megatron import blocks, vit_plan
-        from parallel_lab.strategies.tp.predict import tp_share
 
-        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp
-        split = [layer for pair in vit_plan(model) for layer in pair if layer]
-        split += [f"{b}.attn.core" for b in blocks(model)]
-        share = tp_share(model, split, tp)
-        return dataclasses.replace(shape, flop_share=share, note=f"tp rank does {share:.2f} of the FLOPs")
+        # FSDP2 x TP: a tp rank runs the split layers (and its heads' attention core) at 1/tp;
+        # x CP: on its T/cp tokens (cp/rules.py context_flop_share)
+        split = [layer for pair in vit_plan(model) for layer in pair if layer] if tp > 1 else []
+        split += [f"{b}.attn.core" for b in blocks(model)] if tp > 1 else []
+        share = context_flop_share(cfg, model, tuple(split), tp)
+        return dataclasses.replace(shape, flop_share=share, note=f"a rank does {share:.2f} of the FLOPs")
 
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """One all-gather per unit (each block, then the root) in forward and again in backward
         when it reshards after forward; one reduce-scatter per unit."""
-        units = len(fsdp_units(model)) + 1
-        gathers = 2 if cfg.strategy.sharding != "grad_op" else 1
+        units, accum = len(fsdp_units(model)) + 1, cfg.trainer.grad_accum  # each micro-batch's passes
+        gathers = accum * (2 if cfg.strategy.sharding != "grad_op" else 1)
         calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
-                 "reduce_scatter_tensor": units, "reduce_scatter_single": units}  # fmt: skip
+                 "reduce_scatter_tensor": units * accum, "reduce_scatter_single": units * accum}  # fmt: skip
         if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
             from parallel_lab.strategies.tp.megatron import blocks
 
@@ -261,9 +262,11 @@ class FSDPPlan(PlanRules):
         gather = 0.5 if cfg.strategy.mixed_precision == "bf16" else 1.0
         if ep_degree(cfg) > 1:
             return None  # the run's routing decides (fsdp/strategy.py run_comm_theory_psi)
+        # per micro-batch: each one's backward reduces (fsdp/strategy.py has no no_sync)
         if cfg.strategy.sharding == "hybrid":
-            return 2 * gather + 1.0 + 2.0 / shard_size(cfg)
-        return {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+            return cfg.trainer.grad_accum * (2 * gather + 1.0 + 2.0 / shard_size(cfg))
+        per_micro = {"full": 2 * gather + 1.0, "grad_op": gather + 1.0}.get(cfg.strategy.sharding, 2.0)
+        return cfg.trainer.grad_accum * per_micro
 
     @classmethod
     def activation_bytes(

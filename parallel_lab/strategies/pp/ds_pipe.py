@@ -34,9 +34,11 @@ from torch import nn
 from parallel_lab.strategies.base import OptimizerFactory
 from parallel_lab.strategies.memory import held_param_grad_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh
+from parallel_lab.strategies.pp.chunks import ties_across_stages
 from parallel_lab.strategies.pp.ds_rules import pipe_ds_config
 from parallel_lab.strategies.pp.rules import chunk_modules, chunk_names, meta_model
 from parallel_lab.strategies.pp.strategy import SUBCLASSES, PipelineParallelStrategy, PPMemory
+from parallel_lab.strategies.pp.tied import EMBED, EmbeddingCopy, embedding_group, make_copy, tied_weight
 
 
 class DSPipeMemory(PPMemory):
@@ -69,23 +71,26 @@ class DeepSpeedPipelineStrategy(PipelineParallelStrategy):
         self.meta_chunks = chunk_modules(self.cfg, meta)
         mine = self.chunk_names[self.stage]
         children = OrderedDict(model.named_children())
+        tied = ties_across_stages(self.cfg)
+        # Megatron's copy of a tied embedding on the last stage (pp/tied.py), cut before the rest is freed
+        held = [(EMBED, make_copy(children))] if tied and self.stage == p - 1 else []
         for name, child in children.items():
             if name not in mine:
                 child.to("meta")  # this rank holds only its own stage
         if self.stage < p - 1:  # gloo sends contiguous tensors only; the vit's blocks return a transposed view
             children[mine[-1]].register_forward_hook(lambda module, args, out: out.contiguous())
-        self.model = nn.Sequential(OrderedDict((n, children[n]) for n in mine)).to(self.device)
+        held += [(n, children[n]) for n in mine]
+        self.model = nn.Sequential(OrderedDict(held)).to(self.device)
         self.chunks = [self.model]  # evaluation's chunks (the strategy's predict): the stage itself
-        bounds = [0]
-        for names in self.chunk_names:
-            bounds.append(bounds[-1] + len(names))
+        layers, bounds = _layers(children, self.chunk_names, held[0][1] if tied and self.stage == p - 1 else None, tied)
         with contextlib.redirect_stdout(io.StringIO()):  # PipelineModule prints its partition on rank 0
             pipe = _fixed_cut_module()(
-                bounds,
-                layers=list(children.values()),
-                topology=_topology(self.opts.replicate, p),
-                loss_fn=self.loss_fn,
+                bounds, layers=layers, topology=_topology(self.opts.replicate, p), loss_fn=self.loss_fn
             )
+        if tied:  # collective; None off the ends of each pipeline
+            self.embedding_group = embedding_group(self)
+            if self.embedding_group is not None:  # the engine's tied-gradient all-reduce (a sum) runs on it
+                pipe.tied_pairs = [(tied_weight(self), self.embedding_group)]
         self.engine, _, _, _ = deepspeed.initialize(
             model=pipe, optimizer=make_optimizer(self.model.parameters()), config=pipe_ds_config(self.cfg)
         )
@@ -183,6 +188,19 @@ def _optimizer_step_instruction():
     return schedule.OptimizerStep
 
 
+def _layers(children: dict, chunk_names: list[list[str]], copy: nn.Module | None, tied: bool):
+    """The PipelineModule's layers and each stage's first index: the model's blocks in order, and a
+    tied pipeline's copy of the embedding at the front of the last stage (this rank's copy on the last
+    stage; elsewhere a placeholder no rank builds), so every rank cuts the same list."""
+    layers, bounds = [], [0]
+    for stage, names in enumerate(chunk_names):
+        if tied and stage == len(chunk_names) - 1:
+            layers.append(copy if copy is not None else EmbeddingCopy(nn.Embedding(1, 1, device="meta")))
+        layers += [children[n] for n in names]
+        bounds.append(len(layers))
+    return layers, bounds
+
+
 def _topology(replicate: int, stages: int):
     """Pipelines of consecutive ranks (rank = replica * stages + stage), the toolkit's layout
     (strategies/mesh.py); DeepSpeed's PipeDataParallelTopology would interleave them."""
@@ -204,6 +222,13 @@ def _fixed_cut_module():
             self.parts = list(self._bounds)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def get_tied_weights_and_groups(self) -> list:
+            """The engine's tied weights (``PipelineEngine._exec_reduce_tied_grads`` all-reduces each
+            one's gradient over its group before the replicas' reduction): not DeepSpeed's
+            ``TiedLayerSpec``, which would build the module itself, but the toolkit's copy of the
+            embedding and its embedding group (pp/tied.py)."""
+            return list(getattr(self, "tied_pairs", []))
 
     return FixedCutPipelineModule
 

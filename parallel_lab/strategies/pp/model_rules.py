@@ -1,32 +1,13 @@
-"""What ``pp`` refuses of the model's ties and the precision, per ``strategy.impl``: tied embeddings
-run where the last stage's copy of the embedding is in its chunk and our optimizer step sums its
-gradient with the first's (pp/tied.py: manual, torch); bf16 on our chunks (manual, torch),
-backward whole. Torch-free (the parent reads it before any process starts)."""
+"""What ``pp`` refuses of the precision, per ``strategy.impl``: bf16 on our chunks (manual, torch),
+backward whole. Tied embeddings run under every impl (the last stage's copy of the embedding,
+its gradient summed with the first's: pp/tied.py; deepspeed: its engine's tied-gradient all-reduce,
+pp/ds_pipe.py). Torch-free (the parent reads it before any process starts)."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.pp.chunks import ties_across_stages
-
-# why an impl cannot tie the embedding across its stages (manual and torch: the stage's copy is in
-# its last chunk, the all-reduce in our optimizer step, pp/tied.py)
-TIED_REASONS = {
-    "deepspeed": "DeepSpeed's PipelineModule ties weights only through its own TiedLayerSpec, which "
-    "pp/ds_pipe.py does not build",
-}
-
-
-def check_tied(opts: DictConfig, cfg: DictConfig) -> None:
-    """model.tied=true over several stages: where our step sums the copies' gradients (pp/tied.py)."""
-    impl = str(opts.impl)
-    if ties_across_stages(cfg) and impl in TIED_REASONS:
-        raise ConfigError(
-            f"strategy=pp strategy.impl={impl} with model.tied=true: {TIED_REASONS[impl]}; use "
-            "strategy.impl=manual or torch (the last stage keeps a copy of the embedding, gradients summed) or "
-            "model.tied=false"
-        )
 
 
 def check_bf16(opts: DictConfig) -> None:

@@ -31,7 +31,7 @@ from parallel_lab.strategies.pp.chunks import (
     stage_of,
 )
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
-from parallel_lab.strategies.pp.model_rules import check_bf16, check_tied
+from parallel_lab.strategies.pp.model_rules import check_bf16
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
 from parallel_lab.strategies.registry import register_rules
 
@@ -256,7 +256,6 @@ class PPPlan(PlanRules):
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
         check_bf16(opts)
-        check_tied(opts, cfg)
         keys = {"pp": ("stages", "pipeline stages, one per process")}
         if opts.get("tp", 1) > 1:
             keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}

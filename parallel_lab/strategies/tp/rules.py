@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.ep.rules import check_ep
+from parallel_lab.strategies.ep.rules import check_ep, expert_parallel_meta
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
@@ -302,12 +302,15 @@ class TPPlan(PlanRules):
         cls, cfg: DictConfig, model: nn.Module, rank: int, micro: int, saved: SavedBytes
     ) -> tuple[int, int]:
         """vit: what this rank's split model saves, counted on a meta copy split as the run splits
-        it (heads/t, hidden/t; under SP the token regions /t); other models: the whole model's."""
+        it (heads/t, hidden/t; under SP the token regions /t); other models: the whole model's.
+        Under strategy.ep: the rank's E / ep experts behind the exchanges (ep/rules.py
+        expert_parallel_meta), every expert equally loaded, the MoE MLP whole on every tp rank."""
         if cfg.model.name == "gpt" and cfg.strategy.impl == "manual":  # with its vocab-parallel loss
             from parallel_lab.models import input_shape
             from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
 
             return saved(split_meta_gpt(cfg, model, rank), micro, input_shape(model), False), micro
+        model = expert_parallel_meta(model, cls.dims(cfg), rank)  # ep: the rank's experts behind the exchanges
         if cfg.model.name != "vit" or cfg.strategy.tp < 2:
             return super().activation_bytes(cfg, model, rank, micro, saved)
         from parallel_lab.strategies.tp.predict import split_meta_vit

@@ -15,7 +15,7 @@ from parallel_lab.errors import ConfigError
 from parallel_lab.strategies.ep.rules import check_ep, ep_degree
 from parallel_lab.strategies.mesh import MeshDims
 from parallel_lab.strategies.options import StrategyOptions
-from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules
+from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.registry import register_rules
 from parallel_lab.strategies.zero.ds_config import DTYPE_BYTES, build_ds_config
 
@@ -192,6 +192,19 @@ class ZeroPlan(PlanRules):
         from parallel_lab.strategies.zero.predict import predict_zero_memory
 
         return predict_zero_memory(cfg, model, rank)
+
+    @classmethod
+    def activation_bytes(
+        cls, cfg: DictConfig, model: torch.nn.Module, rank: int, micro: int, saved: SavedBytes
+    ) -> tuple[int, int]:
+        """Under strategy.ep: what DeepSpeed's MoE layer saves in place of the model's, the rank's
+        E / ep experts, every expert equally loaded (ds_moe_plan.py)."""
+        if ep_degree(cfg) > 1:
+            from parallel_lab.strategies.ep.groups import ep_rank
+            from parallel_lab.strategies.zero.ds_moe_plan import deepspeed_moe_meta
+
+            model = deepspeed_moe_meta(model, ep_degree(cfg), ep_rank(cls.dims(cfg), rank))
+        return super().activation_bytes(cfg, model, rank, micro, saved)
 
     @classmethod
     def predict_comm(cls, cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float] | None:

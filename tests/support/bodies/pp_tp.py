@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from tests.support.bodies.pp_gpt import check_pp_tied_replicas
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE, reference_accuracy
 from tests.support.reference import vit_reference
@@ -43,6 +44,13 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
 
 
 def pp_tp_body(rank: int, world_size: int, configs: dict[str, list[str]], steps: int, global_batch: int) -> None:
-    """Train each configuration in turn and check it (tests/support/matrix.py judge_each)."""
+    """Train each configuration in turn and check it (tests/support/matrix.py judge_each); a
+    configuration with ``model=gpt`` is judged by pp_gpt.py (dp x pp, tied embedding)."""
     base = ["model=vit", "strategy=pp", f"world_size={world_size}", "strategy.tp=2", "trainer.eval_batches=1"]
-    judge_each(configs, steps, global_batch, base, lambda name, _, cfg, s, m: check(cfg, s, m, rank, name))
+
+    def judge(name: str, _, cfg, strategy, metrics) -> None:
+        if cfg.model.name == "gpt":  # dp x pp on the tied gpt, in these ranks to spare a start-up
+            return check_pp_tied_replicas(cfg, strategy, metrics, rank, name)
+        return check(cfg, strategy, metrics, rank, name)
+
+    judge_each(configs, steps, global_batch, base, judge)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,8 +21,9 @@ from parallel_lab.strategies import get_strategy_class
 from parallel_lab.worker.train import train
 
 
-def record_run(config_path: str, strategy_cls: type | None = None) -> None:
-    """One whole run as a worker does it (strategy_cls: the config's own strategy unless given)."""
+def record_run(config_path: str, strategy_cls: type | None = None, after: Callable | None = None) -> None:
+    """One whole run as a worker does it (strategy_cls: the config's own strategy unless given;
+    after(cfg, strategy): called on every rank once it trained, before the teardown)."""
     cfg = load_run_config(config_path)
     env = read_dist_env(cfg.device)
     torch.set_num_threads(cfg.trainer.threads)
@@ -31,6 +33,8 @@ def record_run(config_path: str, strategy_cls: type | None = None) -> None:
     metrics = train(cfg, env, strategy)
     if env.is_main:
         metrics.write(Path(cfg.run_dir) / METRICS_FILE)
+    if after is not None:
+        after(cfg, strategy)
     strategy.teardown()
     del strategy, metrics
     gc.collect()  # the clean-exit recipe (docs/facts.md): no model state alive between runs
