@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.config import compose_config
 from parallel_lab.errors import ConfigError
-from parallel_lab.plan.configs import _at_world, _given
+from parallel_lab.plan.configs import _at_world, _given, with_strategy
 from parallel_lab.strategies import get_strategy_class, sweep_names
 
 EVERY = None  # SEARCH value: every member of the field's Enum, or both of a bool
@@ -214,27 +214,6 @@ def candidates(overrides: list[str], base: DictConfig | None = None) -> list[Can
                 extra = [*extra, *_derived_degree(strategy_cls, base_n, cfg, overrides)]
                 out.append(Candidate(name, [f"strategy={name}", *extra], cfg, levers, base_n, overrides))
     return out
-
-
-# Overrides that may reach into the strategy group or what composes it: with one of them the
-# strategy's config is composed by Hydra; without, it is its yaml's content (``name`` over its
-# ``Options``: conf/strategy/<name>.yaml), ~0.4 s a strategy less (ten per recommendation).
-COMPOSED_BY_HYDRA = ("strategy", "experiment", "hydra")
-
-
-def with_strategy(base: DictConfig, overrides: list[str], name: str) -> DictConfig:
-    """What ``compose_config([*overrides, f"strategy={name}"])`` returns, from ``base`` (the
-    overrides' composed config) with its strategy node swapped for ``name``'s."""
-    from omegaconf import open_dict
-
-    from parallel_lab.strategies import get_strategy_rules
-
-    if any(a.lstrip("+~").startswith(COMPOSED_BY_HYDRA) for a in overrides):
-        return compose_config([*overrides, f"strategy={name}"])
-    cfg = copy.deepcopy(base)
-    with open_dict(cfg):
-        cfg.strategy = OmegaConf.merge(OmegaConf.structured(get_strategy_rules(name).Options), {"name": name})
-    return cfg
 
 
 def _derived_degree(strategy_cls: type, base: DictConfig, cfg: DictConfig, overrides: list[str]) -> list[str]:

@@ -259,16 +259,33 @@ def test_cli_launcher_mpirun_matches_spawn(cli):
     assert mpirun["final_param_checksum"] == pytest.approx(spawn["final_param_checksum"], rel=1e-6)
 
 
+# ONE run_mpi.sh job serves the two tests below: its launcher=mpirun run and its raw mpiexec run
+# train manual_ddp with MPI as the gradient transport (five fresh interpreters: the CLI parent, two
+# ranks each way). Before, run_mpi.sh trained ddp and a second, in-process mpirun run trained
+# manual_ddp over MPI: two more fresh ranks (~10 s of CPU) for a claim the script's run makes too.
+MPI_TRANSPORT = ("strategy.allreduce=mpi",)
+
+
+@pytest.fixture(scope="module")
+def run_mpi_sh(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """launch/run_mpi.sh as a user types it, on manual_ddp over MPI: (its result, the run folder)."""
+    from tests.support.model_parallel import BATCH, DATA_SIZE, STEPS  # as test_meshes: one cached reference
+
+    env_root = tmp_path_factory.mktemp("run_mpi_sh") / "runs"
+    overrides = (*MPI_TRANSPORT, f"trainer.steps={STEPS}", f"trainer.global_batch={BATCH}", f"data.size={DATA_SIZE}")
+    cmd = ["bash", str(ROOT / "launch" / "run_mpi.sh"), "manual_ddp", *overrides, "trainer.progress=false"]
+    return run(cmd, timeout=400, PYTHON=sys.executable, RUN_ROOT=str(env_root)), env_root / "manual_ddp"
+
+
 @pytest.mark.slow
-def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
-    env_root = tmp_path / "runs"
-    cmd = ["bash", str(ROOT / "launch" / "run_mpi.sh"), "ddp", *SMALL[1:], "trainer.progress=false"]
-    result = run(cmd, timeout=400, PYTHON=sys.executable, RUN_ROOT=str(env_root))
+def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(run_mpi_sh):
+    from tests.support.model_parallel import STEPS
+
+    result, run_dir = run_mpi_sh
     assert result.returncode == 0, result.stdout + result.stderr
-    run_dir = env_root / "ddp"
     by_launcher = json.loads((run_dir / "metrics.launcher.json").read_text())
     raw = load_metrics(run_dir)  # rewritten by the raw `mpiexec -n 2 python -m parallel_lab.worker`
-    assert len(raw["losses"]) == 3 and raw["world_size"] == 2
+    assert len(raw["losses"]) == STEPS and raw["world_size"] == 2
     assert raw["losses"] == by_launcher["losses"]
     assert "identical losses" in result.stdout
 
@@ -278,22 +295,20 @@ def test_run_mpi_sh_launcher_and_raw_mpiexec_agree(tmp_path):
 
 @pytest.mark.floats  # a parity verdict
 @pytest.mark.slow
-def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(cli, tmp_path):
-    """The gradient buckets averaged by MPI's Allreduce on zero-copy numpy views, under mpiexec: the
-    same training as the independent reference (judged against its noise floor), its bytes counted
-    (2Ψ per step: MPI bypasses torch.distributed, so only manual_ddp's own record can count them),
-    and a report row that tells it from the other all-reduce algorithms."""
+def test_manual_ddp_over_mpi_trains_like_the_reference_and_reports_its_row(run_mpi_sh, tmp_path):
+    """The gradient buckets averaged by MPI's Allreduce on zero-copy numpy views, under mpiexec (the
+    raw form of run_mpi.sh's job; its launcher=mpirun form logged the same losses): the same training
+    as the independent reference (judged against its noise floor), its bytes counted (2Ψ per step:
+    MPI bypasses torch.distributed, so only manual_ddp's own record can count them), and a report
+    row that tells it from the other all-reduce algorithms."""
     from parallel_lab.report.table import add_parity, load_runs, markdown
-    from tests.support.model_parallel import BATCH, DATA_SIZE, STEPS, cnn_reference  # as test_meshes: one cache
+    from tests.support.model_parallel import cnn_reference
 
-    m = cli(
-        "strategy=manual_ddp",
-        "strategy.allreduce=mpi",
-        "launcher=mpirun",
-        f"trainer.steps={STEPS}",
-        f"trainer.global_batch={BATCH}",
-        f"data.size={DATA_SIZE}",
-    )
+    result, run_dir = run_mpi_sh
+    assert result.returncode == 0, result.stdout + result.stderr
+    m = {**load_metrics(run_dir), "run_dir": str(run_dir)}
+    by_launcher = json.loads((run_dir / "metrics.launcher.json").read_text())
+    assert (by_launcher["launcher"], by_launcher["world_size"]) == ("mpirun", 2)
     assert (m["launcher"], m["world_size"], m["strategy_options"]["allreduce"]) == ("mpirun", 2, "mpi")
     assert "MPICH" in m["strategy_extras"]["mpi_library"] or not IS_MPICH, m["strategy_extras"]
     cnn_reference().assert_run_matches(m, "manual_ddp allreduce=mpi")
