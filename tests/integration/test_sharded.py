@@ -110,6 +110,8 @@ def _groups(item) -> set[str]:
         return {"zero0_bf16"}
     if item.originalname == "test_bf16_and_offload_plans_are_exact":
         return {"zero0_bf16" if case in ZERO0_CASES else "bf16_offload"}
+    if "spawned_zero2" in item.fixturenames:  # the fp32 matrix's zero2 run, whatever the test's marker
+        return {"fp32"}
     return {"fp32_extra" if item.get_closest_marker("extra") else "fp32"}
 
 
