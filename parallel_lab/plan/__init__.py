@@ -12,6 +12,15 @@ measured run stores the prediction beside its measurement (``predicted_*`` in ea
 of metrics.json), so the report shows how far off it was (docs/plan.md).
 """
 
-from parallel_lab.plan.predict import MODEL_STATE, PREDICTED_KEYS, RankPlan, plan_world, predicted_metrics
-
 __all__ = ["MODEL_STATE", "PREDICTED_KEYS", "RankPlan", "plan_world", "predicted_metrics"]
+
+
+def __getattr__(name: str):
+    """The names above, from ``plan/predict.py`` at their first use (PEP 562): importing the package
+    imports no torch, so ``python -m parallel_lab.plan`` turns the collector off (``__main__.py``)
+    before torch and its ~300k objects arrive."""
+    if name in __all__:
+        from parallel_lab.plan import predict
+
+        return getattr(predict, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,7 @@ from parallel_lab.plan.census import Census
 from parallel_lab.plan.hook_calibration import measure_bucketing
 from parallel_lab.plan.microbench import contention_probe, on_gpu, pass_timer
 from parallel_lab.plan.optimizer_calibration import adam_step, dtensor_or_none
+from parallel_lab.threads import torch_threads
 
 DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
@@ -339,26 +340,23 @@ def measure_calibration(device: str = "cpu", dtypes: tuple[str, ...] = tuple(DTY
     from parallel_lab.plan.comm_calibration import finish_pairs, start_pairs, stop_pairs, wait_ready
 
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     # The two processes start first (on a CPU forks of this one, before DTensor or the compiler are
     # imported here; elsewhere fresh interpreters, whose imports overlap the untimed operator counts);
     # nothing is timed until both wait idle.
-    procs = start_pairs(device)
-    try:
-        censuses = bench_censuses(device, dtypes)
-        dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
-        wait_ready(procs)
-        ops, pass_s, bench_s = measure_ops(device, censuses=censuses, dtypes=dtypes)
-        optimizer = measure_optimizer(device)
-        optimizer["dtensor_per_tensor_s"] = dtensor_or_none(device)
-        bucketing = measure_bucketing()
-        solo = contention_probe(device)  # alone, before the two processes compute
-    except BaseException:
-        stop_pairs(procs)
-        raise
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1):
+        procs = start_pairs(device)
+        try:
+            censuses = bench_censuses(device, dtypes)
+            dtensor_or_none(device, reps=1)  # untimed: DTensor's first use imports and registers ~1.4 s of code
+            wait_ready(procs)
+            ops, pass_s, bench_s = measure_ops(device, censuses=censuses, dtypes=dtypes)
+            optimizer = measure_optimizer(device)
+            optimizer["dtensor_per_tensor_s"] = dtensor_or_none(device)
+            bucketing = measure_bucketing()
+            solo = contention_probe(device)  # alone, before the two processes compute
+        except BaseException:
+            stop_pairs(procs)
+            raise
     pair = finish_pairs(procs, solo, device)
     return Calibration(
         device=device,

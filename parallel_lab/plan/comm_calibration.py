@@ -69,13 +69,19 @@ def _collective(impl: str, op: str, x: torch.Tensor, out: torch.Tensor, world: i
 
 
 def _worker(rank: int, port: int, device: str) -> dict | None:
-    """One rank's half of the measurement: rank 0 returns {"both": contention probe, "rows": impl
-    -> op -> [(bytes, seconds)]} (the slower rank's time of each point), rank 1 None."""
+    """One rank's half of the measurement, on one thread: rank 0 returns {"both": contention probe,
+    "rows": impl -> op -> [(bytes, seconds)]} (the slower rank's time of each point), rank 1 None."""
+    from parallel_lab.threads import torch_threads
+
+    with torch_threads(1):
+        return _measure(rank, port, device)
+
+
+def _measure(rank: int, port: int, device: str) -> dict | None:
     import torch.distributed as dist
 
     from parallel_lab.plan.microbench import COMM_OPS, COMM_SIZES, contention_probe
 
-    torch.set_num_threads(1)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)

@@ -6,14 +6,13 @@ parity verdict of every row against it and its noise-floor reruns (``add_parity`
 
 from __future__ import annotations
 
-import contextlib
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics, load_final_params
 from parallel_lab.report.parity import adam_lr_of, envelope, gaps, judge
+from parallel_lab.threads import torch_threads
 
 
 @dataclass
@@ -123,26 +122,13 @@ def _losses_params(run: Row) -> tuple[list[float], dict] | None:
     return None if params is None else (run.metrics.losses, params)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """torch (where already imported) on one thread meanwhile: the gaps are a few hundred small
-    tensor operations, where a second thread only adds its hand-off (the demo's report: 12-14.5 s
-    of CPU on two threads, 10 s on one, measured on 2 busy cores)."""
-    torch = sys.modules.get("torch")
-    before = torch.get_num_threads() if torch is not None else 0
-    if torch is not None:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch is not None:
-            torch.set_num_threads(before)
-
-
 def add_parity(runs: list[Row]) -> None:
     """Judge every ok run against the single baseline of the same setup and that baseline's
     noise-floor reruns (report/parity.py): fills each row's parity and parity_checks."""
-    with _one_thread():
+    # torch (where already imported) on one thread meanwhile: the gaps are a few hundred small
+    # tensor operations, where a second thread only adds its hand-off (the demo's report: 12-14.5 s
+    # of CPU on two threads, 10 s on one, measured on 2 busy cores).
+    with torch_threads(1, only_if_imported=True):
         _add_parity(runs)
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.models.flops import flops_by_kind
+from parallel_lab.threads import torch_threads
 
 
 def peak_rss_bytes() -> int:
@@ -136,10 +137,7 @@ def measure_peak(dtype: str = "fp32", threads: int = 1, device: str = "cpu") -> 
     dev, dt = torch.device(device), DTYPES[dtype]
     cuda = dev.type == "cuda"
     n, (b, c, hw) = (8192, (64, 256, 56)) if cuda else (512, (8, 64, 32))
-    previous = torch.get_num_threads()
-    if not cuda:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(None if cuda else threads):
         x, y = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
         img, w = torch.randn(b, c, hw, hw, device=dev, dtype=dt), torch.randn(c, c, 3, 3, device=dev, dtype=dt)
         with torch.no_grad():
@@ -147,8 +145,6 @@ def measure_peak(dtype: str = "fp32", threads: int = 1, device: str = "cpu") -> 
             conv = _best_gflops(
                 lambda: torch.nn.functional.conv2d(img, w, padding=1), 2.0 * b * c * hw * hw * c * 9, dev
             )
-    finally:
-        torch.set_num_threads(previous)
     name = torch.cuda.get_device_name(dev) if cuda else None
     return dict(
         device=device,

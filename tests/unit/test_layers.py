@@ -29,7 +29,7 @@ DOCS = PACKAGE.parent / "docs" / "architecture.md"
 # in one layer are independent of each other. docs/architecture.md explains each layer.
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors"),  # the package root (every import runs it: it imports nothing); ConfigError
-    ("hashing", "protocol", "plugins", "choices"),  # records, plugin discovery, the typed choices
+    ("hashing", "protocol", "plugins", "choices", "threads"),  # records, plugins, typed choices, thread counts
     ("models", "data", "optim"),  # single-device: know nothing of processes or parallelism
     ("comm", "checkpoint"),  # process groups and collectives; atomic files and manifests
     ("strategies",),  # one class (+ helpers) per parallelism; the registry

@@ -3,6 +3,9 @@ unknown options). Its runs: tests/integration/test_spine.py."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 
 from parallel_lab.config import CONF_DIR, validate
@@ -84,3 +87,47 @@ def test_the_mode_handed_to_hydra_is_the_one_hydra_composes(argv):
     assert checked.mode_known == (not any(a.startswith("hydra.") for a in argv))
     if checked.mode_known:
         assert checked.mode == hydras_own, (checked, hydras_own)
+
+
+def test_a_sweep_composes_each_jobs_config_once_and_runs_the_same_jobs(tmp_path, monkeypatch):
+    """cli/main.py sweep_configs_composed_once: the launcher takes the config Hydra's batch check
+    composed instead of composing it again. Reference: the same multirun under Hydra alone (a
+    no-op job): the same configs, job numbers and folders, one composition fewer per job (a
+    repeated point included)."""
+    import sys
+
+    import hydra
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from parallel_lab.cli.main import sweep_configs_composed_once
+    from parallel_lab.config import CONF_DIR, register_configs
+
+    register_configs()
+    compose = ConfigLoaderImpl.load_configuration
+
+    def run(kept: bool) -> tuple[int, list]:
+        counts, jobs = [0], []
+
+        def counting(self, *args, **kwargs):
+            counts[0] += 1
+            return compose(self, *args, **kwargs)
+
+        @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+        def job(cfg) -> None:
+            h = HydraConfig.get()
+            jobs.append((OmegaConf.to_yaml(cfg), h.job.num, Path(h.runtime.output_dir).name))
+
+        sweep = tmp_path / ("kept" if kept else "hydra")
+        argv = ["x", "--multirun", "strategy=ddp,ddp,single", "trainer.steps=3", f"hydra.sweep.dir={sweep}"]
+        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+        with sweep_configs_composed_once() if kept else contextlib.nullcontext():
+            job()
+        return counts[0], jobs
+
+    hydras, reference = run(kept=False)
+    ours, jobs = run(kept=True)
+    assert jobs == reference and len(jobs) == 3, (jobs, reference)
+    assert ours == hydras - 3, (ours, hydras)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.strategies.pp.plan import cuttable_blocks
+from parallel_lab.threads import torch_threads
 
 REPEATS = 5  # timed forward+backward passes of every block after one untimed pass; the median is kept
 
@@ -57,13 +58,9 @@ def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
     with torch.random.fork_rng():  # the parent's own random state stays as it was
         model = build_model(cfg.model, cfg.trainer.seed).train()
     blocks = [nn.Sequential(*(model.get_submodule(n) for n in b)) for b in cuttable_blocks(model)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cfg.trainer.threads_per_rank))
-    try:
+    with torch_threads(cfg.trainer.threads_per_rank):
         generator = torch.Generator().manual_seed(0)
         x = sample_input(model, micro_batch(cfg), input_shape(model), device="cpu")  # token ids: zeros
         if x.is_floating_point():
             x = torch.randn(x.shape, generator=generator)
         return time_blocks(blocks, x, repeats)
-    finally:
-        torch.set_num_threads(threads)
