@@ -200,6 +200,9 @@ class RunMetrics(_Record):
     # model_flops_by_kind): MFU's peak weights each kernel's measured peak by it
     model_flops_by_kind: Optional[dict[str, float]] = None
     warmup_steps: Optional[int] = None  # steps left out of the timing (None: a record from before it was kept)
+    # where comm_theory_psi is None: rank 0's planned bytes per step in Ψ (plan/predict.py
+    # planned_comm_psi), the report's "comm Ψ theory" for tp and pp (None: no prediction, or an older run)
+    comm_planned_psi: Optional[float] = None
 
 
 # ATen's, oneDNN's (convolutions) and MKL's (matrix products) instruction-set switches

@@ -206,6 +206,16 @@ def batchnorm_comm(cfg: DictConfig, strategy_cls: type, model: nn.Module) -> dic
     return {"broadcast": float(nbytes)} if nbytes else {}
 
 
+def planned_comm_psi(cfg: DictConfig, strategy_cls: type, model: nn.Module, params: int) -> float | None:
+    """Rank 0's planned bytes per step (``predict_comm`` + BatchNorm's) in Ψ (4 bytes a parameter):
+    the "comm Ψ theory" of a strategy without a paper's formula (tp, pp: Megatron's and the
+    pipeline's bytes at rank 0's boundaries). None where the strategy predicts no communication."""
+    comm = strategy_cls.plan.predict_comm(cfg, model, 0)
+    if comm is None:
+        return None
+    return (sum(comm.values()) + sum(batchnorm_comm(cfg, strategy_cls, model).values())) / (4 * params)
+
+
 def _with_batchnorm(comm: dict[str, float] | None, extra: dict[str, float]) -> dict[str, float] | None:
     if comm is None or not extra:
         return comm

@@ -206,17 +206,18 @@ PROFILE_COLUMNS = [
 def _theory_psi(run: Row) -> float | None:
     """Ψ per step in theory (a float even where json stored 2: one number format in md): the ZeRO
     paper's formula where the strategy has one (metrics.json's comm_theory_psi), else the planner's
-    formula for rank 0's bytes, the rank the run counted (``_planned_psi``)."""
+    formula for rank 0's bytes, the rank the run counted (metrics.json's comm_planned_psi, which
+    rank 0 computed where its torch was loaded anyway; ``_planned_psi`` for older runs)."""
     m = run.metrics
-    return float(m.comm_theory_psi) if m.comm_theory_psi is not None else _planned_psi(run.run_dir, m.params)
+    if m.comm_theory_psi is not None:
+        return float(m.comm_theory_psi)
+    return m.comm_planned_psi if m.comm_planned_psi is not None else _planned_psi(run.run_dir, m.params)
 
 
 @functools.cache
 def _planned_psi(run_dir: str, params: int) -> float | None:
-    """Rank 0's ``predict_comm`` (+ BatchNorm's) for the run's config.yaml, in Ψ: Megatron's 4
-    all-reduces of (batch, tokens, hidden) per block per micro-batch for tp on the vit
-    (``tp/predict.py`` vit_comm_formula), a pipeline's activation and gradient at each of rank 0's
-    boundaries per micro-batch (``pp/rules.py``). None without config.yaml or a prediction."""
+    """``plan.predict.planned_comm_psi`` for the run's config.yaml, for a metrics.json written
+    before ranks stored it (``comm_planned_psi``). None without config.yaml or a prediction."""
     config = Path(run_dir) / CONFIG_FILE
     if not config.is_file():
         return None
@@ -224,7 +225,7 @@ def _planned_psi(run_dir: str, params: int) -> float | None:
 
     from parallel_lab.errors import ConfigError
     from parallel_lab.models import build_meta_model
-    from parallel_lab.plan.predict import batchnorm_comm
+    from parallel_lab.plan.predict import planned_comm_psi
     from parallel_lab.strategies import get_strategy_class
 
     cfg = OmegaConf.load(config)
@@ -232,10 +233,7 @@ def _planned_psi(run_dir: str, params: int) -> float | None:
         strategy_cls, model = get_strategy_class(cfg.strategy.name), build_meta_model(cfg.model)
     except ConfigError:
         return None
-    comm = strategy_cls.plan.predict_comm(cfg, model, 0)
-    if comm is None:
-        return None
-    return (sum(comm.values()) + sum(batchnorm_comm(cfg, strategy_cls, model).values())) / (4 * params)
+    return planned_comm_psi(cfg, strategy_cls, model, params)
 
 
 CUDA_ALLOC, CUDA_RESERVED = _rank_mib("cuda_max_allocated_bytes"), _rank_mib("cuda_max_reserved_bytes")

@@ -177,3 +177,21 @@ def peaks_for(wanted: set[tuple[str, str, int]]) -> list[dict]:
             p.update(peak_gflops=one["peak_gflops"], peak_from="1 thread (above this thread count's own)")
         out.append(p)
     return out
+
+
+def rank0_planned_psi(cfg: DictConfig, rank: int, strategy_cls: type, num_params: int) -> float | None:
+    """metrics.json's ``comm_planned_psi`` on rank 0 (the rank that writes it; None elsewhere): the
+    planner's bytes in Ψ, computed where torch is loaded anyway, so the report need not build the
+    meta model and the planner's pipeline in its own process."""
+    if rank != 0:
+        return None
+    from parallel_lab.plan.predict import planned_comm_psi
+
+    return planned_comm_psi(cfg, strategy_cls, build_meta_model(cfg.model), num_params)
+
+
+def mesh_metrics(dims: dict[str, int], ranks: list[dict]) -> dict:
+    """The mesh and, per dimension, the bytes per step the busiest rank issued on its group of
+    that dimension: on several hosts, "replicate" is what crosses between them."""
+    by_dim = {name: max(r["comm_bytes_by_group"].get(name, 0.0) for r in ranks) for name in dims}
+    return {"dims": dims, "comm_bytes_per_step": by_dim}

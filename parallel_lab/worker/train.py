@@ -40,10 +40,12 @@ from parallel_lab.worker.metrics import (
     device_memory,
     gather_from_ranks,
     machine_state,
+    mesh_metrics,
     model_flops_by_kind,
     param_checksum,
     param_sha256,
     peak_rss_bytes,
+    rank0_planned_psi,
     timed_median,
 )
 from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
@@ -363,10 +365,12 @@ def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord) 
     extras = strategy.extra_metrics()
     mesh = strategy.layout.metrics()
     if mesh:
-        extras["mesh"] = _mesh_metrics(mesh, ranks)
+        extras["mesh"] = mesh_metrics(mesh, ranks)
     nodes = cfg.launcher.get("nodes") or 1
     nproc_per_node = cfg.launcher.get("nproc_per_node") or env.world_size
     step_time = timed_median(step_times, t.warmup_steps)
+    theory_psi = strategy.run_comm_theory_psi(run.num_params)
+    planned_psi = None if theory_psi is not None else rank0_planned_psi(cfg, env.rank, type(strategy), run.num_params)
     return RunMetrics(
         **_run_fields(cfg, env, strategy, run.num_params),
         losses=history["losses"],
@@ -382,7 +386,8 @@ def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord) 
         **_resume_fields(cfg, run),
         comm_bytes_per_step=comm_per_step,
         comm_volume_psi=comm_per_step / (4 * run.num_params),
-        comm_theory_psi=strategy.run_comm_theory_psi(run.num_params),
+        comm_theory_psi=theory_psi,
+        comm_planned_psi=planned_psi,
         ranks=ranks,
         strategy_extras=extras,
         nodes=nodes,
@@ -390,10 +395,3 @@ def _metrics(cfg: DictConfig, env: DistEnv, strategy: Strategy, run: RunRecord) 
         inter_host_bytes_per_step=inter_host_bytes_per_step(ranks, nodes, nproc_per_node, mesh),
         profile=run.profiler.run_record(step_times, t.warmup_steps) if run.profiler is not None else {},
     )
-
-
-def _mesh_metrics(dims: dict[str, int], ranks: list[dict]) -> dict:
-    """The mesh and, per dimension, the bytes per step the busiest rank issued on its group of
-    that dimension: on several hosts, "replicate" is what crosses between them."""
-    by_dim = {name: max(r["comm_bytes_by_group"].get(name, 0.0) for r in ranks) for name in dims}
-    return {"dims": dims, "comm_bytes_per_step": by_dim}

@@ -2,7 +2,8 @@
 (Megatron's split without and with sequence parallelism, and with it under full recompute, whose
 recomputed forward repeats the collectives; 2 micro-batches), a pp run (1F1B, 2 stages) and a ddp
 run with context parallelism (ring attention, cp=2) on 2 real gloo ranks show a theory
-(report/columns.py ``_theory_psi``: the planner's formula for rank 0, Megatron's per block for tp)
+(report/columns.py ``_theory_psi``: the planner's formula for rank 0, Megatron's per block for tp,
+stored by rank 0 as metrics.json's ``comm_planned_psi`` and equal to the report's own from config.yaml)
 equal to what the run's communication counter measured; an fsdp run's counted bytes are the
 planner's for its 2 micro-batches, each gathering and reduce-scattering (its theory 2 x 3Ψ)."""
 
@@ -58,7 +59,7 @@ def test_tp_sp_and_pp_rows_show_a_theory_equal_to_the_measurement(tmp_path):
     from parallel_lab.config import load_run_config
     from parallel_lab.models import build_meta_model
     from parallel_lab.plan.predict import plan_world
-    from parallel_lab.report.columns import READ
+    from parallel_lab.report.columns import READ, _planned_psi
     from parallel_lab.report.rows import load_runs
     from parallel_lab.strategies import get_strategy_class
 
@@ -73,4 +74,6 @@ def test_tp_sp_and_pp_rows_show_a_theory_equal_to_the_measurement(tmp_path):
     for name, row in rows.items():
         measured, theory = READ["comm Ψ measured"](row), READ["comm Ψ theory"](row)
         assert row.metrics.comm_theory_psi is None  # no ZeRO-paper formula: the column's own
+        # rank 0 stored the planner's figure (the report reads it); the report's own from config.yaml agrees
+        assert row.metrics.comm_planned_psi == _planned_psi(row.run_dir, row.metrics.params), name
         assert measured > 0 and theory == pytest.approx(measured, rel=1e-12), (name, measured, theory)
