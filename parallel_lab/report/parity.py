@@ -29,6 +29,10 @@ Whole-run maxima, not step-by-step ratios, after the early window: when the path
 itself random (measured: the same divergence arrived 2-4 steps apart), so step-by-step ratios
 swing by 100x while the size of the divergence does not.
 
+Beside them, exact (``Replicas``): the run's data-parallel replicas must end bit for bit equal
+(metrics.json ``replica_digests_agree``, parallel_lab/worker/replicas.py). It catches what the
+whole-run envelope leaves within reach: a synchronisation missed after the early window.
+
 The ratio shown is ``divergence / (envelope + floor / ENVELOPE_MULTIPLE)``: a row passes when
 every ratio is at most ``ENVELOPE_MULTIPLE``. ``python -m parallel_lab.bench parity_robustness``
 measures how often a real run fails that (false alarms) across CPU kernel dispatches.
