@@ -199,8 +199,10 @@ class Verdict:
 
     def as_dict(self) -> dict:
         out = {name: {**asdict(c), "ratio": c.ratio} for name, c in self.checks().items()}
-        replicas = asdict(self.replicas) if self.replicas else None
-        return {**out, "replicas": replicas, "passed": self.passed, "reason": self.reason()}
+        # Flat, not one more dict: readers take every dict value here for a ratio check (comparison.json)
+        rep = self.replicas or Replicas(None, [])
+        out |= {"replicas_agree": rep.agree, "replicas_disagree": rep.disagree}
+        return {**out, "passed": self.passed, "reason": self.reason()}
 
 
 def adam_element_bound(lr: float, steps: int) -> float:

@@ -73,7 +73,7 @@ def test_the_verdict_fails_a_row_whose_replicas_differ_and_says_which_ranks():
     verdict = Verdict(inside, inside, inside, inside, replicas=bad)
     assert verdict.criterion_passed and not verdict.passed
     assert "replicas differ: ranks 0, 1" in verdict.reason()
-    assert verdict.as_dict()["replicas"]["agree"] is False
+    assert verdict.as_dict()["replicas_agree"] is False
     for agree in (True, None):  # None: nothing to compare, the envelope's checks decide
         assert Verdict(inside, inside, inside, inside, replicas=Replicas(agree, [])).passed
     assert Replicas.of({"losses": []}).agree is None  # a record from before the check
@@ -86,5 +86,5 @@ def test_the_reports_evidence_column_names_the_ranks_whose_replicas_differ():
     bad = Replicas(False, [{"ranks": [0, 1], "params": ["fc1.weight"], "count": 1}])
     row = SimpleNamespace(failure=None, parity_checks=Verdict(inside, inside, inside, inside, replicas=bad).as_dict())
     assert _evidence(row) == "replicas differ: ranks 0, 1"
-    row.parity_checks["replicas"] = None  # not checked: the check nearest its bound, as before
+    row.parity_checks["replicas_agree"] = None  # not checked: the check nearest its bound, as before
     assert _evidence(row).startswith("early Δloss")
