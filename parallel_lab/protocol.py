@@ -180,6 +180,12 @@ class RunMetrics(_Record):
     # synced, samples (how many samples each training forward normalised over), the running
     # statistics' replica check at the end, and SyncBatchNorm's bytes per step measured vs theory.
     batchnorm: dict[str, Any] = field(default_factory=dict)
+    # The replica check (parallel_lab/worker/replicas.py): True when every data-parallel replica of
+    # every parameter ended bit for bit equal, False naming the groups of ranks that differ,
+    # None when no two ranks hold the same parameter (world 1, pure tp or pp, flat FSDP, ZeRO-3)
+    replica_digests_agree: Optional[bool] = None
+    replica_groups: list = field(default_factory=list)  # the rank groups compared (each a list of ranks)
+    replica_groups_disagree: list = field(default_factory=list)  # [{ranks, params (the first), count}]
     # trainer.profile only ({} otherwise): the profiled steps, the loop's step time in them and in the
     # other steps after warm-up (the profiler's cost), and the traces' folder (parallel_lab/worker/profile.py)
     profile: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,10 @@ Whole-run maxima, not step-by-step ratios, after the early window: when the path
 itself random (measured: the same divergence arrived 2-4 steps apart), so step-by-step ratios
 swing by 100x while the size of the divergence does not.
 
+Beside them, exact (``Replicas``): the run's data-parallel replicas must end bit for bit equal
+(metrics.json ``replica_digests_agree``, parallel_lab/worker/replicas.py). It catches what the
+whole-run envelope leaves within reach: a synchronisation missed after the early window.
+
 The ratio shown is ``divergence / (envelope + floor / ENVELOPE_MULTIPLE)``: a row passes when
 every ratio is at most ``ENVELOPE_MULTIPLE``. ``python -m parallel_lab.bench parity_robustness``
 measures how often a real run fails that (false alarms) across CPU kernel dispatches.
@@ -132,14 +136,48 @@ class Check:
 
 
 @dataclass
+class Replicas:
+    """The exact complement of the checks above: did the run's data-parallel replicas end bit for
+    bit equal (metrics.json ``replica_*``, parallel_lab/worker/replicas.py)? No envelope: a missed
+    all-reduce after the early window stays within the whole-run envelope but splits the replicas.
+    agree None: no two ranks held the same parameter (nothing to compare; not a pass of the check)."""
+
+    agree: bool | None
+    disagree: list[dict]  # [{ranks, params (the first few), count}]
+
+    @classmethod
+    def of(cls, record) -> Replicas:
+        """From a RunMetrics or a metrics.json dict (a record without the fields: agree None)."""
+        get = record.get if isinstance(record, dict) else lambda k, d=None: getattr(record, k, d)
+        return cls(get("replica_digests_agree"), get("replica_groups_disagree") or [])
+
+    @property
+    def passed(self) -> bool:
+        return self.agree is not False
+
+    def reason(self) -> str:
+        return "; ".join(
+            f"replicas differ: ranks {', '.join(map(str, g['ranks']))} hold {g['count']} parameters with "
+            f"different bytes (e.g. {g['params'][0]})"
+            for g in self.disagree
+        )
+
+
+@dataclass
 class Verdict:
     early_dloss: Check
     max_dloss: Check
     param_rel_l2: Check
     param_max_abs: Check
+    replicas: Replicas | None = None  # None: the run's replicas were not checked (a test's own loop)
 
     @property
     def passed(self) -> bool:
+        return self.criterion_passed and (self.replicas is None or self.replicas.passed)
+
+    @property
+    def criterion_passed(self) -> bool:
+        """The four checks against the noise envelope alone, without the replica check."""
         return all(check.passed for check in self.checks().values())
 
     def checks(self) -> dict[str, Check]:
@@ -152,14 +190,18 @@ class Verdict:
 
     def reason(self) -> str:
         """The failed checks in words ('' when it passes)."""
-        return "; ".join(
+        failed = [
             f"{name} {c.value:.2g} is {c.ratio:.3g}x the envelope {c.envelope:.2g} (> {ENVELOPE_MULTIPLE:g}x)"
             for name, c in self.checks().items()
             if not c.passed
-        )
+        ]
+        return "; ".join(failed + ([self.replicas.reason()] if self.replicas and not self.replicas.passed else []))
 
     def as_dict(self) -> dict:
         out = {name: {**asdict(c), "ratio": c.ratio} for name, c in self.checks().items()}
+        # Flat, not one more dict: readers take every dict value here for a ratio check (comparison.json)
+        rep = self.replicas or Replicas(None, [])
+        out |= {"replicas_agree": rep.agree, "replicas_disagree": rep.disagree}
         return {**out, "passed": self.passed, "reason": self.reason()}
 
 
@@ -170,11 +212,17 @@ def adam_element_bound(lr: float, steps: int) -> float:
 
 
 def judge(
-    row: Gaps, env: Gaps, base_losses: list[float], base_params: dict[str, torch.Tensor], adam_lr: float | None = None
+    row: Gaps,
+    env: Gaps,
+    base_losses: list[float],
+    base_params: dict[str, torch.Tensor],
+    adam_lr: float | None = None,
+    replicas: Replicas | None = None,
 ) -> Verdict:
     """The parity verdict of one run, given its gaps and the noise envelope (module docstring).
     adam_lr: the run's Adam learning rate (None for another optimizer): raises the parameter
-    floors to one weight moved by ``adam_element_bound`` (module docstring: Adam's high gain)."""
+    floors to one weight moved by ``adam_element_bound`` (module docstring: Adam's high gain).
+    replicas: the run's replica check (Replicas.of its metrics): a row whose replicas differ fails."""
     early = min(EARLY_STEPS, len(row.loss))
     loss_floor = FLOOR_ULPS * ulp(max(abs(v) for v in base_losses))
     theta_max = max(float(p.abs().max()) for p in base_params.values())
@@ -193,6 +241,7 @@ def judge(
         max_dloss=Check(max(row.loss), max(env.loss), loss_floor),
         param_rel_l2=Check(row.rel_l2, env.rel_l2, rel_floor),
         param_max_abs=Check(row.max_abs, env.max_abs, abs_floor),
+        replicas=replicas,
     )
 
 
@@ -201,10 +250,11 @@ def judge_runs(
     baseline: tuple[list[float], dict],
     noise_runs: list[tuple[list[float], dict]],
     adam_lr: float | None = None,
+    replicas: Replicas | None = None,
 ) -> Verdict:
     """judge() from (losses, params) pairs: the run, the baseline, and the baseline's noise reruns."""
     env = envelope([gaps(*noise, *baseline) for noise in noise_runs])
-    return judge(gaps(*run, *baseline), env, *baseline, adam_lr=adam_lr)
+    return judge(gaps(*run, *baseline), env, *baseline, adam_lr=adam_lr, replicas=replicas)
 
 
 def adam_lr_of(optimizer: str, lr: float) -> float | None:
@@ -225,6 +275,7 @@ def log_verdict(label: str, verdict: Verdict, expect_pass: bool = True) -> None:
         "rank": int(os.environ.get("RANK", "0")),
         "expect_pass": expect_pass,
         "passed": verdict.passed,
+        "replicas_agree": verdict.replicas.agree if verdict.replicas else None,
         "ratios": {name: check.ratio for name, check in verdict.checks().items()},
     }
     with open(path, "a") as f:  # one short write per line: appends from several ranks stay whole

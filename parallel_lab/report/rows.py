@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel_lab.protocol import FAILED_FILE, METRICS_FILE, PARAMS_FILE, FailedRun, RunMetrics, load_final_params
-from parallel_lab.report.parity import adam_lr_of, envelope, gaps, judge
+from parallel_lab.report.parity import Replicas, adam_lr_of, envelope, gaps, judge
 from parallel_lab.threads import torch_threads
 
 
@@ -157,7 +157,8 @@ def _judge_one(run: Row, base_pair, env, base_samples: list[int] | None = None) 
         run.parity = "no noise floor"
     else:
         gap = gaps(*pair, *base_pair)
-        verdict = judge(gap, env, *base_pair, adam_lr=adam_lr_of(run.metrics.optimizer, run.metrics.lr))
+        adam_lr, replicas = adam_lr_of(run.metrics.optimizer, run.metrics.lr), Replicas.of(run.metrics)
+        verdict = judge(gap, env, *base_pair, adam_lr=adam_lr, replicas=replicas)
         run.dloss_per_step, run.noise_envelope_per_step = gap.loss, env.loss
         run.parity_checks = verdict.as_dict()
         run.parity = "envelope" if run.is_noise else ("pass" if verdict.passed else _not_passed(run, base_samples))

@@ -147,6 +147,10 @@ def _evidence(run: Row) -> str | None:
     noise envelope ×)', or a failed run's error."""
     if run.failure:
         return run.failure.error
+    verdict = run.parity_checks or {}
+    if verdict.get("replicas_agree") is False:  # exact, and shown before any ratio: the ranks that differ
+        groups = verdict["replicas_disagree"]
+        return "; ".join(f"replicas differ: ranks {', '.join(map(str, g['ranks']))}" for g in groups)
     checks = [(label, run.parity_checks[name]) for name, label in CHECKS.items() if name in run.parity_checks]
     if not checks:
         return None

@@ -29,8 +29,10 @@ from omegaconf import DictConfig
 from parallel_lab.comm.counter import CommCounter
 from parallel_lab.comm.dist_env import DistEnv, init_process_group
 from parallel_lab.strategies.batchnorm import Norm
-from parallel_lab.strategies.memory import Memory
-from parallel_lab.strategies.mesh import Mesh
+from parallel_lab.strategies.ep.groups import ep_rank
+from parallel_lab.strategies.ep.rules import expert_ids
+from parallel_lab.strategies.memory import Memory, local_tensor
+from parallel_lab.strategies.mesh import REPLICATE, Mesh
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import PlanRules
 from parallel_lab.strategies.state import State
@@ -144,6 +146,25 @@ class Strategy:
         """metrics.json's ``comm_theory_psi``: the plan's formula, unless the run's own routing
         decides the volume (expert parallelism, strategies/ep/)."""
         return self.plan.comm_theory_psi(self.cfg)
+
+    def replica_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters as it holds them, each under a key naming *what* it holds: the ranks
+        holding one key are data-parallel replicas of it and must end a run with the same bytes
+        (``worker/replicas.py`` digests and compares them). The default, from the mesh: a parameter's
+        name and the rank's coordinates along every dimension but ``replicate`` (a tp, pp or FSDP
+        shard is the same shard only at the same coordinates: ranks that differ only in replicate
+        are replicas), an expert's also with the rank's ep share (experts differ between ep ranks by
+        design: ``ep/groups.py``). Override where the module's parameters are not what a rank holds."""
+        coords = self.layout.coords(self.env.rank)
+        where = "".join(f"{d}={coords[d]}," for d in self.layout.sizes() if d != REPLICATE)
+        experts = expert_ids(self.model) if self.layout.ep > 1 else set()
+        share = f"ep={ep_rank(self.layout, self.env.rank)}," if self.layout.ep > 1 else ""
+        out = {}
+        for name, p in self.model.named_parameters():
+            # DeepSpeed's MoE layer marks its experts' parameters allreduce=False (zero/ds_moe.py)
+            expert = id(p) in experts or getattr(p, "allreduce", True) is False
+            out[f"{where}{share if expert else ''}{name}"] = local_tensor(p.detach())
+        return out
 
     def extra_metrics(self) -> dict:
         """Strategy-specific numbers to add to metrics.json (e.g. replicas, bubble fraction)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -50,6 +50,7 @@ from parallel_lab.worker.metrics import (
 )
 from parallel_lab.worker.noise import jitter_gradients, jitter_one_ulp
 from parallel_lab.worker.profile import StepProfiler, no_range
+from parallel_lab.worker.replicas import replica_record
 
 
 def _progress(steps: int, enabled: bool, first: int = 0):
@@ -224,7 +225,7 @@ def train(cfg: DictConfig, env: DistEnv, strategy: Strategy) -> RunMetrics:
     metrics = _metrics(cfg, env, strategy, run)
     metrics.batchnorm = batchnorm_record(cfg, strategy, probe, metrics.ranks)
     metrics.machine = {**machine, "end": machine_state()}
-    return metrics
+    return replace(metrics, **replica_record(strategy))  # replicas bit for bit equal? (collective)
 
 
 def batchnorm_record(cfg: DictConfig, strategy: Strategy, probe: batchnorm.StatisticsProbe, ranks: list[dict]) -> dict:

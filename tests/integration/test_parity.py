@@ -12,6 +12,7 @@ import pytest
 
 from parallel_lab.cli.run import run_ranks
 from parallel_lab.protocol import load_final_params
+from parallel_lab.report.parity import Replicas
 from tests.support.bodies.data_parallel import train_variants
 from tests.support.cli import write_config
 from tests.support.reference import parity_reference
@@ -29,6 +30,9 @@ VARIANTS = [  # (optimizer, broken class or "" for the real manual_ddp, must pas
     ("adam", "", True),
     ("adam", "SkipsOneBucket", False),
     ("adam", "SameShardOnEveryRank", False),
+    # Caught by the replica check alone: after the early window the whole-run checks cannot see 8
+    # unsynchronised Adam steps (the criterion passes it), but the two replicas end different.
+    ("adam", "SkipsAllReduceAfterStep12", False),
     ("sgd", "", True),
     # Under Adam a gradient N times too large changes almost nothing (Adam divides by the
     # gradient's own scale), so this bug is shown with SGD, where it doubles every step.
@@ -49,8 +53,9 @@ def _selected(request) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def variant_runs(tmp_path_factory, request) -> dict[int, tuple[list[float], str]]:
-    """The selected VARIANTS runs trained in one set of 2 ranks: index -> (losses, config path)."""
+def variant_runs(tmp_path_factory, request) -> dict[int, tuple[list[float], dict, str]]:
+    """The selected VARIANTS runs trained in one set of 2 ranks: index -> (losses, the replica
+    check's metrics fields, config path)."""
     root = tmp_path_factory.mktemp("variants")
     chosen = _selected(request)
     runs = [
@@ -71,7 +76,7 @@ def variant_runs(tmp_path_factory, request) -> dict[int, tuple[list[float], str]
         if i in chosen
     ]
     out = run_ranks(train_variants, world_size=2, timeout=300, runs=runs)
-    return {i: (losses, path) for i, losses, (path, _) in zip(chosen, json.loads(out[0]), runs)}
+    return {i: (losses, replicas, path) for i, (losses, replicas), (path, _) in zip(chosen, json.loads(out[0]), runs)}
 
 
 @pytest.mark.slow
@@ -84,10 +89,18 @@ def variant_runs(tmp_path_factory, request) -> dict[int, tuple[list[float], str]
     ids=[f"{opt}-{variant or 'manual_ddp'}" for opt, variant, _ in VARIANTS],
 )
 def test_broken_data_parallelism_fails_and_the_real_strategy_passes(variant_runs, index):
-    (opt, variant, should_pass), (run_losses, path) = VARIANTS[index], variant_runs[index]
+    (opt, variant, should_pass), (run_losses, replicas, path) = VARIANTS[index], variant_runs[index]
     ref = parity_reference("cnn", steps=STEPS, global_batch=BATCH, optimizer=opt)
     label = f"{opt} {variant or 'manual_ddp'}"
-    verdict = ref.verdict(run_losses, load_final_params(Path(path).with_suffix("")), label, should_pass)
+    params = load_final_params(Path(path).with_suffix(""))
+    verdict = ref.verdict(run_losses, params, label, should_pass, replicas=Replicas.of(replicas))
     checks = {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()}
-    print((opt, variant or "manual_ddp"), checks)  # -s shows how far it is from its bound
+    print((opt, variant or "manual_ddp"), checks, replicas)  # -s shows how far it is from its bound
     assert verdict.passed == should_pass, f"{opt} {variant or 'manual_ddp'}: {verdict.as_dict()}"
+    if should_pass:  # world 2: one replica group, both ranks, agreeing bit for bit (not None: nothing compared)
+        assert replicas["replica_digests_agree"] is True, replicas
+    if variant == "SkipsAllReduceAfterStep12":  # the gap this check closes: the criterion alone passes it
+        assert verdict.criterion_passed, f"the envelope alone now catches it: {verdict.as_dict()}"
+        assert replicas["replica_digests_agree"] is False
+        assert [g["ranks"] for g in replicas["replica_groups_disagree"]] == [[0, 1]]
+        assert "replicas differ: ranks 0, 1" in verdict.reason()

@@ -27,6 +27,7 @@ from parallel_lab.models.resnet import ResNet18
 from parallel_lab.models.vit import ViT
 from parallel_lab.protocol import load_final_params
 from parallel_lab.report.parity import (
+    Replicas,
     Verdict,
     adam_lr_of,
     judge_runs,
@@ -202,12 +203,21 @@ class ParityReference:
     def params(self) -> dict[str, torch.Tensor]:
         return _named(self.net)
 
-    def verdict(self, losses: list[float], params: dict | list, label: str = "", expect_pass: bool = True) -> Verdict:
+    def verdict(
+        self,
+        losses: list[float],
+        params: dict | list,
+        label: str = "",
+        expect_pass: bool = True,
+        replicas: Replicas | None = None,
+    ) -> Verdict:
         """The report's verdict on (losses, params); logged for the bench with what the test expects
-        (expect_pass=False: a deliberately broken variant)."""
+        (expect_pass=False: a deliberately broken variant). replicas: the run's replica check
+        (report/parity.py Replicas), where the test has it."""
         if isinstance(params, (list, tuple)):  # a strategy's full_parameters(), in model order
             params = {name: p.detach().cpu() for name, p in zip(self.params, params, strict=True)}
-        verdict = judge_runs((losses, params), (self.losses, self.params), self.noise, adam_lr=self.adam_lr)
+        run, base = (losses, params), (self.losses, self.params)
+        verdict = judge_runs(run, base, self.noise, adam_lr=self.adam_lr, replicas=replicas)
         log_verdict(label, verdict, expect_pass)
         return verdict
 
@@ -220,7 +230,10 @@ class ParityReference:
         """A CLI run (metrics with its run_dir, as the cli fixture of tests/conftest.py returns them)."""
         params = load_final_params(Path(metrics["run_dir"]))
         assert params is not None, f"{label}: the run wrote no final_params.pt"
-        return self.assert_matches(metrics["losses"], params, label or metrics["strategy"])
+        label = label or metrics["strategy"]
+        verdict = self.verdict(metrics["losses"], params, label, replicas=Replicas.of(metrics))
+        assert verdict.passed, f"{label}: not the same training as the reference: {verdict.reason()}"
+        return verdict
 
 
 # A folder every process of one test session shares (tests/conftest.py sets it: the session's

@@ -234,6 +234,12 @@ class ZeroStrategy(Strategy):
         # The engine: stage 3 gathers parameters collectively (every rank runs the same batches).
         return self.engine(as_compute(inputs, self._input_dtype())).float()
 
+    def replica_parameters(self) -> dict[str, torch.Tensor]:
+        """Stages 0-2: the engine's module parameters, whole on every rank after the step (the
+        mesh's default). Stage 3: each module parameter is an empty placeholder and a rank holds only
+        its own partition (``ds_tensor``): no two ranks hold the same bytes, nothing to compare."""
+        return {} if self.opts.stage == 3 else super().replica_parameters()
+
     def extra_metrics(self) -> dict:
         extras = {"zero_stage": self.opts.stage, "ds_config": self.ds_config}
         if self._init_step:

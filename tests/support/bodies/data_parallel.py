@@ -93,20 +93,46 @@ class SameShardOnEveryRank(ManualDDPStrategy):
         self.dp_rank = 0
 
 
-BROKEN = {cls.__name__: cls for cls in (SkipsOneBucket, SumsInsteadOfAveraging, SameShardOnEveryRank)}
+class SkipsAllReduceAfterStep12(ManualDDPStrategy):
+    """Broken on purpose: from step 12 on (the last 8 of 20) no bucket is all-reduced, so each rank
+    takes its last Adam steps on its own half-batch gradient. The losses stay within the parity
+    envelope (the whole-run checks cannot see 8 late steps); the replicas end different."""
+
+    LAST_SYNCED = 12
+
+    def __init__(self, cfg, env) -> None:
+        super().__init__(cfg, env)
+        self.steps_done = 0
+
+    def _all_reduce(self, bucket) -> None:
+        if self.steps_done < self.LAST_SYNCED:
+            super()._all_reduce(bucket)
+
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        self.steps_done += 1
+
+
+BROKEN = {
+    cls.__name__: cls
+    for cls in (SkipsOneBucket, SumsInsteadOfAveraging, SameShardOnEveryRank, SkipsAllReduceAfterStep12)
+}
 
 
 def train_variants(rank: int, world_size: int, runs: list[list[str]]) -> None:
     """[config_path, variant] pairs: variant is a BROKEN class name or "" for the real strategy.
-    Rank 0 leaves final_params.pt in each config's run folder and prints the losses as JSON."""
-    losses = []
+    Rank 0 leaves final_params.pt in each config's run folder and prints, as JSON, each run's
+    losses and its replica check (the metrics.json fields of worker/replicas.py)."""
+    results = []
     for config_path, variant in runs:
         cfg = load_run_config(config_path)
         env = read_dist_env(cfg.device)
         strategy = (BROKEN[variant] if variant else get_strategy_class(cfg.strategy.name))(cfg, env)
-        losses.append(train(cfg, env, strategy).losses)
+        metrics = train(cfg, env, strategy)
+        replicas = {k: getattr(metrics, k) for k in ("replica_digests_agree", "replica_groups_disagree")}
+        results.append([metrics.losses, replicas])
         strategy.teardown()
         del strategy
         gc.collect()
     if rank == 0:
-        print(json.dumps(losses))
+        print(json.dumps(results))
