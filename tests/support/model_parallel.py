@@ -108,6 +108,26 @@ def assert_matches_reference(cfg: DictConfig, strategy: Strategy, metrics: RunMe
     return ref
 
 
+def judge_gpt_on_rank0(cfg: DictConfig, metrics: RunMetrics, full, rank: int, label: str, reference: str) -> None:
+    """Rank 0 alone judges the run's losses and full parameters against the single-process gpt
+    ``reference`` under the parity criterion (the parameters are the same on every rank; 2 cores,
+    one reference), at the run's optimizer, steps and batch."""
+    if rank != 0:
+        return
+    t = cfg.trainer
+    ref = parity_reference(
+        reference, optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
+        data_size=DATA_SIZE,
+    )  # fmt: skip
+    ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+
+
+def assert_state_as_planned(row: dict, label: str) -> None:
+    """A rank's measured parameters, gradients and optimizer state equal the planner's, to the byte."""
+    for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
+
+
 STEPS, BATCH = 3, 32  # the tp/pp CLI runs and their plain-torch reference
 
 

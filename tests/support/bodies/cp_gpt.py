@@ -15,7 +15,7 @@ from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize
 from tests.support.activations import balanced_routing
-from tests.support.model_parallel import DATA_SIZE
+from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
 
@@ -131,16 +131,9 @@ def check_gpt_ep(cfg, strategy, metrics, rank: int, label: str, reference: str) 
     model.train()
     with balanced_routing():  # the planner's equal share; what a rank's experts save depends on it
         measured_activations = saved_bytes_of_a_real_loss(strategy, model, plan.micro_batch)
-    if rank == 0:
-        t = cfg.trainer
-        ref = parity_reference(
-            reference, optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
-            data_size=DATA_SIZE,
-        )  # fmt: skip
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+    judge_gpt_on_rank0(cfg, metrics, full, rank, label, reference)
     row = metrics.ranks[rank]
-    for key in ("param_bytes", "grad_bytes", "optim_bytes"):
-        assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
+    assert_state_as_planned(row, label)
     assert row["param_bytes"] < row["analytic_param_bytes"], (label, "half of the experts a rank")
     measured = row["comm_bytes_by_op"]
     assert measured["all_to_all_single"] == theory["all_to_all_single"], (label, measured, theory)

@@ -20,7 +20,7 @@ from parallel_lab.checkpoint.full_state import consolidate
 from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
-from tests.support.model_parallel import DATA_SIZE
+from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0
 from tests.support.reference import GPT_SIZES, MODELS, parity_reference
 
 TIED = "embed.tokens.weight"
@@ -137,16 +137,9 @@ def check_pp_tied_replicas(cfg, strategy, metrics, rank: int, label: str) -> Non
     ends = [c for c in copies if c is not None]
     assert len(ends) == 2 * cfg.strategy.replicate, (label, "both ends of every pipeline hold the embedding")
     assert all(torch.equal(c, ends[0]) for c in ends), (label, "the ends' copies differ after training")
-    if rank == 0:  # one judge (2 cores, one reference)
-        t = cfg.trainer
-        ref = parity_reference(
-            "gpt", optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
-            data_size=DATA_SIZE,
-        )  # fmt: skip
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+    judge_gpt_on_rank0(cfg, metrics, full, rank, label, "gpt")
     row = metrics.ranks[rank]
-    for key in ("param_bytes", "grad_bytes", "optim_bytes"):
-        assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
+    assert_state_as_planned(row, label)
     assert row["comm_bytes_by_op"] == plans[rank].comm, (label, row["comm_bytes_by_op"], plans[rank].comm)
     want = 2.0 * 4 * GPT_SIZES["vocab"] * GPT_SIZES["hidden"]
     assert row["comm_bytes_by_group"].get("embedding") == want, (label, row["comm_bytes_by_group"], want)
