@@ -44,14 +44,15 @@ def test_elastic_hosts_get_torchrun_elastic_commands(tmp_path):
 
 def test_world_size_history_marks_the_change_in_the_report():
     from parallel_lab.report.table import _world_changes
-    from parallel_lab.worker.train import LoopState, _closed_ranges
+    from parallel_lab.worker.record import closed_ranges
+    from parallel_lab.worker.train import LoopState
 
     class Resumed:  # what Checkpointer.restore hands back, as far as the loop state reads it
         step, batches_consumed = 20, 20
         history = {"losses": [], "world_size_history": [{"from_step": 0, "world_size": 2, "strategy": "ddp"}]}
 
     state = LoopState.start(Resumed(), {"world_size": 1, "strategy": "ddp"})
-    ranges = _closed_ranges(state.history["world_size_history"], 60)
+    ranges = closed_ranges(state.history["world_size_history"], 60)
     assert [(r["from_step"], r["to_step"], r["world_size"]) for r in ranges] == [(0, 20, 2), (20, 60, 1)]
 
     class Metrics:
