@@ -241,7 +241,9 @@ def main(argv: list[str]) -> int:
     by = {(r["nd"], r["stage"]): r for r in table}
     print(
         f"ZeRO paper Table 1 (arXiv 1910.02054): per-device model states, Ψ = 7.5 B, K = 12 (mixed-precision Adam), "
-        f"GB = 1e9.\nPlan: DeepSpeed 0.19.8's buffers as the planner predicts them for "
+        f"GB = 1e9. Ψ here is the paper's: a parameter count (everywhere else in parallel_lab Ψ is the fp32 "
+        f"parameter bytes, 4 x the count: docs/glossary.md#psi).\n"
+        f"Plan: DeepSpeed 0.19.8's buffers as the planner predicts them for "
         f"{describe(args.model, shape, info['params'])}, fp16, scaled by 7.5e9 / {info['params']:,}.\n"
     )
     print("Paper, as published:\n")

@@ -49,6 +49,8 @@ TERMS: dict[str, str] = {
 # ("462 s", "7 min"), never as m:ss. benchmarks/results/<file> paths are exempt (their names carry
 # the run's stamp).
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|(?<!\d)20\d{6}T\d{4}")
+# Session wording dates a line as surely as a date does: the reader has no "today" or "this session".
+SESSION = re.compile(r"\b(today(?:'s)?|this session|last session|earlier code|yesterday)\b", re.IGNORECASE)
 CLOCK = re.compile(r"(?<![\w.:/\[-])\d{1,2}:[0-5]\d(:[0-5]\d)?(?![\w:/])")
 RESULTS_PATH = re.compile(r"benchmarks/results/[\w./-]*")
 # Ψ is fp32 parameter bytes everywhere (docs/glossary.md#psi): "Ψ = 321,290 parameters" or "Ψ parameters"
@@ -122,7 +124,7 @@ def check_dates(root: Path, pending: set[str] = frozenset()) -> list[str]:
             continue
         for number, line in enumerate(page.read_text().splitlines(), 1):
             text = re.sub(r"`[^`]*`", "``", RESULTS_PATH.sub("", line))
-            found = DATE.search(text) or CLOCK.search(text)
+            found = DATE.search(text) or CLOCK.search(text) or SESSION.search(text)
             if found:
                 errors.append(
                     f"{name}:{number}: dated line ('{found.group(0)}'): docs are reference; put the history in "
@@ -440,6 +442,9 @@ def test_a_page_over_the_limit_fails(site):
         ("`make test` took 462 s on 2 cores.", False),
         ("a ratio of 1.5:1 and the slice x[0:10]", False),
         ("`trainer.steps=3` at `10:55` inside code", False),
+        ("Today's default model is the cnn.", True),
+        ("Measured in this session at load 5.", True),
+        ("a file whose creator no longer runs", False),
     ],
 )
 def test_a_dated_line_fails(site, line, bad):

@@ -44,6 +44,8 @@ def test_zero_paper_reproduces_table_1_on_a_transformer_within_5_percent():
         assert f"| {nd} | " + " | ".join(row) + " |" in text
     # The shape a reader compares with the paper's is printed, and it is ~7.5 B parameters.
     assert "hidden 4096, 37 layers, 32 heads of 128" in text
+    # Its Ψ is the paper's parameter count, which the header says (glossary.md#psi: bytes everywhere else).
+    assert "Ψ here is the paper's: a parameter count" in text.splitlines()[0]
     _, params, _ = zero_paper.scaled_model("vit", zero_paper.parse_shape("vit", None, None))
     assert abs(params - 7.5e9) / 7.5e9 < 0.01
     # The last line, exactly in its format: the transformer's plan is within 5% of the paper everywhere,
