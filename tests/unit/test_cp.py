@@ -166,7 +166,30 @@ REFUSALS = {  # overrides -> what the one line must name
         ["strategy=ddp", "strategy.cp=4", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
         ["model.kv_heads=2", "strategy.cp_impl=ring"],
     ),
-    "gpt-tp": (["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT], ["strategy.tp=1"]),
+    "gpt-fsdp-tp": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT],
+        ["model=gpt", "strategy=tp strategy.tp=2 strategy.cp=2"],
+    ),
+    # strategy=tp strategy.cp (the gpt's, tp/cp_rules.py): what it does not run
+    "tp-cp-vit": (["strategy=tp", "strategy.cp=2", "world_size=4"], ["model=vit", "strategy=fsdp strategy.cp=2"]),
+    "tp-cp-tp1": (["strategy=tp", "strategy.cp=2", "strategy.tp=1", *GPT], ["strategy.tp=1", "strategy=ddp"]),
+    "tp-cp-sp": (
+        ["strategy=tp", "strategy.cp=2", "strategy.sequence_parallel=true", "world_size=4", *GPT],
+        ["strategy.sequence_parallel=true", "strategy.sequence_parallel=false"],
+    ),
+    "tp-cp-deepspeed": (
+        ["strategy=tp", "strategy.cp=2", "strategy.cp_impl=deepspeed", "world_size=4", *GPT],
+        ["strategy.cp_impl=deepspeed", "strategy.cp_impl=ring"],
+    ),
+    "tp-cp-ulysses-kv": (
+        ["strategy=tp", "strategy.cp=2", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
+        ["the 1 kv_heads of a tp rank", "strategy.cp_impl=ring"],
+    ),
+    "tp-cp-world": (["strategy=tp", "strategy.cp=2", *GPT], ["strategy.cp=2", "world_size=4"]),
+    "tp-cp-dropout": (
+        ["strategy=tp", "strategy.cp=2", "world_size=4", *GPT, "model.dropout=0.1"],
+        ["model.dropout=0.1", "model.dropout=0"],
+    ),
     "moe": (
         ["strategy=ddp", "strategy.cp=2", "model.moe_experts=4", "model.moe_topk=2"],
         ["model.moe_experts=4", "strategy.cp=1"],
