@@ -105,8 +105,9 @@ def predict_gpt_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
     formula = gpt_comm_formula(
         batch, sizes["seq"] // cp, sizes["hidden"], sizes["layers"], sp, activation_elem(cfg), recompute_mode(cfg),
         sizes["dropout"],
-    )  # fmt: skip  (strategy.cp: a rank's seq/cp tokens; the rest cp adds: tp_context_comm)
-    comm = add_comm({op: n * accum for op, n in formula.items()}, tp_context_comm(cfg, model, batch, activation_elem(cfg)))
+    )  # fmt: skip
+    comm = {op: n * accum for op, n in formula.items()}  # strategy.cp: a rank's seq/cp tokens, and what cp adds
+    comm = add_comm(comm, tp_context_comm(cfg, model, batch, activation_elem(cfg)))
     if sp:
         params = dict(model.named_parameters())
         comm["all_reduce"] += 2.0 * 4 * sum(params[n].numel() for n in sequence_parallel_params(model))

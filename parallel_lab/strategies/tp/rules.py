@@ -280,18 +280,17 @@ class TPPlan(PlanRules):
             from parallel_lab.strategies.tp.gpt_predict import gpt_collective_calls, gpt_split_layers
 
             split, calls = gpt_split_layers(model), gpt_collective_calls(cfg, model)
-            if (cfg.strategy.get("cp") or 1) > 1:  # on its seq/cp tokens (cp/rules.py)
-                share = context_flop_share(cfg, model, tuple(split), cfg.strategy.tp)
-                shape = super().compute_shape(cfg, model)
-                return ComputeShape(shape.micro_batch, shape.slots, share, calls, f"a rank does {share:.2f} of the FLOPs")
         elif cfg.model.name == "vit":  # each rank's attention core runs on its heads only
             from parallel_lab.strategies.tp.megatron import blocks
 
             split += [f"{b}.attn.core" for b in blocks(model)]
             calls = 4 * len(blocks(model)) * cfg.trainer.grad_accum  # 2 per block each way (SP: of each kind)
         share = tp_share(model, split, cfg.strategy.tp)
-        shape = super().compute_shape(cfg, model)
         note = f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        if (cfg.strategy.get("cp") or 1) > 1:  # the gpt's: on its seq/cp tokens (cp/rules.py)
+            share = context_flop_share(cfg, model, tuple(split), cfg.strategy.tp)
+            note = f"a cp x tp rank does {share:.2f} of the FLOPs"
+        shape = super().compute_shape(cfg, model)
         return ComputeShape(shape.micro_batch, shape.slots, share, calls, note)
 
     @classmethod
