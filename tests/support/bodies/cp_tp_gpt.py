@@ -77,3 +77,7 @@ def check_gpt_cp_tp(cfg, strategy, metrics, rank: int, label: str, reference: st
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
     assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
     assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
+    if rank == 0:  # the report's comm Ψ theory (report/columns.py _theory_psi): rank 0's planned bytes, no "?"
+        planned, measured = metrics.comm_planned_psi, metrics.comm_volume_psi
+        assert metrics.comm_theory_psi is None and planned is not None, (label, metrics.comm_theory_psi, planned)
+        assert abs(planned - measured) <= 1e-12 * measured, (label, planned, measured)
