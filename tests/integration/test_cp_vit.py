@@ -28,6 +28,7 @@ GPT = {
     "gpt-fsdp-ring": "gpt",
     "gpt-tp-cp-ring": "gpt_llama",
     "gpt-tp-cp-ulysses": "gpt",
+    "gpt-tp-cp-ring-grad_accum": "gpt_llama",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -52,6 +53,7 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
     # cp group's average missed, would show; Adam divides it out); Ulysses on the tied gpt
     "gpt-tp-cp-ring": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.optimizer=sgd"],
     "gpt-tp-cp-ulysses": [*GPT_RUN, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
+    "gpt-tp-cp-ring-grad_accum": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.grad_accum=2"],
 }
 
 

@@ -214,14 +214,16 @@ def test_cp_refusals_are_one_line_in_the_parent(case):
 
 
 @pytest.mark.parametrize(
-    "impl, variant, accum",
-    [("ring", "gpt_llama", 1), ("ring", "gpt_llama", 2), ("ulysses", "gpt", 1)],
+    "impl, variant, accum, replicate",
+    [("ring", "gpt_llama", 1, 1), ("ring", "gpt_llama", 2, 1), ("ulysses", "gpt", 1, 1), ("ring", "gpt", 1, 2)],
 )
-def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, accum):
+def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, accum, replicate):
     """strategy=tp strategy.cp=2 strategy.tp=2 on the gpt at world 4 (the planner, on the meta
     device): every rank's parameters are the vocab-parallel split's, derived from the whole gpt's
     shapes, and its bytes tests/support/bodies/cp_tp_gpt.py's formula (the runs measure the same:
-    tests/integration/test_cp_vit.py, extra); its compute about half a tp rank's (its seq/cp tokens)."""
+    tests/integration/test_cp_vit.py, extra, at replicate 1); its compute about half a tp rank's
+    (its seq/cp tokens). strategy.replicate=2 (world 8): each replica's half of the batch, and the
+    gradients averaged over the replicas too."""
     from parallel_lab.models import build_meta_model
     from parallel_lab.plan.predict import plan_world
     from parallel_lab.strategies import get_strategy_class
@@ -231,13 +233,13 @@ def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, 
 
     sizes = [f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS.get(variant, {}).items()]
     common = [*GPT_RUN, *sizes, "strategy=tp", "strategy.tp=2", "trainer.global_batch=16"]
-    cfg = compose_config(*common, "strategy.cp=2", f"strategy.cp_impl={impl}", "world_size=4",
-                         f"trainer.grad_accum={accum}")  # fmt: skip
+    cfg = compose_config(*common, "strategy.cp=2", f"strategy.cp_impl={impl}", f"world_size={4 * replicate}",
+                         f"strategy.replicate={replicate}", f"trainer.grad_accum={accum}")  # fmt: skip
     meta = build_meta_model(cfg.model)
     held = split_state_elements(meta, 2)
     want = cp_tp_gpt_bytes(cfg, held)
     plans = plan_world(cfg, get_strategy_class("tp"), meta)
-    assert len(plans) == 4
+    assert len(plans) == 4 * replicate
     for rank, plan in enumerate(plans):
         assert plan.state["param_bytes"] == 4 * held, (rank, plan.state)
         assert plan.comm == want, (rank, plan.comm, want)

@@ -41,12 +41,13 @@ def cp_tp_gpt_bytes(cfg, grad_elements: int) -> dict[str, float]:
     head's f, the loss's 3 (b, t) all-reduces, the embedding's g); the embedding's g sums the whole
     sequence before the cp slice takes the rank's tokens, so it carries (cp - 1) more (b, t, h);
     the attention's bytes on heads/tp heads (cp_gpt.py); every gradient element this rank holds
-    all-reduced over its cp group (2 x 4 bytes each)."""
+    all-reduced over its cp group, and with replicas over the replicate group (2 x 4 bytes each)."""
     s, accum = cfg.strategy, cfg.trainer.grad_accum
     cp, tp, h, layers = s.cp, s.tp, GPT_SIZES["hidden"], GPT_SIZES["layers"]
     batch, tokens = cfg.trainer.global_batch // accum // s.replicate, GPT_SIZES["seq"] // cp
     want = vocab_parallel_bytes(batch, accum, tokens, h, layers, False, 0)
-    want["all_reduce"] += accum * (cp - 1) * 2 * batch * tokens * h * 4 + 2 * 4 * grad_elements
+    averages = 1 + (s.replicate > 1)
+    want["all_reduce"] += accum * (cp - 1) * 2 * batch * tokens * h * 4 + averages * 2 * 4 * grad_elements
     kv_heads = cfg.model.kv_heads or GPT_SIZES["heads"]
     return {**want, **cp_gpt_bytes(str(s.cp_impl), cp, batch, accum, kv_heads, tp)}
 
