@@ -41,18 +41,10 @@ def check_tp_context(opts: DictConfig, cfg: DictConfig) -> None:
             raise ConfigError(f"{value} with strategy=tp strategy.cp={cp} is not built on model=gpt; use {fix}")
 
 
-def tp_context_comm(cfg: DictConfig, model, batch: int, elem: int) -> dict[str, float]:
+def tp_context_comm(cfg: DictConfig, model) -> dict[str, float]:
     """What cp adds per step to a tp rank's bytes beyond Megatron's formula at seq/cp tokens
-    (gpt_predict.py): the embedding's lookups are summed (g) over the whole sequence, before the cp
-    slice takes the rank's tokens (its learned positions are added to every token first), so its
-    all-reduce carries cp - 1 more (batch, seq/cp, hidden) activations; the ring's (or Ulysses')
-    attention bytes on the tp rank's heads (cp/rules.py ``context_comm``)."""
-    from parallel_lab.models.gpt_sizes import gpt_sizes
-    from parallel_lab.strategies.cp.rules import add_comm, context_comm, cp_of
+    (gpt_predict.py; the embedding too sums only the rank's tokens' lookups, cp/parallelize.py):
+    the ring's (or Ulysses') attention bytes on the tp rank's heads (cp/rules.py ``context_comm``)."""
+    from parallel_lab.strategies.cp.rules import context_comm
 
-    cp, s = cp_of(cfg), gpt_sizes(cfg.model)
-    if cp < 2:
-        return {}
-    embedding = (cp - 1) * 2.0 * batch * (s["seq"] // cp) * s["hidden"] * elem * cfg.trainer.grad_accum
-    replicas = cfg.strategy.get("replicate") or 1
-    return add_comm({"all_reduce": embedding}, context_comm(cfg, model, replicas, cfg.strategy.tp))
+    return context_comm(cfg, model, cfg.strategy.get("replicate") or 1, cfg.strategy.tp)

@@ -14,8 +14,7 @@ element (counter units: an all-reduce of B bytes counts 2B), A = b s h elem:
 - the cross-entropy: 3 all-reduces of b s fp32 values (the max, the sum of exp, the target logit).
 Once per step under SP the LayerNorms' and row biases' gradients are summed; with replicas every
 shard's gradient is averaged over them. strategy.cp (cp_rules.py): s = seq/cp, a rank's tokens, plus
-the embedding's whole-sequence sum and the attention's bytes (``tp_context_comm``); every shard's
-gradient is averaged over the cp group too.
+the attention's bytes (``tp_context_comm``); every shard's gradient is averaged over the cp group too.
 """
 
 from __future__ import annotations
@@ -107,7 +106,7 @@ def predict_gpt_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
         sizes["dropout"],
     )  # fmt: skip
     comm = {op: n * accum for op, n in formula.items()}  # strategy.cp: a rank's seq/cp tokens, and what cp adds
-    comm = add_comm(comm, tp_context_comm(cfg, model, batch, activation_elem(cfg)))
+    comm = add_comm(comm, tp_context_comm(cfg, model))
     if sp:
         params = dict(model.named_parameters())
         comm["all_reduce"] += 2.0 * 4 * sum(params[n].numel() for n in sequence_parallel_params(model))

@@ -2,9 +2,8 @@
 test body's world-4 ranks, tests/support/bodies/cp_vit.py): parity with single, every cp x tp
 rank's logits gathered equal to the whole model's, the model state of the vocab-parallel split to
 the byte (derived here from the gpt's shapes), the bytes of the formula derived here (Megatron's
-all-reduces on a rank's seq/cp tokens, the embedding's whole-sequence sum, the ring's or Ulysses'
-attention on the tp rank's heads, the cp group's gradient average) and the planned activations
-against a real forward and loss."""
+all-reduces on a rank's seq/cp tokens, the ring's or Ulysses' attention on the tp rank's heads,
+the cp group's gradient average) and the planned activations against a real forward and loss."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def split_state_elements(meta: torch.nn.Module, tp: int) -> int:
 def cp_tp_gpt_bytes(cfg, grad_elements: int) -> dict[str, float]:
     """One step of one rank (comm/counter.py's units), fp32, a replica's batch b, t = seq/cp a
     rank's tokens: tp_gpt.py's vocab-parallel formula at t tokens (each block's 4 all-reduces, the
-    head's f, the loss's 3 (b, t) all-reduces, the embedding's g); the embedding's g sums the whole
-    sequence before the cp slice takes the rank's tokens, so it carries (cp - 1) more (b, t, h);
+    head's f, the loss's 3 (b, t) all-reduces, the embedding's g of the rank's tokens' lookups);
     the attention's bytes on heads/tp heads (cp_gpt.py); every gradient element this rank holds
     all-reduced over its cp group, and with replicas over the replicate group (2 x 4 bytes each)."""
     s, accum = cfg.strategy, cfg.trainer.grad_accum
@@ -47,7 +45,7 @@ def cp_tp_gpt_bytes(cfg, grad_elements: int) -> dict[str, float]:
     batch, tokens = cfg.trainer.global_batch // accum // s.replicate, GPT_SIZES["seq"] // cp
     want = vocab_parallel_bytes(batch, accum, tokens, h, layers, False, 0)
     averages = 1 + (s.replicate > 1)
-    want["all_reduce"] += accum * (cp - 1) * 2 * batch * tokens * h * 4 + averages * 2 * 4 * grad_elements
+    want["all_reduce"] += averages * 2 * 4 * grad_elements
     kv_heads = cfg.model.kv_heads or GPT_SIZES["heads"]
     return {**want, **cp_gpt_bytes(str(s.cp_impl), cp, batch, accum, kv_heads, tp)}
 
