@@ -88,12 +88,20 @@ class Embedding(nn.Module):
         self.drop = drop()
         self.keys = keys
         self.input_shape = (seq,)  # one sample: seq token ids (models.input_shape)
+        # The (start, length) pieces of the sequence the ids hold, when they are not all of it from
+        # 0 (a plain attribute; context parallelism hands each rank its tokens' ids,
+        # strategies/cp/parallelize.py): their learned positions are those pieces' rows.
+        self.pieces: list[tuple[int, int]] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.training and self.keys is not None:
             self.keys.set(ids)
         x = self.tokens(ids)
-        return self.drop(x if self.pos is None else x + self.pos[: ids.shape[1]])
+        if self.pos is None:
+            return self.drop(x)
+        if self.pieces is None:
+            return self.drop(x + self.pos[: ids.shape[1]])
+        return self.drop(x + torch.cat([self.pos[start : start + length] for start, length in self.pieces]))
 
 
 class CausalCore(AttentionCore):

@@ -26,6 +26,9 @@ GPT = {
     "gpt-ddp-deepspeed": "gpt_llama",
     "gpt-moe-ddp-ep": "gpt_moe",
     "gpt-fsdp-ring": "gpt",
+    "gpt-tp-cp-ring": "gpt_llama",
+    "gpt-tp-cp-ulysses": "gpt",
+    "gpt-tp-cp-ring-grad_accum": "gpt_llama",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -45,6 +48,12 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
     "fsdp-tp": ["strategy=fsdp", "strategy.tp=2"],  # FSDP2 x TP without cp: its activations (test_tp_vit.py: the rest)
     "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
     "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
+    # the gpt's cp x tp inside strategy=tp's vocab-parallel split (tests/support/bodies/cp_tp_gpt.py):
+    # the causal ring on GQA's kv_heads/tp = 1 head a rank, SGD (a gradient scaled by a constant, the
+    # cp group's average missed, would show; Adam divides it out); Ulysses on the tied gpt
+    "gpt-tp-cp-ring": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.optimizer=sgd"],
+    "gpt-tp-cp-ulysses": [*GPT_RUN, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
+    "gpt-tp-cp-ring-grad_accum": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.grad_accum=2"],
 }
 
 
@@ -71,7 +80,9 @@ def extra_results() -> dict[str, list]:
     world4 = {name: overrides for name, overrides in EXTRA.items() if "strategy.tp=2" in overrides}
     return {
         **world2,
-        **run_configurations(cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH),
+        **run_configurations(
+            cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH, references=GPT
+        ),
     }
 
 

@@ -166,7 +166,30 @@ REFUSALS = {  # overrides -> what the one line must name
         ["strategy=ddp", "strategy.cp=4", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
         ["model.kv_heads=2", "strategy.cp_impl=ring"],
     ),
-    "gpt-tp": (["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT], ["strategy.tp=1"]),
+    "gpt-fsdp-tp": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT],
+        ["model=gpt", "strategy=tp strategy.tp=2 strategy.cp=2"],
+    ),
+    # strategy=tp strategy.cp (the gpt's, tp/cp_rules.py): what it does not run
+    "tp-cp-vit": (["strategy=tp", "strategy.cp=2", "world_size=4"], ["model=vit", "strategy=fsdp strategy.cp=2"]),
+    "tp-cp-tp1": (["strategy=tp", "strategy.cp=2", "strategy.tp=1", *GPT], ["strategy.tp=1", "strategy=ddp"]),
+    "tp-cp-sp": (
+        ["strategy=tp", "strategy.cp=2", "strategy.sequence_parallel=true", "world_size=4", *GPT],
+        ["strategy.sequence_parallel=true", "strategy.sequence_parallel=false"],
+    ),
+    "tp-cp-deepspeed": (
+        ["strategy=tp", "strategy.cp=2", "strategy.cp_impl=deepspeed", "world_size=4", *GPT],
+        ["strategy.cp_impl=deepspeed", "strategy.cp_impl=ring"],
+    ),
+    "tp-cp-ulysses-kv": (
+        ["strategy=tp", "strategy.cp=2", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
+        ["the 1 kv_heads of a tp rank", "strategy.cp_impl=ring"],
+    ),
+    "tp-cp-world": (["strategy=tp", "strategy.cp=2", *GPT], ["strategy.cp=2", "world_size=4"]),
+    "tp-cp-dropout": (
+        ["strategy=tp", "strategy.cp=2", "world_size=4", *GPT, "model.dropout=0.1"],
+        ["model.dropout=0.1", "model.dropout=0"],
+    ),
     "moe": (
         ["strategy=ddp", "strategy.cp=2", "model.moe_experts=4", "model.moe_topk=2"],
         ["model.moe_experts=4", "strategy.cp=1"],
@@ -188,3 +211,38 @@ def test_cp_refusals_are_one_line_in_the_parent(case):
     base = [] if "model=" in " ".join(rest) else ["model=vit"]
     world = [] if "world_size=" in " ".join(rest) else ["world_size=2"]
     assert_one_line_config_error(strategy, [*base, *world, *rest], named)
+
+
+@pytest.mark.parametrize(
+    "impl, variant, accum, replicate",
+    [("ring", "gpt_llama", 1, 1), ("ring", "gpt_llama", 2, 1), ("ulysses", "gpt", 1, 1), ("ring", "gpt", 1, 2)],
+)
+def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, accum, replicate):
+    """strategy=tp strategy.cp=2 strategy.tp=2 on the gpt at world 4 (the planner, on the meta
+    device): every rank's parameters are the vocab-parallel split's, derived from the whole gpt's
+    shapes, and its bytes tests/support/bodies/cp_tp_gpt.py's formula (the runs measure the same:
+    tests/integration/test_cp_vit.py, extra, at replicate 1); its compute about half a tp rank's
+    (its seq/cp tokens). strategy.replicate=2 (world 8): each replica's half of the batch, and the
+    gradients averaged over the replicas too."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.predict import plan_world
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.bodies.cp_tp_gpt import cp_tp_gpt_bytes, split_state_elements
+    from tests.support.model_parallel import compose_config
+    from tests.support.reference import GPT_RUN, GPT_VARIANTS
+
+    sizes = [f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS.get(variant, {}).items()]
+    common = [*GPT_RUN, *sizes, "strategy=tp", "strategy.tp=2", "trainer.global_batch=16"]
+    cfg = compose_config(*common, "strategy.cp=2", f"strategy.cp_impl={impl}", f"world_size={4 * replicate}",
+                         f"strategy.replicate={replicate}", f"trainer.grad_accum={accum}")  # fmt: skip
+    meta = build_meta_model(cfg.model)
+    held = split_state_elements(meta, 2)
+    want = cp_tp_gpt_bytes(cfg, held)
+    plans = plan_world(cfg, get_strategy_class("tp"), meta)
+    assert len(plans) == 4 * replicate
+    for rank, plan in enumerate(plans):
+        assert plan.state["param_bytes"] == 4 * held, (rank, plan.state)
+        assert plan.comm == want, (rank, plan.comm, want)
+    tp_share = get_strategy_class("tp").plan.compute_shape(compose_config(*common, "world_size=2"), meta).flop_share
+    share = get_strategy_class("tp").plan.compute_shape(cfg, meta).flop_share
+    assert tp_share / 2.1 < share < tp_share / 1.9, (share, tp_share)

@@ -14,9 +14,9 @@ balanced, ``token_pieces``).
   single takes, on every cp rank. LayerNorm, the MLP, the residuals and the q/k/v/proj Linears act
   token by token and run unchanged on the slice.
 
-The gpt (``parallelize_gpt``): ``embed``'s output is sliced the same way, after the learned
-positions were added to every token, so each token keeps its own; each block's ``attn.positions``
-names the rank's tokens' places for the rotary embedding; the core is causal (the ring: causal.py;
+The gpt (``parallelize_gpt``): ``embed`` takes the rank's token ids (a forward pre-hook) and adds
+their own learned positions (``embed.pieces``), so each token keeps its own; each block's
+``attn.positions`` names the rank's tokens' places for the rotary embedding; the core is causal (the ring: causal.py;
 Ulysses' local core holds every token of its heads, in order, and masks as single does); the head
 acts token by token, so the loss is the cross-entropy of the rank's tokens against their labels
 (the strategy slices the labels, cp/strategy.py): the cp ranks' equal shares average to single's.
@@ -125,7 +125,10 @@ def parallelize_gpt(model: nn.Module, cp: CPGroup, impl: str) -> list[tuple[int,
     rank's pieces of the sequence, which the strategy takes of the labels."""
     pieces = token_pieces(model.sizes["seq"], cp.size, cp.rank, impl)
     positions = torch.cat([torch.arange(start, start + length) for start, length in pieces])
-    model.embed.register_forward_hook(lambda _m, _a, out: take_tokens(out, pieces))
+    # the rank's token ids enter the embedding (as Megatron-Core slices its batch): under strategy=tp
+    # the vocab-parallel lookup then sums only the rank's tokens (tp/vocab.py)
+    model.embed.register_forward_pre_hook(lambda _m, args: (take_tokens(args[0], pieces, 1),))
+    model.embed.pieces = pieces
     for block in blocks(model):
         block.attn.positions = positions
         block.attn.core = ContextParallelCore(block.attn.core, cp, impl, causal=True)

@@ -72,19 +72,19 @@ def _check_gpt(cp: int, impl: str, tp: int, cfg: DictConfig) -> dict:
     from parallel_lab.models.gpt_sizes import gpt_sizes
 
     sizes = gpt_sizes(cfg.model)
-    if tp > 1:
-        raise ConfigError(f"strategy.cp={cp} with strategy.tp={tp} is not built on model=gpt; use strategy.tp=1")
     parts = 2 * cp if impl == "ring" else cp
     if sizes["seq"] % parts:
         why = f"2 x strategy.cp={cp} chunks (the load-balanced causal ring)" if impl == "ring" else f"strategy.cp={cp}"
         raise ConfigError(
             f"model.seq={sizes['seq']} does not split into {why}; use a model.seq that is a multiple of {parts}"
         )
-    for key in ("heads", "kv_heads"):
-        if impl != "ring" and sizes[key] % cp:
+    for key in ("heads", "kv_heads"):  # under strategy=tp: a tp rank's heads/tp (tp divides them, gpt_rules.py)
+        held = sizes[key] // tp
+        if impl != "ring" and held % cp:
+            what = f"the {held} {key} of a tp rank" if tp > 1 else f"model.{key}={sizes[key]}"
             raise ConfigError(
                 f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of "
-                f"model.{key}={sizes[key]}; use a strategy.cp that divides {sizes[key]} or strategy.cp_impl=ring"
+                f"{what}; use a strategy.cp that divides {held} or strategy.cp_impl=ring"
             )
     return sizes
 

@@ -204,6 +204,12 @@ class FSDPPlan(PlanRules):
             raise ConfigError(
                 f"strategy.tp={opts.tp} must be >= 1 and divide world_size={cfg.world_size}; e.g. strategy.tp=2"
             )
+        if cfg.model.name == "gpt":  # its vocab-parallel split is strategy=tp's (tp/vocab.py), cp too (tp/cp_rules.py)
+            cp = f" strategy.cp={opts.cp}" if opts.cp > 1 else ""
+            raise ConfigError(
+                f"strategy=fsdp strategy.tp={opts.tp} (2-D FSDP2 x TP) is built on model=vit, not model=gpt; "
+                f"use strategy=tp strategy.tp={opts.tp}{cp} (the gpt's vocab-parallel split) or strategy.tp=1"
+            )
         wanted = {
             "model": (cfg.model.name, "vit"),
             "strategy.version": (opts.version, 2),

@@ -13,7 +13,8 @@ element (counter units: an all-reduce of B bytes counts 2B), A = b s h elem:
   backward, A each);
 - the cross-entropy: 3 all-reduces of b s fp32 values (the max, the sum of exp, the target logit).
 Once per step under SP the LayerNorms' and row biases' gradients are summed; with replicas every
-shard's gradient is averaged over them.
+shard's gradient is averaged over them. strategy.cp (cp_rules.py): s = seq/cp, a rank's tokens, plus
+the attention's bytes (``tp_context_comm``); every shard's gradient is averaged over the cp group too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import copy
 from omegaconf import DictConfig
 from torch import nn
 
+from parallel_lab.strategies.cp.rules import add_comm
+from parallel_lab.strategies.tp.cp_rules import tp_context_comm
 from parallel_lab.strategies.tp.predict import (
     _sharded_numels,
     activation_elem,
@@ -42,7 +45,8 @@ def predict_gpt_memory(cfg: DictConfig, model: nn.Module, rank: int) -> dict[str
 
 
 def split_meta_gpt(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
-    """A meta copy of the gpt split as tp rank ``rank % tp`` splits it, its loss included
+    """A meta copy of the gpt split as tp rank ``rank % tp`` splits it (with strategy.cp, then
+    sharded over the cp ranks as rank's cp coordinate shards it), its loss included
     (``vocab.WithVocabLoss``): on the meta device the collectives only shape their outputs."""
     from parallel_lab.strategies.tp.megatron import TPGroup
     from parallel_lab.strategies.tp.vocab import WithVocabLoss, split_gpt
@@ -50,6 +54,12 @@ def split_meta_gpt(cfg: DictConfig, model: nn.Module, rank: int) -> nn.Module:
     tp = TPGroup(None, rank % cfg.strategy.tp, cfg.strategy.tp)
     split = copy.deepcopy(model)
     split_gpt(split, tp, bool(cfg.strategy.get("sequence_parallel")))
+    cp = cfg.strategy.get("cp") or 1
+    if cp > 1:  # then sharded over the cp ranks as the run does (tp/strategy.py), this rank's tokens
+        from parallel_lab.strategies.cp.comm import CPGroup
+        from parallel_lab.strategies.cp.parallelize import parallelize
+
+        parallelize(split, CPGroup(None, rank // cfg.strategy.tp % cp, cp), str(cfg.strategy.cp_impl))
     return WithVocabLoss(split, tp)
 
 
@@ -88,20 +98,22 @@ def predict_gpt_comm(cfg: DictConfig, model: nn.Module) -> dict[str, float]:
         return {}
     if tp < 2:
         return {"all_reduce": 2.0 * 4 * sum(p.numel() for p in model.parameters())}  # plain data parallel
-    sizes, replicate = gpt_sizes(cfg.model), s.get("replicate") or 1
+    sizes, replicate, cp = gpt_sizes(cfg.model), s.get("replicate") or 1, s.get("cp") or 1
     sp = bool(s.get("sequence_parallel"))
     batch = cfg.trainer.global_batch // accum // replicate
     formula = gpt_comm_formula(
-        batch, sizes["seq"], sizes["hidden"], sizes["layers"], sp, activation_elem(cfg), recompute_mode(cfg),
+        batch, sizes["seq"] // cp, sizes["hidden"], sizes["layers"], sp, activation_elem(cfg), recompute_mode(cfg),
         sizes["dropout"],
     )  # fmt: skip
-    comm = {op: n * accum for op, n in formula.items()}
+    comm = {op: n * accum for op, n in formula.items()}  # strategy.cp: a rank's seq/cp tokens, and what cp adds
+    comm = add_comm(comm, tp_context_comm(cfg, model))
     if sp:
         params = dict(model.named_parameters())
         comm["all_reduce"] += 2.0 * 4 * sum(params[n].numel() for n in sequence_parallel_params(model))
-    if replicate > 1:
+    groups = (replicate > 1) + (cp > 1)  # the gradient average: over the cp group, then the replicas
+    if groups:
         sharded = _sharded_numels(model, vit_plan(model), tp, 0, tuple(vocab_layers(model)))
-        comm["all_reduce"] += 2.0 * 4 * sum(sharded)
+        comm["all_reduce"] += groups * 2.0 * 4 * sum(sharded)
     return comm
 
 

@@ -13,11 +13,13 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.cp.rules import ContextOptions, check_context, context_flop_share
 from parallel_lab.strategies.ep.rules import check_ep, expert_parallel_meta
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import SAMPLE_SHAPE, ClusterLayout, ComputeShape, PlanRules, SavedBytes
 from parallel_lab.strategies.registry import register_rules
+from parallel_lab.strategies.tp.cp_rules import check_tp_context
 from parallel_lab.strategies.tp.plans import block_plan
 
 if TYPE_CHECKING:
@@ -72,9 +74,10 @@ def split_widths(model: DictConfig, split_conv: bool) -> list[tuple[str, int, st
 
 
 def tp_dims(opts: DictConfig) -> MeshDims:
-    """strategy.replicate copies of a tp group of strategy.tp consecutive ranks; the tp group is
-    laid out even at tp=1 (f and g talk over it, never over the world)."""
-    return MeshDims(replicate=opts.replicate, tp=opts.tp, ep=opts.get("ep", 1), named=("tp",))
+    """strategy.replicate copies of strategy.cp context-parallel groups (the gpt, tp/cp_rules.py) of
+    a tp group of strategy.tp consecutive ranks; the tp group is laid out even at tp=1 (f and g talk
+    over it, never over the world)."""
+    return MeshDims(replicate=opts.replicate, cp=opts.get("cp", 1), tp=opts.tp, ep=opts.get("ep", 1), named=("tp",))
 
 
 def check_vit_split(cfg: DictConfig, tp: int, sequence_parallel: bool, impl: str) -> None:
@@ -117,8 +120,9 @@ class TensorImpl(Choice):
 
 
 @dataclass
-class TPOptions(StrategyOptions):
-    """``strategy=tp`` options."""
+class TPOptions(ContextOptions, StrategyOptions):
+    """``strategy=tp`` options (with ``strategy.cp``/``cp_impl`` on the gpt: context parallelism
+    inside the vocab-parallel split, tp/cp_rules.py)."""
 
     tp: int = 2  # tensor-parallel degree: must divide every split width; replicate x tp = world_size
     replicate: int = 1  # data-parallel copies of the tp group (dp x tp on a 2-D mesh); 1 = tp only
@@ -176,14 +180,15 @@ class TPPlan(PlanRules):
 
     @classmethod
     def data_parallel_size(cls, cfg: DictConfig) -> int:
-        """Every tp rank sees its replica's whole batch (= strategy.replicate once the degrees
-        check; the planner asks before setting them)."""
-        return cfg.world_size // cfg.strategy.tp
+        """Every tp rank sees its replica's whole batch, the cp ranks the same samples (=
+        strategy.replicate once the degrees check; the planner asks before setting them)."""
+        return cfg.world_size // cfg.strategy.tp // (cfg.strategy.get("cp") or 1)
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
         if opts.tp < 1:
             raise ConfigError(f"strategy.tp={opts.tp} must be >= 1; use strategy.tp=2")
+        check_tp_context(opts, cfg)  # strategy.cp: the gpt's manual split only
         if opts.precision == "bf16" and opts.get("ep", 1) > 1:
             raise ConfigError(
                 f"strategy.precision=bf16 with strategy=tp strategy.ep={opts.ep}: the experts' all-to-all is "
@@ -216,7 +221,8 @@ class TPPlan(PlanRules):
         if opts.ep > 1 and opts.replicate == 1 and opts.tp > 0 and cfg.world_size % opts.tp == 0:
             # ep spans data-parallel ranks: at the default replicate=1 the replicas fill the world
             opts.replicate = cfg.world_size // opts.tp
-        check_degrees(cfg, tp_dims(opts), {"tp": ("tp", "tensor-parallel degree")})  # before the model is built
+        degrees = {"cp": ("cp", "context-parallel ranks")} if opts.cp != 1 else {}
+        check_degrees(cfg, tp_dims(opts), {**degrees, "tp": ("tp", "tensor-parallel degree")})  # before the model
         if opts.ep != 1 and (opts.impl != "manual" or opts.sequence_parallel):
             raise ConfigError(
                 f"strategy.ep={opts.ep} runs with strategy.impl=manual without sequence parallelism (each tp rank "
@@ -227,6 +233,8 @@ class TPPlan(PlanRules):
             from parallel_lab.strategies.tp.gpt_rules import check_gpt_split
 
             check_gpt_split(cfg, opts)
+        if opts.cp != 1:  # the sequence's chunks, Ulysses' heads of a tp rank (tp divides them by now)
+            check_context(opts, cfg)
         if model_name == "vit" or opts.sequence_parallel and model_name != "gpt":
             cls._check_vit(opts, cfg)
         for name, width, what in cls._split_widths(cfg, opts):
@@ -278,8 +286,11 @@ class TPPlan(PlanRules):
             split += [f"{b}.attn.core" for b in blocks(model)]
             calls = 4 * len(blocks(model)) * cfg.trainer.grad_accum  # 2 per block each way (SP: of each kind)
         share = tp_share(model, split, cfg.strategy.tp)
-        shape = super().compute_shape(cfg, model)
         note = f"tp rank does {share:.2f} of the FLOPs on the whole batch"
+        if (cfg.strategy.get("cp") or 1) > 1:  # the gpt's: on its seq/cp tokens (cp/rules.py)
+            share = context_flop_share(cfg, model, tuple(split), cfg.strategy.tp)
+            note = f"a cp x tp rank does {share:.2f} of the FLOPs"
+        shape = super().compute_shape(cfg, model)
         return ComputeShape(shape.micro_batch, shape.slots, share, calls, note)
 
     @classmethod

@@ -37,6 +37,11 @@ dp x tp: ``strategy.replicate=R`` copies of the tp group on a (replicate, tp) me
 (``strategies/mesh.py``), R x tp = world_size. Each tp group (consecutive ranks) reads its own
 global_batch / R samples; f and g run on the tp sub-group, and after backward every rank averages
 its (sharded or replicated) gradients with the same part in the other replicas.
+
+gpt x cp x tp (``strategy.cp``, tp/cp_rules.py): a (replicate, cp, tp) mesh; after the split the
+gpt's tokens are sharded over the cp ranks of each tp coordinate (strategies/cp: the causal,
+load-balanced ring or Ulysses on the tp rank's heads), each rank's vocab-parallel loss over its own
+tokens' labels, and the gradients averaged over the cp group before the replicas.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch import nn
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
 from parallel_lab.strategies.clip import clip_by_global_norm
+from parallel_lab.strategies.cp.strategy import ContextParallel
 from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes, local_tensor, tensor_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
@@ -98,7 +104,7 @@ class TPMemory(HeldMemory):  # the split layers count their shard
 
 
 @register("tp")
-class TensorParallelStrategy(Bf16Compute, Strategy):
+class TensorParallelStrategy(ContextParallel, Bf16Compute, Strategy):
     plan = TPPlan
     State = TPState
     Memory = TPMemory
@@ -131,6 +137,7 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
             self.shard_dims = self._split_manual(model, plan)
         else:
             self.shard_dims = self._split_dtensor(model, plan)
+        self.parallelize_context(model)  # strategy.cp (the gpt): its tokens over the cp ranks, after the split
         self.model = model
         self.optimizer = make_optimizer(self.model.parameters())
 
@@ -248,7 +255,10 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
                 offset += g.numel()
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
-        """A tp group shares one loss: the mean over the replicas' losses."""
+        """A tp group shares one loss: the mean over the replicas' losses (with cp, over every rank:
+        each cp rank's loss is its tokens', ContextParallel's)."""
+        if self.layout.cp > 1:
+            return super().global_mean_loss(local_mean)
         if self.replicate_group is not None:
             local_mean = local_mean.detach().clone()
             dist.all_reduce(local_mean, group=self.replicate_group)
@@ -256,14 +266,19 @@ class TensorParallelStrategy(Bf16Compute, Strategy):
         return float(local_mean)
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Each replica scored its own shard; the ranks of a tp group scored the same one."""
+        """Each replica scored its own shard; the ranks of a tp group scored the same one, and so did
+        its cp ranks (each predicted every token, gathered: ContextParallel.predict)."""
         if self.replicate_group is not None:
             dist.all_reduce(counts, group=self.replicate_group)
         return counts
 
     def average_over_replicas(self) -> None:
         """Data parallelism: every replica saw its own global_batch / replicate samples; under ep
-        the experts' gradients are summed over their own replicas (strategies/ep/parallel.py)."""
+        the experts' gradients are summed over their own replicas (strategies/ep/parallel.py). With
+        cp each cp rank's gradient is of its own tokens' mean loss: averaged over the cp group first
+        (the mean of the cp ranks' equal shares is the replica's mean over all its tokens)."""
+        if self.layout.cp > 1:  # the parent refuses ep with cp (tp/cp_rules.py)
+            average_gradients(self.model.parameters(), self.cp_group.group, self.layout.cp)
         if self.experts is None:
             return average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
         experts = {id(p) for p in self.experts.expert_parameters()}

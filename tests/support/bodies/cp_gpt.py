@@ -19,16 +19,17 @@ from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, jud
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
 
-def cp_gpt_bytes(impl: str, cp: int, batch: int, accum: int, kv_heads: int) -> dict[str, float]:
+def cp_gpt_bytes(impl: str, cp: int, batch: int, accum: int, kv_heads: int, tp: int = 1) -> dict[str, float]:
     """Context parallelism's communication in one step per rank on the gpt, as this test derives it:
     per block and micro-batch, with t = seq/cp a rank's tokens, Q = batch x t x hidden fp32 (its
     queries) and K = batch x t x kv_heads x head_dim fp32 (its keys, or values): the causal ring,
     (cp-1) hops of K and V forward and of K, V and dK, dV backward (whole blocks, even where the
     mask leaves half of one unused); Ulysses, q, k, v and the output to heads and back forward, and
-    the 4 inverses backward. The gpt's head is per token: no pool."""
+    the 4 inverses backward. The gpt's head is per token: no pool. Under strategy=tp a rank's
+    attention holds heads/tp query and kv_heads/tp key/value heads: Q and K / tp."""
     seq, hidden, heads, layers = (GPT_SIZES[k] for k in ("seq", "hidden", "heads", "layers"))
-    q = batch * (seq // cp) * hidden * 4
-    k = batch * (seq // cp) * kv_heads * (hidden // heads) * 4
+    q = batch * (seq // cp) * hidden // tp * 4
+    k = batch * (seq // cp) * kv_heads // tp * (hidden // heads) * 4
     if impl == "ring":
         return {"isend": accum * layers * (cp - 1) * 3 * 2 * k}
     return {"all_to_all_single": accum * layers * 2 * (2 * q + 2 * k)}
