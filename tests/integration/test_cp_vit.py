@@ -45,6 +45,8 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
     "fsdp-tp": ["strategy=fsdp", "strategy.tp=2"],  # FSDP2 x TP without cp: its activations (test_tp_vit.py: the rest)
     "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
     "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
+    # HSDP x CP: replicate 2 x (shard 1 x cp 2), fully_shard over shard x cp, all-reduced over replicate
+    "fsdp-hsdp-cp-ring": ["strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", "strategy.cp=2"],
 }
 
 
@@ -68,7 +70,7 @@ def extra_results() -> dict[str, list]:
     world2 = run_configurations(
         cp_vit_body, world2, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH, references=GPT
     )
-    world4 = {name: overrides for name, overrides in EXTRA.items() if "strategy.tp=2" in overrides}
+    world4 = {name: overrides for name, overrides in EXTRA.items() if name not in world2}
     return {
         **world2,
         **run_configurations(cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH),

@@ -1,5 +1,5 @@
 """What 2-D FSDP2 x TP (x CP) holds and sends on each rank of the vit, derived here from the vit's
-parameter shapes and the two papers' layouts, independently of the planner (parallel_lab/strategies/
+parameter shapes and the two papers' layouts (and HSDP's, ``hsdp_bytes``), independently of the planner (parallel_lab/strategies/
 fsdp/predict.py): Megatron's split (Shoeybi et al., arXiv 1909.08053) cuts the column layers' weight
 and bias on dim 0 and the row layers' weight on dim 1 over tp; fully_shard then cuts each tp-local
 tensor on its dim 0 over the D = world / tp ranks of one tp coordinate (torch.chunk's rows, every
@@ -63,4 +63,18 @@ def fsdp_tp_bytes(
         "all_gather_single": accum * 2.0 * shards * padded,
         "reduce_scatter_single": accum * 1.0 * shards * padded,
         "all_reduce": accum * depth * 4 * 2.0 * activation,
+    }
+
+
+def hsdp_bytes(named_shapes: dict[str, tuple[int, ...]], shards: int, accum: int = 1) -> dict[str, float]:
+    """HSDP's bytes a rank issues in one step (the counter's units), fully_shard over the ``shards``
+    ranks of one replica (under cp: shard x cp) and replicated across: each micro-batch's padded
+    shards all-gathered twice and reduce-scattered once inside the replica, as ``fsdp_tp_bytes``
+    without tp, and the reduced padded shard all-reduced over the replicate dimension (FSDP2's HSDP
+    reduction; an all-reduce counts twice its bytes)."""
+    padded = fsdp_tp_state(named_shapes, shards, 1, 0)["param_bytes"]  # the same on every rank
+    return {
+        "all_gather_single": accum * 2.0 * shards * padded,
+        "reduce_scatter_single": accum * 1.0 * shards * padded,
+        "all_reduce": accum * 2.0 * padded,
     }
