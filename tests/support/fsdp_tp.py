@@ -1,10 +1,11 @@
-"""What 2-D FSDP2 x TP (x CP) holds and sends on each rank of the vit, derived here from the vit's
-parameter shapes and the two papers' layouts (and HSDP's, ``hsdp_bytes``), independently of the planner (parallel_lab/strategies/
-fsdp/predict.py): Megatron's split (Shoeybi et al., arXiv 1909.08053) cuts the column layers' weight
-and bias on dim 0 and the row layers' weight on dim 1 over tp; fully_shard then cuts each tp-local
-tensor on its dim 0 over the D = world / tp ranks of one tp coordinate (torch.chunk's rows, every
-shard padded to ceil(rows / D)). Used by tests/unit/test_tensor_parallel.py (the plan),
-tests/support/bodies/cp_vit.py and tests/integration/test_tp_vit.py (the measured runs)."""
+"""What 2-D FSDP2 x TP (x CP) and HSDP x CP (``hsdp_bytes``) hold and send on each rank of the vit,
+derived here from the vit's parameter shapes and the two papers' layouts, independently of the
+planner (parallel_lab/strategies/fsdp/predict.py): Megatron's split (Shoeybi et al., arXiv
+1909.08053) cuts the column layers' weight and bias on dim 0 and the row layers' weight on dim 1
+over tp; fully_shard then cuts each tp-local tensor on its dim 0 over the D = world / tp ranks of
+one tp coordinate (torch.chunk's rows, every shard padded to ceil(rows / D)). Used by
+tests/unit/test_tensor_parallel.py (the plan), tests/support/bodies/cp_vit.py and
+tests/integration/test_tp_vit.py (the measured runs)."""
 
 from __future__ import annotations
 
