@@ -26,6 +26,7 @@ GPT = {
     "gpt-ddp-deepspeed": "gpt_llama",
     "gpt-moe-ddp-ep": "gpt_moe",
     "gpt-fsdp-ring": "gpt",
+    "gpt-fsdp-hsdp-cp-ring": "gpt",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -39,14 +40,16 @@ DEFAULT = {  # one set of ranks for the default suite
     "gpt-ddp-deepspeed": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
     "gpt-moe-ddp-ep": [*GPT_EP, "trainer.optimizer=sgd"],
 }
+# HSDP x CP: replicate 2 x (shard 1 x cp 2), fully_shard over shard x cp, all-reduced over replicate
+HSDP_CP = ["strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", "strategy.cp=2"]
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
     "gpt-fsdp-ring": [*GPT_RUN, "strategy=fsdp", "strategy.cp=2"],
     "fsdp-tp": ["strategy=fsdp", "strategy.tp=2"],  # FSDP2 x TP without cp: its activations (test_tp_vit.py: the rest)
     "fsdp-cp-tp-ring": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2"],
     "fsdp-cp-tp-ulysses": ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
-    # HSDP x CP: replicate 2 x (shard 1 x cp 2), fully_shard over shard x cp, all-reduced over replicate
-    "fsdp-hsdp-cp-ring": ["strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", "strategy.cp=2"],
+    "fsdp-hsdp-cp-ring": [*HSDP_CP],
+    "gpt-fsdp-hsdp-cp-ring": [*GPT_RUN, *HSDP_CP],
 }
 
 
@@ -73,7 +76,9 @@ def extra_results() -> dict[str, list]:
     world4 = {name: overrides for name, overrides in EXTRA.items() if name not in world2}
     return {
         **world2,
-        **run_configurations(cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH),
+        **run_configurations(
+            cp_vit_body, world4, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH, references=GPT
+        ),
     }
 
 

@@ -79,3 +79,18 @@ def hsdp_bytes(named_shapes: dict[str, tuple[int, ...]], shards: int, accum: int
         "reduce_scatter_single": accum * 1.0 * shards * padded,
         "all_reduce": accum * 2.0 * padded,
     }
+
+
+def add_bytes(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two byte counts by collective, summed."""
+    return {op: a.get(op, 0.0) + b.get(op, 0.0) for op in {**a, **b}}
+
+
+def hybrid_checks(meta, row: dict, shards: int, rank: int, label: str) -> dict[str, float]:
+    """HSDP x CP in a run (fully_shard over the replica's ``shards`` = shard x cp ranks, replicated
+    across; the vit or the gpt): the rank's measured model state (metrics.json's ``row``) equals the
+    shapes' padded shards to the byte; returns HSDP's bytes (``hsdp_bytes``, grad_accum 1)."""
+    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+    state = fsdp_tp_state(shapes, shards, 1, rank % shards)  # row-major, cp innermost: rank % shards its place
+    assert {key: row[key] for key in state} == state, (label, state, row)
+    return hsdp_bytes(shapes, shards)

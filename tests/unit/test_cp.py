@@ -211,8 +211,8 @@ def test_hsdp_x_cp_lays_out_replicate_shard_cp_and_plans_the_shapes_bytes():
     replica) plus cp_vit.py's ring. The run measures the same at world 4 (test_cp_vit.py, extra)."""
     from parallel_lab.models import build_meta_model
     from parallel_lab.strategies import get_strategy_class
-    from tests.support.bodies.cp_vit import add_bytes, cp_bytes
-    from tests.support.fsdp_tp import fsdp_tp_state, hsdp_bytes
+    from tests.support.bodies.cp_vit import cp_bytes
+    from tests.support.fsdp_tp import add_bytes, fsdp_tp_state, hsdp_bytes
     from tests.support.model_parallel import compose_config
 
     world, batch = 8, 16

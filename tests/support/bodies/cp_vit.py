@@ -14,7 +14,7 @@ from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward, saved_bytes_of_a_sharded_forward
-from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state, hsdp_bytes
+from tests.support.fsdp_tp import add_bytes, fsdp_tp_bytes, fsdp_tp_state, hybrid_checks
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
@@ -37,20 +37,6 @@ def cp_bytes(impl: str, cp: int, batch: int, accum: int, tp: int = 1) -> dict[st
         else {"all_to_all_single": accum * DEPTH * 8 * a}
     )
     return {**attention, "all_reduce": accum * 2 * batch * DIM * 4}
-
-
-def add_bytes(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {op: a.get(op, 0.0) + b.get(op, 0.0) for op in {**a, **b}}
-
-
-def hybrid_checks(meta, row: dict, shards: int, rank: int, label: str) -> dict[str, float]:
-    """HSDP x CP (fully_shard over the replica's shard x cp ranks, replicated across): the rank's
-    model state equals the shapes' padded shards (fsdp_tp.py, tp 1) to the byte; returns HSDP's
-    bytes (``hsdp_bytes``: gathers, reduce-scatter, the replicate all-reduce; grad_accum 1)."""
-    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
-    state = fsdp_tp_state(shapes, shards, 1, rank % shards)  # row-major: rank % shards its place
-    assert {key: row[key] for key in state} == state, (label, state, row)
-    return hsdp_bytes(shapes, shards)
 
 
 def gradient_gap(cfg, strategy, full: list[torch.Tensor]) -> float:
