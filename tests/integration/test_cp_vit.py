@@ -1,5 +1,5 @@
 """strategy.cp on model=vit and model=gpt (context parallelism, parallel_lab/strategies/cp) on 2 real
-ranks, each cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp and fsdp x tp on 4 ranks); the gpt's
+ranks, each cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp, fsdp x tp and HSDP x cp on 4 ranks); the gpt's
 causal, load-balanced ring with grouped-query attention and rotary positions, its Ulysses and
 DeepSpeed's, in the same ranks: each configuration is the single run's training (the report's
 parity criterion against the plain-torch reference), holds the planned model state to the byte,
@@ -88,8 +88,9 @@ def extra_results() -> dict[str, list]:
 @pytest.mark.parametrize("config", list(EXTRA))
 def test_fsdp_x_cp_is_singles_training(extra_results, config):
     """strategy=fsdp strategy.cp=2 (world 2, the vit and the gpt's causal ring: its bytes and
-    activations checked as ddp's), and with
-    strategy.tp=2 at world 4, and fsdp x tp without cp there (parity, the bytes, and every rank's
-    activations saved by the real 2-D forward). Extra: the suite's budget; the cp attention itself
+    activations checked as ddp's), and with strategy.tp=2 at world 4, and fsdp x tp without cp
+    there (parity, the bytes, and every rank's activations saved by the real 2-D forward); HSDP x
+    CP (replicate 2 x shard 1 x cp 2) on the vit and the gpt there, its state and bytes derived
+    from the shapes (fsdp_tp.py hybrid_checks). Extra: the suite's budget; the cp attention itself
     is judged in make test above, the 2-D FSDP2 x TP split in test_tp_vit.py."""
     assert_every_rank_passed(extra_results, config)

@@ -168,11 +168,13 @@ class FSDPPlan(PlanRules):
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """One all-gather per unit (each block, then the root) in forward and again in backward
-        when it reshards after forward; one reduce-scatter per unit."""
+        when it reshards after forward; one reduce-scatter per unit (HSDP: and one all-reduce)."""
         units, accum = len(fsdp_units(model)) + 1, cfg.trainer.grad_accum  # each micro-batch's passes
         gathers = accum * (2 if cfg.strategy.sharding != "grad_op" else 1)
         calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
                  "reduce_scatter_tensor": units * accum, "reduce_scatter_single": units * accum}  # fmt: skip
+        if cfg.strategy.sharding == "hybrid":  # HSDP: each unit's reduced shard all-reduced over replicate
+            calls["all_reduce"] = units * accum
         if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
             from parallel_lab.strategies.tp.megatron import blocks
 
