@@ -1,5 +1,5 @@
 """strategy.cp on model=vit and model=gpt (context parallelism, parallel_lab/strategies/cp) on 2 real
-ranks, each cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp and fsdp x tp on 4 ranks); the gpt's
+ranks, each cp_impl under ddp and ring under fsdp (extra: fsdp x cp x tp, fsdp x tp and HSDP x cp on 4 ranks); the gpt's
 causal, load-balanced ring with grouped-query attention and rotary positions, its Ulysses and
 DeepSpeed's, in the same ranks: each configuration is the single run's training (the report's
 parity criterion against the plain-torch reference), holds the planned model state to the byte,
@@ -29,6 +29,7 @@ GPT = {
     "gpt-tp-cp-ring": "gpt_llama",
     "gpt-tp-cp-ulysses": "gpt",
     "gpt-tp-cp-ring-grad_accum": "gpt_llama",
+    "gpt-fsdp-hsdp-cp-ring": "gpt",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -42,6 +43,8 @@ DEFAULT = {  # one set of ranks for the default suite
     "gpt-ddp-deepspeed": [*LLAMA, "strategy=ddp", "strategy.cp=2", "strategy.cp_impl=deepspeed"],
     "gpt-moe-ddp-ep": [*GPT_EP, "trainer.optimizer=sgd"],
 }
+# HSDP x CP: replicate 2 x (shard 1 x cp 2), fully_shard over shard x cp, all-reduced over replicate
+HSDP_CP = ["strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", "strategy.cp=2"]
 EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp x tp at world 4: extra
     "fsdp-ring": ["strategy=fsdp", "strategy.cp=2"],
     "gpt-fsdp-ring": [*GPT_RUN, "strategy=fsdp", "strategy.cp=2"],
@@ -54,6 +57,8 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
     "gpt-tp-cp-ring": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.optimizer=sgd"],
     "gpt-tp-cp-ulysses": [*GPT_RUN, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
     "gpt-tp-cp-ring-grad_accum": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.grad_accum=2"],
+    "fsdp-hsdp-cp-ring": [*HSDP_CP],
+    "gpt-fsdp-hsdp-cp-ring": [*GPT_RUN, *HSDP_CP],
 }
 
 
@@ -77,7 +82,7 @@ def extra_results() -> dict[str, list]:
     world2 = run_configurations(
         cp_vit_body, world2, world_size=2, timeout=300, steps=STEPS, global_batch=BATCH, references=GPT
     )
-    world4 = {name: overrides for name, overrides in EXTRA.items() if "strategy.tp=2" in overrides}
+    world4 = {name: overrides for name, overrides in EXTRA.items() if name not in world2}
     return {
         **world2,
         **run_configurations(
@@ -92,8 +97,9 @@ def extra_results() -> dict[str, list]:
 @pytest.mark.parametrize("config", list(EXTRA))
 def test_fsdp_x_cp_is_singles_training(extra_results, config):
     """strategy=fsdp strategy.cp=2 (world 2, the vit and the gpt's causal ring: its bytes and
-    activations checked as ddp's), and with
-    strategy.tp=2 at world 4, and fsdp x tp without cp there (parity, the bytes, and every rank's
-    activations saved by the real 2-D forward). Extra: the suite's budget; the cp attention itself
+    activations checked as ddp's), and with strategy.tp=2 at world 4, and fsdp x tp without cp
+    there (parity, the bytes, and every rank's activations saved by the real 2-D forward); HSDP x
+    CP (replicate 2 x shard 1 x cp 2) on the vit and the gpt there, its state and bytes derived
+    from the shapes (fsdp_tp.py hybrid_checks). Extra: the suite's budget; the cp attention itself
     is judged in make test above, the 2-D FSDP2 x TP split in test_tp_vit.py."""
     assert_every_rank_passed(extra_results, config)

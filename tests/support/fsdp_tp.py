@@ -1,10 +1,11 @@
-"""What 2-D FSDP2 x TP (x CP) holds and sends on each rank of the vit, derived here from the vit's
-parameter shapes and the two papers' layouts, independently of the planner (parallel_lab/strategies/
-fsdp/predict.py): Megatron's split (Shoeybi et al., arXiv 1909.08053) cuts the column layers' weight
-and bias on dim 0 and the row layers' weight on dim 1 over tp; fully_shard then cuts each tp-local
-tensor on its dim 0 over the D = world / tp ranks of one tp coordinate (torch.chunk's rows, every
-shard padded to ceil(rows / D)). Used by tests/unit/test_tensor_parallel.py (the plan),
-tests/support/bodies/cp_vit.py and tests/integration/test_tp_vit.py (the measured runs)."""
+"""What 2-D FSDP2 x TP (x CP) and HSDP x CP (``hsdp_bytes``) hold and send on each rank of the vit,
+derived here from the vit's parameter shapes and the two papers' layouts, independently of the
+planner (parallel_lab/strategies/fsdp/predict.py): Megatron's split (Shoeybi et al., arXiv
+1909.08053) cuts the column layers' weight and bias on dim 0 and the row layers' weight on dim 1
+over tp; fully_shard then cuts each tp-local tensor on its dim 0 over the D = world / tp ranks of
+one tp coordinate (torch.chunk's rows, every shard padded to ceil(rows / D)). Used by
+tests/unit/test_tensor_parallel.py (the plan), tests/support/bodies/cp_vit.py and
+tests/integration/test_tp_vit.py (the measured runs)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,32 @@ def fsdp_tp_bytes(
         "reduce_scatter_single": accum * 1.0 * shards * padded,
         "all_reduce": accum * depth * 4 * 2.0 * activation,
     }
+
+
+def hsdp_bytes(named_shapes: dict[str, tuple[int, ...]], shards: int, accum: int = 1) -> dict[str, float]:
+    """HSDP's bytes a rank issues in one step (the counter's units), fully_shard over the ``shards``
+    ranks of one replica (under cp: shard x cp) and replicated across: each micro-batch's padded
+    shards all-gathered twice and reduce-scattered once inside the replica, as ``fsdp_tp_bytes``
+    without tp, and the reduced padded shard all-reduced over the replicate dimension (FSDP2's HSDP
+    reduction; an all-reduce counts twice its bytes)."""
+    padded = fsdp_tp_state(named_shapes, shards, 1, 0)["param_bytes"]  # the same on every rank
+    return {
+        "all_gather_single": accum * 2.0 * shards * padded,
+        "reduce_scatter_single": accum * 1.0 * shards * padded,
+        "all_reduce": accum * 2.0 * padded,
+    }
+
+
+def add_bytes(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two byte counts by collective, summed."""
+    return {op: a.get(op, 0.0) + b.get(op, 0.0) for op in {**a, **b}}
+
+
+def hybrid_checks(meta, row: dict, shards: int, rank: int, label: str) -> dict[str, float]:
+    """HSDP x CP in a run (fully_shard over the replica's ``shards`` = shard x cp ranks, replicated
+    across; the vit or the gpt): the rank's measured model state (metrics.json's ``row``) equals the
+    shapes' padded shards to the byte; returns HSDP's bytes (``hsdp_bytes``, grad_accum 1)."""
+    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+    state = fsdp_tp_state(shapes, shards, 1, rank % shards)  # row-major, cp innermost: rank % shards its place
+    assert {key: row[key] for key in state} == state, (label, state, row)
+    return hsdp_bytes(shapes, shards)

@@ -198,6 +198,18 @@ REFUSALS = {  # overrides -> what the one line must name
     "world": (["strategy=ddp", "strategy.cp=4", "world_size=2"], ["world_size=2", "world_size=4"]),
     "fsdp1": (["strategy=fsdp", "strategy.cp=2", "strategy.version=1"], ["strategy.version=2"]),
     "no_shard": (["strategy=fsdp", "strategy.cp=2", "strategy.sharding=no_shard"], ["strategy.sharding=full"]),
+    "hsdp-degrees": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.sharding=hybrid", "strategy.replicate=4", "world_size=4"],
+        ["strategy.replicate=4 x strategy.cp=2", "world_size=4", "divides world_size / strategy.cp = 2"],
+    ),
+    "hsdp-no-replicate": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.sharding=hybrid", "world_size=4"],
+        ["strategy.replicate="],
+    ),
+    "hsdp-tp": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "strategy.sharding=hybrid", "strategy.replicate=2"],
+        ["strategy.tp=2", "strategy.sharding=full"],
+    ),
 }
 
 
@@ -246,3 +258,34 @@ def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, 
     tp_share = get_strategy_class("tp").plan.compute_shape(compose_config(*common, "world_size=2"), meta).flop_share
     share = get_strategy_class("tp").plan.compute_shape(cfg, meta).flop_share
     assert tp_share / 2.1 < share < tp_share / 1.9, (share, tp_share)
+def test_hsdp_x_cp_lays_out_replicate_shard_cp_and_plans_the_shapes_bytes():
+    """strategy=fsdp strategy.sharding=hybrid strategy.replicate=2 strategy.cp=2 at world 8: the mesh
+    is replicate 2 x shard 2 x cp 2 (row-major, cp innermost: a cp group is two consecutive ranks,
+    fully_shard's shard x cp group the 4 ranks of one replica, a replicate group one rank of each);
+    a cp group reads one share of the batch; the planner's state and bytes of every rank equal
+    tests/support/fsdp_tp.py's derivation from the vit's shapes (HSDP over the 4 ranks of a
+    replica) plus cp_vit.py's ring. The run measures the same at world 4 (test_cp_vit.py, extra)."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies import get_strategy_class
+    from tests.support.bodies.cp_vit import cp_bytes
+    from tests.support.fsdp_tp import add_bytes, fsdp_tp_state, hsdp_bytes
+    from tests.support.model_parallel import compose_config
+
+    world, batch = 8, 16
+    cfg = compose_config("model=vit", "strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2",
+                         "strategy.cp=2", f"world_size={world}", f"trainer.global_batch={batch}")  # fmt: skip
+    fsdp = get_strategy_class("fsdp")
+    dims = fsdp.plan.dims(cfg)
+    assert (dims.replicate, dims.shard, dims.cp, dims.tp, dims.data_parallel_size) == (2, 2, 2, 1, 4)
+    assert [dims.group_ranks(r, "cp") for r in (0, 5)] == [[0, 1], [4, 5]]
+    assert [dims.group_ranks(r, "shard") for r in (0, 5)] == [[0, 2], [5, 7]]
+    assert dims.group_ranks(5, "replicate") == [1, 5]
+    assert [dims.dp_rank(r) for r in range(world)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    meta = build_meta_model(cfg.model)
+    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+    want = add_bytes(hsdp_bytes(shapes, 4), cp_bytes("ring", 2, batch // 4, 1))
+    for rank in range(world):  # the planner's rules (plan_world's activation counts: 1 s a rank)
+        memory, comm = fsdp.plan.predict_memory(cfg, meta, rank), fsdp.plan.predict_comm(cfg, meta, rank)
+        state = {key: memory[key] for key in ("param_bytes", "grad_bytes", "optim_bytes")}
+        assert state == fsdp_tp_state(shapes, 4, 1, rank % 4), (rank, state)
+        assert comm == want, (rank, comm, want)

@@ -13,7 +13,9 @@ full ceil(d0 / N) rows (so all-gathers and reduce-scatters are equal-sized). Per
 
 Communication per step (counter units, comm/counter.py): every unit all-gathers its padded full
 parameters before forward (and, ``full``, again before backward) and reduce-scatters its padded
-full gradients once; ``no_shard`` all-reduces the gradients over the replicate dimension instead.
+full gradients once; ``no_shard`` all-reduces the gradients over the replicate dimension instead;
+HSDP x CP (``hybrid`` with ``strategy.cp``) is ``full`` over the shard x cp ranks plus an
+all-reduce of each reduced padded shard over the replicate dimension.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from parallel_lab.strategies.mesh import MeshDims
 
 
 def _shard_world(cfg: DictConfig) -> int:
-    """Ranks one parameter is sharded over: all, one (no_shard), a shard group (hybrid = HSDP),
-    or the world / tp ranks of one tp coordinate (FSDP2 x TP, shard x cp flattened)."""
+    """Ranks one parameter is sharded over: all, one (no_shard), a shard group (hybrid = HSDP; with
+    cp its shard x cp ranks), or the world / tp ranks of one tp coordinate (FSDP2 x TP, shard x cp flattened)."""
     if cfg.strategy.sharding == "no_shard":
         return 1
     if cfg.strategy.sharding == "hybrid":
@@ -93,19 +95,21 @@ def _bf16(cfg: DictConfig) -> bool:
 def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
     if cfg.world_size < 2:
         return {}
-    if cfg.strategy.sharding == "hybrid":
-        return None  # HSDP's two dimensions are not predicted (docs/meshes.md measures them)
     sharding, accum = cfg.strategy.sharding, cfg.trainer.grad_accum
+    if sharding == "hybrid" and (cfg.strategy.get("cp") or 1) < 2:
+        return None  # plain HSDP is not predicted (docs/meshes.md measures it; plan/recommend.py never ranks it)
     # Every micro-batch's forward gathers and its backward reduces (fsdp/strategy.py train_step has
     # no no_sync: FSDP syncs the gradients at each backward): each per step is accum x its bytes.
     if sharding == "no_shard":
         return {"all_reduce": accum * 2.0 * 4 * sum(p.numel() for p in model.parameters())}
     local, world, index = _sharded(cfg, model, rank)
     full_padded = 4 * sum(p for p, _ in shard_layout(sharded_params(local), world, index)) * world
-    gathers = 2 if sharding == "full" else 1
+    gathers = 1 if sharding == "grad_op" else 2
     # bf16: parameters are all-gathered in bf16; gradients are reduce-scattered in fp32 (reduce_dtype)
     gathered = full_padded // (2 if _bf16(cfg) else 1)
     comm = {"all_gather_single": float(accum * gathers * gathered), "reduce_scatter_single": float(accum * full_padded)}
+    if sharding == "hybrid":  # HSDP x CP: each reduced padded shard all-reduced over replicate (counted twice)
+        comm["all_reduce"] = float(accum * 2 * full_padded // world)
     routed = balanced_comm(cfg, model, cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum))
     for op, nbytes in routed.items():  # strategy.ep: the exchanges with every expert equally loaded
         comm[op] = comm.get(op, 0.0) + nbytes

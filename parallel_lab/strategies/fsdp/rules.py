@@ -53,6 +53,18 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     ]
 
 
+def check_hybrid_cp(opts: DictConfig, world: int) -> None:
+    """HSDP x CP: replicas x shard x cp = world_size, so replicate x cp must divide it (the shard
+    degree is what is left; fully_shard shards over shard x cp, as torchtitan flattens them)."""
+    replicate, cp = opts.replicate, opts.cp
+    if world % (replicate * cp):
+        raise ConfigError(
+            f"strategy.replicate={replicate} x strategy.cp={cp} does not divide world_size={world} "
+            f"(replicas x shard x cp = world_size); use a strategy.replicate that divides world_size / "
+            f"strategy.cp = {world // cp}, or world_size={replicate * cp}"
+        )
+
+
 SHARD_STAGE = {"full": 3, "hybrid": 3, "grad_op": 2, "no_shard": 0}  # strategy.sharding -> the ZeRO stage it resembles
 
 
@@ -109,9 +121,8 @@ class FSDPPlan(PlanRules):
         2-D mesh); no_shard: replicas; full and grad_op: one shard group of the whole world."""
         opts = cfg.strategy
         cp = cp_of(cfg)
-        if cp > 1:  # fully_shard over shard x cp (flattened), the cp ranks' attention over cp, Megatron over tp
-            tp = opts.get("tp", 1)
-            return MeshDims(shard=cfg.world_size // (cp * tp), cp=cp, tp=tp, named=("shard", "cp", "tp"))
+        if cp > 1:
+            return cls._dims_cp(cfg, cp)
         if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp
             return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, named=("shard", "tp"))
         if opts.sharding == "hybrid":
@@ -119,6 +130,16 @@ class FSDPPlan(PlanRules):
         if opts.sharding == "no_shard":
             return MeshDims(replicate=cfg.world_size)
         return MeshDims(shard=cfg.world_size, ep=ep_degree(cfg))
+
+    @classmethod
+    def _dims_cp(cls, cfg: DictConfig, cp: int) -> MeshDims:
+        """fully_shard over shard x cp (flattened, torchtitan's dp_shard x cp), the cp ranks' attention
+        over cp, Megatron over tp; hybrid (HSDP x CP): replicas of that outside, replicate x shard x cp."""
+        opts = cfg.strategy
+        tp, replicate = opts.get("tp", 1), (opts.get("replicate") or 1) if opts.sharding == "hybrid" else 1
+        named = ("replicate",) * (opts.sharding == "hybrid") + ("shard", "cp", "tp")
+        shard = cfg.world_size // (replicate * cp * tp)
+        return MeshDims(replicate=replicate, shard=shard, cp=cp, tp=tp, named=named)
 
     @classmethod
     def overlapped_collectives(cls, cfg: DictConfig) -> frozenset[str]:
@@ -147,11 +168,13 @@ class FSDPPlan(PlanRules):
     @classmethod
     def collective_calls(cls, cfg: DictConfig, model: torch.nn.Module) -> dict[str, int]:
         """One all-gather per unit (each block, then the root) in forward and again in backward
-        when it reshards after forward; one reduce-scatter per unit."""
+        when it reshards after forward; one reduce-scatter per unit (HSDP: and one all-reduce)."""
         units, accum = len(fsdp_units(model)) + 1, cfg.trainer.grad_accum  # each micro-batch's passes
         gathers = accum * (2 if cfg.strategy.sharding != "grad_op" else 1)
         calls = {"all_gather_into_tensor": units * gathers, "all_gather_single": units * gathers,
                  "reduce_scatter_tensor": units * accum, "reduce_scatter_single": units * accum}  # fmt: skip
+        if cfg.strategy.sharding == "hybrid":  # HSDP: each unit's reduced shard all-reduced over replicate
+            calls["all_reduce"] = units * accum
         if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
             from parallel_lab.strategies.tp.megatron import blocks
 
@@ -179,16 +202,19 @@ class FSDPPlan(PlanRules):
 
     @classmethod
     def _check_cp(cls, opts: DictConfig, cfg: DictConfig) -> None:
-        """Context parallelism under FSDP2's full or grad_op sharding over shard x cp."""
+        """Context parallelism under FSDP2's full or grad_op sharding over shard x cp, or hybrid's
+        (HSDP) over replicate x (shard x cp)."""
         for key, got, want in (("strategy.version", opts.version, 2), ("strategy.sharding", opts.sharding, "full")):
-            if got != want and not (key == "strategy.sharding" and got == "grad_op"):
+            if got != want and not (key == "strategy.sharding" and got in ("grad_op", "hybrid")):
                 raise ConfigError(
                     f"strategy.cp={opts.cp} needs {key}={want} (fully_shard over shard x cp), got {key}={got}; "
-                    f"set {key}={want} or strategy.cp=1"
+                    f"set {key}={want} (or grad_op, hybrid) or strategy.cp=1"
                 )
         if opts.ep != 1:
             raise ConfigError(f"strategy.ep={opts.ep} with strategy.cp={opts.cp} is not built; use one of them")
         check_context(opts, cfg)
+        if opts.sharding == "hybrid":
+            return check_hybrid_cp(opts, cfg.world_size)
         if cfg.world_size % (opts.cp * opts.tp):
             raise ConfigError(
                 f"strategy.cp={opts.cp} x strategy.tp={opts.tp} does not divide world_size={cfg.world_size} "

@@ -94,7 +94,9 @@ class FSDP2(ContextParallel, FSDPStrategy):
         """torchtitan's layout with context parallelism: Megatron's split over the mesh's tp dim
         (strategy.tp > 1), the vit's tokens over its cp dim (strategies/cp), then fully_shard over
         shard x cp flattened: the cp ranks hold different tokens of the same samples, so their
-        gradients are reduced (averaged) with the data-parallel ones."""
+        gradients are reduced (averaged) with the data-parallel ones. ``hybrid`` (HSDP x CP): on the
+        2-D (replicate, shard x cp) mesh, torchtitan's (dp_replicate, dp_shard_cp): reduce-scattered
+        over shard x cp, then all-reduced over replicate."""
         from torch.distributed.fsdp import fully_shard
 
         from parallel_lab.strategies.tp.split import split_transformer
@@ -105,6 +107,11 @@ class FSDP2(ContextParallel, FSDPStrategy):
             split_transformer(model, self._mesh["tp"], sequence_parallel=False)
         self.parallelize_context(model)
         dp_mesh = self._mesh["shard", "cp"]._flatten("shard_cp")
+        if self.opts.sharding == "hybrid":  # HSDP x CP: replicas of the shard x cp groups, a 2-D mesh
+            from torch.distributed.device_mesh import DeviceMesh
+
+            # joined from the two meshes (torch deprecates slicing a flattened dim from the root)
+            dp_mesh = DeviceMesh._concatenate([self._mesh["replicate"], dp_mesh])
         kwargs = dict(mesh=dp_mesh, reshard_after_forward=self.opts.sharding != "grad_op")
         for _, unit in fsdp_units(model):
             fully_shard(unit, **kwargs)

@@ -15,6 +15,7 @@ from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize
 from tests.support.activations import balanced_routing
+from tests.support.fsdp_tp import add_bytes, hybrid_checks
 from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
@@ -109,6 +110,8 @@ def check_gpt(cfg, strategy, metrics, rank: int, label: str, reference: str) -> 
     want = cp_gpt_bytes(str(s.cp_impl), s.cp, batch, accum, cfg.model.kv_heads or GPT_SIZES["heads"])
     if ddp:  # + every gradient all-reduced over all ranks, 2Ψ
         want["all_reduce"] = 2 * 4 * sum(p.numel() for p in meta.parameters())
+    elif s.get("sharding") == "hybrid":  # HSDP x CP: the state and HSDP's bytes from the shapes (fsdp_tp.py)
+        want = add_bytes(want, hybrid_checks(meta, row, world // s.replicate, rank, label))
     else:  # fully_shard's gathers and reduce-scatters over shard x cp, as predicted
         want = {**plan.comm, **want}
     assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula

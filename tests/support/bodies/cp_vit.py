@@ -15,7 +15,7 @@ from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
 from tests.support.bodies.cp_tp_gpt import check_gpt_cp_tp
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward, saved_bytes_of_a_sharded_forward
-from tests.support.fsdp_tp import fsdp_tp_bytes, fsdp_tp_state
+from tests.support.fsdp_tp import add_bytes, fsdp_tp_bytes, fsdp_tp_state, hybrid_checks
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
@@ -78,7 +78,9 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
         want["all_reduce"] += 2 * 4 * sum(p.numel() for p in meta.parameters())
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
-    if tp == 1:  # ddp's, or fsdp's all-gathers and reduce-scatters over shard x cp, as predicted
+    if s.get("sharding") == "hybrid":  # HSDP x CP: the state and HSDP's bytes derived from the shapes
+        want = add_bytes(want, hybrid_checks(meta, row, world // s.replicate, rank, label))
+    elif tp == 1:  # ddp's, or fsdp's all-gathers and reduce-scatters over shard x cp, as predicted
         want = {**plan.comm, **want}
     else:  # FSDP2 x TP: the state and FSDP's and Megatron's bytes derived from the shapes (fsdp_tp.py)
         shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
