@@ -258,6 +258,8 @@ def test_gpt_cp_x_tp_plans_each_ranks_state_and_bytes_as_derived(impl, variant, 
     tp_share = get_strategy_class("tp").plan.compute_shape(compose_config(*common, "world_size=2"), meta).flop_share
     share = get_strategy_class("tp").plan.compute_shape(cfg, meta).flop_share
     assert tp_share / 2.1 < share < tp_share / 1.9, (share, tp_share)
+
+
 def test_hsdp_x_cp_lays_out_replicate_shard_cp_and_plans_the_shapes_bytes():
     """strategy=fsdp strategy.sharding=hybrid strategy.replicate=2 strategy.cp=2 at world 8: the mesh
     is replicate 2 x shard 2 x cp 2 (row-major, cp innermost: a cp group is two consecutive ranks,
