@@ -21,8 +21,8 @@ The last lines: whether zero bubble idled at most 1F1B's on every stage; the lar
 between a stage's measured idle share and the formula, the replay of compute, and the replay of
 compute and hand-offs; per schedule, its stage farthest from the formula with that gap split into
 the chunks' uneven compute, the hand-offs and the rest, and whether it is within 0.05; and the
-verdict line: ``max |measured − formula| idle: X (where); max |measured − replay|: Y (where);
-hand-offs explain Z of that gap (...); formula within 0.05: ...``.
+verdict line: ``max |measured − formula| idle: X (where); max |measured − replay with hand-offs|:
+Y (where); hand-offs explain Z of that gap (...); formula within 0.05: ...``.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def by_schedule(rows: list[dict]) -> str:
             f"{row['replay_handoffs'][s]:.3f} (p={row['p']}, m={row['m']}, stage {s}): gap "
             f"{row['idle'][s] - row['theory']:+.3f} = uneven compute {compute:+.3f} + hand-offs {hand:+.3f} "
             f"+ rest {rest:+.3f}; max |measured − formula| {formula:.3f} ({'within' if formula <= GOAL else 'over'} "
-            f"{GOAL}), max |measured − replay| {replay:.3f}"
+            f"{GOAL}), max |measured − replay with hand-offs| {replay:.3f}"
         )
     return "\n".join(lines)
 
@@ -191,7 +191,7 @@ def verdict(rows: list[dict]) -> str:
     over = sorted({r["schedule"] for r in rows if _gap(r, "theory") > GOAL})
     return (
         f"max |measured − formula| idle: {abs(row['idle'][s] - row['theory']):.3f} {_where(row, s)}; "
-        f"max |measured − replay|: {_gap(worst, 'replay_handoffs'):.3f} {_where(worst)}; "
+        f"max |measured − replay with hand-offs|: {_gap(worst, 'replay_handoffs'):.3f} {_where(worst)}; "
         f"hand-offs explain {hand:+.3f} of that gap (uneven compute {compute:+.3f}, rest {rest:+.3f}); "
         f"formula within {GOAL}: " + ("every schedule" if not over else "not " + ", ".join(over))
     )

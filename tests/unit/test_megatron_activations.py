@@ -164,11 +164,12 @@ def test_bubbles_summary_splits_each_schedules_gap_and_ends_on_the_verdict():
     gpipe, one = bubbles.by_schedule(rows).split("\n")
     assert gpipe.startswith("gpipe: measured 0.290 vs formula 0.200 vs replay 0.280 (p=2, m=4, stage 1): gap +0.090 ")
     assert "= uneven compute +0.020 + hand-offs +0.060 + rest +0.010; max |measured − formula| 0.090 (over" in gpipe
-    assert one.endswith("max |measured − formula| 0.030 (within 0.05), max |measured − replay| 0.010")
+    assert one.endswith("max |measured − formula| 0.030 (within 0.05), max |measured − replay with hand-offs| 0.010")
     assert sum(bubbles.gap_parts(rows[0], 1)) == pytest.approx(0.29 - 0.2)
     assert bubbles.verdict(rows) == (
-        "max |measured − formula| idle: 0.090 (gpipe, p=2, m=4, stage 1); max |measured − replay|: 0.010 "
-        "(gpipe, p=2, m=4); hand-offs explain +0.060 of that gap (uneven compute +0.020, rest +0.010); "
+        "max |measured − formula| idle: 0.090 (gpipe, p=2, m=4, stage 1); "
+        "max |measured − replay with hand-offs|: 0.010 (gpipe, p=2, m=4); "
+        "hand-offs explain +0.060 of that gap (uneven compute +0.020, rest +0.010); "
         "formula within 0.05: not gpipe"
     )
     rows[0]["idle"] = [0.22, 0.24]
