@@ -51,6 +51,14 @@ def test_deepspeed_pipeline_trains_the_vit_as_single_does(cli, short_reference):
     extras = m["strategy_extras"]
     assert extras["pp_impl"] == "deepspeed" and extras["pp_ds_config"]["gradient_accumulation_steps"] == 4
     assert extras["pp_stage_layers"] == [["embed", "block0", "block1"], ["block2", "block3", "head"]]
+    # Communication as DeepSpeed's engine calls it, per rank and step: the stage's gradients
+    # all-reduced over its one-rank data-parallel group (counted as called, 2 x 4 bytes a parameter)
+    # and the loss pair (2 fp32) broadcast from the last stage, derived here; every byte as planned
+    # but the tensor meta stage 0 sends once, in the first step (under 1 KiB).
+    for r, params in zip(m["ranks"], extras["pp_stage_params"]):
+        assert r["comm_bytes_by_op"]["all_reduce"] == 2 * 4 * params and r["comm_bytes_by_op"]["broadcast"] == 8, r
+    meta = m["comm_bytes_per_step"] - m["comm_planned_psi"] * 4 * m["params"]  # rank 0's, counted - planned
+    assert 0 <= round(meta * len(m["losses"])) <= 1024, meta
 
 
 @pytest.mark.slow

@@ -147,3 +147,30 @@ def test_bubbles_runs_every_schedule_and_its_last_line_names_the_farthest_stage(
     assert re.match(r"^max \|measured − formula\| idle fraction: \d\.\d{3} \([\w =]+, p=\d+, m=\d+\)$", formula)
     assert bubbles.render(rows).count("\n") == len(rows) + 1
     assert bubbles.zero_bubble_vs_1f1b(rows) == "zero bubble idles at most 1F1B's on every stage: no at p=4 m=8"
+
+
+def test_bubbles_summary_splits_each_schedules_gap_and_ends_on_the_verdict():
+    """Per schedule the stage farthest from the formula, its gap split into uneven compute,
+    hand-offs and rest (they add up to it), and the last line's verdict against the 0.05 goal."""
+    from parallel_lab.bench import bubbles
+
+    rows = [  # formula 0.2: gpipe's stage 1 is 0.09 over it, 0.06 of that the hand-offs'
+        {"schedule": "gpipe", "p": 2, "m": 4, "theory": 0.2, "replay": [0.2, 0.22], "replay_handoffs": [0.21, 0.28]},
+        {"schedule": "gpipe", "p": 2, "m": 2, "theory": 1 / 3, "replay": [0.33, 0.34], "replay_handoffs": [0.34, 0.35]},
+        {"schedule": "1f1b", "p": 2, "m": 4, "theory": 0.2, "replay": [0.2, 0.2], "replay_handoffs": [0.22, 0.21]},
+    ]
+    for row, idle in zip(rows, ([0.22, 0.29], [0.35, 0.36], [0.23, 0.2])):
+        row["idle"] = idle
+    gpipe, one = bubbles.by_schedule(rows).split("\n")
+    assert gpipe.startswith("gpipe: measured 0.290 vs formula 0.200 vs replay 0.280 (p=2, m=4, stage 1): gap +0.090 ")
+    assert "= uneven compute +0.020 + hand-offs +0.060 + rest +0.010; max |measured − formula| 0.090 (over" in gpipe
+    assert one.endswith("max |measured − formula| 0.030 (within 0.05), max |measured − replay with hand-offs| 0.010")
+    assert sum(bubbles.gap_parts(rows[0], 1)) == pytest.approx(0.29 - 0.2)
+    assert bubbles.verdict(rows) == (
+        "max |measured − formula| idle: 0.090 (gpipe, p=2, m=4, stage 1); "
+        "max |measured − replay with hand-offs|: 0.010 (gpipe, p=2, m=4); "
+        "hand-offs explain +0.060 of that gap (uneven compute +0.020, rest +0.010); "
+        "formula within 0.05: not gpipe"
+    )
+    rows[0]["idle"] = [0.22, 0.24]
+    assert bubbles.verdict(rows).endswith("formula within 0.05: every schedule")

@@ -4,6 +4,8 @@ measurement on real ranks: ``bench bubbles`` (tests/integration/test_bubbles.py,
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from parallel_lab.strategies.pp import handoffs
@@ -89,3 +91,34 @@ def test_costs_are_read_from_the_marks_and_latency_only_from_handoffs_waited_for
     summary = handoffs.summary(per_stage)
     assert summary["latency_s"] == pytest.approx([0.0, 0.4])
     assert summary["op_overhead_s"][0] == pytest.approx((0.3 + 0.5) / 2)
+
+
+def run_marks(steps: int, skip: int) -> list[handoffs.StepRecord]:
+    """Two stages' StepRecords after ``steps`` train_steps, filled as pp/manual.py fills them: each
+    step 10 s after the last, stage 0's forward computing 1 + n / 1000 s in step n (which step a
+    record holds can be read off it), stage 1 receiving its output."""
+    records = [handoffs.StepRecord(skip) for _ in range(2)]
+    for n in range(steps):
+        t, f = 10.0 * n, 1.0 + n / 1000
+        first = records[0].start(start=t, ops=[("F", 0, 0, *marks(t, t, t + f, t + f + 0.1))])
+        second = records[1].start(start=t, ops=[])
+        second["ops"].append(("F", 1, 0, *marks(t, t + f + 0.3, t + f + 1.0, t + f + 1.0, wait=t, got=t + f + 0.3)))
+        first["end"] = second["end"] = t + f + 1.2  # the strategy's flush
+    return records
+
+
+def test_the_per_op_record_stays_bounded_however_long_the_run():
+    """pp_handoff_steps and pp_op_seconds_steps (the loop's StepRecords) hold the first
+    RECORDED_STEPS steps after the warm-up: a 10,000-step run writes the same record as a run of
+    warm-up + RECORDED_STEPS + 3 steps, and the loop holds no more steps than that in memory."""
+    skip, kept = 2, handoffs.RECORDED_STEPS
+    long, short = run_marks(10_000, skip), run_marks(skip + kept + 3, skip)
+    assert all(len(r.steps) == skip + kept for r in long)  # the loop's memory: bounded
+    costs = handoffs.costs_per_step([r.recorded() for r in long])
+    assert [len(stage) for stage in costs] == [kept, kept]
+    # stage 0's forward compute: steps skip .. skip + RECORDED_STEPS - 1
+    assert [c["compute"]["F0:0"] for c in costs[0]] == pytest.approx([1.0 + n / 1000 for n in range(skip, skip + kept)])
+    assert json.dumps(costs) == json.dumps(handoffs.costs_per_step([r.recorded() for r in short]))
+    assert [c["latency"] for c in costs[1]] == pytest.approx([0.3] * kept)  # each crossing's, the last step's too
+    # a run with no step after the warm-up keeps what it has; one with a few keeps those after it
+    assert [len(r.recorded()) for r in run_marks(1, skip) + run_marks(skip + 3, skip)] == [1, 1, 3, 3]

@@ -20,13 +20,41 @@ chunk 3 on micro-batch 1), its compute and:
 
 ``schedules.play`` adds them to the orders played out with the measured compute: the replay's
 idle is then the schedule's bubble plus these costs, as the run had them (docs/pp.md, "The bubble
-bench"). Torch-free."""
+bench"). Torch-free.
+
+The per-op record is bounded as the profiler's trace is (a window of steps after the warm-up,
+``trainer.profile_steps``): the loop keeps the marks and op times of its first ``RECORDED_STEPS``
+steps after the warm-up (``StepRecord``) and later steps only while they run, so the hand-off
+record in metrics.json (``pp_handoff_steps``, ``pp_op_seconds_steps``) has the same size at 10,000
+steps as at 20."""
 
 from __future__ import annotations
 
 import statistics
 
+RECORDED_STEPS = 16  # steps after the warm-up whose per-op marks and times a run keeps (docs/pp.md)
 MARKS = ("begin", "posted", "wait", "got", "compute", "computed", "end")  # the loop's per-op marks, in order
+
+
+class StepRecord:
+    """One per-step record of the loop (its op marks, or its op times): ``start`` begins a step's
+    entry, which the loop fills in; only the first ``skip + RECORDED_STEPS`` entries are kept
+    (``skip``: the warm-up's train_step calls), a later step's entry is filled and dropped."""
+
+    def __init__(self, skip: int, make: type = dict) -> None:
+        self.skip, self.make = skip, make
+        self.steps: list = []
+        self.current = make()
+
+    def start(self, **fields) -> dict:
+        self.current = self.make(**fields)
+        if len(self.steps) < self.skip + RECORDED_STEPS:
+            self.steps.append(self.current)
+        return self.current
+
+    def recorded(self) -> list:
+        """The kept steps after the warm-up (all kept ones if the run has none after it)."""
+        return self.steps[self.skip :] or self.steps
 
 
 def _ops(timeline: dict) -> dict[tuple[str, int, int], dict]:

@@ -46,11 +46,12 @@ class ManualLoop:
         self.late = 0  # receives posted only as their own op began (none: all at the step's start)
         split = str(o.schedule) in SPLIT_BACKWARD
         self.deferred = DeferredWeights(pipe.model, pipe.saved.pack) if split else None
-        # per train_step: (op, global chunk) -> the compute of each run of it
-        self.op_seconds: list[dict[tuple[str, int], list[float]]] = []
-        # per train_step: its start, its end (the strategy's flush) and each op's marks on the host's
-        # monotonic clock (pp/handoffs.py: the hand-offs' cost, what the replay adds to the compute)
-        self.timeline: list[dict] = []
+        # Per train_step, the first handoffs.RECORDED_STEPS after the warm-up kept (bounded records):
+        # (op, global chunk) -> the compute of each run of it; and the step's start, its end (the
+        # strategy's flush) and each op's marks on the host's monotonic clock (pp/handoffs.py: the
+        # hand-offs' cost, what the replay adds to the compute)
+        skip = pipe.cfg.trainer.warmup_steps * pipe.cfg.trainer.grad_accum
+        self.op_seconds, self.timeline = handoffs.StepRecord(skip), handoffs.StepRecord(skip)
         self.marks: dict[str, float] = {}  # the running op's (handoffs.MARKS)
 
     def rank_of(self, g: int) -> int:
@@ -58,13 +59,13 @@ class ManualLoop:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> None:
         pipe = self.pipe
-        self.timeline.append({"start": time.perf_counter(), "ops": []})
+        record = self.timeline.start(start=time.perf_counter(), ops=[])  # this step's marks
         # Micro-batches in storages of their own: what a stage holds for backward is its micro-batch,
         # not a view keeping the whole batch (the activations the planner counts).
         self.xs, self.ys = [c.clone() for c in inputs.chunk(self.m)], targets.chunk(self.m)
         self.num_micro, self.pending, self.local, self.micro_keys, self.posted = num_micro, [], {}, {}, {}
         stash: dict = {}
-        self.op_seconds.append({})
+        self.op_seconds.start()
         # Every receive of the step is posted before its first op: gloo moves nothing until the
         # receiver asks (a rendezvous), and a tensor whose receive is already posted leaves inside
         # the sender's isend and arrives while this rank computes. Posted one op ahead instead,
@@ -88,14 +89,14 @@ class ManualLoop:
             else:
                 self.weights(g, i)
             self.marks["end"] = time.perf_counter()
-            self.timeline[-1]["ops"].append((op, g, i, *(self.marks.get(k) for k in handoffs.MARKS)))
+            record["ops"].append((op, g, i, *(self.marks.get(k) for k in handoffs.MARKS)))
         # gloo completes a send when the neighbour has received it: waiting here is waiting for
         # the neighbour to get to its recv, idle like a recv (worker/timeline.py).
         with trace_label(f"{IDLE_LABEL}send"):
             for work, _ in self.pending:
                 work.wait()
         self.pending = []
-        self.timeline[-1]["drained"] = time.perf_counter()
+        record["drained"] = time.perf_counter()
 
     # ----- point to point (a chunk whose neighbour is on this rank hands over in memory) -----
     def post(self, k: int, late: bool = False) -> None:
@@ -189,7 +190,7 @@ class ManualLoop:
         self.marks["compute"], self.marks["computed"] = start, time.perf_counter()
         seconds = self.marks["computed"] - start
         self.pipe.busy.seconds += seconds
-        self.op_seconds[-1].setdefault((op, g), []).append(seconds)
+        self.op_seconds.current.setdefault((op, g), []).append(seconds)
 
     def backward(self, g: int, i: int, x: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Micro-batch i's backward through chunk g. ``aux``: the load-balancing losses of the

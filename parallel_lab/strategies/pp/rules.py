@@ -383,8 +383,15 @@ class PPPlan(PlanRules):
         if in_embedding_group(cfg, stage_of(cfg, rank)):  # the tied embedding's gradient, summed (pp/tied.py)
             tied = model.get_submodule("embed.tokens").weight.numel()
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * tied
-        if replicate > 1:  # dp x pp: the stage's gradients (its shards) all-reduced over replicas
+        ds = o.get("impl") == "deepspeed"
+        # dp x pp: the stage's gradients (its shards) all-reduced over replicas. DeepSpeed's engine also
+        # calls it on a one-rank data-parallel group: counted as called though nothing moves (the
+        # counter counts what the library calls, as zero/predict.py counts DeepSpeed's one-rank groups)
+        if replicate > 1 or ds:
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * sum(q.numel() for q in stage.parameters())
+        if ds and o.stages > 1:  # its loss pair (fp32) broadcast from the last stage, averaged there first
+            comm["broadcast"], last = 8.0, stage_of(cfg, rank) == o.stages - 1
+            comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * (replicate > 1 and last)
         if cfg.trainer.grad_clip > 0:  # the norm's float64 square sum: over the pipeline (and the tp group)
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 8 * (1 + (tp > 1))
         return comm

@@ -234,7 +234,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             with trace_label(f"{IDLE_LABEL}flush"):
                 dist.barrier(group=self.group)
         if self.loop is not None:
-            self.loop.timeline[-1]["end"] = time.perf_counter()
+            self.loop.timeline.current["end"] = time.perf_counter()
         self.records.append((time.perf_counter() - start, self.busy.seconds, self.recv_wait, self.send_time))
         self.activation_peak = self.saved.peak - held_before
         # Only the last stage has the loss; the others return their MoE chunks' load-balancing
@@ -323,10 +323,11 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "recv_wait_s": wait if manual else None,
             "send_s": send if manual else None,
             "max_inflight": self.loop.max_inflight if self.loop is not None else None,
-            "op_seconds": mean_op_seconds(self.loop.op_seconds[skip:] or self.loop.op_seconds) if manual else None,
-            "op_seconds_steps": [mean_op_seconds([step]) for step in self.loop.op_seconds[skip:]] if manual else None,
+            # manual impl, the per-op records: their first handoffs.RECORDED_STEPS steps after warm-up
+            "op_seconds": mean_op_seconds(self.loop.op_seconds.recorded()) if manual else None,
+            "op_seconds_steps": [mean_op_seconds([s]) for s in self.loop.op_seconds.recorded()] if manual else None,
             "recvs_late": self.loop.late if manual else None,
-            "timeline": (self.loop.timeline[skip:] or self.loop.timeline) if manual else None,
+            "timeline": self.loop.timeline.recorded() if manual else None,
             "host": socket.gethostname(),
             "params": sum(q.numel() for q in self.model.parameters()),
             "layers": [n for g in self.chunk_ids for n in self.chunk_names[g]],  # a tied copy not listed
