@@ -18,7 +18,7 @@ from parallel_lab.worker.replicas import compare, digest
 
 def _keys(dims: MeshDims, rank: int, model: torch.nn.Module) -> set[str]:
     """The default replica_parameters() keys of ``rank`` on a ``dims`` mesh."""
-    fake = SimpleNamespace(layout=dims, env=SimpleNamespace(rank=rank), model=model)
+    fake = SimpleNamespace(layout=dims, env=SimpleNamespace(rank=rank), model=model, replica_dims=Strategy.replica_dims)
     return set(Strategy.replica_parameters(fake))
 
 
