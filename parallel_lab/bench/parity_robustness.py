@@ -93,6 +93,16 @@ def probe(dispatch: Dispatch) -> dict[str, str]:
     }
 
 
+def distinct(chosen: list[Dispatch]) -> list[Dispatch]:
+    """The first dispatch of each distinct (ATen, oneDNN, MKL) choice the libraries report: on a CPU
+    whose native paths are the forced ones (AVX2 on an AMD EPYC), several settings run the same
+    kernels, and a pass per setting would only repeat a pass."""
+    seen: dict[tuple, Dispatch] = {}
+    for dispatch in chosen:
+        seen.setdefault(tuple(probe(dispatch).values()), dispatch)
+    return list(seen.values())
+
+
 def run_tests(dispatch: Dispatch, log: Path, mark: str, out_dir: Path, tests: list[str]) -> int:
     """The parity tests under this dispatch; every verdict they make lands in log."""
     env = {**os.environ, **dispatch.env(), VERDICT_LOG_ENV: str(log)}
@@ -212,6 +222,9 @@ def main(argv: list[str]) -> int:
         help="pytest -m expression (default: make test's parity tests and SGD's pair from make test-all)",
     )
     parser.add_argument(
+        "--distinct", action="store_true", help="one dispatch per distinct choice the libraries report (probe)"
+    )
+    parser.add_argument(
         "--tests", nargs="+", default=["tests"], help="pytest paths or node ids to run (default: tests)"
     )
     parser.add_argument(
@@ -226,7 +239,11 @@ def main(argv: list[str]) -> int:
         return 2
     out_dir = args.out or ROOT / "runs" / "parity_robustness" / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen = dispatches(cpu_flags())[: args.limit or None]
+    chosen = dispatches(cpu_flags())
+    if args.distinct:
+        chosen = distinct(chosen)
+        print(f"{len(chosen)} distinct dispatches: " + "; ".join(d.label for d in chosen), flush=True)
+    chosen = chosen[: args.limit or None]
     results = []
     for i, dispatch in enumerate(chosen):
         start = time.monotonic()

@@ -129,3 +129,24 @@ def test_the_csv_carries_the_replica_check_of_every_finished_row():
     row = SimpleNamespace(ok=True, metrics=SimpleNamespace(replica_digests_agree=False))
     assert READ["replicas agree"](row) is False
     assert READ["replicas agree"](SimpleNamespace(ok=False, metrics=None)) is None
+
+
+def test_a_tied_pipelines_two_ends_hold_one_key():
+    from parallel_lab.worker.replicas import tie_pipeline_ends
+
+    def end(rank: int, dims: MeshDims) -> dict:
+        model = torch.nn.Module()
+        model.embed = torch.nn.Module()
+        model.embed.tokens = torch.nn.Embedding(4, 2)
+        model.norm = torch.nn.LayerNorm(2)
+        fake = SimpleNamespace(layout=dims, env=SimpleNamespace(rank=rank), model=model, embedding_group=object())
+        held = {f"pp={dims.coords(rank)['pp']},{n}": p.detach() for n, p in model.named_parameters()}
+        return tie_pipeline_ends(fake, held)
+
+    dims = MeshDims(pp=2, named=("pp",))
+    first, last = end(0, dims), end(1, dims)
+    assert "tied:embed.tokens.weight" in first and "tied:embed.tokens.weight" in last  # the ends: one key
+    assert "pp=0,norm.weight" in first and "pp=1,norm.weight" in last  # the rest: the stage's own
+    assert compare([dict.fromkeys(first, "x"), dict.fromkeys(last, "x")])["replica_groups"] == [[0, 1]]
+    untied = SimpleNamespace(embedding_group=None)  # not an end of a tied pipeline: keys as they were
+    assert list(tie_pipeline_ends(untied, {"pp=1,embed.tokens.weight": torch.zeros(1)})) == ["pp=1,embed.tokens.weight"]
