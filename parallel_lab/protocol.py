@@ -182,7 +182,7 @@ class RunMetrics(_Record):
     batchnorm: dict[str, Any] = field(default_factory=dict)
     # The replica check (parallel_lab/worker/replicas.py): True when every data-parallel replica of
     # every parameter ended bit for bit equal, False naming the groups of ranks that differ,
-    # None when no two ranks hold the same parameter (world 1, pure tp or pp, flat FSDP, ZeRO-3)
+    # None when no two ranks hold the same parameter (world 1, untied pure pp, flat FSDP, fsdp x cp, ZeRO-3)
     replica_digests_agree: Optional[bool] = None
     replica_groups: list = field(default_factory=list)  # the rank groups compared (each a list of ranks)
     replica_groups_disagree: list = field(default_factory=list)  # [{ranks, params (the first), count}]

@@ -10,8 +10,10 @@ every verdict the tests make ($PARALLEL_LAB_PARITY_LOG, report/parity.py ``log_v
 prints, per configuration and dispatch, the worst of the four ratios as a fraction of the bound.
 
 Its last line: ``false alarms: F/N real runs; broken variants caught: C/B; worst real ratio: R of
-the bound``. docs/parity.md shows a run of it. Run from a checkout (it needs tests/):
-``python -m parallel_lab.bench parity_robustness [--limit N] [--mark EXPR] [--out DIR]``.
+the bound; replica check: ...`` (the exact replica check alone: its false alarms over the real runs
+it compared, and the broken variants whose replicas split). docs/parity.md shows a run of it. Run
+from a checkout (it needs tests/): ``python -m parallel_lab.bench parity_robustness [--limit N]
+[--mark EXPR] [--tests PATH ...] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -91,10 +93,20 @@ def probe(dispatch: Dispatch) -> dict[str, str]:
     }
 
 
-def run_tests(dispatch: Dispatch, log: Path, mark: str, out_dir: Path) -> int:
+def distinct(chosen: list[Dispatch]) -> list[Dispatch]:
+    """The first dispatch of each distinct (ATen, oneDNN, MKL) choice the libraries report: on a CPU
+    whose native paths are the forced ones (AVX2 on an AMD EPYC), several settings run the same
+    kernels, and a pass per setting would only repeat a pass."""
+    seen: dict[tuple, Dispatch] = {}
+    for dispatch in chosen:
+        seen.setdefault(tuple(probe(dispatch).values()), dispatch)
+    return list(seen.values())
+
+
+def run_tests(dispatch: Dispatch, log: Path, mark: str, out_dir: Path, tests: list[str]) -> int:
     """The parity tests under this dispatch; every verdict they make lands in log."""
     env = {**os.environ, **dispatch.env(), VERDICT_LOG_ENV: str(log)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", mark, "-p", "no:cacheprovider", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", mark, "-p", "no:cacheprovider", *tests]
     with open(out_dir / f"{log.stem}.pytest.txt", "w") as output:
         try:
             return subprocess.run(
@@ -177,6 +189,18 @@ def by_test(results: list[tuple[Dispatch, dict, int, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+def replica_line(records: list[dict]) -> str:
+    """The replica check alone (exact, no envelope), over the verdicts that carried it (agree not
+    None): real runs whose replicas differed, broken variants whose replicas differed."""
+    compared = [r for r in records if r.get("replicas_agree") is not None]
+    real = [r for r in compared if r["expect_pass"]]
+    broken = [r for r in compared if not r["expect_pass"]]
+    return (
+        f"replica check: false alarms {sum(r['replicas_agree'] is False for r in real)}/{len(real)} real runs; "
+        f"broken variants split: {sum(r['replicas_agree'] is False for r in broken)}/{len(broken)}"
+    )
+
+
 def summary_line(records: list[dict]) -> str:
     real = [r for r in records if r["expect_pass"]]
     broken = [r for r in records if not r["expect_pass"]]
@@ -185,7 +209,7 @@ def summary_line(records: list[dict]) -> str:
     worst = max(map(bound_fraction, real), default=float("nan"))
     return (
         f"false alarms: {false_alarms}/{len(real)} real runs; broken variants caught: {caught}/{len(broken)}; "
-        f"worst real ratio: {worst:.2f} of the bound"
+        f"worst real ratio: {worst:.2f} of the bound; {replica_line(records)}"
     )
 
 
@@ -196,6 +220,12 @@ def main(argv: list[str]) -> int:
         "--mark",
         default="parity and (not extra or robustness)",
         help="pytest -m expression (default: make test's parity tests and SGD's pair from make test-all)",
+    )
+    parser.add_argument(
+        "--distinct", action="store_true", help="one dispatch per distinct choice the libraries report (probe)"
+    )
+    parser.add_argument(
+        "--tests", nargs="+", default=["tests"], help="pytest paths or node ids to run (default: tests)"
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="folder for the logs (default runs/parity_robustness/<time>)"
@@ -209,13 +239,17 @@ def main(argv: list[str]) -> int:
         return 2
     out_dir = args.out or ROOT / "runs" / "parity_robustness" / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen = dispatches(cpu_flags())[: args.limit or None]
+    chosen = dispatches(cpu_flags())
+    if args.distinct:
+        chosen = distinct(chosen)
+        print(f"{len(chosen)} distinct dispatches: " + "; ".join(d.label for d in chosen), flush=True)
+    chosen = chosen[: args.limit or None]
     results = []
     for i, dispatch in enumerate(chosen):
         start = time.monotonic()
         log = out_dir / f"D{i + 1}.jsonl"
         seen = probe(dispatch)
-        code = run_tests(dispatch, log, args.mark, out_dir)
+        code = run_tests(dispatch, log, args.mark, out_dir, args.tests)
         records = read_verdicts(log)
         results.append((dispatch, seen, code, records))
         print(

@@ -313,6 +313,8 @@ COLUMNS = [  # (header, how to read it from a row)
     ),
     *PROFILE_COLUMNS,
     *PROFILE_INTERVALS,
+    # The replica check (report/parity.py Replicas): True, False (the run fails), None (no two ranks hold one)
+    ("replicas agree", finished_only(lambda m: m.replica_digests_agree)),
     ("parity", lambda r: r.parity),
     ("error", lambda r: r.failure.error if r.failure else None),
 ]

@@ -144,7 +144,8 @@ def _mesh_cell(m: RunMetrics) -> str | None:
 
 def _evidence(run: Row) -> str | None:
     """What the parity cell rests on: the check nearest its bound as 'name divergence (ratio to the
-    noise envelope ×)', or a failed run's error."""
+    noise envelope ×)' and whether the replicas ended bit-equal, the replicas that differ, or a
+    failed run's error."""
     if run.failure:
         return run.failure.error
     verdict = run.parity_checks or {}
@@ -155,7 +156,8 @@ def _evidence(run: Row) -> str | None:
     if not checks:
         return None
     label, check = max(checks, key=lambda c: c[1]["ratio"])
-    return f"{label} {_num(check['value'])} ({_num(check['ratio'])}×)"
+    same = "; replicas bit-equal" if verdict.get("replicas_agree") else ""  # None: nothing held twice
+    return f"{label} {_num(check['value'])} ({_num(check['ratio'])}×){same}"
 
 
 # comparison.md: what a reader compares, at most 16 columns; a column with a `shown` test appears

@@ -32,7 +32,7 @@ from parallel_lab.strategies.batchnorm import Norm
 from parallel_lab.strategies.ep.groups import ep_rank
 from parallel_lab.strategies.ep.rules import expert_ids
 from parallel_lab.strategies.memory import Memory, local_tensor
-from parallel_lab.strategies.mesh import REPLICATE, Mesh
+from parallel_lab.strategies.mesh import REPLICATE, TENSOR, Mesh
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import PlanRules
 from parallel_lab.strategies.state import State
@@ -59,6 +59,10 @@ class Strategy:
     State: ClassVar[type[State]] = State
     Memory: ClassVar[type[Memory]] = Memory
     Norm: ClassVar[type[Norm]] = Norm
+    # The mesh dimensions along which ranks hold the same copy of every parameter (replica_parameters):
+    # the replicas, and a replica's cp ranks (the same weights on their own tokens, the gradients
+    # averaged over cp too). FSDP shards over shard x cp and names replicate alone.
+    replica_dims: ClassVar[tuple[str, ...]] = (REPLICATE, "cp")
 
     def __init__(self, cfg: DictConfig, env: DistEnv) -> None:
         self.cfg = cfg
@@ -151,16 +155,20 @@ class Strategy:
         """This rank's parameters as it holds them, each under a key naming *what* it holds: the ranks
         holding one key are data-parallel replicas of it and must end a run with the same bytes
         (``worker/replicas.py`` digests and compares them). The default, from the mesh: a parameter's
-        name and the rank's coordinates along every dimension but ``replicate`` (a tp, pp or FSDP
-        shard is the same shard only at the same coordinates: ranks that differ only in replicate
-        are replicas), an expert's also with the rank's ep share (experts differ between ep ranks by
-        design: ``ep/groups.py``). Override where the module's parameters are not what a rank holds."""
+        name and the rank's coordinates along every dimension but ``replica_dims`` (a pp or FSDP
+        shard is the same shard only at the same coordinates), the tp coordinate only for a
+        parameter split over tp (``split_over_tp``: a norm held whole by every tp rank is one copy),
+        an expert's also with the rank's ep share (experts differ between ep ranks by design:
+        ``ep/groups.py``). Override where the module's parameters are not what a rank holds."""
         coords = self.layout.coords(self.env.rank)
-        where = "".join(f"{d}={coords[d]}," for d in self.layout.sizes() if d != REPLICATE)
+        kept = [d for d in self.layout.sizes() if d not in self.replica_dims]
+        whole = [d for d in kept if d != TENSOR]
+        split = getattr(self, "shard_dims", None)  # tp's {split parameter: dim}; None: no tp split named
         experts = expert_ids(self.model) if self.layout.ep > 1 else set()
         share = f"ep={ep_rank(self.layout, self.env.rank)}," if self.layout.ep > 1 else ""
         out = {}
         for name, p in self.model.named_parameters():
+            where = "".join(f"{d}={coords[d]}," for d in (kept if split_over_tp(name, p, split) else whole))
             # DeepSpeed's MoE layer marks its experts' parameters allreduce=False (zero/ds_moe.py)
             expert = id(p) in experts or getattr(p, "allreduce", True) is False
             out[f"{where}{share if expert else ''}{name}"] = local_tensor(p.detach())
@@ -175,3 +183,15 @@ class Strategy:
         self.model = None
         self.optimizer = None
         self.mesh = None
+
+
+def split_over_tp(name: str, p: torch.Tensor, shard_dims: dict[str, int] | None) -> bool:
+    """Does this rank hold its own slice of ``p`` along tp (Megatron's split layers, Shoeybi et al.
+    2019, sec. 3), or the whole of it, as every tp rank does (the norms, a row-parallel bias)? A
+    DTensor says so by its placement on the mesh's tp dimension (Shard or Replicate); otherwise
+    the strategy's own ``shard_dims`` by name (tp's split, the same list its gradient clipping
+    reads). A strategy naming no split (None) claims nothing: its keys keep the tp coordinate."""
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    if TENSOR in names:
+        return not p.placements[names.index(TENSOR)].is_replicate()
+    return shard_dims is None or name in shard_dims

@@ -10,10 +10,11 @@ weights. A missed all-reduce late in a run leaves the losses within the parity e
 (docs/parity.md) but splits the replicas at once.
 
 Each rank digests every parameter it holds (sha256 of the raw bytes); the digests are gathered
-(``all_gather_object``: collective, every rank calls it) and compared key by key. metrics.json:
-``replica_digests_agree`` (None: no parameter is held by two ranks, e.g. world 1, pure tp or pp,
-flat FSDP, ZeRO-3) and ``replica_groups_disagree`` (each group of ranks whose copies differ, with
-the first parameters that do).
+(``all_gather_object``: collective, every rank calls it) and compared key by key (a tied
+pipeline's two ends: one key, ``tie_pipeline_ends``). metrics.json: ``replica_digests_agree``
+(None: no parameter is held by two ranks, e.g. world 1, untied pure pp, flat FSDP, fsdp x cp,
+ZeRO-3) and ``replica_groups_disagree`` (each group of ranks whose copies differ, with the first
+parameters that do).
 """
 
 from __future__ import annotations
@@ -58,7 +59,26 @@ def compare(per_rank: list[dict[str, str]]) -> dict:
     }
 
 
+def tie_pipeline_ends(strategy, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tied gpt under pp (``strategies/pp/tied.py``, Megatron's layout): the first and the last
+    stage each hold a copy of the word embedding, kept bit-equal by the embedding group's gradient
+    sum. Their keys differ by the pp coordinate; here both ends' copy takes one key without it
+    (``tied:`` + the weight's name in single), so the check compares the ends like replicas."""
+    if getattr(strategy, "embedding_group", None) is None:  # not an end of a tied pipeline
+        return held
+    from parallel_lab.strategies.pp.tied import EMBED, tied_weight
+
+    ptr, out = tied_weight(strategy).data_ptr(), {}
+    for key, t in held.items():
+        if t.data_ptr() != ptr:
+            out[key] = t
+            continue
+        where = [d for d in key.split(",")[:-1] if not d.startswith("pp=")]  # the tp shard stays apart
+        out[",".join([*where, f"tied:{EMBED}.tokens.weight"])] = t
+    return out
+
+
 def replica_record(strategy) -> dict:
     """Digest this rank's replica_parameters(), gather every rank's, compare (collective)."""
-    mine = {key: digest(t) for key, t in strategy.replica_parameters().items()}
-    return compare(gather_from_ranks(mine))
+    held = tie_pipeline_ends(strategy, strategy.replica_parameters())
+    return compare(gather_from_ranks({key: digest(t) for key, t in held.items()}))

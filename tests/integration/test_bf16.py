@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from parallel_lab.cli.run import load_metrics, run_ranks
+from parallel_lab.report.parity import Replicas
 from tests.support.bodies.runs import train_and_record, train_bf16_rows
 from tests.support.cli import write_config
 from tests.support.reference import parity_reference
@@ -97,11 +98,12 @@ def test_bf16_row_matches_the_bf16_reference(bf16_runs, bf16_reference, row):
 
 @pytest.mark.parity
 def test_bf16_gradients_not_averaged_fail(bf16_runs, bf16_reference):
-    verdict = bf16_reference.verdict(
-        bf16_runs["not_averaged"]["losses"], _params(bf16_runs["not_averaged"]), "ddp bf16 not averaged", False
-    )
+    broken = bf16_runs["not_averaged"]
+    replicas = Replicas.of(broken)  # the verdict's one path: the replica check read as for every row
+    verdict = bf16_reference.verdict(broken["losses"], _params(broken), "ddp bf16 not averaged", False, replicas)
     print("not averaged", {name: f"{c.value:.2g} ({c.ratio:.3g}x)" for name, c in verdict.checks().items()})
-    assert not verdict.passed
+    assert not verdict.passed and not verdict.criterion_passed  # the envelope's checks catch it on their own
+    assert replicas.agree is False, broken.get("replica_groups")  # and the two replicas split
 
 
 @pytest.mark.parity

@@ -41,6 +41,7 @@ def _per_dim(result: dict) -> list[dict]:
 def _assert_real(result: dict, dims: dict) -> None:
     label = " ".join(result["overrides"])
     assert result["passed"], f"{label}: not the same training as single: {result['reason']}"
+    assert result["replicas_agree"] is True, label  # its replicate groups compared, bit for bit equal
     assert result["eval_accuracy"] == result["reference_accuracy"], label
     assert result["mesh"]["dims"] == dims, label
     for rank, (r, groups) in enumerate(zip(result["ranks"], _per_dim(result))):
@@ -62,6 +63,9 @@ def _hsdp(result: dict) -> None:
 def _dp_tp(result: dict) -> None:
     _assert_real(result, {"replicate": 2, "tp": 2})
     assert all(0 < groups["tp"] < groups["replicate"] for groups in _per_dim(result))  # activations only
+    # The replica check: a tp shard is compared with its replica's, what every tp rank holds whole
+    # (the convolutions, fc2's bias) across all four ranks
+    assert result["replica_groups"] == [[0, 1, 2, 3], [0, 2], [1, 3]], result["replica_groups"]
 
 
 def _dp_pp(result: dict) -> None:
@@ -76,6 +80,7 @@ def _hsdp_without_replica_average(broken: dict) -> None:
     # The broken twin: nothing crosses the replicate dimension, and parity says so.
     assert all(groups.get("replicate", 0) == 0 for groups in _per_dim(broken))
     assert not broken["passed"] and broken["ratios"]["early_dloss"] > ENVELOPE_MULTIPLE, broken
+    assert broken["replicas_agree"] is False, broken  # and the verdict read the replica check too
 
 
 LAYOUTS = {  # id -> (overrides, broken variant or "", what its result must show)

@@ -82,6 +82,8 @@ def test_fsdp2_x_tp_on_one_2d_mesh_is_singles_training(cli, accum):
     )  # fmt: skip
     parity_reference("vit", steps=steps, global_batch=batch).assert_run_matches(m, "vit fsdp x tp")
     assert m["strategy_extras"]["mesh"]["dims"] == {"shard": 2, "tp": 2}
+    # The replica check by DTensor placement: what is Replicate on tp (the norms) is one copy per shard
+    assert m["replica_digests_agree"] is True and m["replica_groups"] == [[0, 1], [2, 3]], m["replica_groups"]
     # fully_shard halves everything, Megatron's split halves the blocks' Linears again: < a half each
     meta = build_meta_model(compose_config("model=vit").model)
     full = 4 * sum(p.numel() for p in meta.parameters())

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.protocol import RunMetrics
+from parallel_lab.report.parity import Replicas
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.base import Strategy
 from parallel_lab.worker.train import train
@@ -102,7 +103,7 @@ def assert_matches_reference(cfg: DictConfig, strategy: Strategy, metrics: RunMe
     full = strategy.state.full_parameters()
     for (name, want), got in zip(ref.params.items(), full, strict=True):
         assert got.shape == want.shape, f"[{label}] {name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    ref.assert_matches(metrics.losses, full, f"[{label}] rank {env.rank}")
+    ref.assert_matches(metrics.losses, full, f"[{label}] rank {env.rank}", Replicas.of(metrics))
     acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
     assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"
     return ref
@@ -119,7 +120,7 @@ def judge_gpt_on_rank0(cfg: DictConfig, metrics: RunMetrics, full, rank: int, la
         reference, optimizer=str(t.optimizer), steps=t.steps, global_batch=t.global_batch, threads=1,
         data_size=DATA_SIZE,
     )  # fmt: skip
-    ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+    ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}", Replicas.of(metrics))
 
 
 def assert_state_as_planned(row: dict, label: str) -> None:

@@ -221,8 +221,11 @@ class ParityReference:
         log_verdict(label, verdict, expect_pass)
         return verdict
 
-    def assert_matches(self, losses: list[float], params: dict | list, label: str = "") -> Verdict:
-        verdict = self.verdict(losses, params, label)
+    def assert_matches(
+        self, losses: list[float], params: dict | list, label: str = "", replicas: Replicas | None = None
+    ) -> Verdict:
+        """verdict() must pass; replicas: the run's replica check (``Replicas.of`` its metrics)."""
+        verdict = self.verdict(losses, params, label, replicas=replicas)
         assert verdict.passed, f"{label}: not the same training as the reference: {verdict.reason()}"
         return verdict
 

@@ -60,6 +60,7 @@ from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.ep.parallel import ExpertParallel, expert_parallel
 from parallel_lab.strategies.fsdp.rules import FSDPPlan, fsdp_units, shard_size  # noqa: F401  (fsdp_units: re-exported)
 from parallel_lab.strategies.memory import Memory, storage_bytes
+from parallel_lab.strategies.mesh import REPLICATE
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.state import State
 
@@ -183,6 +184,7 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
     plan = FSDPPlan
     State = FSDPState
     Memory = FSDPMemory
+    replica_dims = (REPLICATE,)  # under strategy.cp fully_shard shards over shard x cp: cp ranks differ
 
     api_version: ClassVar[int | None] = None  # strategy.version a subclass implements
     _by_version: ClassVar[dict[int, type]] = {}  # filled as v1.py and v2.py define their class

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models import build_meta_model, build_model
 from parallel_lab.plan.predict import plan_world
+from parallel_lab.report.parity import Replicas
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
 from tests.support.bodies.cp_tp_gpt import check_gpt_cp_tp
@@ -68,7 +69,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     assert gap < 1e-4, (label, "gradient vs single's", gap)  # float32 reordering: ~1e-7
     if rank == 0:  # the parameters are the same on every rank: one judge (2 cores, one reference)
         ref = vit_reference(cfg, DATA_SIZE)
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}", Replicas.of(metrics))
     row = metrics.ranks[rank]
     s, accum = cfg.strategy, cfg.trainer.grad_accum
     batch = cfg.trainer.global_batch // accum // (world // (s.cp * tp))

@@ -10,6 +10,7 @@ import json
 import torch.distributed as dist
 
 from parallel_lab.comm.dist_env import read_dist_env
+from parallel_lab.report.parity import Replicas
 from parallel_lab.strategies import get_strategy_class
 from parallel_lab.strategies.fsdp.strategy import fsdp_units
 from parallel_lab.strategies.fsdp.v2 import FSDP2
@@ -57,12 +58,15 @@ def _train_one(overrides: list[str], variant: str, steps: int, global_batch: int
     metrics = train(cfg, env, strategy)
     ref = reference_for(steps, global_batch, cfg.trainer.grad_clip)
     label = " ".join([*overrides, variant]).strip()
-    verdict = ref.verdict(metrics.losses, strategy.state.full_parameters(), label, expect_pass=not variant)
+    replicas = Replicas.of(metrics)  # the replica check: a twin that never averages splits its replicas
+    verdict = ref.verdict(metrics.losses, strategy.state.full_parameters(), label, not variant, replicas=replicas)
     result = {
         "overrides": overrides,
         "variant": variant,
         "passed": verdict.passed,
         "reason": verdict.reason(),
+        "replicas_agree": replicas.agree,
+        "replica_groups": metrics.replica_groups,
         "ratios": {name: check.ratio for name, check in verdict.checks().items()},
         "mesh": metrics.strategy_extras.get("mesh"),
         "params": metrics.params,

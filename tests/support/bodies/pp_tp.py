@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from parallel_lab.report.parity import Replicas
 from tests.support.bodies.pp_gpt import check_pp_tied_replicas
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE, reference_accuracy
@@ -29,7 +30,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
         ref = vit_reference(cfg, DATA_SIZE)
         for (name, want), got in zip(ref.params.items(), full, strict=True):
             assert got.shape == want.shape, f"[{label}] {name}: {tuple(got.shape)} vs {tuple(want.shape)}"
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}", Replicas.of(metrics))
         if cfg.strategy.precision != "bf16":  # bf16: the fp32 reference net's argmax is not the bf16 forward's
             acc = reference_accuracy(ref.net, cfg.trainer.global_batch, cfg.trainer.eval_batches)
             assert metrics.eval_accuracy == acc, f"[{label}] eval accuracy {metrics.eval_accuracy} vs reference {acc}"

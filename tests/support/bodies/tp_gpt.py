@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from parallel_lab.report.parity import Replicas
 from tests.support.bodies.pp_gpt import check_pp_tied
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
@@ -84,7 +85,7 @@ def check(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None
         ref = parity_reference(
             reference, steps=t.steps, global_batch=t.global_batch, threads=1, data_size=DATA_SIZE, **bf16
         )
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}", Replicas.of(metrics))
     with torch.no_grad():
         whole = _whole_model(reference, full)(ids)
     bf16 = cfg.strategy.precision == "bf16"

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from parallel_lab.report.parity import Replicas
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE
 from tests.support.reference import vit_reference
@@ -102,7 +103,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     if rank == 0:  # the gathered parameters are the same on every rank: one judge (2 cores, one reference)
         ref = vit_reference(cfg, DATA_SIZE)  # bf16: the bf16 reference loop and its own noise floor
-        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}")
+        ref.assert_matches(metrics.losses, full, f"[{label}] rank {rank}", Replicas.of(metrics))
     row = metrics.ranks[rank]
     for key in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert row[key] == row[f"predicted_{key}"], (label, key, row[key], row[f"predicted_{key}"])
