@@ -4,8 +4,8 @@ included, the report's parity criterion), every rank holds the model-state bytes
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
-(Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
-ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
+(Adam, evaluation at the end) make the same claims, and so do zero2 and zero0 (trained in the ddp run's
+ranks), which run DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
 The MoE gpt under fsdp and zero2, in the same ranks, makes the same claims (ddp's: test_cp_vit.py).
 Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
@@ -42,9 +42,10 @@ def run(tmp_path_factory, name: str, *overrides: str) -> dict:
     return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
 
-# zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 trains in the ddp run's
-# set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1 (make test-all) adds a launch.
-SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2")}
+# zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 and zero0 (~1 s more)
+# train in the ddp run's set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1
+# (make test-all) adds a launch.
+SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2", "zero0")}
 # pp trains in the same ranks too: the MoE block (block1) cut onto the first stage, the loss on the last
 PP_MOE = ("strategy=pp", "strategy.stages=2", "strategy.cuts=[head]", "world_size=2", SGD, *RUN)
 # The MoE gpt (block 1 of 2 an MoE MLP, tests/support/reference.py) under fsdp and zero2, in the
@@ -90,7 +91,7 @@ def zero_ep_run(request, name: str) -> dict:
     return request.getfixturevalue("shared_ep")[name] if name in SHARED else request.getfixturevalue(f"{name}_ep")
 
 
-ZERO_EP = ["zero2", pytest.param("zero1", marks=pytest.mark.extra)]
+ZERO_EP = ["zero2", "zero0", pytest.param("zero1", marks=pytest.mark.extra)]
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +313,7 @@ def assert_saved_as_planned(metrics: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero2", "gpt_zero2"])
+@pytest.mark.parametrize("name", ["zero2", "zero0", "gpt_zero2"])
 def test_deepspeeds_moe_layer_saves_the_planned_activations_on_every_rank(shared_runs, name):
     """What one training forward and loss of DeepSpeed's MoE layer save on each rank (its gate's
     softmax and masks, its E x C x h buffers, the rank's experts on them, the combine), DeepSpeed's
