@@ -84,7 +84,7 @@ class FSDPOptions(ContextOptions, StrategyOptions):
     # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
     # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
     tp: int = 1
-    # Expert parallelism (model.moe_experts > 0, FSDP2 full sharding): each rank holds its
+    # Expert parallelism (model.moe_experts > 0, FSDP2 full or hybrid sharding): each rank holds its
     # moe_experts / ep experts whole, outside fully_shard (strategies/ep/, docs/moe.md). 1 = none.
     ep: int = 1
 
