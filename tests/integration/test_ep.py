@@ -4,8 +4,8 @@ included, the report's parity criterion), every rank holds the model-state bytes
 predicted for it, and the all-to-all bytes each rank issued are what the step's routing implies,
 summed over the ranks the formula of the dropless exchange (each token's k copies of h fp32
 elements, dispatch and combine, forward and backward). An FSDP2 run and a tp x ep run on 4 ranks
-(Adam, evaluation at the end) make the same claims, and so does zero2 (trained in the ddp run's
-ranks), which runs DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
+(Adam, evaluation at the end) make the same claims, and so do zero2 and zero0 (trained in the ddp run's
+ranks), which run DeepSpeed's own MoE layer with its padded exchange (strategies/zero/ds_moe.py).
 The MoE gpt under fsdp and zero2, in the same ranks, makes the same claims (ddp's: test_cp_vit.py).
 Refusals: one line, exit 2, in the parent.
 The layer in one process: tests/unit/test_moe.py."""
@@ -42,9 +42,10 @@ def run(tmp_path_factory, name: str, *overrides: str) -> dict:
     return {**load_metrics(run_dir), "run_dir": str(run_dir)}
 
 
-# zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 trains in the ddp run's
-# set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1 (make test-all) adds a launch.
-SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2")}
+# zero0-2 run DeepSpeed's own MoE layer (strategies/zero/ds_moe.py); zero2 and zero0 (~1 s more)
+# train in the ddp run's set of ranks, after it (tests/support/bodies/runs.py): one launch. zero1
+# (make test-all) adds a launch.
+SHARED = {name: (f"strategy={name}", "strategy.ep=2", "world_size=2", SGD, *RUN) for name in ("ddp", "zero2", "zero0")}
 # pp trains in the same ranks too: the MoE block (block1) cut onto the first stage, the loss on the last
 PP_MOE = ("strategy=pp", "strategy.stages=2", "strategy.cuts=[head]", "world_size=2", SGD, *RUN)
 # The MoE gpt (block 1 of 2 an MoE MLP, tests/support/reference.py) under fsdp and zero2, in the
@@ -90,7 +91,7 @@ def zero_ep_run(request, name: str) -> dict:
     return request.getfixturevalue("shared_ep")[name] if name in SHARED else request.getfixturevalue(f"{name}_ep")
 
 
-ZERO_EP = ["zero2", pytest.param("zero1", marks=pytest.mark.extra)]
+ZERO_EP = ["zero2", "zero0", pytest.param("zero1", marks=pytest.mark.extra)]
 
 
 @pytest.fixture(scope="module")
@@ -133,21 +134,47 @@ TP_EP = (
 )
 
 
+# HSDP x ep: fully_shard over replicate 2 x shard 2, ep=2 inside each shard group (torchtitan's
+# layout: ep borrows the shard ranks), each expert's replicas across the replicate dim. SGD: an
+# expert gradient reduced over the wrong ranks or divided by the wrong count shows at once.
+HSDP_EP = ("strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", "strategy.ep=2", "world_size=4",
+           SGD, *RUN)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def tp_ep(tmp_path_factory) -> dict:
+def world4_ep(tmp_path_factory) -> dict[str, dict]:
+    """The 4-rank runs, trained in turn in 4 ranks of their own (one start-up)."""
+    return ranks_of_their_own(tmp_path_factory, {"tp": TP_EP, "hsdp": HSDP_EP}, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def tp_ep(world4_ep) -> dict:
     """tp=2 inside each of 2 replicas (replicate widened from 1 by ep), ep=2 across them; Adam,
-    evaluation; trained in 4 ranks of their own, which then count what a forward saves."""
-    return ranks_of_their_own(tmp_path_factory, "tp", TP_EP, world_size=4)
+    evaluation; its ranks then count what a forward saves."""
+    return world4_ep["tp"]
 
 
-def ranks_of_their_own(tmp_path_factory, name: str, overrides: tuple, world_size: int) -> dict:
-    """One run through the worker's loop in its own set of ranks (tests/support/bodies/ep.py), with
-    each rank's saved bytes of one forward under the planner's balanced routing."""
+@pytest.fixture(scope="module")
+def hsdp_ep(world4_ep) -> dict:
+    return world4_ep["hsdp"]
+
+
+def ranks_of_their_own(tmp_path_factory, runs: dict[str, tuple], world_size: int) -> dict[str, dict]:
+    """Runs through the worker's loop in turn in one set of ranks of their own
+    (tests/support/bodies/ep.py), with each rank's saved bytes of one forward under the planner's
+    balanced routing (tp and zero runs)."""
     root = tmp_path_factory.mktemp("ep_own")
-    paths = [write_config(root / f"{name}.yaml", *overrides)]
+    paths = [write_config(root / f"{name}.yaml", *overrides) for name, overrides in runs.items()]
     outputs = run_ranks(train_and_count_ep_activations, world_size=world_size, timeout=600, config_paths=paths)
-    saved = [json.loads(out.strip().splitlines()[-1])[str(root / name)] for out in outputs]
-    return {**load_metrics(root / name), "run_dir": str(root / name), "saved": saved}
+    counted = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return {
+        name: {
+            **load_metrics(root / name),
+            "run_dir": str(root / name),
+            "saved": [c.get(str(root / name)) for c in counted],
+        }
+        for name in runs
+    }
 
 
 @pytest.mark.slow
@@ -159,6 +186,45 @@ def test_fsdp_and_tp_with_ep_train_as_single_does_and_evaluate(request, name):
     reference = parity_reference("vit_moe", steps=STEPS, global_batch=BATCH, threads=1)
     reference.assert_run_matches(metrics, name)
     assert metrics["eval_accuracy"] is not None  # the evaluation's forwards exchange tokens too
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.floats
+def test_hsdp_with_ep_trains_as_single_does(hsdp_ep):
+    """HSDP's dense gradients averaged over shard then replicate, each expert's summed over its ep
+    group's samples and its replicas (the other replica group's ranks), / dp: single's SGD training."""
+    assert hsdp_ep["strategy_extras"]["mesh"]["dims"] == {"replicate": 2, "shard": 2}
+    reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(hsdp_ep, "fsdp hybrid replicate=2 ep=2")
+
+
+@pytest.mark.slow
+def test_hsdp_with_ep_comm_is_hsdps_and_the_experts_reduction_and_the_routings(hsdp_ep):
+    """Every rank: the dense parameters' gathers and reduce-scatter over its shard group and the
+    all-reduce of their shard over the replicas, as the planner predicts them to the byte; the
+    experts' all-reduce over the 2 ranks holding them, 2 x their fp32 bytes; the all-to-all bytes
+    its routing's, over the ranks the dropless 4 x B x S x k x h x 4; theory = measured."""
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.moe import moe_layers
+    from parallel_lab.strategies import get_strategy_class
+
+    cfg = load_run_config(hsdp_ep["run_dir"] + ".yaml")
+    meta = build_meta_model(cfg.model)
+    experts = sum(p.numel() for moe in moe_layers(meta) for p in moe.experts.parameters()) // 2  # E / ep a rank
+    for rank, measured in enumerate(hsdp_ep["ranks"]):
+        planned = get_strategy_class("fsdp").plan.predict_comm(cfg, meta, rank)
+        for op in ("all_gather_single", "reduce_scatter_single", "all_reduce"):  # the counts' all-gather: ep x E int64
+            assert measured["comm_bytes_by_op"][op] == planned[op], (rank, op, measured["comm_bytes_by_op"], planned)
+        groups = measured["comm_bytes_by_group"]
+        assert groups["ep_replicas"] == 2 * 4 * experts, rank
+        assert groups["replicate"] == planned["all_reduce"] - 2 * 4 * experts, rank
+    theory = hsdp_ep["strategy_extras"]["ep"]["theory_bytes_per_step"]
+    assert hsdp_ep["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == theory["all_to_all_single"]
+    total = sum(r["comm_bytes_by_op"]["all_to_all_single"] for r in hsdp_ep["ranks"])
+    assert total == MOE_LAYERS * 4 * BATCH * TOKENS * K * DIM * 4, total
+    assert hsdp_ep["comm_theory_psi"] == pytest.approx(hsdp_ep["comm_volume_psi"], rel=1e-12)
 
 
 @pytest.mark.slow
@@ -247,7 +313,7 @@ def assert_saved_as_planned(metrics: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero2", "gpt_zero2"])
+@pytest.mark.parametrize("name", ["zero2", "zero0", "gpt_zero2"])
 def test_deepspeeds_moe_layer_saves_the_planned_activations_on_every_rank(shared_runs, name):
     """What one training forward and loss of DeepSpeed's MoE layer save on each rank (its gate's
     softmax and masks, its E x C x h buffers, the rank's experts on them, the combine), DeepSpeed's
@@ -277,8 +343,8 @@ def test_the_moe_gpt_under_fsdp_and_zero2_ep_exchanges_the_formulas_bytes(shared
 
 
 @pytest.mark.slow
-def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(shared_ep, fsdp_ep, tp_ep):
-    for metrics in (*shared_ep.values(), fsdp_ep, tp_ep):
+def test_each_rank_holds_the_expert_state_the_planner_predicted_to_the_byte(shared_ep, fsdp_ep, tp_ep, hsdp_ep):
+    for metrics in (*shared_ep.values(), fsdp_ep, tp_ep, hsdp_ep):
         assert_plan_matches(metrics, tolerance=0.0)
     ranks = shared_ep["ddp"]["ranks"]
     assert ranks[0]["param_bytes"] < ranks[0]["analytic_param_bytes"]  # half of the experts each

@@ -72,10 +72,19 @@ def sharded_params(model: torch.nn.Module) -> list:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
+def _ep_dims(cfg: DictConfig) -> MeshDims:
+    """The data-parallel dims expert parallelism spans (fsdp/rules.py ``FSDPPlan.dims`` at tp = cp = 1,
+    the only layouts ep runs in): HSDP's replicate x shard, or one shard group of the world."""
+    ep = ep_degree(cfg)
+    if cfg.strategy.sharding == "hybrid":
+        return MeshDims(replicate=cfg.strategy.replicate, shard=_shard_world(cfg), ep=ep, named=("replicate", "shard"))
+    return MeshDims(shard=cfg.world_size, ep=ep)
+
+
 def predict_fsdp2_memory(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, int]:
     """Under ep (strategies/ep/) the rank's own experts are held whole beside the shards."""
     local, world, index = _sharded(cfg, model, rank)
-    experts = local_expert_numels(MeshDims(shard=cfg.world_size, ep=ep_degree(cfg)), model, rank)
+    experts = local_expert_numels(_ep_dims(cfg), model, rank)
     layout = shard_layout(sharded_params(local), world, index) + [(n, n) for n in experts]
     padded = 4 * sum(p for p, _ in layout)
     report = {"param_bytes": padded, "master_param_bytes": 0, "grad_bytes": padded}
@@ -95,6 +104,11 @@ def _bf16(cfg: DictConfig) -> bool:
 def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
     if cfg.world_size < 2:
         return {}
+    if ep_degree(cfg) > 1:  # full or hybrid (fsdp/rules.py), tp = cp = 1
+        dims = _ep_dims(cfg)
+        comm = fsdp_ep_comm(sharded_params(model), sum(local_expert_numels(dims, model, rank)), dims, rank, cfg)
+        micro = cfg.trainer.global_batch // (dims.data_parallel_size * cfg.trainer.grad_accum)
+        return _added(comm, balanced_comm(cfg, model, micro))  # the exchanges with every expert equally loaded
     sharding, accum = cfg.strategy.sharding, cfg.trainer.grad_accum
     if sharding == "hybrid" and (cfg.strategy.get("cp") or 1) < 2:
         return None  # plain HSDP is not predicted (docs/meshes.md measures it; plan/recommend.py never ranks it)
@@ -110,12 +124,29 @@ def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> di
     comm = {"all_gather_single": float(accum * gathers * gathered), "reduce_scatter_single": float(accum * full_padded)}
     if sharding == "hybrid":  # HSDP x CP: each reduced padded shard all-reduced over replicate (counted twice)
         comm["all_reduce"] = float(accum * 2 * full_padded // world)
-    routed = balanced_comm(cfg, model, cfg.trainer.global_batch // (cfg.world_size * cfg.trainer.grad_accum))
-    for op, nbytes in routed.items():  # strategy.ep: the exchanges with every expert equally loaded
-        comm[op] = comm.get(op, 0.0) + nbytes
     if _tp(cfg) > 1:
         comm["all_reduce"] = comm.get("all_reduce", 0.0) + megatron_all_reduce_bytes(cfg, model)
     return comm
+
+
+def fsdp_ep_comm(dense: list, expert_numel: int, dims: MeshDims, rank: int, cfg: DictConfig) -> dict[str, float]:
+    """Per step and rank under strategy.ep, all but the exchanges (counter units, comm/counter.py):
+    fully_shard's over the shard group, on the dense parameters ``dense`` padded as it pads them (two
+    all-gathers and one reduce-scatter a micro-batch); HSDP's all-reduce of the padded gradient
+    shard over the replicas (2 x its bytes a micro-batch: FSDP2 reduces at every backward); the
+    experts' all-reduce over the ranks holding the same ones (2 x the rank's ``expert_numel`` fp32
+    elements once a step, ep/parallel.py; none where one rank holds them)."""
+    accum, shard = cfg.trainer.grad_accum, dims.shard
+    padded = 4 * sum(p for p, _ in shard_layout(dense, shard, dims.coords(rank)["shard"]))
+    comm = {"all_gather_single": 2.0 * accum * shard * padded, "reduce_scatter_single": float(accum * shard * padded)}
+    reduced = 2.0 * accum * padded if dims.replicate > 1 else 0.0
+    if dims.data_parallel_size > dims.ep:
+        reduced += 2.0 * 4 * expert_numel
+    return _added(comm, {"all_reduce": reduced} if reduced else {})
+
+
+def _added(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    return {op: comm.get(op, 0.0) + more.get(op, 0.0) for op in {**comm, **more}}
 
 
 def megatron_all_reduce_bytes(cfg: DictConfig, model: torch.nn.Module) -> float:

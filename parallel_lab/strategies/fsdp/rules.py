@@ -96,7 +96,7 @@ class FSDPOptions(ContextOptions, StrategyOptions):
     # consecutive ranks splits the vit's blocks (Megatron, tp/split.py with DTensor) and fully_shard
     # shards over the world_size/tp data-parallel ranks of the same (shard, tp) mesh. 1 = no TP.
     tp: int = 1
-    # Expert parallelism (model.moe_experts > 0, FSDP2 full sharding): each rank holds its
+    # Expert parallelism (model.moe_experts > 0, FSDP2 full or hybrid sharding): each rank holds its
     # moe_experts / ep experts whole, outside fully_shard (strategies/ep/, docs/moe.md). 1 = none.
     ep: int = 1
 
@@ -125,8 +125,9 @@ class FSDPPlan(PlanRules):
             return cls._dims_cp(cfg, cp)
         if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp
             return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, named=("shard", "tp"))
-        if opts.sharding == "hybrid":
-            return MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
+        if opts.sharding == "hybrid":  # ep: experts over ep ranks of each shard group (ep/groups.py)
+            dims = MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
+            return dataclasses.replace(dims, ep=ep_degree(cfg))
         if opts.sharding == "no_shard":
             return MeshDims(replicate=cfg.world_size)
         return MeshDims(shard=cfg.world_size, ep=ep_degree(cfg))
@@ -190,15 +191,31 @@ class FSDPPlan(PlanRules):
         cls._check_hybrid(opts, cfg)
         if opts.tp != 1:
             cls._check_tp(opts, cfg)
-        if opts.ep != 1 and (opts.version != 2 or opts.sharding != "full" or opts.tp != 1):
-            raise ConfigError(
-                f"strategy.ep={opts.ep} runs with FSDP2 full sharding (strategy.version=2 strategy.sharding=full "
-                f"strategy.tp=1), not version={opts.version} sharding={opts.sharding} tp={opts.tp}; "
-                "use those, or strategy.ep=1"
-            )
-        check_ep(cfg, MeshDims(shard=cfg.world_size, ep=opts.ep))
+        if opts.ep != 1:
+            cls._check_ep(opts, cfg)
         if opts.cp != 1:
             cls._check_cp(opts, cfg)
+
+    @classmethod
+    def _check_ep(cls, opts: DictConfig, cfg: DictConfig) -> None:
+        """Expert parallelism under FSDP2 full sharding (shard x ep) or HSDP (replicate x shard x ep).
+        Under hybrid, as torchtitan lays it out, ep borrows its ranks from the shard dimension:
+        an ep group is ep consecutive ranks of one shard group (inside a host), the ranks holding
+        the same experts span the replicas and the rest of the shard group (ep/groups.py)."""
+        if opts.version != 2 or opts.sharding not in ("full", "hybrid") or opts.tp != 1:
+            raise ConfigError(
+                f"strategy.ep={opts.ep} runs with FSDP2 full or hybrid sharding (strategy.version=2 "
+                f"strategy.sharding=full|hybrid strategy.tp=1), not version={opts.version} "
+                f"sharding={opts.sharding} tp={opts.tp}; use those, or strategy.ep=1"
+            )
+        if opts.sharding == "hybrid" and opts.ep > 0 and shard_size(cfg) % opts.ep:
+            raise ConfigError(
+                f"strategy.ep={opts.ep} does not divide the shard group size {shard_size(cfg)} "
+                f"(world_size={cfg.world_size} / strategy.replicate={opts.replicate}; under hybrid ep spans "
+                f"the ranks of one shard group); use an ep that divides {shard_size(cfg)} or a smaller "
+                "strategy.replicate"
+            )
+        check_ep(cfg, cls.dims(cfg))
 
     @classmethod
     def _check_cp(cls, opts: DictConfig, cfg: DictConfig) -> None:

@@ -270,14 +270,15 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
         return extras if self.experts is None else {**extras, **self.experts.metrics()}
 
     def run_comm_theory_psi(self, num_params: int) -> float | None:
-        """Under ep: 3 x the sharded parameters' bytes, padded as fully_shard pads them (two
-        all-gathers, one reduce-scatter; fsdp/predict.py), and the exchanges the step's routing
-        implies (strategies/ep/dispatch.py), in Ψ of the whole model."""
+        """Under ep: fully_shard's padded gathers and reduce-scatter of the dense parameters over the
+        shard group, HSDP's all-reduce of their gradient shard over the replicas, the experts'
+        all-reduce over their replicas (fsdp/predict.py ``fsdp_ep_comm``) and the exchanges the
+        step's routing implies (strategies/ep/dispatch.py), in Ψ of the whole model."""
         if self.experts is None:
             return super().run_comm_theory_psi(num_params)
-        from parallel_lab.strategies.fsdp.predict import shard_layout, sharded_params
+        from parallel_lab.strategies.fsdp.predict import fsdp_ep_comm, sharded_params
 
-        world = self.env.world_size
-        padded = 4 * world * sum(p for p, _ in shard_layout(sharded_params(self.model), world, self.env.rank))
+        experts = sum(p.numel() for p in self.experts.expert_parameters())
+        dense = fsdp_ep_comm(sharded_params(self.model), experts, self.layout, self.env.rank, self.cfg)
         routed = sum(self.experts.theory_bytes_per_step().values())
-        return (3 * padded + routed) / (4 * num_params)
+        return (sum(dense.values()) + routed) / (4 * num_params)
