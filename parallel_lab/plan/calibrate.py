@@ -15,7 +15,7 @@ What is measured (one thread, the run's device):
   (``hook_calibration.py``: manual_ddp's bucketed all-reduce);
 - ``contention``: how much slower one process computes while a second computes too, measured with
   two real processes (shared caches, memory bandwidth, SMT siblings; 1.0 on a GPU);
-- ``collectives``: gloo (and manual_ddp's hand-written ring) at world 2, 4 KiB-16 MiB, each op fitted
+- ``collectives``: gloo (and manual_ddp's hand-written ring and star) at world 2, 4 KiB-16 MiB, each op fitted
   to Hockney's ``alpha + bytes / beta`` (``steptime.fit_alpha_beta``); nccl on a GPU machine with two
   or more GPUs; none on one GPU;
 - ``model_error_log``: the model's error on held-out configs as the last validation measured it
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from parallel_lab.plan.census import Census
+from parallel_lab.plan.comm_calibration import STAR_OP
 from parallel_lab.plan.hook_calibration import measure_bucketing
 from parallel_lab.plan.microbench import contention_probe, on_gpu, pass_timer
 from parallel_lab.plan.optimizer_calibration import adam_step, dtensor_or_none
@@ -47,8 +48,9 @@ DEFAULT_PATH = Path("runs/calibration.json")
 # 2: the pool and norm kinds (a version-1 file lacks them and is measured again); 3: the wrappers'
 # per-unit and per-DTensor costs (scale unit_s, dtensor_s) and the interval's two sides; 4: DTensor's
 # per-tensor optimizer cost measured (optimizer["dtensor_per_tensor_s"]), its per-step part fitted;
-# 5: manual_ddp's bucketing costs (``bucketing``: a gradient hook's call, a bucket's hand-off).
-VERSION = 5
+# 5: manual_ddp's bucketing costs (``bucketing``: a gradient hook's call, a bucket's hand-off); 6:
+# manual_ddp's star all-reduce timed beside its ring (``collectives["hand"]["all_reduce_star"]``).
+VERSION = 6
 # Until bench plantime's calibration set refits them here: what it fitted on the 2-core machine of
 # docs/plan.md (the 06:11 UTC run of 2026-11-27, the first with the null pass and the runs' own
 # Adam in the micro-benchmarks). The interval: high = point x exp(DEFAULT_INTERVAL_LOG),
@@ -133,7 +135,17 @@ class Calibration:
         if calib.device == "cpu":  # before version 4: as measured alone on the 2-core CPU (docs/gpu.md)
             calib.optimizer.setdefault("dtensor_per_tensor_s", REPLAY_DTENSOR_PER_TENSOR_S)
             calib.bucketing = calib.bucketing or dict(REPLAY_BUCKETING)  # before version 5
+        hand, send = calib.collectives.get("hand"), calib.collectives.get("gloo", {}).get("broadcast")
+        if hand is not None and send is not None:  # before version 6: the star from gloo's send
+            hand.setdefault(STAR_OP, replay_star(send))
         return calib
+
+
+def replay_star(send: dict[str, float]) -> dict[str, float]:
+    """manual_ddp's star all-reduce at world 2 for a calibration that did not time it (before
+    version 6): gloo's one send of the tensor (its broadcast at world 2) twice in a row, rank 1's
+    tensor to rank 0 and the sum back; the add between them (a memory pass) is left out."""
+    return {"alpha_s": 2 * send["alpha_s"], "beta_Bps": send["beta_Bps"] / 2}
 
 
 def load_or_measure_calibration(

@@ -3,7 +3,9 @@ processes on this machine, one process group (gloo on CPU; nccl on a machine wit
 measure (1) how much slower one computes while the other computes too (``contention``) and (2)
 every collective at world 2, 4 KiB-16 MiB (five sizes, the best of 4 calls each over two rounds), fitted to
 alpha + bytes / beta. manual_ddp's hand-written ring (``parallel_lab.comm.collectives``) is measured
-beside gloo's, as ``impl`` ``hand``."""
+beside gloo's, as ``impl`` ``hand``, and its star all-reduce (``STAR_OP``: rank 0 gathers, adds and
+sends back over gloo's send/recv) at the three smallest sizes, so the step-time model prices each
+all-reduce algorithm from its own line."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ import torch
 
 TIMEOUT_S = 60.0
 HAND_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # manual_ddp broadcasts with gloo
+# manual_ddp's star all-reduce (``strategy.allreduce=star``: gloo's send/recv), timed at the three
+# smallest sizes only: a call cost 0.24, 0.30, 1.2, 4.5 and 20 ms at 4 KiB-16 MiB on the 2-core CPU,
+# five calls a point, so 4 KiB-1 MiB fit its line for ~10 ms where all five took ~130 ms
+# (``steptime.star_factors`` prices it per rank 0's messages and bytes).
+STAR_OP = "all_reduce_star"
+STAR_SIZES = (4096, 1 << 16, 1 << 20)
 # Two rounds over every (impl, op, size), each point's fastest call kept: a passing slowdown then
 # falls on every size alike instead of bending one op's line (the operators' benchmarks showed it:
 # calibrate.OPS_ROUNDS). Each point warms up once, in the first round: its tensors are kept for
@@ -56,6 +64,7 @@ def _collective(impl: str, op: str, x: torch.Tensor, out: torch.Tensor, world: i
 
         return {
             "all_reduce": lambda: collectives.all_reduce(x, algorithm="ring"),
+            STAR_OP: lambda: collectives.all_reduce(x, algorithm="star"),
             "all_gather": lambda: collectives.all_gather(out),
             "reduce_scatter": lambda: collectives.reduce_scatter(out),
             "broadcast": lambda: collectives.broadcast(x, src=0),
@@ -94,6 +103,7 @@ def _measure(rank: int, port: int, device: str) -> dict | None:
         both = contention_probe(dev, before_each=dist.barrier)  # both ranks' passes at once; the parent timed it alone
         impls = ["gloo" if device == "cpu" else "nccl"] + (["hand"] if device == "cpu" else [])
         points = [(i, op, s) for i in impls for op in (COMM_OPS if i != "hand" else HAND_OPS) for s in COMM_SIZES]
+        points += [("hand", STAR_OP, s) for s in STAR_SIZES if "hand" in impls]
         bufs = {s: (torch.zeros(s // 4, device=dev), torch.zeros(s // 4, device=dev)) for s in COMM_SIZES}  # any values
         calls = {(i, op, s): _collective(i, op, *bufs[s], 2) for i, op, s in points}
         # interleaved, as the operators' benchmarks (calibrate.OPS_ROUNDS); each rank's times, then the

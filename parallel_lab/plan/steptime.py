@@ -32,9 +32,10 @@ optimizer, idle; ``worker/timeline.py``), under the run's own conditions, with a
   fitted at world 2 (R. W. Hockney, "The communication challenge for MPP", Parallel Computing
   20(3), 1994), scaled to world N by the ring's steps and payload share, with the real number of
   calls (DDP's buckets, FSDP's units, ZeRO's buckets, pipeline micro-batches:
-  ``PlanRules.collective_calls`` and the bucket options); exposed: the collectives issued outside
-  backward plus what the calibration found not hidden of those issued during it
-  (``PlanRules.overlapped_collectives``).
+  ``PlanRules.collective_calls`` and the bucket options); manual_ddp's star all-reduce through its
+  own fit, scaled by rank 0's messages and bytes (``star_factors``), never as the ring; exposed:
+  the collectives issued outside backward plus what the calibration found not hidden of those
+  issued during it (``PlanRules.overlapped_collectives``).
 * Corrections and interval: ``python -m parallel_lab.bench plantime`` fits a scale per part on a
   small calibration set of real runs and the interval's two sides from its signed residuals
   (``[point x exp(-interval_low_log), point x exp(interval_log)]``: a load only slows a run;
@@ -54,6 +55,7 @@ from torch import nn
 
 from parallel_lab.plan.alphabeta import AlphaBeta, fit_alpha_beta  # noqa: F401  (re-exported)
 from parallel_lab.plan.calibrate import Calibration, load_or_measure_calibration  # noqa: F401  (re-exported)
+from parallel_lab.plan.comm_calibration import STAR_OP
 
 # The counter's op names (comm/counter.py) -> (the collectives bench's op, counted bytes per payload
 # byte). The counter counts an all-reduce of B bytes as 2B; the bench's size S is the tensor for
@@ -89,17 +91,37 @@ def ring_factors(op: str, world: int) -> tuple[float, float]:
     return rounds, rounds  # broadcast: each round one whole payload
 
 
+def star_factors(world: int) -> tuple[float, float]:
+    """(messages, payloads) through rank 0 of the star all-reduce (``comm/collectives.py``
+    ``_star_all_reduce``): it receives the other ``world - 1`` tensors, adds them, and sends the sum
+    to each, so ``2(w-1)`` messages and ``2(w-1)`` payloads pass through it (each other rank: 2
+    and 2), and the step waits for rank 0. Fitted at world 2 (2 and 2), so the star's time grows as
+    ``w - 1`` where the ring's bytes per rank stay under ``2`` (Thakur, Rabenseifner & Gropp 2005)."""
+    if world < 2:
+        return 0.0, 0.0
+    return 2.0 * (world - 1), 2.0 * (world - 1)
+
+
 def collective_seconds(
     fit: AlphaBeta, op: str, payload: float, calls: int, world: int, fit_world: int = 2
 ) -> tuple[float, float]:
     """(latency s, bandwidth s) of ``calls`` calls moving ``payload`` bytes in all (the bench's size:
     see COUNTED_AS) at ``world`` ranks, from a fit measured at ``fit_world``; a point-to-point send
-    (``p2p``) does not scale with the world."""
+    (``p2p``) does not scale with the world; the star all-reduce (``STAR_OP``) scales as its rank 0."""
     if op == "p2p":
         return calls * fit.alpha_s, payload / fit.beta_Bps
-    steps, share = ring_factors(op, world)
-    steps2, share2 = ring_factors(op, fit_world)
+    factors = star_factors if op == STAR_OP else functools.partial(ring_factors, op)
+    steps, share = factors(world)
+    steps2, share2 = factors(fit_world)
     return calls * fit.alpha_s * steps / steps2, payload / fit.beta_Bps * share / share2
+
+
+def algorithm_op(cfg, bench_op: str, fits: dict) -> str:
+    """The calibration's op that prices ``bench_op`` under this config: manual_ddp's star
+    all-reduce has its own line where the calibration timed it (``STAR_OP``, version 6); every
+    other all-reduce, and the star under a calibration without it (a GPU's: nccl only), the op's."""
+    algorithm = str(getattr(cfg.strategy.get("allreduce"), "value", cfg.strategy.get("allreduce")))
+    return STAR_OP if bench_op == "all_reduce" and algorithm == "star" and STAR_OP in fits else bench_op
 
 
 @dataclass
@@ -174,11 +196,10 @@ def predict_comm_seconds(
             continue
         bench_op, per_payload = COUNTED_AS[op]
         payload = counted / per_payload
-        kind = "p2p" if op in ("isend", "send") else bench_op
+        kind = "p2p" if op in ("isend", "send") else algorithm_op(cfg, bench_op, fits)
         calls = _calls(cfg, strategy_cls, model, op, payload, shape)
-        seconds = sum(
-            collective_seconds(AlphaBeta(**fits[bench_op]), kind, payload, calls, cfg.world_size, calib.comm_world)
-        )
+        fit = AlphaBeta(**fits[kind if kind != "p2p" else bench_op])
+        seconds = sum(collective_seconds(fit, kind, payload, calls, cfg.world_size, calib.comm_world))
         raw[bench_op] = raw.get(bench_op, 0.0) + seconds
         out[op] = seconds * calib.scale.get(f"comm_{bench_op}", calib.scale.get("comm", 1.0))
     return out, raw

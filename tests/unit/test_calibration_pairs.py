@@ -1,7 +1,7 @@
 """The quick calibration's two-process half (``parallel_lab.plan.comm_calibration``) on a CPU: two
 forks of this process (no fresh interpreter: torch is already imported here), each a real rank of a
 gloo group, which measure the contention probe and every collective of gloo and of manual_ddp's
-hand-written ring and hand back rank 0's points; the parent fits alpha-beta per op. Real processes
+hand-written ring and star and hand back rank 0's points; the parent fits alpha-beta per op. Real processes
 and real collectives; what is checked is the shape of the answer (every op measured and fitted, a
 positive bandwidth, both forks gone), never how fast this machine is."""
 
@@ -11,7 +11,7 @@ import os
 
 import torch.distributed as dist
 
-from parallel_lab.plan.comm_calibration import HAND_OPS, finish_pairs, start_pairs, wait_ready
+from parallel_lab.plan.comm_calibration import HAND_OPS, STAR_OP, finish_pairs, start_pairs, wait_ready
 from parallel_lab.plan.microbench import COMM_OPS, contention_probe
 
 
@@ -26,7 +26,7 @@ def test_the_two_processes_are_forks_that_measure_every_collective() -> None:
     assert all(p.code() == 0 for p in procs), [p.code() for p in procs]  # both ended by themselves, cleanly
     assert set(pair["collectives"]) == {"gloo", "hand"}
     assert set(pair["collectives"]["gloo"]) == set(COMM_OPS)
-    assert set(pair["collectives"]["hand"]) == set(HAND_OPS)
+    assert set(pair["collectives"]["hand"]) == {*HAND_OPS, STAR_OP}  # the star timed beside the ring
     for impl, by_op in pair["collectives"].items():
         for op, fit in by_op.items():
             assert fit["alpha_s"] >= 0 and fit["beta_Bps"] > 0, (impl, op, fit)
