@@ -86,7 +86,7 @@ class ManualDDPPlan(ReplicatedPlan):
 
     @classmethod
     def comm_impl(cls, cfg: DictConfig) -> str:
-        """Our own all-reduce (comm/collectives.py; the ring and the star each priced from its own calibration line: plan/steptime.py)."""
+        """Our own all-reduce (comm/collectives.py; ring and star each priced from its calibration line)."""
         return "gloo" if cfg.strategy.allreduce == "builtin" else "hand"
 
     @classmethod
