@@ -8,15 +8,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
-
-from hydra.core.config_store import ConfigStore
-from hydra.types import RunMode
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, NamedTuple
 
 from parallel_lab.choices import choice_error
 from parallel_lab.config.schema import CONFIG_GROUPS, Config
 from parallel_lab.errors import ConfigError
+
+if TYPE_CHECKING:  # Hydra is imported where it composes, not here: a bare --help never needs it
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
 
 
 def _conf_dir() -> Path:
@@ -128,6 +128,7 @@ def check_overrides_compose(argv: list[str]) -> Checked:
     a sweep goes on past its bad points (each becomes a failed row), so its points are validated
     one by one in their jobs."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
+    from hydra.types import RunMode
 
     known, _ = get_args_parser().parse_known_args(argv)
     overrides = [a for a in known.overrides if not a.lstrip("+~").startswith("hydra")]
@@ -200,6 +201,7 @@ _stored: dict[str, tuple] = {}
 def register_configs() -> None:
     """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
     configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     from parallel_lab.plugins import plugin_config_files
@@ -219,9 +221,11 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
         OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
     if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
-        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
+        OmegaConf.register_new_resolver("parallel_lab_choices", choices_text)
 
 
-def _choices_text() -> str:
-    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
-    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))
+def choices_text() -> str:
+    """'group: name, name, ...' for every group the command line picks from (schemas left out), and
+    the GPU profiles ``plan.hardware=<name>`` picks (conf/hardware/)."""
+    groups = [(group, group) for group in (*CONFIG_GROUPS, "experiment")] + [(f"plan.{HARDWARE}", HARDWARE)]
+    return "\n".join(f"{label}: {', '.join(available_options(group))}" for label, group in groups)
