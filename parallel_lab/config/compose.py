@@ -193,6 +193,52 @@ def compose_configs(overrides_list: list[list[str]]) -> list[DictConfig | Config
     return out
 
 
+def compose_each_strategy(
+    overrides: list[str], names: list[str], composed: DictConfig | None = None
+) -> list[DictConfig | ConfigError]:
+    """``compose_configs([[*overrides, f"strategy={name}"] for name in names])`` with one Hydra
+    compose: each name's ``strategy`` node is laid over the others' composition by hand, as Hydra's
+    defaults list lays conf/strategy/<name>.yaml (its Options dataclass, then the file's keys). The
+    recommender asks this for every strategy, ~0.2 s of CPU a Hydra compose. Overrides of
+    ``strategy.*``, or a yaml of another shape (a package directive, other defaults, a plugin's),
+    are composed by Hydra. composed: what compose_config(overrides) gave, where the caller has it."""
+    import pickle
+
+    each = [[*overrides, f"strategy={name}"] for name in names]
+    nodes = [None if _touches_strategy(overrides) else _strategy_node(name) for name in names]
+    wanted = any(node is not None for node in nodes)
+    (base,) = [composed] if composed is not None else compose_configs([overrides]) if wanted else [None]
+    out: list[DictConfig | ConfigError] = []
+    for node, one in zip(nodes, each):
+        if node is None or isinstance(base, ConfigError):
+            out.extend(compose_configs([one]))
+            continue
+        cfg = pickle.loads(pickle.dumps(base))
+        cfg.strategy = node
+        out.append(cfg)
+    return out
+
+
+def _touches_strategy(overrides: list[str]) -> bool:
+    return any(o.lstrip("+~").split("=")[0].split(".")[0].split("@")[0] in ("strategy", "hydra") for o in overrides)
+
+
+def _strategy_node(name: str) -> DictConfig | None:
+    """conf/strategy/<name>.yaml over its Options as Hydra composes it; None: not that plain shape."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.strategies import options_schemas
+
+    path = CONF_DIR / "strategy" / f"{name}.yaml"
+    schemas = options_schemas()
+    if not path.is_file() or name not in schemas or "@package" in path.read_text():
+        return None
+    node = OmegaConf.load(path)
+    if list(node.pop("defaults", [])) != [f"/strategy_options/{name}@_here_"]:
+        return None
+    return OmegaConf.merge(OmegaConf.structured(schemas[name]), node)
+
+
 # The module's one piece of state (allowed in tests/unit/test_module_state.py): what register_configs
 # last stored in Hydra's ConfigStore (itself one per process); storing the same again is skipped.
 _stored: dict[str, tuple] = {}
