@@ -14,11 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from parallel_lab.cli.help import help_text
 from parallel_lab.config import (
     CONF_DIR,
     Checked,
@@ -51,6 +49,8 @@ def _fail(run_dir: Path, cfg: DictConfig, message: str, traceback_text: str = ""
 def run_one(cfg: DictConfig, run_dir: Path, reach_hosts: bool = True) -> int:
     """Validate, write config.yaml, launch, and check the workers left metrics.json. reach_hosts:
     probe the hosts (False where the command line already did, before Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
     from parallel_lab.cli.launch import first_failure, launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +100,10 @@ def run_hydra(outcome: Outcome, checked: Checked | None = None) -> None:
     """Hydra composes the config from sys.argv and calls the job once per run (once per sweep point
     with --multirun); every job's result goes into ``outcome``. checked: what
     ``check_overrides_compose`` found (None: nothing; the job then validates and probes the hosts)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     reach_hosts = checked is None or not checked.validated
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -173,29 +177,6 @@ def hydra_mode_known(checked: Checked | None):
         Hydra.get_mode = asks_itself
 
 
-def help_text(argv: list[str]) -> str | None:
-    """``--help`` as Hydra prints it (conf/config.yaml ``hydra.help.template``), without Hydra listing
-    every config group's options for placeholders the template does not use (most of a ~1.6 s
-    ``--help``); None: not asked for, or a template that uses them (Hydra prints it then)."""
-    import string
-
-    from hydra._internal.utils import get_args_parser
-    from omegaconf import open_dict
-
-    from parallel_lab.config import compose_config
-
-    known, _ = get_args_parser().parse_known_args(argv)
-    if not known.help:
-        return None
-    cfg = compose_config([a for a in known.overrides if not a.lstrip("+~").startswith("hydra")], with_hydra=True)
-    template = cfg.hydra.help.template
-    if any(f"${key}" in template for key in ("FLAGS_HELP", "HYDRA_CONFIG_GROUPS", "APP_CONFIG_GROUPS")):
-        return None
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return string.Template(template).substitute(CONFIG=OmegaConf.to_yaml(cfg, resolve=known.resolve))
-
-
 def main() -> int:
     """The command line; returns its exit code (2: bad input, before any process started)."""
     if sys.argv[1:2] == ["checkpoint"]:  # parallel-lab checkpoint inspect|export: reads files, no Hydra
@@ -208,7 +189,7 @@ def main() -> int:
 
             sys.argv[1:] = overrides_from_deepspeed_args(sys.argv[1:])
         check_group_overrides(sys.argv[1:])
-        shown = help_text(sys.argv[1:])
+        shown = help_text(sys.argv[1:])  # before Hydra is imported: a bare --help never imports it
         if shown is not None:
             print(shown)
             return 0

@@ -14,6 +14,7 @@ from parallel_lab.config.compose import (
     available_options,
     check_group_overrides,
     check_overrides_compose,
+    choices_text,
     compose_config,
     register_configs,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "available_options",
     "check_group_overrides",
     "check_overrides_compose",
+    "choices_text",
     "compose_config",
     "load_run_config",
     "register_configs",

@@ -8,15 +8,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
-
-from hydra.core.config_store import ConfigStore
-from hydra.types import RunMode
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING, NamedTuple
 
 from parallel_lab.choices import choice_error
 from parallel_lab.config.schema import CONFIG_GROUPS, Config
 from parallel_lab.errors import ConfigError
+
+if TYPE_CHECKING:  # Hydra is imported where it composes, not here: a bare --help never needs it
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
 
 
 def _conf_dir() -> Path:
@@ -128,6 +128,7 @@ def check_overrides_compose(argv: list[str]) -> Checked:
     a sweep goes on past its bad points (each becomes a failed row), so its points are validated
     one by one in their jobs."""
     from hydra._internal.utils import get_args_parser  # Hydra's own command line, flags and all
+    from hydra.types import RunMode
 
     known, _ = get_args_parser().parse_known_args(argv)
     overrides = [a for a in known.overrides if not a.lstrip("+~").startswith("hydra")]
@@ -192,6 +193,52 @@ def compose_configs(overrides_list: list[list[str]]) -> list[DictConfig | Config
     return out
 
 
+def compose_each_strategy(
+    overrides: list[str], names: list[str], composed: DictConfig | None = None
+) -> list[DictConfig | ConfigError]:
+    """``compose_configs([[*overrides, f"strategy={name}"] for name in names])`` with one Hydra
+    compose: each name's ``strategy`` node is laid over the others' composition by hand, as Hydra's
+    defaults list lays conf/strategy/<name>.yaml (its Options dataclass, then the file's keys). The
+    recommender asks this for every strategy, ~0.2 s of CPU a Hydra compose. Overrides of
+    ``strategy.*``, or a yaml of another shape (a package directive, other defaults, a plugin's),
+    are composed by Hydra. composed: what compose_config(overrides) gave, where the caller has it."""
+    import pickle
+
+    each = [[*overrides, f"strategy={name}"] for name in names]
+    nodes = [None if _touches_strategy(overrides) else _strategy_node(name) for name in names]
+    wanted = any(node is not None for node in nodes)
+    (base,) = [composed] if composed is not None else compose_configs([overrides]) if wanted else [None]
+    out: list[DictConfig | ConfigError] = []
+    for node, one in zip(nodes, each):
+        if node is None or isinstance(base, ConfigError):
+            out.extend(compose_configs([one]))
+            continue
+        cfg = pickle.loads(pickle.dumps(base))
+        cfg.strategy = node
+        out.append(cfg)
+    return out
+
+
+def _touches_strategy(overrides: list[str]) -> bool:
+    return any(o.lstrip("+~").split("=")[0].split(".")[0].split("@")[0] in ("strategy", "hydra") for o in overrides)
+
+
+def _strategy_node(name: str) -> DictConfig | None:
+    """conf/strategy/<name>.yaml over its Options as Hydra composes it; None: not that plain shape."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.strategies import options_schemas
+
+    path = CONF_DIR / "strategy" / f"{name}.yaml"
+    schemas = options_schemas()
+    if not path.is_file() or name not in schemas or "@package" in path.read_text():
+        return None
+    node = OmegaConf.load(path)
+    if list(node.pop("defaults", [])) != [f"/strategy_options/{name}@_here_"]:
+        return None
+    return OmegaConf.merge(OmegaConf.structured(schemas[name]), node)
+
+
 # The module's one piece of state (allowed in tests/unit/test_module_state.py): what register_configs
 # last stored in Hydra's ConfigStore (itself one per process); storing the same again is skipped.
 _stored: dict[str, tuple] = {}
@@ -200,6 +247,7 @@ _stored: dict[str, tuple] = {}
 def register_configs() -> None:
     """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
     configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     from parallel_lab.plugins import plugin_config_files
@@ -219,9 +267,11 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
         OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
     if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
-        OmegaConf.register_new_resolver("parallel_lab_choices", _choices_text)
+        OmegaConf.register_new_resolver("parallel_lab_choices", choices_text)
 
 
-def _choices_text() -> str:
-    """'group: name, name, ...' for every group the command line picks from (schemas left out)."""
-    return "\n".join(f"{group}: {', '.join(available_options(group))}" for group in (*CONFIG_GROUPS, "experiment"))
+def choices_text() -> str:
+    """'group: name, name, ...' for every group the command line picks from (schemas left out), and
+    the GPU profiles ``plan.hardware=<name>`` picks (conf/hardware/)."""
+    groups = [(group, group) for group in (*CONFIG_GROUPS, "experiment")] + [(f"plan.{HARDWARE}", HARDWARE)]
+    return "\n".join(f"{label}: {', '.join(available_options(group))}" for label, group in groups)

@@ -1,7 +1,8 @@
 """Runs bad inputs through the real command line, each in a process forked from one that has
 imported only what ``python -m parallel_lab`` imports before it reads its arguments: reads
 ``[[case, [override, ...]], ...]`` as JSON on stdin and prints, per case, its exit code, its stderr,
-the seconds the refusal took after that start and whether torch or DeepSpeed was imported on the
+the seconds the refusal took after that start (wall, and the child's CPU: user + sys, which the
+load of a shared machine does not stretch) and whether torch or DeepSpeed was imported on the
 way (tests/unit/test_refusal_imports.py). The start itself is timed once: ``start_s``."""
 
 from __future__ import annotations
@@ -45,23 +46,28 @@ def run_case(overrides: list[str]) -> dict:
     chunks, deadline = [], time.monotonic() + CASE_TIMEOUT_S
     with os.fdopen(read_fd, "rb") as pipe:
         chunks.append(pipe.read())
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    while (waited := os.wait4(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
             os.kill(pid, 9)
         time.sleep(0.01)
     result = json.loads(b"".join(chunks) or b'{"code": 98, "stderr": "no result", "torch": null, "deepspeed": null}')
     result["seconds"] = time.perf_counter() - started
+    result["cpu_s"] = waited[2].ru_utime + waited[2].ru_stime
     return result
 
 
 def main() -> None:
     cases = json.load(sys.stdin)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     import parallel_lab.cli.main  # noqa: F401  (what the command imports before it reads its arguments)
 
-    start_s = time.perf_counter() - started
+    start_s, start_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     assert "torch" not in sys.modules, "the command line's first imports load torch"
-    print(json.dumps({"start_s": start_s, "cases": {name: run_case(argv) for name, argv in cases}}))
+    print(
+        json.dumps(
+            {"start_s": start_s, "start_cpu_s": start_cpu_s, "cases": {name: run_case(argv) for name, argv in cases}}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -308,3 +308,37 @@ def test_recommender_prices_fsdp_x_tp_as_its_own_command_plans_it():
         alone = predict(cluster_run(compose_config(args), args))
         assert fsdp[command].prediction.step_time_s == alone.step_time_s, command
         assert fsdp[command].prediction.memory_bytes_per_gpu == alone.memory_bytes_per_gpu, command
+
+
+def test_compose_each_strategy_is_hydras_compose_of_each():
+    """The recommender's one compose with each strategy's node laid in by hand gives, for every
+    registered strategy, what Hydra composes for that strategy=<name> (values, the node's schema
+    type, its struct flag); overrides of strategy.* go to Hydra."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.config.compose import _touches_strategy, compose_configs, compose_each_strategy
+    from parallel_lab.strategies import registered_names
+
+    names = registered_names()
+    given = ["model=gpt", "model.preset=generic_7b", "plan.hardware=h100_sxm", "plan.gpus=16"]
+    fast, hydra = compose_each_strategy(given, names), compose_configs([[*given, f"strategy={n}"] for n in names])
+    for name, a, b in zip(names, fast, hydra):
+        assert OmegaConf.to_yaml(a) == OmegaConf.to_yaml(b), name
+        assert OmegaConf.get_type(a.strategy) is OmegaConf.get_type(b.strategy), name
+        assert OmegaConf.is_struct(a.strategy) == OmegaConf.is_struct(b.strategy), name
+    assert _touches_strategy(["strategy.tp=2"]) and _touches_strategy(["+strategy@x=y"])
+    assert not _touches_strategy(given)
+
+
+def test_block_time_keys_on_every_hardware_field():
+    """The memoised block pricing is block_pass of the census's block, and a profile that differs in
+    one field (an override) is priced afresh, not served from the cache."""
+    from parallel_lab.plan.cluster.census import block_ops
+    from parallel_lab.plan.cluster.compute import block_pass
+    from parallel_lab.plan.cluster.steptime import block_time
+
+    hw, slow = from_spec("h100_sxm"), from_spec("h100_sxm;peak_tflops.bf16=400")
+    args = ("bf16", 2, 4 * GPT3_SMALL.seq, True, "selective")
+    for profile in (hw, slow):
+        assert block_time(GPT3_SMALL, 4, profile, *args) == block_pass(block_ops(GPT3_SMALL, 4), profile, *args)
+    assert block_time(GPT3_SMALL, 4, slow, *args) != block_time(GPT3_SMALL, 4, hw, *args)

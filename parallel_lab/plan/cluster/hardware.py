@@ -33,12 +33,21 @@ class Hardware:
     allocator_slack: float  # the caching allocator's reserve over the bytes it holds at the peak
     extra: dict = field(default_factory=dict)  # fields the model does not read (kept for the yaml)
 
+    def __hash__(self) -> int:
+        # Hashable by value despite its dicts (equal profiles, equal hashes), so the recommender's
+        # memoised pricing (steptime.py block_time) can key on it.
+        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak_tflops:
             raise ConfigError(
                 f"plan.hardware={self.name} has no peak for {dtype}; add plan.hardware.peak_tflops.{dtype}=<TFLOP/s>"
             )
         return float(self.peak_tflops[dtype]) * 1e12
+
+
+def _frozen(value):
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items())) if isinstance(value, dict) else value
 
 
 FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "extra"]

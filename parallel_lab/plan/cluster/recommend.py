@@ -93,7 +93,7 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
     """Every other multi-process strategy at its own layout on ``gpus``, each grad_accum and
     recompute; a strategy whose options have ``strategy.tp`` (FSDP2 x TP, torchtitan's 2-D layout;
     tp x replicate) at every tensor degree a node allows, its data-parallel ranks the rest."""
-    from parallel_lab.config.compose import compose_configs
+    from parallel_lab.config.compose import compose_each_strategy
     from parallel_lab.plan.cluster.layout import cluster_run
     from parallel_lab.strategies import get_strategy_class, registered_names
 
@@ -114,16 +114,17 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
         and candidates_fit(get_strategy_class(n).plan)
     ]
     out = []
-    for name, base in zip(names, compose_configs([[*keep, f"strategy={name}"] for name in names])):
+    composed = cfg if keep == list(given) else None  # the command's own config: composed once already
+    for name, base in zip(names, compose_each_strategy(keep, names, composed)):
         if isinstance(base, ConfigError):
             continue
         own = get_strategy_class(name).plan.degree_key == TENSOR  # strategy=tp: tp=1 would be plain data parallelism
+        one = pickle.loads(pickle.dumps(base))  # one copy a strategy: each candidate sets all three keys it varies
         for tp in [t for t in degrees if t > 1 or not own] if TENSOR in base.strategy else [None]:
             split = [] if tp in (None, 1) else [f"strategy.{TENSOR}={tp}"]
             for accum in accums[tp or 1]:
                 for recompute in RECOMPUTE:
                     args = [f"strategy={name}", *split, f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
-                    one = pickle.loads(pickle.dumps(base))
                     one.trainer.grad_accum, one.trainer.recompute = accum, recompute
                     if tp is not None:
                         one.strategy.tp = tp
