@@ -91,19 +91,21 @@ def finished_only(read):
 
 
 def mark_variants(runs: list[Row]) -> None:
-    """Label rows of one strategy by the options they differ in, each row by those of its values
-    that are not the option's default (a sweep over strategy.allreduce=ring,builtin,mpi gives
-    ``manual_ddp``, ``manual_ddp allreduce=builtin`` and ``manual_ddp allreduce=mpi``; ring is the
-    default). Distinct options still give distinct labels: two rows that differ in an option show
-    it on the row (or rows) not at its default."""
+    """Label each row by its strategy options that are not at their default (a sweep over
+    strategy.allreduce=ring,builtin,mpi gives ``manual_ddp``, ``manual_ddp allreduce=builtin`` and
+    ``manual_ddp allreduce=mpi``; ring is the default), a lone row too (``pp impl=deepspeed``, not
+    ``pp``). Distinct options still give distinct labels: two rows that differ in an option show it
+    on the row (or rows) not at its default. A strategy whose defaults this install cannot read
+    (a plugin missing) shows the options its rows differ in."""
     by_strategy: dict[str, list[Row]] = {}
     for run in runs:
         if run.ok and not run.is_noise:
             by_strategy.setdefault(run.metrics.strategy, []).append(run)
     for strategy, rows in by_strategy.items():
         keys = sorted({k for r in rows for k in r.metrics.strategy_options if k != "name"})
-        varying = [k for k in keys if len({repr(r.metrics.strategy_options.get(k)) for r in rows}) > 1]
         defaults = option_defaults(strategy)
+        varying = [k for k in keys if len({repr(r.metrics.strategy_options.get(k)) for r in rows}) > 1]
+        varying = [k for k in keys if k in defaults] if defaults else varying
         moe = len({r.metrics.moe_experts for r in rows}) > 1  # MoE rows beside dense ones (compare_vit)
         for run in rows:
             experts = f"moe_experts={run.metrics.moe_experts}" if moe and run.metrics.moe_experts else ""

@@ -33,7 +33,7 @@ def test_an_moe_row_is_grouped_with_the_moe_baseline_and_labelled():
     assert baseline_key(ddp) == baseline_key(single)
     mark_variants([single, single_moe, ddp, ddp_ep, zero2_ep])
     assert [strategy_label(r) for r in (single, single_moe, ddp, ddp_ep, zero2_ep)] == [
-        "single", "single moe_experts=4", "ddp", "ddp moe_experts=4 ep=2", "zero2",
+        "single", "single moe_experts=4", "ddp", "ddp moe_experts=4 ep=2", "zero2 ep=2",
     ]  # fmt: skip
 
 
@@ -50,6 +50,14 @@ def test_a_label_shows_only_the_options_that_differ_from_their_defaults():
     assert [strategy_label(r) for r in (dense, ring, ulysses, ep)] == [
         "ddp", "ddp cp=2", "ddp cp=2 cp_impl=ulysses", "ddp moe_experts=4 ep=2",
     ]  # fmt: skip
+
+
+def test_a_lone_row_off_its_defaults_says_so():
+    """One pp row in a sweep, on DeepSpeed's pipeline: labelled by the impl it ran, not bare ``pp``
+    (nothing varies among pp's rows, but impl is off its default)."""
+    lone = row("pp", DENSE, 0, impl="deepspeed", stages=2, schedule="gpipe")
+    mark_variants([lone, row("ddp", DENSE, 0, cp=1, ep=1)])
+    assert strategy_label(lone) == "pp impl=deepspeed"
 
 
 # The rows compare_vit and compare_gpt run beside every registered strategy: (cp, cp_impl, ep, experts)
