@@ -301,6 +301,15 @@ def test_tp_with_ep_saves_the_planned_activations_on_every_rank(tp_ep):
     assert_saved_as_planned(tp_ep)
 
 
+@pytest.mark.slow
+def test_hsdp_with_ep_saves_the_planned_activations_on_every_rank(hsdp_ep):
+    """HSDP x ep: each rank's real forward through fully_shard's units (its gathered weights
+    counted as the parameters they are while registered, tests/support/bodies/ep.py), its E / ep
+    experts behind the exchanges under balanced_routing, saves what the planner counts on the
+    whole model's meta copy with the rank's experts (fsdp/rules.py activation_bytes)."""
+    assert_saved_as_planned(hsdp_ep)
+
+
 def assert_saved_as_planned(metrics: dict) -> None:
     from parallel_lab.config import load_run_config
     from parallel_lab.models import build_meta_model
