@@ -85,10 +85,13 @@ class FSDP2(ContextParallel, FSDPStrategy):
 
         self.mesh = Mesh(self.layout, self.device.type, self.comm)
         self._mesh = self.mesh.device_mesh
-        split_transformer(model, self._mesh["tp"], sequence_parallel=False)
+        split_transformer(model, self._mesh["tp"], sequence_parallel=False)  # an MoE block's MLP whole
+        kwargs = dict(mesh=self._mesh["shard"])
+        if self.experts is not None:  # strategy.ep: held whole on each tp rank, reduced by strategies/ep/
+            kwargs["ignored_params"] = set(self.experts.expert_parameters())
         for _, unit in fsdp_units(model):
-            fully_shard(unit, mesh=self._mesh["shard"])
-        return fully_shard(model, mesh=self._mesh["shard"])
+            fully_shard(unit, **kwargs)
+        return fully_shard(model, **kwargs)
 
     def _wrap_cp(self, model: torch.nn.Module) -> torch.nn.Module:
         """torchtitan's layout with context parallelism: Megatron's split over the mesh's tp dim
