@@ -50,6 +50,10 @@ def _sharded(cfg: DictConfig, model: torch.nn.Module, rank: int) -> tuple[torch.
     world, tp = _shard_world(cfg), _tp(cfg)
     if tp == 1:
         return model, world, rank % world
+    if cfg.model.name == "gpt":  # the manual vocab-parallel split (tp/vocab.py), FSDP2 over shard x cp
+        from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
+
+        return split_meta_gpt(cfg, model, rank), world, rank // tp
     from parallel_lab.strategies.tp.predict import split_meta_vit
 
     return split_meta_vit(cfg, model, rank % tp), world, rank // tp
@@ -164,6 +168,13 @@ def megatron_all_reduce_bytes(cfg: DictConfig, model: torch.nn.Module) -> float:
 
     cp, accum = cp_of(cfg), cfg.trainer.grad_accum
     batch = cfg.trainer.global_batch // accum // (cfg.world_size // (cp * _tp(cfg)))
+    if cfg.model.name == "gpt":  # the vocab-parallel formula at seq/cp tokens (tp/gpt_predict.py)
+        from parallel_lab.models.gpt_sizes import gpt_sizes
+        from parallel_lab.strategies.tp.gpt_predict import gpt_comm_formula
+
+        sizes = gpt_sizes(cfg.model)
+        formula = gpt_comm_formula(batch, sizes["seq"] // cp, sizes["hidden"], sizes["layers"], False)
+        return accum * formula["all_reduce"]
     dim = model.embed.pos.shape[-1]
     depth = sum(1 + dense_mlp(model, b) for b in blocks(model)) / 2
     per_micro = vit_comm_formula(batch, vit_tokens(cfg) // cp, dim, depth, False, "dtensor")

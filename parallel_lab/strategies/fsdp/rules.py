@@ -248,14 +248,13 @@ class FSDPPlan(PlanRules):
             raise ConfigError(
                 f"strategy.tp={opts.tp} must be >= 1 and divide world_size={cfg.world_size}; e.g. strategy.tp=2"
             )
-        if cfg.model.name == "gpt":  # its vocab-parallel split is strategy=tp's (tp/vocab.py), cp too (tp/cp_rules.py)
-            cp = f" strategy.cp={opts.cp}" if opts.cp > 1 else ""
+        if cfg.model.name == "gpt" and opts.cp == 1:  # built with cp only (tests/integration/test_cp_vit.py)
             raise ConfigError(
-                f"strategy=fsdp strategy.tp={opts.tp} (2-D FSDP2 x TP) is built on model=vit, not model=gpt; "
-                f"use strategy=tp strategy.tp={opts.tp}{cp} (the gpt's vocab-parallel split) or strategy.tp=1"
+                f"strategy=fsdp strategy.tp={opts.tp} (2-D FSDP2 x TP) runs model=gpt with strategy.cp > 1 only; "
+                f"use strategy=tp strategy.tp={opts.tp} (the gpt's vocab-parallel split), or add strategy.cp=2"
             )
         wanted = {
-            "model": (cfg.model.name, "vit"),
+            "model": (cfg.model.name, cfg.model.name if cfg.model.name == "gpt" else "vit"),
             "strategy.version": (opts.version, 2),
             "strategy.sharding": (opts.sharding, "full"),
             "strategy.mixed_precision": (opts.mixed_precision, "fp32"),
@@ -266,6 +265,12 @@ class FSDPPlan(PlanRules):
                     f"strategy.tp={opts.tp} (2-D FSDP2 x TP) needs {key}={want}, got {key}={got}; "
                     f"set {key}={want} or strategy.tp=1"
                 )
+        if cfg.model.name == "gpt":  # FSDP2 over shard x cp on top of the manual vocab-parallel split
+            from omegaconf import OmegaConf
+
+            from parallel_lab.strategies.tp.gpt_rules import check_gpt_split
+
+            return check_gpt_split(cfg, OmegaConf.create({"impl": "manual", "tp": opts.tp, "sequence_parallel": False}))
         check_vit_split(cfg, opts.tp, sequence_parallel=False, impl="dtensor")
 
     @classmethod
@@ -329,6 +334,11 @@ class FSDPPlan(PlanRules):
         if tp == 1 and cp == 1:
             model = expert_parallel_meta(model, cls.dims(cfg), rank)
             return super().activation_bytes(cfg, model, rank, micro, saved)
+        if tp > 1 and cfg.model.name == "gpt":  # the manual split, cp-sharded, with its vocab-parallel loss
+            from parallel_lab.models import input_shape
+            from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
+
+            return saved(split_meta_gpt(cfg, model, rank), micro, input_shape(model), False), micro
         if tp > 1:  # under ep an MoE block's MLP stays whole, the rank's experts behind the exchanges
             from parallel_lab.strategies.tp.predict import split_meta_vit
 
