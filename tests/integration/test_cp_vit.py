@@ -30,6 +30,7 @@ GPT = {
     "gpt-tp-cp-ulysses": "gpt",
     "gpt-tp-cp-ring-grad_accum": "gpt_llama",
     "gpt-fsdp-hsdp-cp-ring": "gpt",
+    "gpt-fsdp-cp-tp-ring": "gpt",
 }
 # The MoE gpt under strategy=ddp strategy.ep=2 (expert parallelism, tests/integration/test_ep.py's
 # claims for the vit), trained in these ranks to spare a start-up; SGD: see cp_gpt.py check_gpt_ep.
@@ -57,6 +58,9 @@ EXTRA = {  # fully_shard over shard x cp (world 2), and torchtitan's shard x cp 
     "gpt-tp-cp-ring": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.optimizer=sgd"],
     "gpt-tp-cp-ulysses": [*GPT_RUN, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "strategy.cp_impl=ulysses"],
     "gpt-tp-cp-ring-grad_accum": [*LLAMA, "strategy=tp", "strategy.cp=2", "strategy.tp=2", "trainer.grad_accum=2"],
+    # fully_shard over shard x cp on top of the gpt's manual vocab-parallel split (tied embedding and
+    # head in the root unit), the causal ring on heads/tp; SGD (cp_tp_gpt.py check_gpt_fsdp_cp_tp)
+    "gpt-fsdp-cp-tp-ring": [*GPT_RUN, "strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "trainer.optimizer=sgd"],
     "fsdp-hsdp-cp-ring": [*HSDP_CP],
     "gpt-fsdp-hsdp-cp-ring": [*GPT_RUN, *HSDP_CP],
 }

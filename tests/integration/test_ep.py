@@ -13,6 +13,7 @@ The layer in one process: tests/unit/test_moe.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -141,10 +142,22 @@ HSDP_EP = ("strategy=fsdp", "strategy.sharding=hybrid", "strategy.replicate=2", 
            SGD, *RUN)  # fmt: skip
 
 
+# FSDP2 x TP x EP: Megatron's DTensor split of each block's attention inside the tp pairs {0, 1},
+# {2, 3} (an MoE block's MLP whole on both), fully_shard over the shard ranks {0, 2}, {1, 3}, which
+# are also the ep groups; the experts outside fully_shard. SGD, as HSDP_EP.
+FSDP_TP_EP = ("strategy=fsdp", "strategy.tp=2", "strategy.ep=2", "world_size=4", SGD, *RUN)
+
+
 @pytest.fixture(scope="module")
 def world4_ep(tmp_path_factory) -> dict[str, dict]:
     """The 4-rank runs, trained in turn in 4 ranks of their own (one start-up)."""
-    return ranks_of_their_own(tmp_path_factory, {"tp": TP_EP, "hsdp": HSDP_EP}, world_size=4)
+    runs = {"tp": TP_EP, "hsdp": HSDP_EP, "fsdp_tp": FSDP_TP_EP}
+    return ranks_of_their_own(tmp_path_factory, runs, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_ep(world4_ep) -> dict:
+    return world4_ep["fsdp_tp"]
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +243,59 @@ def test_hsdp_with_ep_comm_is_hsdps_and_the_experts_reduction_and_the_routings(h
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.floats
+def test_fsdp_x_tp_x_ep_trains_as_single_does(fsdp_tp_ep):
+    """Each expert's gradient summed over its ep group's samples (its replica: itself) / dp, the same
+    on both tp ranks (the MoE MLP whole on each); the dense ones fully_shard's over the shard ranks
+    of Megatron's split: single's SGD training."""
+    assert fsdp_tp_ep["strategy_extras"]["mesh"]["dims"] == {"shard": 2, "tp": 2}
+    reference = parity_reference("vit_moe", optimizer="sgd", steps=STEPS, global_batch=BATCH, threads=1)
+    reference.assert_run_matches(fsdp_tp_ep, "fsdp tp=2 ep=2")
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_x_ep_comm_state_and_activations_are_the_formulas(fsdp_tp_ep):
+    """Every rank: fully_shard's 2 all-gathers and 1 reduce-scatter of the tp-local padded shards over
+    its shard pair, derived here from the shapes (q, k, v and a dense block's fc1 by rows, proj and
+    fc2 by columns over tp, everything else whole); Megatron's all-reduces, 4 of the (b, S, h) activation a
+    dense block and 2 an MoE block; no expert all-reduce (one rank per expert replica group); the
+    all-to-all its routing's, over the 2 ranks of each tp coordinate the dropless
+    4 x B x S x k x h x 4; theory = measured; the state and the activations the planner's."""
+    from parallel_lab.config import load_run_config
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.models.moe import moe_layers
+
+    cfg = load_run_config(fsdp_tp_ep["run_dir"] + ".yaml")
+    meta = build_meta_model(cfg.model)
+    experts = {id(p) for moe in moe_layers(meta) for p in moe.experts.parameters()}
+    local = 0  # a tp rank's elements of the dense parameters, each padded as fully_shard pads dim 0 over 2
+    for name, p in meta.named_parameters():
+        shape = list(p.shape)
+        if any(f".{c}." in name for c in ("attn.q", "attn.k", "attn.v", "mlp.fc1")):
+            shape[0] //= 2  # column parallel: its rows split (an expert's fc1 is mlp.experts.i.fc1)
+        elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+            shape[1] //= 2  # row parallel: its columns split (its bias whole)
+        local += 0 if id(p) in experts else -(-shape[0] // 2) * 2 * math.prod(shape[1:])
+    act, moe = (BATCH // 2) * TOKENS * DIM * 4, len(moe_layers(meta))
+    reduces = 4 * (VIT_MOE["depth"] - moe) + 2 * moe  # an MoE block's MLP splits nothing
+    for rank, measured in enumerate(fsdp_tp_ep["ranks"]):
+        ops = measured["comm_bytes_by_op"]
+        assert ops["all_gather_single"] == 2 * 4 * local + MOE_LAYERS * 2 * 4 * 8, (rank, ops, local)
+        assert ops["reduce_scatter_single"] == 4 * local, (rank, ops)
+        assert ops["all_reduce"] == reduces * 2 * act, (rank, ops)  # an all-reduce of B counts 2B
+        assert "ep_replicas" not in measured["comm_bytes_by_group"], rank
+    theory = fsdp_tp_ep["strategy_extras"]["ep"]["theory_bytes_per_step"]
+    assert fsdp_tp_ep["ranks"][0]["comm_bytes_by_op"]["all_to_all_single"] == theory["all_to_all_single"]
+    for tp_rank in (0, 1):  # each tp coordinate's ep group exchanges the whole batch's copies
+        total = sum(r["comm_bytes_by_op"]["all_to_all_single"] for r in fsdp_tp_ep["ranks"][tp_rank::2])
+        assert total == MOE_LAYERS * 4 * BATCH * TOKENS * K * DIM * 4, (tp_rank, total)
+    assert fsdp_tp_ep["comm_theory_psi"] == pytest.approx(fsdp_tp_ep["comm_volume_psi"], rel=1e-12)
+    assert_plan_matches(fsdp_tp_ep, tolerance=0.0)
+    assert_saved_as_planned(fsdp_tp_ep)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.floats
 @pytest.mark.parametrize("name", ZERO_EP)
 def test_zero_with_ep_runs_deepspeeds_moe_layer_and_trains_as_single_does(request, name):
     """DeepSpeed's layer, dropless, one call per sample, its l_aux in the loss: the same training
@@ -299,6 +365,15 @@ def test_tp_with_ep_saves_the_planned_activations_on_every_rank(tp_ep):
     tp rank) saves, routing every expert an equal share (tests/support/activations.py
     balanced_routing), what the planner counts on its meta copy (tp/rules.py activation_bytes)."""
     assert_saved_as_planned(tp_ep)
+
+
+@pytest.mark.slow
+def test_hsdp_with_ep_saves_the_planned_activations_on_every_rank(hsdp_ep):
+    """HSDP x ep: each rank's real forward through fully_shard's units (its gathered weights
+    counted as the parameters they are while registered, tests/support/bodies/ep.py), its E / ep
+    experts behind the exchanges under balanced_routing, saves what the planner counts on the
+    whole model's meta copy with the rank's experts (fsdp/rules.py activation_bytes)."""
+    assert_saved_as_planned(hsdp_ep)
 
 
 def assert_saved_as_planned(metrics: dict) -> None:

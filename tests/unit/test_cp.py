@@ -166,9 +166,13 @@ REFUSALS = {  # overrides -> what the one line must name
         ["strategy=ddp", "strategy.cp=4", "strategy.cp_impl=ulysses", "world_size=4", *GPT, "model.kv_heads=2"],
         ["model.kv_heads=2", "strategy.cp_impl=ring"],
     ),
-    "gpt-fsdp-tp": (
-        ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT],
-        ["model=gpt", "strategy=tp strategy.tp=2 strategy.cp=2"],
+    "gpt-fsdp-tp": (  # the gpt's fsdp x tp runs with cp only (fsdp x cp x tp: test_cp_vit.py)
+        ["strategy=fsdp", "strategy.tp=2", "world_size=2", *GPT],
+        ["model=gpt with strategy.cp > 1", "strategy=tp strategy.tp=2", "strategy.cp=2"],
+    ),
+    "gpt-fsdp-cp-tp-moe": (
+        ["strategy=fsdp", "strategy.cp=2", "strategy.tp=2", "world_size=4", *GPT, "model.moe_experts=4"],
+        ["model.moe_experts=4", "model.moe_experts=0"],
     ),
     # strategy=tp strategy.cp (the gpt's, tp/cp_rules.py): what it does not run
     "tp-cp-vit": (["strategy=tp", "strategy.cp=2", "world_size=4"], ["model=vit", "strategy=fsdp strategy.cp=2"]),

@@ -50,6 +50,10 @@ def _sharded(cfg: DictConfig, model: torch.nn.Module, rank: int) -> tuple[torch.
     world, tp = _shard_world(cfg), _tp(cfg)
     if tp == 1:
         return model, world, rank % world
+    if cfg.model.name == "gpt":  # the manual vocab-parallel split (tp/vocab.py), FSDP2 over shard x cp
+        from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
+
+        return split_meta_gpt(cfg, model, rank), world, rank // tp
     from parallel_lab.strategies.tp.predict import split_meta_vit
 
     return split_meta_vit(cfg, model, rank % tp), world, rank // tp
@@ -76,6 +80,8 @@ def _ep_dims(cfg: DictConfig) -> MeshDims:
     """The data-parallel dims expert parallelism spans (fsdp/rules.py ``FSDPPlan.dims`` at tp = cp = 1,
     the only layouts ep runs in): HSDP's replicate x shard, or one shard group of the world."""
     ep = ep_degree(cfg)
+    if _tp(cfg) > 1:  # FSDP2 x TP x EP: ep over the shard ranks of one tp coordinate
+        return MeshDims(shard=cfg.world_size // _tp(cfg), tp=_tp(cfg), ep=ep, named=("shard", "tp"))
     if cfg.strategy.sharding == "hybrid":
         return MeshDims(replicate=cfg.strategy.replicate, shard=_shard_world(cfg), ep=ep, named=("replicate", "shard"))
     return MeshDims(shard=cfg.world_size, ep=ep)
@@ -104,9 +110,12 @@ def _bf16(cfg: DictConfig) -> bool:
 def predict_fsdp2_comm(cfg: DictConfig, model: torch.nn.Module, rank: int) -> dict[str, float]:
     if cfg.world_size < 2:
         return {}
-    if ep_degree(cfg) > 1:  # full or hybrid (fsdp/rules.py), tp = cp = 1
+    if ep_degree(cfg) > 1:  # full or hybrid (fsdp/rules.py), cp = 1; tp under full
         dims = _ep_dims(cfg)
-        comm = fsdp_ep_comm(sharded_params(model), sum(local_expert_numels(dims, model, rank)), dims, rank, cfg)
+        comm = fsdp_ep_comm(sharded_params(_sharded(cfg, model, rank)[0]), sum(local_expert_numels(dims, model, rank)),
+                            dims, rank, cfg)  # fmt: skip
+        if dims.tp > 1:
+            comm = _added(comm, {"all_reduce": megatron_all_reduce_bytes(cfg, model)})
         micro = cfg.trainer.global_batch // (dims.data_parallel_size * cfg.trainer.grad_accum)
         return _added(comm, balanced_comm(cfg, model, micro))  # the exchanges with every expert equally loaded
     sharding, accum = cfg.strategy.sharding, cfg.trainer.grad_accum
@@ -152,13 +161,21 @@ def _added(comm: dict[str, float], more: dict[str, float]) -> dict[str, float]:
 def megatron_all_reduce_bytes(cfg: DictConfig, model: torch.nn.Module) -> float:
     """FSDP2 x TP's Megatron collectives per step and rank (tp/predict.py ``vit_comm_formula``
     without sequence parallelism, DTensor's split): 4 all-reduces a block of the micro-batch's
-    (b, tokens/cp, h) activation."""
-    from parallel_lab.strategies.cp.parallelize import blocks
+    (b, tokens/cp, h) activation, 2 an MoE block (its MLP whole, ep's)."""
     from parallel_lab.strategies.cp.rules import cp_of, vit_tokens
+    from parallel_lab.strategies.tp.megatron import blocks, dense_mlp
     from parallel_lab.strategies.tp.predict import vit_comm_formula
 
     cp, accum = cp_of(cfg), cfg.trainer.grad_accum
     batch = cfg.trainer.global_batch // accum // (cfg.world_size // (cp * _tp(cfg)))
+    if cfg.model.name == "gpt":  # the vocab-parallel formula at seq/cp tokens (tp/gpt_predict.py)
+        from parallel_lab.models.gpt_sizes import gpt_sizes
+        from parallel_lab.strategies.tp.gpt_predict import gpt_comm_formula
+
+        sizes = gpt_sizes(cfg.model)
+        formula = gpt_comm_formula(batch, sizes["seq"] // cp, sizes["hidden"], sizes["layers"], False)
+        return accum * formula["all_reduce"]
     dim = model.embed.pos.shape[-1]
-    per_micro = vit_comm_formula(batch, vit_tokens(cfg) // cp, dim, len(blocks(model)), False, "dtensor")
+    depth = sum(1 + dense_mlp(model, b) for b in blocks(model)) / 2
+    per_micro = vit_comm_formula(batch, vit_tokens(cfg) // cp, dim, depth, False, "dtensor")
     return accum * per_micro["all_reduce"]

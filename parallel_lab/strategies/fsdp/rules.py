@@ -123,8 +123,8 @@ class FSDPPlan(PlanRules):
         cp = cp_of(cfg)
         if cp > 1:
             return cls._dims_cp(cfg, cp)
-        if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp
-            return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, named=("shard", "tp"))
+        if opts.get("tp", 1) > 1:  # 2-D FSDP2 x TP: fully_shard over shard, Megatron over tp; ep over shard
+            return MeshDims(shard=cfg.world_size // opts.tp, tp=opts.tp, ep=ep_degree(cfg), named=("shard", "tp"))
         if opts.sharding == "hybrid":  # ep: experts over ep ranks of each shard group (ep/groups.py)
             dims = MeshDims(replicate=opts.replicate, shard=shard_size(cfg), named=("replicate", "shard"))
             return dataclasses.replace(dims, ep=ep_degree(cfg))
@@ -177,9 +177,10 @@ class FSDPPlan(PlanRules):
         if cfg.strategy.sharding == "hybrid":  # HSDP: each unit's reduced shard all-reduced over replicate
             calls["all_reduce"] = units * accum
         if cfg.strategy.get("tp", 1) > 1:  # FSDP2 x TP: Megatron's 2 all-reduces a block each way
-            from parallel_lab.strategies.tp.megatron import blocks
+            from parallel_lab.strategies.tp.megatron import blocks, dense_mlp
 
-            calls["all_reduce"] = 4 * len(blocks(model)) * cfg.trainer.grad_accum
+            split = sum(1 + dense_mlp(model, b) for b in blocks(model))  # an MoE block: its attention's
+            calls["all_reduce"] = 2 * split * cfg.trainer.grad_accum
         return calls
 
     @classmethod
@@ -202,10 +203,10 @@ class FSDPPlan(PlanRules):
         Under hybrid, as torchtitan lays it out, ep borrows its ranks from the shard dimension:
         an ep group is ep consecutive ranks of one shard group (inside a host), the ranks holding
         the same experts span the replicas and the rest of the shard group (ep/groups.py)."""
-        if opts.version != 2 or opts.sharding not in ("full", "hybrid") or opts.tp != 1:
+        if opts.version != 2 or opts.sharding not in ("full", "hybrid") or (opts.tp != 1 and opts.sharding != "full"):
             raise ConfigError(
                 f"strategy.ep={opts.ep} runs with FSDP2 full or hybrid sharding (strategy.version=2 "
-                f"strategy.sharding=full|hybrid strategy.tp=1), not version={opts.version} "
+                f"strategy.sharding=full|hybrid, strategy.tp only with full), not version={opts.version} "
                 f"sharding={opts.sharding} tp={opts.tp}; use those, or strategy.ep=1"
             )
         if opts.sharding == "hybrid" and opts.ep > 0 and shard_size(cfg) % opts.ep:
@@ -247,14 +248,13 @@ class FSDPPlan(PlanRules):
             raise ConfigError(
                 f"strategy.tp={opts.tp} must be >= 1 and divide world_size={cfg.world_size}; e.g. strategy.tp=2"
             )
-        if cfg.model.name == "gpt":  # its vocab-parallel split is strategy=tp's (tp/vocab.py), cp too (tp/cp_rules.py)
-            cp = f" strategy.cp={opts.cp}" if opts.cp > 1 else ""
+        if cfg.model.name == "gpt" and opts.cp == 1:  # built with cp only (tests/integration/test_cp_vit.py)
             raise ConfigError(
-                f"strategy=fsdp strategy.tp={opts.tp} (2-D FSDP2 x TP) is built on model=vit, not model=gpt; "
-                f"use strategy=tp strategy.tp={opts.tp}{cp} (the gpt's vocab-parallel split) or strategy.tp=1"
+                f"strategy=fsdp strategy.tp={opts.tp} (2-D FSDP2 x TP) runs model=gpt with strategy.cp > 1 only; "
+                f"use strategy=tp strategy.tp={opts.tp} (the gpt's vocab-parallel split), or add strategy.cp=2"
             )
         wanted = {
-            "model": (cfg.model.name, "vit"),
+            "model": (cfg.model.name, cfg.model.name if cfg.model.name == "gpt" else "vit"),
             "strategy.version": (opts.version, 2),
             "strategy.sharding": (opts.sharding, "full"),
             "strategy.mixed_precision": (opts.mixed_precision, "fp32"),
@@ -265,6 +265,12 @@ class FSDPPlan(PlanRules):
                     f"strategy.tp={opts.tp} (2-D FSDP2 x TP) needs {key}={want}, got {key}={got}; "
                     f"set {key}={want} or strategy.tp=1"
                 )
+        if cfg.model.name == "gpt":  # FSDP2 over shard x cp on top of the manual vocab-parallel split
+            from omegaconf import OmegaConf
+
+            from parallel_lab.strategies.tp.gpt_rules import check_gpt_split
+
+            return check_gpt_split(cfg, OmegaConf.create({"impl": "manual", "tp": opts.tp, "sequence_parallel": False}))
         check_vit_split(cfg, opts.tp, sequence_parallel=False, impl="dtensor")
 
     @classmethod
@@ -328,10 +334,15 @@ class FSDPPlan(PlanRules):
         if tp == 1 and cp == 1:
             model = expert_parallel_meta(model, cls.dims(cfg), rank)
             return super().activation_bytes(cfg, model, rank, micro, saved)
-        if tp > 1:
+        if tp > 1 and cfg.model.name == "gpt":  # the manual split, cp-sharded, with its vocab-parallel loss
+            from parallel_lab.models import input_shape
+            from parallel_lab.strategies.tp.gpt_predict import split_meta_gpt
+
+            return saved(split_meta_gpt(cfg, model, rank), micro, input_shape(model), False), micro
+        if tp > 1:  # under ep an MoE block's MLP stays whole, the rank's experts behind the exchanges
             from parallel_lab.strategies.tp.predict import split_meta_vit
 
-            model = split_meta_vit(cfg, model, rank)
+            model = expert_parallel_meta(split_meta_vit(cfg, model, rank), cls.dims(cfg), rank)
         if cp > 1:  # the cp-sharded vit (cp/rules.py), on the tp split's heads
             model = context_meta(cfg, model, cls.dims(cfg).coords(rank)["cp"])
         return saved(model, micro, sample_shape(cfg.model), True), micro

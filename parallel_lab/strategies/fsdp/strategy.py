@@ -276,9 +276,26 @@ class FSDPStrategy(Strategy, metaclass=abc.ABCMeta):
         step's routing implies (strategies/ep/dispatch.py), in Ψ of the whole model."""
         if self.experts is None:
             return super().run_comm_theory_psi(num_params)
+        if self.opts.tp > 1:
+            return self._tp_ep_theory_psi(num_params)
         from parallel_lab.strategies.fsdp.predict import fsdp_ep_comm, sharded_params
 
         experts = sum(p.numel() for p in self.experts.expert_parameters())
         dense = fsdp_ep_comm(sharded_params(self.model), experts, self.layout, self.env.rank, self.cfg)
         routed = sum(self.experts.theory_bytes_per_step().values())
         return (sum(dense.values()) + routed) / (4 * num_params)
+
+    def _tp_ep_theory_psi(self, num_params: int) -> float:
+        """FSDP2 x TP x EP: the planner's bytes of this rank (fsdp/predict.py, on the meta model:
+        the gathers and reduce-scatter of the tp-local shards, Megatron's all-reduces) with the
+        exchanges the step's routing implied in place of its equal-load estimate, in Ψ."""
+        from parallel_lab.models import build_meta_model
+        from parallel_lab.strategies.ep.rules import balanced_comm
+        from parallel_lab.strategies.fsdp.predict import predict_fsdp2_comm
+
+        meta = build_meta_model(self.cfg.model)
+        planned = sum(predict_fsdp2_comm(self.cfg, meta, self.env.rank).values())
+        micro = self.cfg.trainer.global_batch // (self.layout.data_parallel_size * self.cfg.trainer.grad_accum)
+        balanced = sum(balanced_comm(self.cfg, meta, micro).values())
+        routed = sum(self.experts.theory_bytes_per_step().values())
+        return (planned - balanced + routed) / (4 * num_params)

@@ -45,6 +45,8 @@ class FSDP2State(FSDPState):
 class FSDP2(ContextParallel, FSDPStrategy):
     api_version = 2
     State = FSDP2State
+    vocab_tp = None  # model=gpt with strategy.tp: the manual split's tp ranks (tp/megatron.py TPGroup)
+    tp_dims: dict[str, int] = {}
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -85,10 +87,13 @@ class FSDP2(ContextParallel, FSDPStrategy):
 
         self.mesh = Mesh(self.layout, self.device.type, self.comm)
         self._mesh = self.mesh.device_mesh
-        split_transformer(model, self._mesh["tp"], sequence_parallel=False)
+        split_transformer(model, self._mesh["tp"], sequence_parallel=False)  # an MoE block's MLP whole
+        kwargs = dict(mesh=self._mesh["shard"])
+        if self.experts is not None:  # strategy.ep: held whole on each tp rank, reduced by strategies/ep/
+            kwargs["ignored_params"] = set(self.experts.expert_parameters())
         for _, unit in fsdp_units(model):
-            fully_shard(unit, mesh=self._mesh["shard"])
-        return fully_shard(model, mesh=self._mesh["shard"])
+            fully_shard(unit, **kwargs)
+        return fully_shard(model, **kwargs)
 
     def _wrap_cp(self, model: torch.nn.Module) -> torch.nn.Module:
         """torchtitan's layout with context parallelism: Megatron's split over the mesh's tp dim
@@ -103,7 +108,9 @@ class FSDP2(ContextParallel, FSDPStrategy):
 
         self.mesh = Mesh(self.layout, self.device.type, self.comm)
         self._mesh = self.mesh.device_mesh
-        if self.opts.tp > 1:
+        if self.opts.tp > 1 and self.cfg.model.name == "gpt":
+            self._split_gpt(model)
+        elif self.opts.tp > 1:
             split_transformer(model, self._mesh["tp"], sequence_parallel=False)
         self.parallelize_context(model)
         dp_mesh = self._mesh["shard", "cp"]._flatten("shard_cp")
@@ -116,6 +123,25 @@ class FSDP2(ContextParallel, FSDPStrategy):
         for _, unit in fsdp_units(model):
             fully_shard(unit, **kwargs)
         return fully_shard(model, **kwargs)
+
+    def _split_gpt(self, model: torch.nn.Module) -> None:
+        """The gpt's tp: Megatron's manual split with its vocab-parallel embedding, head and loss
+        (tp/vocab.py, as strategy=tp runs it) over the mesh's tp group; fully_shard then shards the
+        tp-local tensors, plain ones, over shard x cp (a 2-D DTensor would need DTensor's split)."""
+        from parallel_lab.strategies.tp.megatron import TPGroup
+        from parallel_lab.strategies.tp.vocab import VocabParallelLoss, split_gpt
+
+        tp = TPGroup(self.mesh.group("tp"), self.layout.coords(self.env.rank)["tp"], self.opts.tp)
+        self.vocab_tp, self.loss_fn = tp, VocabParallelLoss(tp)
+        self.tp_dims = split_gpt(model, tp, sequence_parallel=False)  # {sharded parameter: its split dim}
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The gpt under tp: every cp rank's tokens (ContextParallel), then every tp rank's vocabulary columns."""
+        from parallel_lab.strategies.tp.vocab import gather_vocab
+
+        logits = super().predict(inputs)
+        return logits if self.vocab_tp is None else gather_vocab(logits, self.vocab_tp)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, micro: int, num_micro: int) -> torch.Tensor:
         """FSDP2 x TP: DTensor's Megatron collectives are functional ones (``_c10d_functional``),
@@ -146,7 +172,17 @@ class FSDP2(ContextParallel, FSDPStrategy):
         self._before_state_dict()
         if self.experts is not None:
             return self.experts.full_parameters(self.model, whole=lambda p: p.full_tensor().detach())
+        if self.vocab_tp is not None:  # the gpt's manual split: each tp-local tensor, then over tp
+            return [self._tp_whole(name, p.full_tensor().detach()) for name, p in self.model.named_parameters()]
         return [p.full_tensor().detach() for p in self.model.parameters()]
+
+    def _tp_whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A manually split parameter gathered from the tp ranks along its split dimension (collective)."""
+        if name not in self.tp_dims:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=self.vocab_tp.group)
+        return torch.cat(parts, dim=self.tp_dims[name])
 
     def _fsdp_params(self) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -174,4 +210,5 @@ class FSDP2(ContextParallel, FSDPStrategy):
 
     def teardown(self) -> None:
         super().teardown()
-        self._mesh = None
+        self._mesh = self.vocab_tp = None
+        self.loss_fn = torch.nn.CrossEntropyLoss()

@@ -30,14 +30,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parallel_lab.strategies.tp.megatron import TOKENS, TPGroup, _slice_dropout, blocks
+from parallel_lab.strategies.tp.megatron import TOKENS, TPGroup, _slice_dropout, blocks, dense_mlp
 
 
-def _block_plan(sequence_parallel: bool) -> dict:
+def _block_plan(sequence_parallel: bool, dense: bool = True) -> dict:
+    """dense=False: an MoE block (models/moe.py), whose MLP stays whole on every tp rank and takes
+    the attention's all-reduced plain tensor (its experts are sharded by strategy.ep instead)."""
     entering = Shard(TOKENS) if sequence_parallel else Replicate()
     leaving = Shard(TOKENS) if sequence_parallel else Replicate()
     plan = {}
-    for sublayer, columns, row in (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc1",), "fc2")):
+    sublayers = (("attn", ("q", "k", "v"), "proj"), ("mlp", ("fc1",), "fc2"))[: 1 + dense]
+    for sublayer, columns, row in sublayers:
         plan[sublayer] = PrepareModuleInput(
             input_layouts=(entering,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
@@ -50,15 +53,16 @@ def _block_plan(sequence_parallel: bool) -> dict:
 
 def split_transformer_dtensor(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, int]:
     """``split.split_transformer`` on a 1-D DeviceMesh; {sharded parameter: its split dim}."""
-    plan = _block_plan(sequence_parallel)
     # The heads' and hidden features' dropouts see this rank's local slice (the layers return
     # local tensors): they draw the whole sample's mask and keep their slice, as in the manual split.
     # Under SP the sublayers' output dropouts would see DTensors: refused in tp/rules.py.
     local = TPGroup(None, mesh.get_local_rank(), mesh.size())
     for block in blocks(model):
-        parallelize_module(model.get_submodule(block), mesh, plan)
+        dense = dense_mlp(model, block)
+        parallelize_module(model.get_submodule(block), mesh, _block_plan(sequence_parallel, dense))
         _slice_dropout(model, f"{block}.attn.core.drop", 1, local)
-        _slice_dropout(model, f"{block}.mlp.drop1", -1, local)
+        if dense:
+            _slice_dropout(model, f"{block}.mlp.drop1", -1, local)
     if sequence_parallel:
         if hasattr(model, "embed"):
             parallelize_module(

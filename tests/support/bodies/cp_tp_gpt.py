@@ -7,6 +7,8 @@ the cp group's gradient average) and the planned activations against a real forw
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -80,3 +82,79 @@ def check_gpt_cp_tp(cfg, strategy, metrics, rank: int, label: str, reference: st
         planned, measured = metrics.comm_planned_psi, metrics.comm_volume_psi
         assert metrics.comm_theory_psi is None and planned is not None, (label, metrics.comm_theory_psi, planned)
         assert abs(planned - measured) <= 1e-12 * measured, (label, planned, measured)
+
+
+def fsdp_split_elements(meta: torch.nn.Module, tp: int, shard: int) -> int:
+    """The padded elements of a rank's FSDP2 shards of its tp rank's split, from the whole gpt's
+    shapes: each layer split as split_state_elements splits it (a column layer's rows, a row
+    layer's weight's columns), then dim 0 cut into ``shard`` chunks, every chunk padded to the
+    largest (fully_shard's padding)."""
+    held = 0
+    for name, p in meta.named_parameters():
+        layer, kind = name.rsplit(".", 1)
+        shape = list(p.shape)
+        if layer.endswith(COLUMN):
+            shape[0] //= tp
+        elif layer.endswith(ROW) and kind == "weight":
+            shape[1] //= tp
+        held += -(-shape[0] // shard) * math.prod(shape[1:])
+    return held
+
+
+def check_gpt_fsdp_cp_tp(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None:
+    """``strategy=fsdp strategy.cp=2 strategy.tp=2`` on the gpt: fully_shard over shard x cp on top
+    of the manual vocab-parallel split. As check_gpt_cp_tp, with FSDP2's state and bytes derived
+    here: its padded shards of the tp-local tensors over the shard x cp ranks, their 2 all-gathers
+    and 1 reduce-scatter a step in place of the cp group's gradient all-reduce."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, metrics.losses)
+    full = strategy.state.full_parameters()
+    ids = torch.randint(0, GPT_SIZES["vocab"], (4, GPT_SIZES["seq"]), generator=torch.Generator().manual_seed(3))
+    strategy.model.eval()
+    predicted = strategy.predict(ids)
+    meta = build_meta_model(cfg.model)
+    plan = plan_world(cfg, type(strategy), meta)[rank]
+    strategy.model.train()
+    measured_activations = saved_bytes_of_a_sharded_loss(strategy, plan.micro_batch)
+    assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
+    judge_gpt_on_rank0(cfg, metrics, full, rank, label, reference)
+    with torch.no_grad():
+        whole = _whole_model(reference, full)(ids)
+    torch.testing.assert_close(predicted, whole, rtol=1e-5, atol=1e-5, msg=f"[{label}] gathered logits")
+    row, s = metrics.ranks[rank], cfg.strategy
+    assert_state_as_planned(row, label)
+    shard = dist.get_world_size() // s.tp  # fully_shard's ranks: shard x cp
+    padded = fsdp_split_elements(meta, s.tp, shard)
+    assert row["param_bytes"] == 4 * padded, (label, row["param_bytes"], 4 * padded)
+    batch, accum, tokens = cfg.trainer.global_batch // (shard // s.cp), 1, GPT_SIZES["seq"] // s.cp
+    want = vocab_parallel_bytes(batch, accum, tokens, GPT_SIZES["hidden"], GPT_SIZES["layers"], False, 0)
+    want.update(all_gather_single=2.0 * 4 * shard * padded, reduce_scatter_single=4.0 * shard * padded)
+    kv_heads = cfg.model.kv_heads or GPT_SIZES["heads"]
+    want = {**want, **cp_gpt_bytes(str(s.cp_impl), s.cp, batch, accum, kv_heads, s.tp)}
+    assert plan.comm == want, (label, plan.comm, want)  # the planner's prediction is the formula
+    assert row["comm_bytes_by_op"] == want, (label, row["comm_bytes_by_op"], want)
+    assert plan.activation_bytes == measured_activations, (label, plan.activation_bytes, measured_activations)
+    if rank == 0:  # the report's comm Ψ theory: rank 0's planned bytes, no "?"
+        planned, measured = metrics.comm_planned_psi, metrics.comm_volume_psi
+        assert planned is not None and abs(planned - measured) <= 1e-12 * measured, (label, planned, measured)
+
+
+def saved_bytes_of_a_sharded_loss(strategy, batch: int) -> int:
+    """cp_gpt.py saved_bytes_of_a_real_loss through fully_shard's units: a parameter is whatever the
+    model holds when autograd saves (FSDP2 registers the gathered weights while a unit runs)."""
+    saved: dict[int, int] = {}
+    alive: list = []
+
+    def local(t: torch.Tensor) -> torch.UntypedStorage:
+        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local tensor's
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if local(t).data_ptr() not in {local(p).data_ptr() for p in strategy.model.parameters()}:
+            saved[local(t).data_ptr()] = local(t).nbytes()
+            alive.append(local(t))
+        return t
+
+    ids = torch.zeros(batch, GPT_SIZES["seq"], dtype=torch.long)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        strategy.loss_fn(strategy.model(ids), torch.zeros_like(ids))
+    return sum(saved.values())

@@ -14,7 +14,7 @@ from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
-from tests.support.bodies.cp_tp_gpt import check_gpt_cp_tp
+from tests.support.bodies.cp_tp_gpt import check_gpt_cp_tp, check_gpt_fsdp_cp_tp
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward, saved_bytes_of_a_sharded_forward
 from tests.support.fsdp_tp import add_bytes, fsdp_tp_bytes, fsdp_tp_state, hybrid_checks
 from tests.support.matrix import judge_each
@@ -110,6 +110,8 @@ def cp_vit_body(
     def judge(name: str, _, cfg, strategy, metrics) -> None:
         if cfg.model.name == "gpt" and cfg.strategy.get("ep", 1) > 1:
             return check_gpt_ep(cfg, strategy, metrics, rank, name, (references or {})[name])
+        if cfg.model.name == "gpt" and cfg.strategy.name == "fsdp" and cfg.strategy.tp > 1:
+            return check_gpt_fsdp_cp_tp(cfg, strategy, metrics, rank, name, (references or {})[name])
         if cfg.model.name == "gpt" and cfg.strategy.name == "tp":
             return check_gpt_cp_tp(cfg, strategy, metrics, rank, name, (references or {})[name])
         if cfg.model.name == "gpt":
