@@ -54,7 +54,6 @@ from parallel_lab.models.moe import moe_layers
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
-from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.activations import SavedTracker
@@ -63,49 +62,20 @@ from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
 from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
 from parallel_lab.strategies.pp.schedules import Busy, bubble_fraction
+from parallel_lab.strategies.pp.state import PPMemory, PPState
 from parallel_lab.strategies.pp.tensor import (
     boundary_shape,
     clip_over_stages_and_tp,
-    gathered_stage,
-    local_part,
     sum_sequence_parallel_grads,
 )
 from parallel_lab.strategies.pp.tied import EMBED, embedding_group, make_copy, sum_tied_gradients
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
 from parallel_lab.strategies.precision import Bf16Compute, as_compute
-from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.split import split_transformer
 
 SUBCLASSES: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by pp/ds_pipe.py)
-
-
-class PPState(RankShardState):
-    """One file per rank; the stages' parameters (tp shards gathered along their split dimension)
-    gathered to every rank in model order."""
-
-    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return local_part(self.strategy, name, full)
-
-    def full_parameters(self) -> list[torch.Tensor]:
-        """Every stage's parameters, gathered to every rank in model order (an interleaved rank's
-        chunks are not contiguous: ordered by name, in the full model's order); a stage split over
-        tp first gathers its shards, and the first pipeline's ranks (tp apart) hold the stages."""
-        per_rank: list = [None] * self.env.world_size
-        dist.all_gather_object(per_rank, gathered_stage(self.strategy))
-        pairs = [pair for r in self.strategy.layout.group_ranks(0, "pp") for pair in per_rank[r]]
-        order = self.strategy.chunk_order
-        kept: dict[str, torch.Tensor] = {}
-        for name, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0])):
-            kept.setdefault(name, p)  # a tied pipeline's last stage's copy of the embedding: the first's kept
-        return list(kept.values())
-
-
-class PPMemory(HeldMemory):  # the model here is this stage only
-    def analytic(self, num_params: int) -> dict[str, int]:
-        """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
-        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
 
 
 @register("pp")
