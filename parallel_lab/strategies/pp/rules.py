@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision, make_choice
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.cp.rules import ContextOptions, add_comm, cp_of
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
@@ -31,6 +32,7 @@ from parallel_lab.strategies.pp.chunks import (
     rank_module,
     stage_of,
 )
+from parallel_lab.strategies.pp.cp_rules import check_pp_cp, cp_boundary, cp_meta_chunk, stage_context_comm
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
 from parallel_lab.strategies.pp.model_rules import check_bf16
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
@@ -62,8 +64,8 @@ Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut
 
 
 @dataclass
-class PPOptions(StrategyOptions):
-    """``strategy=pp`` options."""
+class PPOptions(ContextOptions, StrategyOptions):
+    """``strategy=pp`` options (``strategy.cp``/``cp_impl``: context parallelism in each stage, pp/cp.py)."""
 
     stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
@@ -197,7 +199,7 @@ class PPPlan(PlanRules):
     def data_parallel_size(cls, cfg: DictConfig) -> int:
         """Every stage (every tp rank of it) sees its pipeline's whole batch, only the ends use it
         (= strategy.replicate once the degrees check; the planner asks before setting them)."""
-        return cfg.world_size // (cfg.strategy.stages * cfg.strategy.get("tp", 1))
+        return cfg.world_size // (cfg.strategy.stages * cfg.strategy.get("tp", 1) * cp_of(cfg))
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -206,10 +208,13 @@ class PPPlan(PlanRules):
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
+        check_pp_cp(opts, cfg)
         check_bf16(opts)
         keys = {"pp": ("stages", "pipeline stages, one per process")}
         if opts.get("tp", 1) > 1:
             keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}
+        if opts.cp > 1:
+            keys = {"cp": ("cp", "context-parallel ranks per stage"), "pp": ("stages", "pipeline stages")}
         check_degrees(cfg, pp_dims(opts), keys)
         t = cfg.trainer
         per_step = t.global_batch // t.grad_accum
@@ -273,11 +278,14 @@ class PPPlan(PlanRules):
         mb = max(1, micro // m)
         shapes, chunks = chunk_inputs(cfg, model, mb), held_chunks(cfg, model, stage)
         tp, sp = o.get("tp", 1), bool(o.get("sequence_parallel"))
-        shapes = [boundary_shape(s, g, tp, sp) for g, s in enumerate(shapes)]
-        mine = rank_chunks(o, stage)
+        shapes = [cp_boundary(boundary_shape(s, g, tp, sp), g, cp_of(cfg)) for g, s in enumerate(shapes)]
+        mine, n = rank_chunks(o, stage), len(chunks)
+        # with cp: the chunk as the rank's cp coordinate shards it (pp/cp_rules.py)
         per_chunk = [
-            saved(split_meta_stage(cfg, chunks[g], rank), mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
-        ]
+            saved(split_meta_stage(cfg, cp_meta_chunk(cfg, chunks[g], rank, g == 0, g == n - 1), rank), mb,
+                  tuple(shapes[g][1:]), g == n - 1)
+            for g in mine
+        ]  # fmt: skip
         schedule = str(o.schedule)
         if schedule == "zero_bubble" and str(o.impl) == "manual":  # exact: B's peak and what waits for W, measured
             stage_chunks = [
@@ -321,7 +329,7 @@ class PPPlan(PlanRules):
         replicate, tp, sp = o.get("replicate") or 1, o.get("tp", 1), bool(o.get("sequence_parallel"))
         batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // replicate
         shapes = chunk_inputs(cfg, model, batch)  # chunk g's input; the last: the output
-        sizes = [boundary_shape(s, g, tp, sp).numel() for g, s in enumerate(shapes)]
+        sizes = [cp_boundary(boundary_shape(s, g, tp, sp), g, cp_of(cfg)).numel() for g, s in enumerate(shapes)]
         last = len(sizes) - 2
         mine = rank_chunks(o, stage_of(cfg, rank))
         sent = sum((sizes[g + 1] if g < last else 0) + (sizes[g] if g > 0 else 0) for g in mine)
@@ -331,6 +339,7 @@ class PPPlan(PlanRules):
         if tp > 1:
             for op, n in stage_tp_comm(cfg, stage, shapes[1], cfg.trainer.grad_accum).items():
                 comm[op] = comm.get(op, 0.0) + n
+        comm = add_comm(comm, stage_context_comm(cfg, stage, stage_of(cfg, rank) == o.stages - 1))  # pp/cp_rules.py
         if in_embedding_group(cfg, stage_of(cfg, rank)):  # the tied embedding's gradient, summed (pp/tied.py)
             tied = model.get_submodule("embed.tokens").weight.numel()
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * tied

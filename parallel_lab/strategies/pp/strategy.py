@@ -58,6 +58,8 @@ from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.activations import SavedTracker
 from parallel_lab.strategies.pp.chunks import in_embedding_group, ties_across_stages
+from parallel_lab.strategies.pp.cp import average_over_cp, context_stage, gathered_logits
+from parallel_lab.strategies.pp.cp_rules import cp_boundary
 from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
 from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
@@ -87,6 +89,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
     # dp x pp x tp (pp/tensor.py); these defaults: no split (strategy.tp=1, and impl=deepspeed's setup)
     tp_rank, tp_group, shard_dims, sp_params = 0, None, {}, []
     embedding_group = None  # a tied pipeline's first and last stage (pp/tied.py)
+    cp_group = cp_pieces = None  # strategy.cp > 1: the stage's cp group, the gpt's pieces (pp/cp.py)
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (SUBCLASSES: deepspeed, pp/ds_pipe.py)."""
@@ -150,6 +153,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             self.shard_dims = split_transformer(model, TPGroup(self.tp_group, self.tp_rank, self.opts.tp), sp)
             params = dict(model.named_parameters())
             self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
+        context_stage(self, model)  # strategy.cp > 1: the stage's tokens sharded over its cp group (pp/cp.py)
         # the chunks from the (split) model's children: the SP split replaces the head itself
         return model, [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n, _ in chunk)) for chunk in chunks]
 
@@ -179,7 +183,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             with torch.no_grad():
                 for module in self.meta_chunks[:g]:
                     x = module(x)
-            self.shapes[key] = boundary_shape(x.shape, g, self.opts.tp, self.opts.sequence_parallel)
+            shape = boundary_shape(x.shape, g, self.opts.tp, self.opts.sequence_parallel)
+            self.shapes[key] = cp_boundary(shape, g, self.layout.cp)  # cp: the rank's T/cp tokens
         return self.shapes[key]
 
     def rank_of(self, g: int) -> int:
@@ -229,7 +234,9 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             self.losses = [x.detach() * (self.opts.microbatches * self.num_micro) for x in kwargs["losses"]]
 
     def average_over_replicas(self) -> None:
-        """Data parallelism: stage s averages its gradients with stage s of the other pipelines."""
+        """Data parallelism: stage s averages its gradients with stage s of the other pipelines
+        (with cp: first over the stage's cp group, then over the replicas: replicate x cp)."""
+        average_over_cp(self)
         average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
 
     def optimizer_step(self) -> None:
@@ -246,13 +253,13 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """Only the last stages have the loss (the others hold 0; of a split last stage, tp rank 0's
-        counts): the sum over the world, divided by the number of pipelines, so every rank returns
-        the same float."""
+        counts): the sum over the world, divided by the number of pipelines (replicate x cp: a cp
+        rank's is its tokens' share, pp/cp.py), so every rank returns the same float."""
         loss = local_mean.detach().clone().to(self.device)
         if self.tp_rank:
             loss.zero_()  # (not a product: a NaN loss stays NaN on tp rank 0 only)
         dist.all_reduce(loss)
-        return float(loss / self.opts.replicate)
+        return float(loss / (self.opts.replicate * self.layout.cp))
 
     # ----- evaluation: one forward of the whole batch through the chunks, in model order -----
     @torch.no_grad()
@@ -266,15 +273,15 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             x = self.run_chunk(c, x)
             if g < n - 1 and self.rank_of(g + 1) != self.env.rank:
                 dist.send(x.contiguous(), dst=self.rank_of(g + 1), group=self.group)
-        return x if n - 1 in self.chunk_ids else None
+        return gathered_logits(self, x if n - 1 in self.chunk_ids else None)  # cp: the gpt's tokens gathered
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
         # only the last stages counted (each its pipeline's shard; a split stage's on every tp rank:
-        # tp rank 0's kept); the rest hold 0
+        # tp rank 0's kept); the rest hold 0; the cp ranks of a last stage scored the same samples
         if self.tp_rank:
             counts.zero_()
         dist.all_reduce(counts)
-        return counts
+        return counts / self.layout.cp
 
     # ----- proof -----
     def extra_metrics(self) -> dict:
