@@ -30,7 +30,8 @@ samples; stage s averages its gradients with stage s of the other pipelines afte
 
 dp x pp x tp: ``strategy.tp=T`` splits each stage's vit blocks (Megatron) over T consecutive ranks,
 R x stages x T = world_size on a (replicate, pp, tp) mesh; a pipeline's ranks are then T apart
-(``pp/tensor.py``, docs/meshes.md).
+(``pp/tensor.py``, docs/meshes.md). dp x cp x pp: ``strategy.cp=C`` shards each stage's tokens over
+its C cp ranks, a pipeline the ranks of one (replicate, cp) coordinate (``pp/cp.py``, docs/cp.md).
 
 Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` chunk, and the
 pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
