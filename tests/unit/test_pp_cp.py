@@ -49,3 +49,22 @@ def test_pp_cp_mesh_puts_pipelines_on_cp_coordinates():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [stage_of(cfg, r) for r in range(8)] == [0, 1] * 4
     assert PPPlan.data_parallel_size(cfg) == 2
+
+
+@pytest.mark.parametrize("model", ["vit", "gpt"])
+def test_pp_cp_stage_computes_about_half_the_tokens(model):
+    """The step-time model's compute: a cp rank of the slowest stage does 1/cp of its FLOPs on the
+    gpt, a little more on the vit (its patch convolution and classifier whole on every cp rank:
+    +3.6% of half at the default sizes)."""
+    from parallel_lab.models import build_meta_model
+    from parallel_lab.strategies.pp.rules import PPPlan
+
+    run = [*GPT_RUN] if model == "gpt" else ["model=vit"]
+    plain = compose_config("strategy=pp", *run, "world_size=2")
+    cp = compose_config("strategy=pp", *run, "strategy.cp=2", "world_size=4")
+    meta = build_meta_model(plain.model)
+    full, half = (PPPlan.compute_shape(c, meta).flop_share for c in (plain, cp))
+    if model == "gpt":
+        assert half == pytest.approx(full / 2, rel=1e-9), (full, half)
+    else:
+        assert full / 2 < half < 1.05 * full / 2, (full, half)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.cp.rules import check_context, cp_of, vit_tokens
+from parallel_lab.strategies.cp.rules import WHOLE_ON_EVERY_CP_RANK, check_context, cp_of, vit_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,19 @@ def cp_meta_chunk(cfg: DictConfig, chunk: nn.Module, rank: int, first: bool, las
     copied = copy.deepcopy(chunk)
     parallelize_stage(copied, cfg, CPGroup(None, cp_coord(cfg, rank), cp), first, last)
     return copied
+
+
+def cp_flop_fraction(cfg: DictConfig, chunk: nn.Module, input_shape: tuple) -> float:
+    """The part of ``chunk``'s forward FLOPs (models/flops.py) a cp rank computes: 1/cp of every
+    layer but the vit's ``WHOLE_ON_EVERY_CP_RANK`` (the patch convolution, the classifier after the
+    pool), as ``cp/rules.py`` ``context_flop_share`` counts the whole model."""
+    from parallel_lab.models.flops import layer_flops
+
+    whole = WHOLE_ON_EVERY_CP_RANK if cfg.model.name == "vit" else ()
+    flops = layer_flops(chunk, 1, input_shape)
+    total = sum(flops.values())
+    mine = sum(f / (1 if name in whole else cp_of(cfg)) for name, f in flops.items())
+    return mine / total if total else 1.0
 
 
 def stage_context_comm(cfg: DictConfig, stage: nn.Module, last: bool) -> dict[str, float]:

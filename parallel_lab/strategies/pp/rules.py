@@ -32,7 +32,13 @@ from parallel_lab.strategies.pp.chunks import (
     rank_module,
     stage_of,
 )
-from parallel_lab.strategies.pp.cp_rules import check_pp_cp, cp_boundary, cp_meta_chunk, stage_context_comm
+from parallel_lab.strategies.pp.cp_rules import (
+    check_pp_cp,
+    cp_boundary,
+    cp_flop_fraction,
+    cp_meta_chunk,
+    stage_context_comm,
+)
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
 from parallel_lab.strategies.pp.model_rules import check_bf16
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
@@ -240,7 +246,8 @@ class PPPlan(PlanRules):
         """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
         ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
         Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473).
-        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py)."""
+        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py); strategy.cp > 1:
+        its token-wise layers' and attention's by cp."""
         from parallel_lab.strategies.pp.tensor import tp_flop_fraction
 
         o, t = cfg.strategy, cfg.trainer
@@ -250,6 +257,9 @@ class PPPlan(PlanRules):
         if tp > 1:
             inputs = chunk_inputs(cfg, model, 1)
             shares = [s * tp_flop_fraction(c, tuple(inputs[g][1:]), tp) for g, (s, c) in enumerate(zip(shares, chunks))]
+        if cp_of(cfg) > 1:  # a cp rank's T/cp tokens (pp/cp_rules.py)
+            inputs = chunk_inputs(cfg, model, 1)
+            shares = [s * cp_flop_fraction(cfg, c, tuple(x[1:])) for s, c, x in zip(shares, chunks, inputs)]
         names = chunk_names(cfg, model)
         times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(
