@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.bodies.pp_tp import pp_tp_body
 from tests.support.matrix import assert_every_rank_passed, run_configurations
-from tests.support.reference import GPT_RUN
+from tests.support.reference import GPT_RUN, GPT_VARIANTS
 
 STEPS, BATCH = 3, 16
 # one run of 4 ranks (it runs twice in make test: parity): every part of pp x tp at once, SP's
@@ -29,6 +29,21 @@ TIED_GPT = {
         "trainer.eval_batches=0",
     ],
 }  # fmt: skip
+# pp x cp in the same ranks (tests/support/bodies/pp_cp.py): 2 stages x cp 2, the vit and the gpt,
+# ring and Ulysses, gpipe (the default) and 1f1b; the gpt's ring causal and load-balanced on GQA
+# (2 kv heads, rotary, SwiGLU, untied), its Ulysses on the tied gpt. name -> (overrides, the gpt's
+# reference model). make test: two rows (~5 s), one of each impl, model and schedule; the other
+# two pairings under extra.
+LLAMA = [*GPT_RUN, *(f"model.{key}={str(value).lower()}" for key, value in GPT_VARIANTS["gpt_llama"].items())]
+CP = ["strategy.tp=1", "strategy.cp=2"]
+PP_CP = {
+    "pp-cp-ulysses-1f1b": ([*CP, "strategy.cp_impl=ulysses", "strategy.schedule=1f1b"], None),
+    "pp-cp-gpt-ring": ([*LLAMA, *CP], "gpt_llama"),
+}
+PP_CP_EXTRA = {
+    "pp-cp-ring": ([*CP], None),
+    "pp-cp-gpt-ulysses-1f1b": ([*GPT_RUN, *CP, "strategy.cp_impl=ulysses", "strategy.schedule=1f1b"], "gpt"),
+}
 WORLD4_EXTRA = {
     "1f1b-dropout-clip": ["strategy.schedule=1f1b", "model.dropout=0.1", "trainer.grad_clip=0.05"],
     "sp-gpipe": ["strategy.sequence_parallel=true"],
@@ -50,8 +65,11 @@ EXTRA = {  # world 8: 2 pipelines of 2 stages x tp 2
 
 @pytest.fixture(scope="module")
 def default_results() -> dict[str, list]:
-    configs = {**DEFAULT, **TIED_GPT}
-    return run_configurations(pp_tp_body, configs, world_size=4, timeout=300, steps=STEPS, global_batch=BATCH)
+    configs = {**DEFAULT, **TIED_GPT, **{name: overrides for name, (overrides, _) in PP_CP.items()}}
+    references = {name: ref for name, (_, ref) in PP_CP.items()}
+    return run_configurations(
+        pp_tp_body, configs, world_size=4, timeout=300, steps=STEPS, global_batch=BATCH, references=references
+    )
 
 
 @pytest.mark.parity
@@ -70,9 +88,24 @@ def test_dp_x_pp_ties_the_gpt_embedding_in_every_pipeline(default_results, confi
     assert_every_rank_passed(default_results, config)
 
 
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_CP))
+def test_two_stages_x_cp2_is_singles_training_with_the_formulas_bytes(default_results, config):
+    """strategy=pp strategy.cp=2 at world 4 (pp/cp.py): single's training, every rank's state as
+    planned, its bytes measured = planned = the formula derived from the shapes (hand-offs of
+    T/cp tokens, the ring's or Ulysses' bytes on the stage's blocks, the pool on the vit's last
+    stage, the cp group's gradient average), every rank's activations as planned."""
+    assert_every_rank_passed(default_results, config)
+
+
 @pytest.fixture(scope="module")
 def world4_extra_results() -> dict[str, list]:
-    return run_configurations(pp_tp_body, WORLD4_EXTRA, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH)
+    configs = {**WORLD4_EXTRA, **{name: overrides for name, (overrides, _) in PP_CP_EXTRA.items()}}
+    references = {name: ref for name, (_, ref) in PP_CP_EXTRA.items()}
+    return run_configurations(
+        pp_tp_body, configs, world_size=4, timeout=600, steps=STEPS, global_batch=BATCH, references=references
+    )
 
 
 @pytest.mark.extra
@@ -82,6 +115,16 @@ def world4_extra_results() -> dict[str, list]:
 def test_two_stages_x_tp2_more_configurations(world4_extra_results, config):
     """Without SP, SP alone, interleaved; test_two_stages_x_tp2_is_singles_training_with_the_planned_state
     keeps the claim in make test."""
+    assert_every_rank_passed(world4_extra_results, config)
+
+
+@pytest.mark.extra
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PP_CP_EXTRA))
+def test_two_stages_x_cp2_more_configurations(world4_extra_results, config):
+    """The vit's ring under gpipe, the tied gpt's Ulysses under 1f1b: the same checks as
+    test_two_stages_x_cp2_is_singles_training_with_the_formulas_bytes, which keeps the claim in make test."""
     assert_every_rank_passed(world4_extra_results, config)
 
 

@@ -186,5 +186,7 @@ def _names_key(cfg: DictConfig, model: nn.Sequential) -> tuple:
 def pp_dims(opts: DictConfig) -> MeshDims:
     """strategy.replicate pipelines of strategy.stages stages, each stage split over strategy.tp
     consecutive ranks (rank = (replica x stages + stage) x tp + tp rank: a pipeline's ranks are tp
-    apart); the pipeline's group is laid out even at one stage (its sends stay inside it)."""
-    return MeshDims(replicate=opts.replicate, pp=opts.stages, tp=opts.get("tp", 1), named=("pp",))
+    apart); the pipeline's group is laid out even at one stage (its sends stay inside it). With
+    strategy.cp: replicate x cp x pp, a pipeline the ranks of one (replicate, cp) (pp/cp_rules.py)."""
+    cp = opts.get("cp") or 1
+    return MeshDims(replicate=opts.replicate, cp=cp, pp=opts.stages, tp=opts.get("tp", 1), named=("pp",))

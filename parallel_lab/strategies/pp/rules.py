@@ -13,9 +13,11 @@ from omegaconf import DictConfig
 
 from parallel_lab.choices import Choice, Precision, make_choice
 from parallel_lab.errors import ConfigError
+from parallel_lab.strategies.cp.rules import ContextOptions, add_comm, cp_of
 from parallel_lab.strategies.mesh import MeshDims, check_degrees
 from parallel_lab.strategies.options import StrategyOptions
 from parallel_lab.strategies.planning import ClusterLayout, ComputeShape, PlanRules, SavedBytes
+from parallel_lab.strategies.pp.checks import check_balance, check_pp_tp
 from parallel_lab.strategies.pp.chunks import (
     _refs,
     _split_bytes,
@@ -29,6 +31,13 @@ from parallel_lab.strategies.pp.chunks import (
     pp_dims,
     rank_module,
     stage_of,
+)
+from parallel_lab.strategies.pp.cp_rules import (
+    check_pp_cp,
+    cp_boundary,
+    cp_flop_fraction,
+    cp_meta_chunk,
+    stage_context_comm,
 )
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
 from parallel_lab.strategies.pp.model_rules import check_bf16
@@ -61,8 +70,8 @@ Balance = make_choice("Balance", BALANCES, "strategy.balance of pp: what the cut
 
 
 @dataclass
-class PPOptions(StrategyOptions):
-    """``strategy=pp`` options."""
+class PPOptions(ContextOptions, StrategyOptions):
+    """``strategy=pp`` options (``strategy.cp``/``cp_impl``: context parallelism in each stage, pp/cp.py)."""
 
     stages: int = 2  # pipeline stages, one per process; replicate x stages = world_size
     replicate: int = 1  # data-parallel copies of the pipeline (dp x pp on a 2-D mesh); 1 = one pipeline
@@ -152,56 +161,6 @@ def check_schedule(opts: DictConfig, cfg: DictConfig) -> None:
         )
 
 
-def check_pp_tp(opts: DictConfig, cfg: DictConfig) -> None:
-    """tp > 1 inside the stages: the vit under the manual loop only; the split's own rules."""
-    tp, sp = opts.get("tp", 1), bool(opts.get("sequence_parallel"))
-    if tp < 1:
-        raise ConfigError(f"strategy.tp={tp} must be >= 1 (1 = no tensor parallelism); e.g. strategy.tp=2")
-    if sp and tp < 2:
-        raise ConfigError(
-            f"strategy.sequence_parallel=true needs strategy.tp > 1 (got strategy.tp={tp}); "
-            "use strategy.tp=2 or strategy.sequence_parallel=false"
-        )
-    if tp == 1:
-        return
-    if cfg.model.name != "vit":
-        # the gpt has blocks, but its vocabulary-parallel ends (tp/vocab.py) sit on the first and last
-        # stages, which the manual pipeline loop does not split
-        has = "is split so only outside a pipeline (strategy=tp)" if cfg.model.name == "gpt" else "has none"
-        raise ConfigError(
-            f"strategy.tp={tp} inside pipeline stages splits the vit's transformer blocks (Megatron), "
-            f"model={cfg.model.name} {has}; use model=vit or strategy.tp=1"
-        )
-    if str(opts.impl) != "manual":
-        raise ConfigError(
-            f"strategy.tp={tp} with strategy.impl={opts.impl}: only the manual pipeline loop sends to the same "
-            "tp coordinate of the next stage; use strategy.impl=manual or strategy.tp=1"
-        )
-    from parallel_lab.strategies.tp.rules import check_vit_split
-
-    check_vit_split(cfg, tp, sp, "manual")
-
-
-def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
-    """balance=time: measure each block here, once, in the parent (pp/timing.py); times given
-    by hand must name every block."""
-    blocks = len(config_blocks(cfg))  # torch-free: the meta model's (models/layout.py)
-    if opts.block_times and str(opts.balance) != "time":
-        raise ConfigError(
-            f"strategy.block_times is for strategy.balance=time (balance={opts.balance}); drop strategy.block_times"
-        )
-    if str(opts.balance) == "time" and not opts.cuts:
-        if not opts.block_times:
-            from parallel_lab.strategies.pp.timing import measure_block_times
-
-            opts.block_times = measure_block_times(cfg)
-        if len(opts.block_times) != blocks or min(opts.block_times) <= 0:
-            raise ConfigError(
-                f"strategy.block_times={list(opts.block_times)} must hold {blocks} positive seconds, one per block; "
-                "drop it to measure them (strategy.balance=time)"
-            )
-
-
 @register_rules("pp")
 class PPPlan(PlanRules):
     Options = PPOptions
@@ -246,7 +205,7 @@ class PPPlan(PlanRules):
     def data_parallel_size(cls, cfg: DictConfig) -> int:
         """Every stage (every tp rank of it) sees its pipeline's whole batch, only the ends use it
         (= strategy.replicate once the degrees check; the planner asks before setting them)."""
-        return cfg.world_size // (cfg.strategy.stages * cfg.strategy.get("tp", 1))
+        return cfg.world_size // (cfg.strategy.stages * cfg.strategy.get("tp", 1) * cp_of(cfg))
 
     @classmethod
     def check_options(cls, opts: DictConfig, cfg: DictConfig) -> None:
@@ -255,10 +214,13 @@ class PPPlan(PlanRules):
                 raise ConfigError(f"strategy.{key}={opts[key]} must be >= 1; e.g. strategy.{key}=2")
         check_schedule(opts, cfg)
         check_pp_tp(opts, cfg)
+        check_pp_cp(opts, cfg)
         check_bf16(opts)
         keys = {"pp": ("stages", "pipeline stages, one per process")}
         if opts.get("tp", 1) > 1:
             keys = {"pp": ("stages", "pipeline stages"), "tp": ("tp", "tensor-parallel ranks per stage")}
+        if opts.cp > 1:
+            keys = {"cp": ("cp", "context-parallel ranks per stage"), "pp": ("stages", "pipeline stages")}
         check_degrees(cfg, pp_dims(opts), keys)
         t = cfg.trainer
         per_step = t.global_batch // t.grad_accum
@@ -284,7 +246,8 @@ class PPPlan(PlanRules):
         """GPipe (1811.06965): m forward and m backward slots per stage, p - 1 of them idle at the
         ends; the slowest stage paces every slot (1f1b has the same count of slots, fewer in flight).
         Interleaved: v m + p - 1 slots of one chunk each, the slowest chunk pacing them (2104.04473).
-        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py)."""
+        strategy.tp > 1: each chunk's split layers' share divided by tp (pp/tensor.py); strategy.cp > 1:
+        its token-wise layers' and attention's by cp."""
         from parallel_lab.strategies.pp.tensor import tp_flop_fraction
 
         o, t = cfg.strategy, cfg.trainer
@@ -294,6 +257,9 @@ class PPPlan(PlanRules):
         if tp > 1:
             inputs = chunk_inputs(cfg, model, 1)
             shares = [s * tp_flop_fraction(c, tuple(inputs[g][1:]), tp) for g, (s, c) in enumerate(zip(shares, chunks))]
+        if cp_of(cfg) > 1:  # a cp rank's T/cp tokens (pp/cp_rules.py)
+            inputs = chunk_inputs(cfg, model, 1)
+            shares = [s * cp_flop_fraction(cfg, c, tuple(x[1:])) for s, c, x in zip(shares, chunks, inputs)]
         names = chunk_names(cfg, model)
         times = f"; block times ms {', '.join(f'{1000 * t:.1f}' for t in o.block_times)}" if o.block_times else ""
         return ComputeShape(
@@ -322,11 +288,14 @@ class PPPlan(PlanRules):
         mb = max(1, micro // m)
         shapes, chunks = chunk_inputs(cfg, model, mb), held_chunks(cfg, model, stage)
         tp, sp = o.get("tp", 1), bool(o.get("sequence_parallel"))
-        shapes = [boundary_shape(s, g, tp, sp) for g, s in enumerate(shapes)]
-        mine = rank_chunks(o, stage)
+        shapes = [cp_boundary(boundary_shape(s, g, tp, sp), g, cp_of(cfg)) for g, s in enumerate(shapes)]
+        mine, n = rank_chunks(o, stage), len(chunks)
+        # with cp: the chunk as the rank's cp coordinate shards it (pp/cp_rules.py)
         per_chunk = [
-            saved(split_meta_stage(cfg, chunks[g], rank), mb, tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
-        ]
+            saved(split_meta_stage(cfg, cp_meta_chunk(cfg, chunks[g], rank, g == 0, g == n - 1), rank), mb,
+                  tuple(shapes[g][1:]), g == n - 1)
+            for g in mine
+        ]  # fmt: skip
         schedule = str(o.schedule)
         if schedule == "zero_bubble" and str(o.impl) == "manual":  # exact: B's peak and what waits for W, measured
             stage_chunks = [
@@ -370,7 +339,7 @@ class PPPlan(PlanRules):
         replicate, tp, sp = o.get("replicate") or 1, o.get("tp", 1), bool(o.get("sequence_parallel"))
         batch = cfg.trainer.global_batch // cfg.trainer.grad_accum // replicate
         shapes = chunk_inputs(cfg, model, batch)  # chunk g's input; the last: the output
-        sizes = [boundary_shape(s, g, tp, sp).numel() for g, s in enumerate(shapes)]
+        sizes = [cp_boundary(boundary_shape(s, g, tp, sp), g, cp_of(cfg)).numel() for g, s in enumerate(shapes)]
         last = len(sizes) - 2
         mine = rank_chunks(o, stage_of(cfg, rank))
         sent = sum((sizes[g + 1] if g < last else 0) + (sizes[g] if g > 0 else 0) for g in mine)
@@ -380,6 +349,7 @@ class PPPlan(PlanRules):
         if tp > 1:
             for op, n in stage_tp_comm(cfg, stage, shapes[1], cfg.trainer.grad_accum).items():
                 comm[op] = comm.get(op, 0.0) + n
+        comm = add_comm(comm, stage_context_comm(cfg, stage, stage_of(cfg, rank) == o.stages - 1))  # pp/cp_rules.py
         if in_embedding_group(cfg, stage_of(cfg, rank)):  # the tied embedding's gradient, summed (pp/tied.py)
             tied = model.get_submodule("embed.tokens").weight.numel()
             comm["all_reduce"] = comm.get("all_reduce", 0.0) + 2.0 * 4 * tied

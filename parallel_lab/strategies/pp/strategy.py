@@ -30,7 +30,8 @@ samples; stage s averages its gradients with stage s of the other pipelines afte
 
 dp x pp x tp: ``strategy.tp=T`` splits each stage's vit blocks (Megatron) over T consecutive ranks,
 R x stages x T = world_size on a (replicate, pp, tp) mesh; a pipeline's ranks are then T apart
-(``pp/tensor.py``, docs/meshes.md).
+(``pp/tensor.py``, docs/meshes.md). dp x cp x pp: ``strategy.cp=C`` shards each stage's tokens over
+its C cp ranks, a pipeline the ranks of one (replicate, cp) coordinate (``pp/cp.py``, docs/cp.md).
 
 Gradient scaling: the loop calls ``train_step`` once per ``trainer.grad_accum`` chunk, and the
 pipeline splits that chunk again into m micro-batches, so each micro-batch's mean loss is divided
@@ -54,58 +55,30 @@ from parallel_lab.models.moe import moe_layers
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.base import OptimizerFactory, Strategy
 from parallel_lab.strategies.batchnorm import ReplicaNorm
-from parallel_lab.strategies.memory import HeldMemory, analytic_state_bytes
 from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.pp import handoffs
 from parallel_lab.strategies.pp.activations import SavedTracker
 from parallel_lab.strategies.pp.chunks import in_embedding_group, ties_across_stages
+from parallel_lab.strategies.pp.cp import average_over_cp, context_stage, gathered_logits
+from parallel_lab.strategies.pp.cp_rules import cp_boundary
 from parallel_lab.strategies.pp.manual import ManualLoop
 from parallel_lab.strategies.pp.plan import block_costs, rank_chunks
 from parallel_lab.strategies.pp.rules import PPPlan, chunk_modules, chunk_names, meta_model
 from parallel_lab.strategies.pp.schedules import Busy, bubble_fraction
+from parallel_lab.strategies.pp.state import PPMemory, PPState
 from parallel_lab.strategies.pp.tensor import (
     boundary_shape,
     clip_over_stages_and_tp,
-    gathered_stage,
-    local_part,
     sum_sequence_parallel_grads,
 )
 from parallel_lab.strategies.pp.tied import EMBED, embedding_group, make_copy, sum_tied_gradients
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
 from parallel_lab.strategies.precision import Bf16Compute, as_compute
-from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.split import split_transformer
 
 SUBCLASSES: dict[str, type] = {}  # strategy.impl -> the subclass that runs it (filled by pp/ds_pipe.py)
-
-
-class PPState(RankShardState):
-    """One file per rank; the stages' parameters (tp shards gathered along their split dimension)
-    gathered to every rank in model order."""
-
-    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return local_part(self.strategy, name, full)
-
-    def full_parameters(self) -> list[torch.Tensor]:
-        """Every stage's parameters, gathered to every rank in model order (an interleaved rank's
-        chunks are not contiguous: ordered by name, in the full model's order); a stage split over
-        tp first gathers its shards, and the first pipeline's ranks (tp apart) hold the stages."""
-        per_rank: list = [None] * self.env.world_size
-        dist.all_gather_object(per_rank, gathered_stage(self.strategy))
-        pairs = [pair for r in self.strategy.layout.group_ranks(0, "pp") for pair in per_rank[r]]
-        order = self.strategy.chunk_order
-        kept: dict[str, torch.Tensor] = {}
-        for name, p in sorted(pairs, key=lambda pair: order(pair[0].split(".")[0])):
-            kept.setdefault(name, p)  # a tied pipeline's last stage's copy of the embedding: the first's kept
-        return list(kept.values())
-
-
-class PPMemory(HeldMemory):  # the model here is this stage only
-    def analytic(self, num_params: int) -> dict[str, int]:
-        """Textbook: each rank holds its stage's weights, gradients and optimizer state only."""
-        return analytic_state_bytes(sum(p.numel() for p in self.model.parameters()), self.cfg.trainer)
 
 
 @register("pp")
@@ -117,6 +90,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
     # dp x pp x tp (pp/tensor.py); these defaults: no split (strategy.tp=1, and impl=deepspeed's setup)
     tp_rank, tp_group, shard_dims, sp_params = 0, None, {}, []
     embedding_group = None  # a tied pipeline's first and last stage (pp/tied.py)
+    cp_group = cp_pieces = None  # strategy.cp > 1: the stage's cp group, the gpt's pieces (pp/cp.py)
 
     def __new__(cls, cfg: DictConfig, env):
         """strategy.impl's own subclass where it has one (SUBCLASSES: deepspeed, pp/ds_pipe.py)."""
@@ -180,6 +154,7 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             self.shard_dims = split_transformer(model, TPGroup(self.tp_group, self.tp_rank, self.opts.tp), sp)
             params = dict(model.named_parameters())
             self.sp_params = [params[n] for n in sequence_parallel_params(model)] if sp else []
+        context_stage(self, model)  # strategy.cp > 1: the stage's tokens sharded over its cp group (pp/cp.py)
         # the chunks from the (split) model's children: the SP split replaces the head itself
         return model, [nn.Sequential(OrderedDict((n, model.get_submodule(n)) for n, _ in chunk)) for chunk in chunks]
 
@@ -209,7 +184,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             with torch.no_grad():
                 for module in self.meta_chunks[:g]:
                     x = module(x)
-            self.shapes[key] = boundary_shape(x.shape, g, self.opts.tp, self.opts.sequence_parallel)
+            shape = boundary_shape(x.shape, g, self.opts.tp, self.opts.sequence_parallel)
+            self.shapes[key] = cp_boundary(shape, g, self.layout.cp)  # cp: the rank's T/cp tokens
         return self.shapes[key]
 
     def rank_of(self, g: int) -> int:
@@ -259,7 +235,9 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             self.losses = [x.detach() * (self.opts.microbatches * self.num_micro) for x in kwargs["losses"]]
 
     def average_over_replicas(self) -> None:
-        """Data parallelism: stage s averages its gradients with stage s of the other pipelines."""
+        """Data parallelism: stage s averages its gradients with stage s of the other pipelines
+        (with cp: first over the stage's cp group, then over the replicas: replicate x cp)."""
+        average_over_cp(self)
         average_gradients(self.model.parameters(), self.replicate_group, self.opts.replicate)
 
     def optimizer_step(self) -> None:
@@ -276,13 +254,13 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """Only the last stages have the loss (the others hold 0; of a split last stage, tp rank 0's
-        counts): the sum over the world, divided by the number of pipelines, so every rank returns
-        the same float."""
+        counts): the sum over the world, divided by the number of pipelines (replicate x cp: a cp
+        rank's is its tokens' share, pp/cp.py), so every rank returns the same float."""
         loss = local_mean.detach().clone().to(self.device)
         if self.tp_rank:
             loss.zero_()  # (not a product: a NaN loss stays NaN on tp rank 0 only)
         dist.all_reduce(loss)
-        return float(loss / self.opts.replicate)
+        return float(loss / (self.opts.replicate * self.layout.cp))
 
     # ----- evaluation: one forward of the whole batch through the chunks, in model order -----
     @torch.no_grad()
@@ -296,15 +274,15 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             x = self.run_chunk(c, x)
             if g < n - 1 and self.rank_of(g + 1) != self.env.rank:
                 dist.send(x.contiguous(), dst=self.rank_of(g + 1), group=self.group)
-        return x if n - 1 in self.chunk_ids else None
+        return gathered_logits(self, x if n - 1 in self.chunk_ids else None)  # cp: the gpt's tokens gathered
 
     def combine_eval_counts(self, counts: torch.Tensor) -> torch.Tensor:
         # only the last stages counted (each its pipeline's shard; a split stage's on every tp rank:
-        # tp rank 0's kept); the rest hold 0
+        # tp rank 0's kept); the rest hold 0; the cp ranks of a last stage scored the same samples
         if self.tp_rank:
             counts.zero_()
         dist.all_reduce(counts)
-        return counts
+        return counts / self.layout.cp
 
     # ----- proof -----
     def extra_metrics(self) -> dict:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
+from tests.support.bodies.pp_cp import check_pp_cp
 from tests.support.bodies.pp_gpt import check_pp_tied_replicas
 from tests.support.matrix import judge_each
 from tests.support.model_parallel import DATA_SIZE, reference_accuracy
@@ -44,12 +45,22 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     assert measured == planned, (label, measured, planned)
 
 
-def pp_tp_body(rank: int, world_size: int, configs: dict[str, list[str]], steps: int, global_batch: int) -> None:
+def pp_tp_body(
+    rank: int,
+    world_size: int,
+    configs: dict[str, list[str]],
+    steps: int,
+    global_batch: int,
+    references: dict[str, str | None] | None = None,
+) -> None:
     """Train each configuration in turn and check it (tests/support/matrix.py judge_each); a
-    configuration with ``model=gpt`` is judged by pp_gpt.py (dp x pp, tied embedding)."""
+    configuration with ``strategy.cp=2`` is judged by pp_cp.py (``references``: its gpt's reference
+    model), one with ``model=gpt`` by pp_gpt.py (dp x pp, tied embedding)."""
     base = ["model=vit", "strategy=pp", f"world_size={world_size}", "strategy.tp=2", "trainer.eval_batches=1"]
 
     def judge(name: str, _, cfg, strategy, metrics) -> None:
+        if cfg.strategy.cp > 1:  # pp x cp, in these ranks to spare a start-up
+            return check_pp_cp(cfg, strategy, metrics, rank, name, (references or {}).get(name))
         if cfg.model.name == "gpt":  # dp x pp on the tied gpt, in these ranks to spare a start-up
             return check_pp_tied_replicas(cfg, strategy, metrics, rank, name)
         return check(cfg, strategy, metrics, rank, name)
