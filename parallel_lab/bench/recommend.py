@@ -30,8 +30,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from parallel_lab.plan.output import human, parse_bytes
 from parallel_lab.plan.predict import MODEL_STATE
+from parallel_lab.plan.sizes import human, parse_bytes
 
 MEASURED_EXTRA = ("comm_buffer_bytes", "buffer_bytes")  # measured beside the model state (metrics.json ranks)
 

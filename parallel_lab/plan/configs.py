@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel_lab.config import compose_config
 from parallel_lab.config.validate import apply_precision, check_split
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies import get_strategy_class, sweep_names
+from parallel_lab.strategies import get_strategy_rules, sweep_names
 from parallel_lab.strategies.zero.ds_file import adopt_ds_files
 
 
@@ -37,11 +37,11 @@ def _given(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").partition("=")[0] == key for o in overrides)
 
 
-def _degree(cfg: DictConfig, strategy_cls: type, key: str) -> int:
+def _degree(cfg: DictConfig, rules: type, key: str) -> int:
     """strategy.<key> at this world size: the world divided by the product of the mesh's other
     degrees (the strategy's own MeshDims: replicate, and a pipeline's tensor-parallel degree), so
     a pipeline with strategy.tp=2 at world 8 plans 4 stages."""
-    others = strategy_cls.plan.dims(cfg).world // max(1, int(cfg.strategy[key]))
+    others = rules.dims(cfg).world // max(1, int(cfg.strategy[key]))
     return max(1, cfg.world_size // max(1, others))
 
 
@@ -58,7 +58,8 @@ def _copy(cfg: DictConfig) -> DictConfig:
 def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -> DictConfig:
     """The config at this world size, validated (raises ConfigError)."""
     cfg = _copy(base)
-    strategy_cls = get_strategy_class(cfg.strategy.name)
+    # The strategy's torch-free rules (its class's ``plan``): a refused split is refused before torch.
+    rules = get_strategy_rules(cfg.strategy.name)
     # What a run's validate() applies before its checks: a DeepSpeed file's settings
     # (strategy.ds_config, trainer.recipe) and trainer.precision=bf16 turned into the strategy's own
     # key (a strategy without bf16 refuses, here as a row).
@@ -66,22 +67,22 @@ def _at_world(base: DictConfig, overrides: list[str], world: int, scale: bool) -
     apply_precision(cfg, overrides)
     if world < 1:
         raise ConfigError(f"world size {world} is out of range; use world sizes >= 1 (plan.world_sizes=[1,2,4])")
-    cfg.world_size = 1 if strategy_cls.plan.single_process else world
+    cfg.world_size = 1 if rules.single_process else world
     # The degree that, times strategy.replicate, makes the world size (tp, pp): set from each planned
     # world size unless given on the command line.
-    key = strategy_cls.plan.degree_key
+    key = rules.degree_key
     if key and not _given(overrides, f"strategy.{key}"):
-        cfg.strategy[key] = _degree(cfg, strategy_cls, key)
+        cfg.strategy[key] = _degree(cfg, rules, key)
     if scale:
         # Weak scaling: every rank keeps the micro-batch it has at the configured world_size.
         reference = _copy(base)
         if key and not _given(overrides, f"strategy.{key}"):
-            reference.strategy[key] = _degree(reference, strategy_cls, key)
+            reference.strategy[key] = _degree(reference, rules, key)
         t = cfg.trainer
-        micro = max(1, t.global_batch // (strategy_cls.plan.data_parallel_size(reference) * t.grad_accum))
-        t.global_batch = micro * strategy_cls.plan.data_parallel_size(cfg) * t.grad_accum
-        t.global_batch = max(t.global_batch, strategy_cls.plan.min_global_batch(cfg))
-    check_split(cfg, strategy_cls.plan)
+        micro = max(1, t.global_batch // (rules.data_parallel_size(reference) * t.grad_accum))
+        t.global_batch = micro * rules.data_parallel_size(cfg) * t.grad_accum
+        t.global_batch = max(t.global_batch, rules.min_global_batch(cfg))
+    check_split(cfg, rules)
     return cfg
 
 
@@ -96,8 +97,6 @@ def with_strategy(base: DictConfig, overrides: list[str], name: str) -> DictConf
     """What ``compose_config([*overrides, f"strategy={name}"])`` returns, from ``base`` (the
     overrides' composed config) with its strategy node swapped for ``name``'s."""
     from omegaconf import open_dict
-
-    from parallel_lab.strategies import get_strategy_rules
 
     if any(a.lstrip("+~").startswith(COMPOSED_BY_HYDRA) for a in overrides):
         return compose_config([*overrides, f"strategy={name}"])
@@ -122,8 +121,7 @@ def planned_configs(overrides: list[str]) -> list[Planned]:
     out = []
     for name in names:
         cfg_n = base if chosen else with_strategy(base, overrides, name)  # one compose for all
-        strategy_cls = get_strategy_class(name)
-        for world in [1] if strategy_cls.plan.single_process and scale else worlds:
+        for world in [1] if get_strategy_rules(name).single_process and scale else worlds:
             try:
                 out.append(Planned(name, world, _at_world(cfg_n, overrides, world, scale)))
             except ConfigError as exc:

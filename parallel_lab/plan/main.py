@@ -12,27 +12,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.plan.configs import Planned, planned_configs
-from parallel_lab.plan.output import (
-    error_row,
-    human,
-    parse_bytes,
-    plot_bars,
-    plot_scaling,
-    summary_row,
-    write_csv,
-    write_json,
-    write_markdown,
-)
-from parallel_lab.plan.predict import MODEL_STATE, SavedBytesCache, plan_world
+from parallel_lab.plan.sizes import human, parse_bytes
+
+# torch is imported only once the input is known good (the predictions build meta models; plan.png
+# draws with matplotlib): a bad override, size or split is refused in about 1 s of CPU, not 3
+# (tests/unit/test_refusal_imports.py), as ``python -m parallel_lab`` refuses its own.
 
 
 def device_memory_bytes(setting: str | None) -> tuple[int, str]:
     """(bytes, where the number came from): the setting, CUDA device 0, or MemAvailable."""
     if setting:
         return parse_bytes(setting), "plan.device_memory"
-    import torch
+    from parallel_lab.comm.dist_env import cuda_gpus
 
-    if torch.cuda.is_available():
+    if cuda_gpus():  # no GPU driver here: 0, and torch is not imported for it
+        import torch
+
         return torch.cuda.get_device_properties(0).total_memory, f"CUDA device 0 ({torch.cuda.get_device_name(0)})"
     from parallel_lab.config.resources import memory_available_bytes
 
@@ -47,6 +42,8 @@ def device_memory_bytes(setting: str | None) -> tuple[int, str]:
 def measured_points(dirs: list[str], model: DictConfig) -> list[dict]:
     """(strategy, world, model-state bytes of the rank holding the most) of every metrics.json
     under dirs whose model (and width) is the planned one."""
+    from parallel_lab.plan.predict import MODEL_STATE
+
     points = []
     for top in dirs:
         for path in sorted(Path(top).expanduser().rglob("metrics.json")):
@@ -63,6 +60,8 @@ def measured_points(dirs: list[str], model: DictConfig) -> list[dict]:
 def build_plans(planned: list[Planned], device_bytes: int) -> tuple[list[dict], list[dict]]:
     """(summary rows, every rank's plan as json) for every planned (strategy, world size)."""
     from parallel_lab.models import build_meta_model
+    from parallel_lab.plan.output import error_row, summary_row
+    from parallel_lab.plan.predict import SavedBytesCache, plan_world
 
     models: dict = {}
     cache = SavedBytesCache()  # forwards the plans share
@@ -101,13 +100,16 @@ def run(overrides: list[str]) -> Path:
         from parallel_lab.plan.cluster.run import run_cluster
 
         return run_cluster(cfg, overrides, out)
-    device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     if cfg.plan.recommend:
+        device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
         from parallel_lab.plan.recommend import run as recommend
 
         return recommend(overrides, device_bytes, source, out, cfg)
-    planned = planned_configs(overrides)
+    planned = planned_configs(overrides)  # a split a run refuses is refused here, before torch
+    device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     rows, ranks = build_plans(planned, device_bytes)
+    from parallel_lab.plan.output import plot_bars, plot_scaling, write_csv, write_json, write_markdown
+
     out.mkdir(parents=True, exist_ok=True)
     width = cfg.model.get("width", 1.0)
     header = (

@@ -4,35 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 from pathlib import Path
 
 from parallel_lab.plan.predict import MODEL_STATE, RankPlan
+from parallel_lab.plan.sizes import human
 
 MiB = 2**20
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_bytes(text: str) -> int:
-    """'24GiB', '80GB', '512MiB' or a plain number of bytes."""
-    from parallel_lab.errors import ConfigError
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(
-            f"plan.device_memory={text} is not a size; write e.g. plan.device_memory=24GiB (or 80GB, 512MiB)"
-        )
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
-
-
-def human(n: float | None) -> str:
-    if n is None:
-        return ""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def worst_rank(plans: list[RankPlan]) -> RankPlan:

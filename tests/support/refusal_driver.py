@@ -1,6 +1,7 @@
 """Runs bad inputs through the real command line, each in a process forked from one that has
 imported only what ``python -m parallel_lab`` imports before it reads its arguments: reads
-``[[case, [override, ...]], ...]`` as JSON on stdin and prints, per case, its exit code, its stderr,
+``[[case, [override, ...], entry], ...]`` as JSON on stdin (entry: ``parallel_lab``, the default when
+left out, or ``parallel_lab.plan``, the planner's command line) and prints, per case, its exit code, its stderr,
 the seconds the refusal took after that start (wall, and the child's CPU: user + sys, which the
 load of a shared machine does not stretch) and whether torch or DeepSpeed was imported on the
 way (tests/unit/test_refusal_imports.py). The start itself is timed once: ``start_s``."""
@@ -16,14 +17,24 @@ import time
 CASE_TIMEOUT_S = 60
 
 
-def _child(overrides: list[str], write_fd: int) -> None:
+def _entry_main(entry: str, overrides: list[str]):
+    """The command's main() with its arguments bound; the planner's imports are the child's (its
+    CPU counts them: the start imported only the training command's)."""
+    if entry == "parallel_lab.plan":
+        from parallel_lab.plan.main import main as plan_main
+
+        return lambda: plan_main(overrides)
     from parallel_lab.cli.main import main
 
     sys.argv = ["parallel_lab", *overrides]
+    return main
+
+
+def _child(overrides: list[str], write_fd: int, entry: str) -> None:
     sys.stdout = io.StringIO()
     err = sys.stderr = io.StringIO()
     try:
-        code = main()
+        code = _entry_main(entry, overrides)()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:
@@ -32,14 +43,14 @@ def _child(overrides: list[str], write_fd: int) -> None:
     os.write(write_fd, json.dumps({"code": code, "stderr": err.getvalue(), **loaded}).encode())
 
 
-def run_case(overrides: list[str]) -> dict:
+def run_case(overrides: list[str], entry: str = "parallel_lab") -> dict:
     read_fd, write_fd = os.pipe()
     started = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: one refusal, then gone
         os.close(read_fd)
         try:
-            _child(overrides, write_fd)
+            _child(overrides, write_fd, entry)
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -65,7 +76,7 @@ def main() -> None:
     assert "torch" not in sys.modules, "the command line's first imports load torch"
     print(
         json.dumps(
-            {"start_s": start_s, "start_cpu_s": start_cpu_s, "cases": {name: run_case(argv) for name, argv in cases}}
+            {"start_s": start_s, "start_cpu_s": start_cpu_s, "cases": {name: run_case(*rest) for name, *rest in cases}}
         )
     )
 

@@ -178,3 +178,49 @@ def test_a_strategys_config_swapped_in_is_the_one_hydra_composes():
         swapped, composed = with_strategy(base, overrides, name), compose_config([*overrides, f"strategy={name}"])
         assert OmegaConf.to_yaml(swapped) == OmegaConf.to_yaml(composed), name
         assert OmegaConf.get_type(swapped.strategy) is OmegaConf.get_type(composed.strategy), name
+
+
+def _merged_or_error(merge, plain: dict):
+    """(yaml, each value's type, the config's type and struct flag), or the error's type and text."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = merge(plain)
+    except OmegaConfBaseException as exc:
+        return type(exc).__name__, str(exc).splitlines()[0]
+    values = OmegaConf.to_container(cfg)
+    return (
+        OmegaConf.to_yaml(cfg),
+        {k: type(v) for k, v in values.items()},
+        OmegaConf.get_type(cfg),
+        cfg._get_flag("struct"),
+    )
+
+
+def test_a_strategy_section_is_typed_as_hydras_merge_types_it():
+    """validate_options merges only the keys whose value is not the schema's own (strategies/options.py
+    ``_typed``): every strategy's section, as given, with each int, float or bool key changed, written
+    as a string, given a value of the wrong type, and an unknown key, types to what
+    ``OmegaConf.merge(schema, section)`` gives, or fails with its error."""
+    import enum
+
+    from parallel_lab.strategies import options_schemas
+    from parallel_lab.strategies.options import _defaults, _typed
+
+    checked = 0
+    for cls in options_schemas().values():
+        defaults = _defaults(cls)
+        plains = [dict(defaults), {**defaults, "no_such_key": 1}]
+        for key, value in defaults.items():
+            if isinstance(value, bool):
+                plains += [{**defaults, key: not value}, {**defaults, key: str(value).lower()}, {**defaults, key: 1}]
+            elif isinstance(value, (int, float)):
+                plains += [{**defaults, key: value + 1}, {**defaults, key: str(value)}, {**defaults, key: "lots"}]
+            elif isinstance(value, enum.Enum):
+                plains += [{**defaults, key: value.name}, {**defaults, key: "nope"}]
+        for plain in plains:
+            fast = _merged_or_error(lambda p: _typed(cls, p), plain)
+            hydra = _merged_or_error(lambda p: OmegaConf.merge(OmegaConf.structured(cls), p), plain)
+            assert fast == hydra, (cls.__name__, plain)
+            checked += 1
+    assert checked > 100

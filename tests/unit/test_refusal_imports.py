@@ -41,11 +41,29 @@ IN_MAKE_TEST = (
     "batch-not-divisible",
 )
 STATIC = [case for case, (overrides, _) in CATALOGUE.items() if not callable(overrides)]
+PLAN = "parallel_lab.plan"
+# The planner's command line (``python -m parallel_lab.plan``): its bad inputs, each with what its one
+# line must name. It composes, checks the size and the split, then builds meta models (torch).
+PLAN_CATALOGUE = {
+    "plan-unknown-key": (["trainer.stesp=3"], "stesp"),
+    "plan-unknown-strategy": (["strategy=zero5"], "zero5"),
+    "plan-device-memory": (["plan.device_memory=lots"], "plan.device_memory=lots"),
+    "plan-model-width": (["model.width=-2"], "model.width=-2"),
+    "plan-tp-degree": (["strategy=tp", "strategy.tp=3", "world_size=3"], "strategy.tp=3"),
+    "plan-pp-stages": (["strategy=pp", "world_size=6", "strategy.stages=6"], "strategy.stages=6"),
+    "plan-recommend-device-memory": (["plan.recommend=true", "plan.device_memory=0"], "plan.device_memory=0"),
+    "plan-unknown-hardware": (["plan.hardware=a100_81g"], "a100_81g"),
+}
 
 
 def refuse(cases: list[str], tmp_path) -> tuple[float, float, dict[str, dict]]:
     """(the command line's start in seconds of wall and of CPU, case -> its child's result)."""
-    argv = [[case, [f"hydra.run.dir={tmp_path / case}", *CATALOGUE[case][0]]] for case in cases]
+    argv = [
+        [case, [f"plan.out={tmp_path / case}", *PLAN_CATALOGUE[case][0]], PLAN]
+        if case in PLAN_CATALOGUE
+        else [case, [f"hydra.run.dir={tmp_path / case}", *CATALOGUE[case][0]]]
+        for case in cases
+    ]
     driver = subprocess.run(
         [sys.executable, "-m", "tests.support.refusal_driver"],
         input=json.dumps(argv),
@@ -63,7 +81,12 @@ def check(cases: list[str], tmp_path) -> None:
     start_s, start_cpu_s, results = refuse(cases, tmp_path)
     for case in cases:
         r = results[case]
-        assert r["code"] == 2 and "parallel_lab: error:" in r["stderr"], f"{case}: exit {r['code']}\n{r['stderr']}"
+        prefix = f"{PLAN}: error:" if case in PLAN_CATALOGUE else "parallel_lab: error:"
+        assert r["code"] == 2 and prefix in r["stderr"], f"{case}: exit {r['code']}\n{r['stderr']}"
+        if case in PLAN_CATALOGUE:
+            (line,) = r["stderr"].strip().splitlines()
+            assert PLAN_CATALOGUE[case][1] in line and "; " in line, f"{case}: {line}"  # the value, and the fix
+            assert not (tmp_path / case).exists(), f"{case}: the plan folder was written"
         assert not r["deepspeed"], f"{case}: DeepSpeed imported on the way to the refusal"
         assert not r["torch"], f"{case}: torch imported on the way to the refusal"
     # CPU seconds (user + sys): what the refusal costs, which a loaded machine does not stretch
@@ -78,6 +101,11 @@ def check(cases: list[str], tmp_path) -> None:
 
 def test_one_refusal_from_each_place_imports_no_torch(tmp_path):
     check(list(IN_MAKE_TEST), tmp_path)
+
+
+def test_every_plan_refusal_imports_no_torch(tmp_path):
+    """The planner refuses each bad input of its catalogue before torch, as the training command does."""
+    check(list(PLAN_CATALOGUE), tmp_path)
 
 
 @pytest.mark.extra
