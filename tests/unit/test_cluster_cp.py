@@ -57,6 +57,8 @@ def test_fsdp_shards_over_shard_x_cp():
     assert run.grad_ranks == 64 and run.dp == 16
     optimizer = memory_parts(run)["model_state_optimizer"]
     assert optimizer == run.shape.params() * 12 // 64
+    run = _cluster_run("strategy=fsdp", "strategy.cp=8", "strategy.tp=8", "trainer.grad_accum=8")  # shard 1
+    assert (run.layout.dims.shard, run.layout.shard_stage, run.layout.shard_ways) == (1, 3, 8)
 
 
 def test_activations_divided_by_cp_against_hand_computation():

@@ -35,6 +35,18 @@ from parallel_lab.plan.cluster.hardware import Hardware
 from parallel_lab.plan.cluster.shape import ModelShape
 
 IMPLS = ("ring", "ulysses")
+# The recommender ranks cp (the ring) from this many tokens a sequence: below it a rank's tokens
+# fit its memory and the model's GEMMs stay large without it (Llama 3 added CP16 at 131,072 only).
+LONG_SEQ = 32_768
+RECOMMENDED = (2, 4, 8, 16, 32)
+
+
+def degrees(shape: ModelShape, gpus: int) -> list[int]:
+    """The cp degrees the recommender tries: 1, and at a long sequence each that divides the GPUs
+    and splits the sequence into the ring's 2cp chunks."""
+    if shape.seq < LONG_SEQ:
+        return [1]
+    return [1] + [c for c in RECOMMENDED if gpus % c == 0 and shape.seq % (2 * c) == 0]
 
 
 def check(shape: ModelShape, cp: int, impl: str, tp: int) -> None:

@@ -58,13 +58,19 @@ def _check_cp(cfg: DictConfig, gpus: int, tp: int, pp: int) -> None:
         )
 
 
-def _sharded_over_cp(layout: ClusterLayout) -> ClusterLayout:
-    """Under cp the strategy's sharding over its shard dim spans shard x cp (flattened, as
-    torchtitan's dp_shard_cp): the cp ranks hold different tokens, not different parameters."""
+def _sharded_over_cp(rules: type, cfg: DictConfig, layout: ClusterLayout) -> ClusterLayout:
+    """Under cp the strategy's sharding spans shard x cp (flattened, as torchtitan's dp_shard_cp):
+    the cp ranks hold different tokens, not different parameters, so they shard the model state as
+    the same world without cp would (which also keeps a stage at shard 1, cp 8)."""
     cp = layout.dims.cp
-    if cp <= 1 or layout.shard_stage == 0 or layout.shard_ways != layout.dims.shard:
+    if cp <= 1:
         return layout
-    return dataclasses.replace(layout, shard_ways=layout.shard_ways * cp)
+    flat_cfg = pickle.loads(pickle.dumps(cfg))
+    flat_cfg.strategy.cp = 1
+    flat = rules.cluster_layout(flat_cfg)
+    if flat.shard_stage == 0 or flat.shard_ways != layout.dims.shard * cp:
+        return layout
+    return dataclasses.replace(layout, shard_stage=flat.shard_stage, shard_ways=flat.shard_ways)
 
 
 def _check(run: ClusterRun, cfg: DictConfig) -> None:
@@ -103,7 +109,7 @@ def cluster_run(cfg: DictConfig, overrides: list[str]) -> ClusterRun:
         work.world_size = gpus
         _check_cp(work, gpus, int(work.strategy.get("tp") or 1), 1)
         _solve_degrees(work, rules, gpus, overrides)
-    layout = _sharded_over_cp(rules.cluster_layout(work))
+    layout = _sharded_over_cp(rules, work, rules.cluster_layout(work))
     precision = cluster_precision(cfg, overrides)
     run = ClusterRun(
         shape=from_model_config(cfg.model, bool(cfg.plan.get("fused_attention", False))),
