@@ -5,6 +5,8 @@ against a hand computation in the test."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from parallel_lab.errors import ConfigError
@@ -169,3 +171,23 @@ def test_published_cp_row_is_held_out():
     assert "Table 4" in row.source and row.measured_tflops_per_gpu == "380"
     run = run_of(row, from_spec(row.hardware))
     assert run.layout.dims.cp == 16 and run.gpus == 16384 and run.shape.seq == 131072
+
+
+def test_recommender_ranks_cp_as_its_own_command_plans_it():
+    """At a long sequence the recommender ranks ddp, fsdp and tp at each cp degree too, and a cp
+    candidate's prediction is what planning its printed command alone gives; below LONG_SEQ none."""
+    from parallel_lab.config import compose_config
+    from parallel_lab.plan.cluster.layout import cluster_run
+    from parallel_lab.plan.cluster.recommend import other_strategies
+
+    given = ["model=gpt", "model.preset=generic_1.3b", "model.seq=32768", "plan.hardware=h100_sxm", "plan.gpus=4"]
+    given += ["trainer.global_batch=4", "plan.fused_attention=true"]
+    candidates = other_strategies(compose_config(given), given, 4)
+    with_cp = {c.command: c for c in candidates if "strategy.cp=" in c.command}
+    assert {c.split()[0] for c in with_cp} == {"strategy=ddp", "strategy=fsdp", "strategy=tp"}
+    assert {c.run.layout.dims.cp for c in with_cp.values()} == {2, 4}
+    command = next(c for c in with_cp if c.startswith("strategy=fsdp") and "strategy.cp=4" in c)
+    args = [*given, *command.split()]
+    alone = predict(cluster_run(compose_config(args), args))
+    assert with_cp[command].prediction == alone
+    assert context.degrees(dataclasses.replace(SMALL, seq=context.LONG_SEQ // 2), 64) == [1]
