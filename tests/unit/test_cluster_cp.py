@@ -74,6 +74,7 @@ def test_activations_divided_by_cp_against_hand_computation():
     whole = layers * s * b * h * (34 + 5 * a * s / h) + 3 * 4 * s * b * v
     assert memory_parts(_run(SMALL, cp, "ring"))["activations"] == ring
     assert memory_parts(_run(SMALL, cp, "ulysses"))["activations"] == ulysses
+    assert predict(_run(SMALL, cp, "deepspeed")) == predict(_run(SMALL, cp, "ulysses"))  # DeepSpeed's Ulysses
     assert memory_parts(_run(SMALL, 1))["activations"] == int(whole)
 
 

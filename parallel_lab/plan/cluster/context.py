@@ -26,15 +26,18 @@ ranks, which read the same samples and average their gradients with the data-par
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from parallel_lab.errors import ConfigError
 from parallel_lab.plan.cluster import comm
-from parallel_lab.plan.cluster.census import OpRecord
-from parallel_lab.plan.cluster.compute import op_seconds
+from parallel_lab.plan.cluster.census import OpRecord, block_ops
+from parallel_lab.plan.cluster.compute import DTYPE_BYTES, op_seconds
 from parallel_lab.plan.cluster.hardware import Hardware
 from parallel_lab.plan.cluster.shape import ModelShape
 
-IMPLS = ("ring", "ulysses")
+# DeepSpeed's DistributedAttention is Ulysses: priced as it (as strategies/cp/rules.py counts it)
+ULYSSES = ("ulysses", "deepspeed")
+IMPLS = ("ring", *ULYSSES)
 # The recommender ranks cp (the ring) from this many tokens a sequence: below it a rank's tokens
 # fit its memory and the model's GEMMs stay large without it (Llama 3 added CP16 at 131,072 only).
 LONG_SEQ = 32_768
@@ -61,11 +64,11 @@ def check(shape: ModelShape, cp: int, impl: str, tp: int) -> None:
         raise ConfigError(
             f"model.seq={shape.seq} does not split into {why}; use a model.seq that is a multiple of {parts}"
         )
-    if impl == "ulysses":
+    if impl in ULYSSES:
         for key, heads in (("heads", shape.heads), ("kv_heads", shape.kv_heads)):
             if (heads // tp) % cp or heads < tp:
                 raise ConfigError(
-                    f"strategy.cp_impl=ulysses gives each of the strategy.cp={cp} ranks whole heads of the "
+                    f"strategy.cp_impl={impl} gives each of the strategy.cp={cp} ranks whole heads of the "
                     f"{max(1, heads // tp)} {key} of a tp rank (model.{key}={heads}, tp {tp}); use a strategy.cp "
                     f"that divides {max(1, heads // tp)} or strategy.cp_impl=ring"
                 )
@@ -87,7 +90,7 @@ def _on_rank(op: OpRecord, cp: int, impl: str, tokens: int, seq: int, fused: boo
     if not op.attention_core:
         return dataclasses.replace(op, bytes=op.bytes / cp)  # token-wise: the rank's tokens/cp
     share = core_share(cp, impl, fused)
-    if impl == "ulysses":  # heads/cp heads of whole sequences
+    if impl in ULYSSES:  # heads/cp heads of whole sequences
         return dataclasses.replace(op, batch=max(1, op.batch // cp), flops=op.flops * share, bytes=op.bytes * share)
     dims = [d // cp if d == seq else d for d in (op.m, op.k, op.n)]  # one hop: a block of queries x keys
     return dataclasses.replace(op, m=dims[0], k=dims[1], n=dims[2], flops=op.flops * share, bytes=op.bytes * share)
@@ -99,6 +102,24 @@ def rank_ops(ops: tuple[OpRecord, ...], shape: ModelShape, micro: int, cp: int, 
         return ops
     tokens = micro * shape.seq
     return tuple(_on_rank(op, cp, impl, tokens, shape.seq, shape.fused_attention) for op in ops)
+
+
+@functools.lru_cache(maxsize=1024)
+def block_ops_on_rank(shape: ModelShape, micro: int, cp: int, impl: str) -> tuple[OpRecord, ...]:
+    """``rank_ops`` of the census's block (memoised: the recommender asks for each many times)."""
+    return rank_ops(block_ops(shape, micro), shape, micro, cp, impl)
+
+
+@functools.lru_cache(maxsize=4096)
+def exposed_block_s(
+    hw: Hardware, shape: ModelShape, micro: int, dims, impl: str, dtype: str, recompute: str, sp: bool
+) -> float:
+    """Exposed context-parallel seconds of one block and micro-batch on one rank (memoised)."""
+    if dims.cp <= 1:
+        return 0.0
+    tokens = micro * shape.seq // dims.cp
+    core = core_seconds(block_ops_on_rank(shape, micro, dims.cp, impl), hw, dtype, dims.tp, tokens, sp)
+    return exposed_s(hw, shape, micro, dims, impl, DTYPE_BYTES[dtype], recompute, core)
 
 
 def block_recompute(recompute: str, cp: int, impl: str, fused: bool) -> str:
@@ -160,7 +181,7 @@ def exposed_s(
     cp, tp, stride = dims.cp, dims.tp, dims.tp * dims.pp
     if cp <= 1:
         return 0.0
-    if impl == "ulysses":
+    if impl in ULYSSES:
         calls = 12 if recompute == "full" else 8
         per_call = ulysses_bytes(shape, micro, cp, tp, width, recompute) / calls
         return calls * all_to_all_s(hw, per_call, cp, stride)

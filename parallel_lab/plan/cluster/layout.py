@@ -65,9 +65,9 @@ def _sharded_over_cp(rules: type, cfg: DictConfig, layout: ClusterLayout) -> Clu
     cp = layout.dims.cp
     if cp <= 1:
         return layout
-    flat_cfg = pickle.loads(pickle.dumps(cfg))
-    flat_cfg.strategy.cp = 1
-    flat = rules.cluster_layout(flat_cfg)
+    cfg.strategy.cp = 1  # cfg is cluster_run's own copy: the same world without cp, then back
+    flat = rules.cluster_layout(cfg)
+    cfg.strategy.cp = cp
     if flat.shard_stage == 0 or flat.shard_ways != layout.dims.shard * cp:
         return layout
     return dataclasses.replace(layout, shard_stage=flat.shard_stage, shard_ways=flat.shard_ways)

@@ -27,7 +27,6 @@ import functools
 from dataclasses import asdict, dataclass
 
 from parallel_lab.plan.cluster import comm, context, memory, prefetch
-from parallel_lab.plan.cluster.census import block_ops
 from parallel_lab.plan.cluster.compute import DTYPE_BYTES, PassTime, block_pass, logits_pass
 from parallel_lab.plan.cluster.hardware import Hardware
 from parallel_lab.plan.cluster.shape import ModelShape
@@ -135,21 +134,18 @@ def block_time(
     """compute.block_pass of the census's block on one cp rank (``tokens``: its own; memoised: a
     pure function of its arguments, and the recommender prices the same block at the same degrees
     for many layouts, ~5x fewer passes at 1,024 GPUs)."""
-    ops = context.rank_ops(block_ops(shape, micro_batch), shape, micro_batch, cp, cp_impl)
+    ops = context.block_ops_on_rank(shape, micro_batch, cp, cp_impl)
     return block_pass(
         ops, hw, dtype, tp, tokens, sp, context.block_recompute(recompute, cp, cp_impl, shape.fused_attention)
     )
 
 
-def _cp_block_s(run: ClusterRun, tokens: int) -> float:
+def _cp_block_s(run: ClusterRun) -> float:
     """Exposed context-parallel seconds of one block and micro-batch (context.py)."""
-    dims, shape = run.layout.dims, run.shape
-    if dims.cp <= 1:
-        return 0.0
-    ops = context.rank_ops(block_ops(shape, run.micro_batch), shape, run.micro_batch, dims.cp, run.cp_impl)
-    core = context.core_seconds(ops, run.hw, run.precision, dims.tp, tokens, run.layout.sequence_parallel)
-    width = DTYPE_BYTES[run.precision]
-    return context.exposed_s(run.hw, shape, run.micro_batch, dims, run.cp_impl, width, run.recompute, core)
+    lay = run.layout
+    return context.exposed_block_s(
+        run.hw, run.shape, run.micro_batch, lay.dims, run.cp_impl, run.precision, run.recompute, lay.sequence_parallel
+    )
 
 
 def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float, float]:
@@ -161,7 +157,7 @@ def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float, float]:
         run.shape, run.micro_batch, run.hw, run.precision, dims.tp, tokens, lay.sequence_parallel, run.recompute,
         dims.cp, run.cp_impl,
     )  # fmt: skip
-    cp_one = _cp_block_s(run, tokens)
+    cp_one = _cp_block_s(run)
     tp_one = _tp_block_s(run, tokens) + cp_one
     logits = logits_pass(tokens, run.shape.hidden, run.shape.vocab, dims.tp, run.hw, run.precision)
     counts = stage_blocks(run.shape.layers, dims.pp)
@@ -189,7 +185,7 @@ def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
     grads = params * width
     if lay.shard_stage >= 3 and lay.regathers_on_recompute and "all_gather" in lay.overlapped:
         # DeepSpeed's ZeRO-3: one sub-module's gather ahead of its compute (prefetch.py)
-        ops = context.rank_ops(block_ops(run.shape, run.micro_batch), run.shape, run.micro_batch, dims.cp, run.cp_impl)
+        ops = context.block_ops_on_rank(run.shape, run.micro_batch, dims.cp, run.cp_impl)
         blocks = max(stage_blocks(run.shape.layers, dims.pp))
         return lay.microbatches * prefetch.exposed_s(run, ops, run.tokens, blocks, params)
     if lay.shard_stage >= 3:
@@ -263,7 +259,7 @@ def activation_bytes(run: ClusterRun, blocks: int) -> float:
     """What ``blocks`` blocks keep for backward per micro-batch on one rank."""
     lay, dims, shape = run.layout, run.layout.dims, run.shape
     if run.recompute == "selective_op":
-        ops = context.rank_ops(block_ops(shape, run.micro_batch), shape, run.micro_batch, dims.cp, run.cp_impl)
+        ops = context.block_ops_on_rank(shape, run.micro_batch, dims.cp, run.cp_impl)
         width = DTYPE_BYTES[run.precision]
         one = memory.op_policy_bytes(ops, dims.tp, run.tokens, shape.hidden, lay.sequence_parallel, width)
     else:
