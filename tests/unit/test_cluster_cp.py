@@ -156,6 +156,10 @@ def test_ring_hops_hide_behind_the_attention_core():
     got = context.exposed_s(hw, shape, 1, dims, "ring", width, "none", core)
     assert got == pytest.approx((cp - 1) * (hop_f - core[0] / cp + hop_b - core[1] / cp))
     assert context.exposed_s(hw, shape, 1, dims, "ring", width, "none", (1e3, 1e3)) == 0.0
+    q = 1 * (shape.seq // cp) * shape.hidden * width  # Ulysses: 8 all-to-alls in line, whatever the compute
+    handed = 2 * (2 * q + kv)
+    ulysses = context.exposed_s(hw, shape, 1, dims, "ulysses", width, "none", (1e3, 1e3))
+    assert ulysses == pytest.approx(8 * 10e-6 + (cp - 1) / cp * handed / (1 / 8 * 1e9))
     fast = _run(SMALL, 4)  # inside a node, on NVLink: hidden; the step prices cp's part as tp's
     pred = predict(fast)
     assert pred.cp_comm_s == 0.0 and pred.tp_comm_s == 0.0

@@ -18,7 +18,7 @@ from parallel_lab.plan.cluster.hardware import from_config
 from parallel_lab.plan.cluster.shape import ModelShape, from_model_config
 from parallel_lab.plan.cluster.steptime import ClusterRun
 from parallel_lab.strategies import get_strategy_class
-from parallel_lab.strategies.mesh import DIM_ORDER
+from parallel_lab.strategies.mesh import DIM_ORDER, TENSOR
 from parallel_lab.strategies.planning import ClusterLayout
 
 
@@ -107,7 +107,7 @@ def cluster_run(cfg: DictConfig, overrides: list[str]) -> ClusterRun:
     gpus = int(cfg.plan.gpus or cfg.world_size)
     with open_dict(work):
         work.world_size = gpus
-        _check_cp(work, gpus, int(work.strategy.get("tp") or 1), 1)
+        _check_cp(work, gpus, int(work.strategy.get(TENSOR) or 1), 1)
         _solve_degrees(work, rules, gpus, overrides)
     layout = _sharded_over_cp(rules, work, rules.cluster_layout(work))
     precision = cluster_precision(cfg, overrides)
