@@ -3,9 +3,9 @@ cluster) against published large-scale runs, each row citing its source (paper, 
 
 The table (``published_runs.csv`` beside this file): Narayanan et al. 2021 (arXiv 2104.04473) Table
 1 and Table 2 (ZeRO-3 vs PTD-P), Korthikanti et al. 2022 (arXiv 2205.05198) full vs selective
-recomputation, Llama 3 (arXiv 2407.21783) Table 4, torchtitan's Llama 3 8B FSDP rows. Left out,
-with the reason printed: Llama 3's context-parallel row and torchtitan's CP rows (context
-parallelism is not modelled), torchtitan's torch.compile and Float8 rows (fused kernels and an FP8
+recomputation, Llama 3 (arXiv 2407.21783) Table 4 (its context-parallel row too: held out),
+torchtitan's Llama 3 8B FSDP rows. Left out, with the reason printed: torchtitan's CP rows (they
+run torch.compile or Float8), torchtitan's torch.compile and Float8 rows (fused kernels and an FP8
 peak the model does not price). Korthikanti's per-GPU memory is a figure without numbers: left out.
 
 The GEMM ceiling per GPU kind, the shared half-dimension and the caching allocator's reserve
@@ -18,7 +18,8 @@ gpus_per_node, layers, hidden, heads, kv_heads, seq, vocab, global_batch, micro_
 virtual_stages, sequence_parallel, recompute, zero_stage, fsdp, precision, measured_iteration_s,
 measured_tflops_per_gpu, measured_memory_gib (an empty cell: unknown or the default; hardware a
 profile name with overrides, ``a100_80g;inter_node_gbps=800``; recompute none, selective, full or
-selective_op, torchtitan's per-operator policy). With --csv nothing is fitted.
+selective_op, torchtitan's per-operator policy; optional ``cp`` and ``cp_impl``: context parallelism,
+``ring`` or ``ulysses``). With --csv nothing is fitted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
+from parallel_lab.plan.cluster import context
 from parallel_lab.plan.cluster.hardware import Hardware, from_spec
 from parallel_lab.plan.cluster.layout import describe
 from parallel_lab.plan.cluster.recommend import Candidate, rank
@@ -45,7 +47,8 @@ COLUMNS = (
     "virtual_stages sequence_parallel recompute zero_stage fsdp precision measured_iteration_s "
     "measured_tflops_per_gpu measured_memory_gib"
 ).split()
-OPTIONAL = ("ffn", "gated", "fused_attention", "source")  # optional columns: Llama's MLP, FlashAttention
+# optional columns: Llama's MLP, FlashAttention, context parallelism (cp x the others = gpus)
+OPTIONAL = ("ffn", "gated", "fused_attention", "cp", "cp_impl", "source")
 FITTED = (
     "narayanan_t1_1.7B",
     "narayanan_t1_18.4B",
@@ -56,9 +59,8 @@ FITTED = (
     "torchtitan_llama3_8b_fsdp_8",
 )
 LEFT_OUT = (
-    "Llama 3 Table 4, 16,384 GPUs with CP16 at 131,072 tokens: context parallelism is not modelled",
-    "torchtitan Tables 1, 3 torch.compile and Float8 rows, Tables 2, 4, 5, 6: compile's fused kernels, Float8's "
-    "FP8 peak, context parallelism and AsyncTP are not modelled",
+    "torchtitan Tables 1, 3 torch.compile and Float8 rows, Tables 2, 4, 5, 6 (their CP rows among them, each with "
+    "torch.compile or Float8): compile's fused kernels, Float8's FP8 peak and AsyncTP are not modelled",
     "Korthikanti et al. per-GPU memory: published as a figure, no numbers to compare",
 )
 OVERLAPPED = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
@@ -104,8 +106,8 @@ def shape_of(row) -> ModelShape:
 
 def run_of(row, hw: Hardware) -> ClusterRun:
     """The row as a ClusterRun: ZeRO's stage (or FSDP's full/hybrid) over the data-parallel ranks."""
-    gpus, tp, pp = int(row.gpus), _int(row.tp, 1), _int(row.pp, 1)
-    dp = _int(row.dp, gpus // (tp * pp))
+    gpus, tp, pp, cp = int(row.gpus), _int(row.tp, 1), _int(row.pp, 1), _int(row.cp, 1)
+    dp = _int(row.dp, gpus // (tp * pp * cp))
     stage = 3 if row.fsdp in ("full", "hybrid") else _int(row.zero_stage, 0)
     ways = dp if row.fsdp != "hybrid" else max(1, hw.gpus_per_node // (tp * pp))
     ways = ways if stage else 1
@@ -113,7 +115,7 @@ def run_of(row, hw: Hardware) -> ClusterRun:
     micro = _int(row.micro_batch, 1)
     schedule = ("interleaved_1f1b" if virtual > 1 else "1f1b") if pp > 1 else None
     layout = ClusterLayout(
-        dims=MeshDims(replicate=dp // ways, shard=ways, pp=pp, tp=tp),
+        dims=MeshDims(replicate=dp // ways, shard=ways, cp=cp, pp=pp, tp=tp),
         shard_stage=stage,
         shard_ways=ways,
         schedule=schedule,
@@ -123,9 +125,15 @@ def run_of(row, hw: Hardware) -> ClusterRun:
         overlapped=OVERLAPPED if stage >= 3 else frozenset(),
         regathers_on_recompute=stage >= 3 and row.fsdp not in ("full", "hybrid"),  # DeepSpeed's ZeRO-3
     )
-    return ClusterRun(
-        shape_of(row), hw, layout, int(row.global_batch), row.precision or "bf16", row.recompute or "none"
-    )
+    if layout.dims.world != gpus:
+        raise SystemExit(
+            f"{row.name}: dp {dp} x cp {cp} x pp {pp} x tp {tp} = {layout.dims.world} is not gpus={gpus}; "
+            "fix one of them (an empty dp is gpus / (cp x pp x tp))"
+        )
+    shape = shape_of(row)
+    context.check(shape, cp, row.cp_impl or "ring", tp)
+    precision, recompute = row.precision or "bf16", row.recompute or "none"
+    return ClusterRun(shape, hw, layout, int(row.global_batch), precision, recompute, cp_impl=row.cp_impl or "ring")
 
 
 def measured_iteration(row, shape: ModelShape) -> float | None:

@@ -57,18 +57,28 @@ def model_state(params: int, kind: StateBytes, stage: int, ways: int) -> dict[st
 
 
 def layer_activation_bytes(
-    shape: ModelShape, micro: int, tp: int, sequence_parallel: bool, recompute: str, flash: bool
+    shape: ModelShape,
+    micro: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: str,
+    flash: bool,
+    cp: int = 1,
+    cp_impl: str = "ring",
 ) -> float:
     """Bytes one block keeps for backward per micro-batch (Korthikanti et al. Table 2, 16-bit
     activations, 1-byte dropout masks): sbh(10 + 24/t + 5as/(ht)) under tp, 34/t for the first term
     with sequence parallelism, the attention term gone under selective recomputation (and under a
-    fused attention kernel, which keeps no scores), 2sbh (/t with sp) under full recomputation."""
+    fused attention kernel, which keeps no scores), 2sbh (/t with sp) under full recomputation.
+    Under context parallelism a rank holds s/cp tokens: the token terms at s/cp; the scores of
+    Ulysses' heads/cp heads over whole sequences are 1/cp of them, the ring keeps none (context.py)."""
     s, b, h, a, t = shape.seq, micro, shape.hidden, shape.heads, tp
-    sbh = s * b * h
+    sbh = s * b * h / cp
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     linear = 34 / t if sequence_parallel else 10 + 24 / t
-    scores = 0.0 if (recompute == "selective" or flash) else 5 * a * s / (h * t)
+    no_scores = recompute == "selective" or flash or (cp > 1 and cp_impl == "ring")
+    scores = 0.0 if no_scores else 5 * a * s / (h * t)
     return sbh * (linear + scores)
 
 
@@ -100,8 +110,8 @@ def in_flight(schedule: str | None, pp: int, microbatches: int, virtual: int) ->
     return min(microbatches, pp) * (1 + extra)
 
 
-def logits_bytes(shape: ModelShape, micro: int, tp: int) -> float:
+def logits_bytes(shape: ModelShape, micro: int, tp: int, cp: int = 1) -> float:
     """The last stage's fp32 logits at the loss's backward (vocab-parallel over tp): cross-entropy as
     log-softmax then NLL keeps the log-softmax's fp32 output, and its backward holds that, the
-    gradient NLL writes and the gradient it writes at once (three copies)."""
-    return 3 * 4.0 * shape.seq * micro * shape.vocab / tp
+    gradient NLL writes and the gradient it writes at once (three copies); a cp rank its s/cp tokens'."""
+    return 3 * 4.0 * shape.seq * micro * shape.vocab / (tp * cp)

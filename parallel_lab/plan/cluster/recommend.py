@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
+from parallel_lab.plan.cluster import context
 from parallel_lab.plan.cluster.hardware import Hardware, from_config
 from parallel_lab.plan.cluster.layout import cluster_precision, describe, shape_text
 from parallel_lab.plan.cluster.shape import ModelShape, from_model_config
@@ -32,6 +33,7 @@ RECOMPUTE = ("none", "selective", "full")
 MICRO = (1, 2, 4, 8)
 VIRTUAL = (1, 2, 4)
 INTERLEAVED_1F1B, ONE_F_ONE_B = "interleaved_1f1b", "1f1b"
+CONTEXT = "cp"  # strategy.<key> of the context-parallel degree (strategies/cp/rules.py ContextOptions)
 
 
 @dataclass(frozen=True)
@@ -98,13 +100,18 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
     from parallel_lab.strategies import get_strategy_class, registered_names
 
     keep = [o for o in given if not o.lstrip("+~").startswith(("strategy", "trainer.grad_accum", "trainer.recompute"))]
-    batch = int(cfg.trainer.global_batch)
-    degrees = tensor_degrees(from_model_config(cfg.model), from_config(cfg.plan.hardware), gpus)
-    accums = {tp: [a for a in MICRO if batch % (gpus // tp * a) == 0] for tp in degrees}
+    batch, shape = int(cfg.trainer.global_batch), from_model_config(cfg.model)
+    degrees = tensor_degrees(shape, from_config(cfg.plan.hardware), gpus)
+    contexts = context.degrees(shape, gpus)
+
+    def accums(tp: int, cp: int) -> list[int]:
+        ranks = gpus // (tp * cp)
+        return [a for a in MICRO if (gpus // tp) % cp == 0 and batch % (ranks * a) == 0]
 
     def candidates_fit(rules) -> bool:  # composing costs ~0.2 s a strategy: only those with a grad_accum that fits
-        split = TENSOR in {f.name for f in dataclasses.fields(rules.Options)}
-        return any(accums[t] for t in (degrees if split else [1]))
+        keys = {f.name for f in dataclasses.fields(rules.Options)}
+        tps, cps = degrees if TENSOR in keys else [1], contexts if CONTEXT in keys else [1]
+        return any(accums(t, c) for t in tps for c in cps)
 
     names = [
         n
@@ -120,14 +127,18 @@ def other_strategies(cfg: DictConfig, given: list[str], gpus: int) -> list[Candi
             continue
         own = get_strategy_class(name).plan.degree_key == TENSOR  # strategy=tp: tp=1 would be plain data parallelism
         one = pickle.loads(pickle.dumps(base))  # one copy a strategy: each candidate sets all three keys it varies
-        for tp in [t for t in degrees if t > 1 or not own] if TENSOR in base.strategy else [None]:
+        tps = [t for t in degrees if t > 1 or not own] if TENSOR in base.strategy else [None]
+        for tp, cp in [(t, c) for t in tps for c in (contexts if CONTEXT in base.strategy else [1])]:
             split = [] if tp in (None, 1) else [f"strategy.{TENSOR}={tp}"]
-            for accum in accums[tp or 1]:
+            split += [f"strategy.{CONTEXT}={cp}"] if cp > 1 else []
+            for accum in accums(tp or 1, cp):
                 for recompute in RECOMPUTE:
                     args = [f"strategy={name}", *split, f"trainer.grad_accum={accum}", f"trainer.recompute={recompute}"]
                     one.trainer.grad_accum, one.trainer.recompute = accum, recompute
                     if tp is not None:
                         one.strategy.tp = tp
+                    if CONTEXT in base.strategy:
+                        one.strategy.cp = cp
                     try:
                         run = cluster_run(one, [*keep, *args])
                     except ConfigError:

@@ -53,6 +53,8 @@ def report(run: ClusterRun, pred: ClusterPrediction) -> str:
     for key, label in STEP_PARTS:
         value = getattr(pred, key)
         lines.append(f"  {label:<48} {value:9.3f} s  {100 * value / pred.step_time_s:5.1f}%")
+        if key == "tp_comm_s" and run.layout.dims.cp > 1:
+            lines.append(f"    {'of which context-parallel (' + run.cp_impl + ')':<46} {pred.cp_comm_s:9.3f} s")
     lines += [
         "",
         f"tokens/s/GPU {pred.tokens_per_s_per_gpu:,.0f}; achieved {pred.tflops_per_gpu:.1f} TFLOP/s per GPU "

@@ -9,6 +9,8 @@ and the optimizer; per-GPU memory beside it.
   block in forward, two in backward, two more in a fully recomputed forward; with sequence
   parallelism each becomes an all-gather plus a reduce-scatter of the same bytes (arXiv
   2205.05198). Megatron issues them in line: exposed;
+- context parallelism (``context.py``): each rank runs the block on its s/cp tokens; the ring's
+  K/V hops hide behind the attention core they feed, Ulysses' all-to-alls are exposed;
 - pipeline (arXiv 2104.04473): the bubble is (p - 1)/v of one micro-batch's stage time, and each
   micro-batch sends its activation forward and its gradient back at every chunk boundary;
 - data parallelism: the gradients' all-reduce (ZeRO-1/2: reduce-scatter then all-gather, the same
@@ -24,8 +26,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 
-from parallel_lab.plan.cluster import comm, memory, prefetch
-from parallel_lab.plan.cluster.census import block_ops
+from parallel_lab.plan.cluster import comm, context, memory, prefetch
 from parallel_lab.plan.cluster.compute import DTYPE_BYTES, PassTime, block_pass, logits_pass
 from parallel_lab.plan.cluster.hardware import Hardware
 from parallel_lab.plan.cluster.shape import ModelShape
@@ -46,6 +47,7 @@ class ClusterRun:
     precision: str = "bf16"
     recompute: str = "none"
     optimizer: str = "adam"
+    cp_impl: str = "ring"  # strategy.cp_impl where the layout has cp > 1: ring | ulysses
 
     @property
     def gpus(self) -> int:
@@ -58,6 +60,17 @@ class ClusterRun:
     @property
     def micro_batch(self) -> int:
         return max(1, self.global_batch // (self.dp * self.layout.microbatches))
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks that average each gradient: the data-parallel ones and, reading the same
+        samples, the cp ranks (each held its own tokens)."""
+        return self.dp * self.layout.dims.cp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank: the micro-batch's sequences, s/cp of each."""
+        return self.micro_batch * self.shape.seq // self.layout.dims.cp
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class ClusterPrediction:
     tflops_per_gpu: float
     mfu: float
     micro_batch: int
+    cp_comm_s: float = 0.0  # of tp_comm_s: the context-parallel part (the ring's or Ulysses')
 
     @property
     def memory_bytes_per_gpu(self) -> int:
@@ -106,22 +120,45 @@ def stage_blocks(layers: int, pp: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def block_time(
-    shape: ModelShape, micro_batch: int, hw: Hardware, dtype: str, tp: int, tokens: int, sp: bool, recompute: str
+    shape: ModelShape,
+    micro_batch: int,
+    hw: Hardware,
+    dtype: str,
+    tp: int,
+    tokens: int,
+    sp: bool,
+    recompute: str,
+    cp: int = 1,
+    cp_impl: str = "ring",
 ) -> PassTime:
-    """compute.block_pass of the census's block (memoised: a pure function of its arguments, and the
-    recommender prices the same block at the same degrees for many layouts, ~5x fewer passes at
-    1,024 GPUs)."""
-    return block_pass(block_ops(shape, micro_batch), hw, dtype, tp, tokens, sp, recompute)
-
-
-def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float]:
-    """(the slowest stage's compute for one micro-batch, its tensor-parallel communication): the
-    last stage's blocks and the logits, or a stage holding more blocks."""
-    dims = run.layout.dims
-    one = block_time(
-        run.shape, run.micro_batch, run.hw, run.precision, dims.tp, tokens, run.layout.sequence_parallel, run.recompute
+    """compute.block_pass of the census's block on one cp rank (``tokens``: its own; memoised: a
+    pure function of its arguments, and the recommender prices the same block at the same degrees
+    for many layouts, ~5x fewer passes at 1,024 GPUs)."""
+    ops = context.block_ops_on_rank(shape, micro_batch, cp, cp_impl)
+    return block_pass(
+        ops, hw, dtype, tp, tokens, sp, context.block_recompute(recompute, cp, cp_impl, shape.fused_attention)
     )
-    tp_one = _tp_block_s(run, tokens)
+
+
+def _cp_block_s(run: ClusterRun) -> float:
+    """Exposed context-parallel seconds of one block and micro-batch (context.py)."""
+    lay = run.layout
+    return context.exposed_block_s(
+        run.hw, run.shape, run.micro_batch, lay.dims, run.cp_impl, run.precision, run.recompute, lay.sequence_parallel
+    )
+
+
+def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float, float]:
+    """(the slowest stage's compute for one micro-batch, its exposed tensor- and context-parallel
+    communication, the context-parallel part of it): the last stage's blocks and the logits, or a
+    stage holding more blocks."""
+    dims, lay = run.layout.dims, run.layout
+    one = block_time(
+        run.shape, run.micro_batch, run.hw, run.precision, dims.tp, tokens, lay.sequence_parallel, run.recompute,
+        dims.cp, run.cp_impl,
+    )  # fmt: skip
+    cp_one = _cp_block_s(run)
+    tp_one = _tp_block_s(run, tokens) + cp_one
     logits = logits_pass(tokens, run.shape.hidden, run.shape.vocab, dims.tp, run.hw, run.precision)
     counts = stage_blocks(run.shape.layers, dims.pp)
 
@@ -132,25 +169,25 @@ def _stage_pass(run: ClusterRun, tokens: int) -> tuple[PassTime, float]:
 
     last, inner = (counts[-1], logits), (max(counts), 0.0)
     blocks, head = max(last, inner, key=lambda c: stage(*c).total_s + c[0] * tp_one)
-    return stage(blocks, head), blocks * tp_one
+    return stage(blocks, head), blocks * tp_one, blocks * cp_one
 
 
 def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
     """Exposed data-parallel seconds per step: what the strategy does not overlap, and what its
     overlap cannot hide behind the backward (ZeRO-3/FSDP: behind each micro-batch's pass)."""
     lay, dims, hw = run.layout, run.layout.dims, run.hw
-    if run.dp == 1:
+    if run.grad_ranks == 1:
         return 0.0
     params = memory.params_on_rank(run.shape, dims.tp, dims.pp, first=True)
     width = DTYPE_BYTES[run.precision]
-    stride, ways = dims.tp * dims.pp, max(1, lay.shard_ways)
-    replicas = run.dp // ways
+    stride, ways = dims.tp * dims.pp, max(1, lay.shard_ways)  # cp lies inside the data-parallel dims
+    replicas = run.grad_ranks // ways
     grads = params * width
     if lay.shard_stage >= 3 and lay.regathers_on_recompute and "all_gather" in lay.overlapped:
         # DeepSpeed's ZeRO-3: one sub-module's gather ahead of its compute (prefetch.py)
-        ops = block_ops(run.shape, run.micro_batch)
+        ops = context.block_ops_on_rank(run.shape, run.micro_batch, dims.cp, run.cp_impl)
         blocks = max(stage_blocks(run.shape.layers, dims.pp))
-        return lay.microbatches * prefetch.exposed_s(run, ops, run.micro_batch * run.shape.seq, blocks, params)
+        return lay.microbatches * prefetch.exposed_s(run, ops, run.tokens, blocks, params)
     if lay.shard_stage >= 3:
         # Each pass gathers the parameters (forward; backward, and again for a fully recomputed
         # forward where the strategy released them) and reduce-scatters the gradients: the
@@ -167,7 +204,7 @@ def _dp_comm(run: ClusterRun, stage: PassTime) -> float:
         total = comm.reduce_scatter_s(hw, grads, ways, stride) + comm.all_gather_s(hw, grads, ways, stride)
         total += comm.all_reduce_s(hw, grads / ways, replicas, stride * ways)
     else:
-        total = comm.all_reduce_s(hw, grads, run.dp, stride)
+        total = comm.all_reduce_s(hw, grads, run.grad_ranks, stride)
     hidden = stage.backward_s + stage.recompute_s if GRAD_OVERLAP & lay.overlapped else 0.0
     return max(0.0, total - hidden)
 
@@ -187,8 +224,8 @@ def _pipeline(run: ClusterRun, per_micro: float, tokens: int) -> tuple[float, fl
 def predict(run: ClusterRun) -> ClusterPrediction:
     """The step's parts, memory and rates of ``run``."""
     lay, dims = run.layout, run.layout.dims
-    tokens = run.micro_batch * run.shape.seq
-    stage, tp_s = _stage_pass(run, tokens)
+    tokens = run.tokens
+    stage, tp_s, cp_s = _stage_pass(run, tokens)
     compute = lay.microbatches * stage.total_s
     tp_comm = lay.microbatches * tp_s
     bubble, sends = _pipeline(run, stage.total_s + tp_s, tokens)
@@ -214,6 +251,7 @@ def predict(run: ClusterRun) -> ClusterPrediction:
         tflops_per_gpu=hardware_flops / 1e12,
         mfu=model_flops / peak,
         micro_batch=run.micro_batch,
+        cp_comm_s=lay.microbatches * cp_s,
     )
 
 
@@ -221,13 +259,14 @@ def activation_bytes(run: ClusterRun, blocks: int) -> float:
     """What ``blocks`` blocks keep for backward per micro-batch on one rank."""
     lay, dims, shape = run.layout, run.layout.dims, run.shape
     if run.recompute == "selective_op":
-        ops = block_ops(shape, run.micro_batch)
-        tokens, width = run.micro_batch * shape.seq, DTYPE_BYTES[run.precision]
-        one = memory.op_policy_bytes(ops, dims.tp, tokens, shape.hidden, lay.sequence_parallel, width)
+        ops = context.block_ops_on_rank(shape, run.micro_batch, dims.cp, run.cp_impl)
+        width = DTYPE_BYTES[run.precision]
+        one = memory.op_policy_bytes(ops, dims.tp, run.tokens, shape.hidden, lay.sequence_parallel, width)
     else:
         one = memory.layer_activation_bytes(
-            shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, shape.fused_attention
-        )
+            shape, run.micro_batch, dims.tp, lay.sequence_parallel, run.recompute, shape.fused_attention,
+            dims.cp, run.cp_impl,
+        )  # fmt: skip
     return blocks * one
 
 
@@ -238,7 +277,7 @@ def memory_parts(run: ClusterRun) -> dict[str, int]:
     kind = memory.state_bytes(run.precision, run.optimizer)
     counts = stage_blocks(shape.layers, dims.pp)
     flight = memory.in_flight(lay.schedule, dims.pp, lay.microbatches, lay.virtual_stages)
-    logits = memory.logits_bytes(shape, run.micro_batch, dims.tp)
+    logits = memory.logits_bytes(shape, run.micro_batch, dims.tp, dims.cp)
     first = activation_bytes(run, counts[0]) * flight
     last = activation_bytes(run, counts[-1]) + logits
     activations = max(first + (logits if dims.pp == 1 else 0), last)
@@ -250,9 +289,11 @@ def memory_parts(run: ClusterRun) -> dict[str, int]:
         # the output layer too (with the embedding: FSDP's root unit holds both, torchtitan's wrapping)
         ends = shape.embedding_params() if dims.pp == 1 else 0
         gathered = (2 * shape.layer_params() + ends) // dims.tp * kind.weights
+    width = DTYPE_BYTES[run.precision]
+    ring = context.ring_buffer_bytes(shape, run.micro_batch, dims.cp, dims.tp, width, run.cp_impl)
     parts = {
         **{f"model_state_{k}": v for k, v in state.items()},
         "activations": int(activations),
-        "buffers": int(gathered + run.hw.overhead_bytes),
+        "buffers": int(gathered + ring + run.hw.overhead_bytes),
     }
     return {**parts, "allocator_reserve": int(run.hw.allocator_slack * sum(parts.values()))}
