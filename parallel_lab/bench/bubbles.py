@@ -161,6 +161,15 @@ def replay_of(extras: dict, handoffs: bool = False) -> list[float]:
     return replay_idle_steps(extras["pp_schedule"], m, p, v, extras["pp_op_seconds_steps"], costs)
 
 
+def cut(times: list[float], p: int) -> str:
+    """Where balance=time cuts these block times into p stages, and each stage's sum (ms)."""
+    from parallel_lab.strategies.pp.plan import balanced_cuts
+
+    bounds = (0, *balanced_cuts(times, p), len(times))
+    sums = " / ".join(f"{1e3 * sum(times[a:b]):.0f}" for a, b in zip(bounds, bounds[1:]))
+    return f"stages start at blocks {list(bounds[:-1])}, {sums} ms"
+
+
 def measure(
     p: int, ms: list[int], micro_batch: int, steps: int, times: dict[bool, list[float]] | None = None
 ) -> list[dict]:
@@ -360,7 +369,8 @@ def main(argv: list[str]) -> int:
     for p in (int(p) for p in args.p.split(",")):
         times = block_times(p, args.micro_batch)
         for split, label in ((False, "one backward"), (True, "zero bubble's B + W")):
-            print(f"block times ({label}, ms): {', '.join(f'{1e3 * t:.1f}' for t in times[split])}")
+            ms_each = ", ".join(f"{1e3 * t:.1f}" for t in times[split])
+            print(f"block times ({label}, ms): {ms_each}; {cut(times[split], p)}")
         rows += measure(p, ms, args.micro_batch, args.steps, times)
     print()
     print(render(rows))
