@@ -44,9 +44,9 @@ def test_every_run_idles_its_formula_or_its_replay_and_zero_bubble_at_most_1f1bs
     beforehand cannot control either) within REPLAY_GOAL of the replay with measured hand-offs,
     which plays the schedule's orders (schedules.rank_orders), not the loop's. Zero bubble idles
     at most 1F1B's on every stage at each m, or above it by no more than its replay of compute is
-    above 1F1B's (the per-pass compute of the two ranks differs: the embedding's F and B on stage
-    0, the loss on stage 1; equal totals still idle unequally under ZB-H1; strictly per stage, one
-    of three unplanted runs failed at m = 8, 0.145 against 0.139, replays 0.131 against 0.110);
+    above 1F1B's (the ranks' compute differs in the run, pass by pass and in total; strictly per
+    stage, two of four unplanted runs failed at m = 8: 0.145 against 0.139, replays 0.131 against
+    0.110; 0.241 against 0.078, replays 0.216 against 0.046);
     GPipe's and 1F1B's idle falls from m = 2 to 8.
     Planted (the manual loop running each W right after its B, the schedule's order left as it
     is): zero bubble m = 2 idled 0.176 / 0.178 against its replay's 0.140 / 0.133 and the test
