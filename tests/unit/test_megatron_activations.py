@@ -170,7 +170,45 @@ def test_bubbles_summary_splits_each_schedules_gap_and_ends_on_the_verdict():
         "max |measured − formula| idle: 0.090 (gpipe, p=2, m=4, stage 1); "
         "max |measured − replay with hand-offs|: 0.010 (gpipe, p=2, m=4); "
         "hand-offs explain +0.060 of that gap (uneven compute +0.020, rest +0.010); "
-        "formula within 0.05: not gpipe"
+        "formula within 0.05: not gpipe; judged (the formula where the replay of compute is within 0.02 of it, "
+        "else the replay with hand-offs: 0 of 3 runs): over: gpipe m=4 by the formula 0.090"
     )
     rows[0]["idle"] = [0.22, 0.24]
-    assert bubbles.verdict(rows).endswith("formula within 0.05: every schedule")
+    assert bubbles.verdict(rows).endswith(
+        "formula within 0.05: every schedule; judged (the formula where the replay of compute is within 0.02 "
+        "of it, else the replay with hand-offs: 0 of 3 runs): every run within"
+    )
+
+
+def test_bubbles_judges_zero_bubble_by_its_passes_and_uneven_stages_by_the_replay():
+    """Zero bubble's formula at its measured F, B, W (``passes``) is what it is judged by, the gap to
+    the equal-pass formula split with an 'unequal passes' part; a run whose replay of compute is
+    off its formula by more than 0.02 (its compute was not the formula's) is judged by its replay."""
+    from parallel_lab.bench import bubbles
+
+    zb = {"schedule": "zero_bubble", "p": 2, "m": 8, "theory": 0.04, "passes": 0.074}
+    zb |= {"replay": [0.08, 0.07], "replay_handoffs": [0.09, 0.08], "idle": [0.10, 0.09]}
+    uneven = {"schedule": "gpipe", "p": 2, "m": 8, "theory": 0.111, "replay": [0.13, 0.2]}
+    uneven |= {"replay_handoffs": [0.14, 0.21], "idle": [0.15, 0.215]}
+    assert bubbles.judged(zb) == ("formula", pytest.approx(0.026))
+    assert bubbles.judged(uneven) == ("replay", pytest.approx(0.01))
+    assert bubbles.gap_parts(zb, 0) == pytest.approx((0.034, 0.006, 0.01, 0.01))
+    line = bubbles.by_schedule([zb])
+    assert "vs formula 0.074 (equal passes 0.040) vs replay 0.090" in line
+    assert "gap +0.060 = unequal passes +0.034 + uneven compute +0.006 + hand-offs +0.010 + rest +0.010" in line
+    assert bubbles.verdict([zb, uneven]).endswith("1 of 2 runs): every run within")
+    uneven["idle"] = [0.15, 0.30]  # 0.09 off its replay: a loop that waits
+    assert bubbles.verdict([zb, uneven]).endswith("1 of 2 runs): over: gpipe m=8 by the replay 0.090")
+
+
+def test_zero_bubble_formula_at_its_passes_is_qi_et_als_and_equal_passes_the_textbooks():
+    """schedules.zero_bubble_fraction plays ZB-H1's order out: at F = B = W it is (p-1)/(3m+p-1), and
+    for W <= F <= B the paper's (p-1)(F+B-W) over m(F+B+W) (computed here), above the equal-pass one."""
+    from parallel_lab.strategies.pp.schedules import bubble_fraction, zero_bubble_fraction
+
+    for p, m in ((2, 2), (2, 8), (4, 4), (4, 8)):
+        assert zero_bubble_fraction(m, p, 1, 1, 1) == pytest.approx(bubble_fraction("zero_bubble", m, p))
+        for f, b, w in ((18, 25, 8), (1, 3, 0.5), (2, 2, 1)):
+            bubble = (p - 1) * (f + b - w)
+            assert zero_bubble_fraction(m, p, f, b, w) == pytest.approx(bubble / (bubble + m * (f + b + w)))
+            assert zero_bubble_fraction(m, p, f, b, w) > bubble_fraction("zero_bubble", m, p)

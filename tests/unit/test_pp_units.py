@@ -36,3 +36,34 @@ def test_time_balance_times_equal_blocks_alike_under_drifting_load():
     assert len(times) == 3 and min(times) >= BASE_S
     assert max(times) - min(times) < 6 * DRIFT_S, times
     assert all(b.weight.grad is not None for b in blocks)  # forward and backward were timed
+
+
+def test_time_balance_times_each_block_as_its_stage_runs_it():
+    """Zero bubble's blocks are timed through B and W (the weight GEMMs put aside, then run: the
+    weights end with the gradient one backward gives), the loss only on the last block, in every
+    pass (one untimed, then ``repeats``); the other schedules time one backward."""
+    from omegaconf import OmegaConf
+
+    from parallel_lab.strategies.pp.timing import splits_backward
+
+    def pair() -> list[torch.nn.Module]:
+        torch.manual_seed(0)
+        return [torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)]
+
+    shapes = []
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(out.shape))
+        return out.square().sum()
+
+    x = torch.randn(2, 4)
+    split, plain = pair(), pair()
+    assert len(time_blocks(split, x, repeats=2, split=True, loss=loss)) == 2
+    assert shapes == [(2, 3)] * 3
+    time_blocks(plain, x, repeats=2, loss=loss)
+    for a, b in zip(split, plain):
+        assert a.weight.grad is not None and torch.allclose(a.weight.grad, b.weight.grad)
+    opts = {"schedule": "zero_bubble", "impl": "manual"}
+    assert splits_backward(OmegaConf.create(opts))
+    assert not splits_backward(OmegaConf.create({**opts, "impl": "torch"}))  # torch splits it its own way
+    assert not splits_backward(OmegaConf.create({**opts, "schedule": "1f1b"}))

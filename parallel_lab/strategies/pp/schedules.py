@@ -265,3 +265,13 @@ def gpipe_first_stage_idle(forward: Sequence[float], backward: Sequence[float], 
     """The first stage's predicted idle time in a GPipe step: it starts the step and finishes it
     (the last backward is its own), so it idles for the whole step minus its own work."""
     return gpipe_step_time(forward, backward, m, handoff) - forward[0] - backward[0]
+
+
+def zero_bubble_fraction(m: int, p: int, forward: float, backward: float, weight: float) -> float:
+    """ZB-H1's idle share at these pass costs (one micro-batch through one stage's chunk, every
+    stage alike): the order played out (``play``). For W <= F <= B it is Qi et al.'s own
+    (p-1)(F+B-W) of idle over m(F+B+W) of work (arXiv 2401.10241 section 3.1), which
+    ``bubble_fraction``'s (p-1)/(3m+p-1) is at F = B = W; B > W (norms, softmax and GELU
+    backward stay in B) leaves more bubble than the equal passes do."""
+    step, busy = play(rank_orders("zero_bubble", m, p, 1), [forward] * p, [backward] * p, [weight] * p)
+    return (step - busy[0]) / step

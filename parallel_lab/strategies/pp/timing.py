@@ -1,22 +1,33 @@
-"""``strategy.balance=time``: each cuttable block's forward+backward time, measured once in the
-parent (``PPPlan.check_options``, before config.yaml is written) and written into
+"""``strategy.balance=time``: each cuttable block's time, measured once in the parent
+(``PPPlan.check_options``, before config.yaml is written) and written into
 ``strategy.block_times``, so every rank reads the same numbers and makes the same cut (a rank
-measuring for itself could cut otherwise: timings differ between processes)."""
+measuring for itself could cut otherwise: timings differ between processes).
+
+A block is timed as the stage that holds it runs it: its forward, then its backward as the
+schedule splits it (zero bubble under the manual loop: B with the weight GEMMs put aside, then W
+running them, pp/zero_bubble.py; Qi et al., arXiv 2401.10241), the first block computing no
+input gradient (the model's input has none) and the last block's forward followed by the loss,
+which the last stage computes. The embedding and the head are blocks of their own (models/layout.py),
+so each is counted on the stage that holds it."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from parallel_lab.strategies.pp.plan import cuttable_blocks
+from parallel_lab.strategies.pp.schedules import SPLIT_BACKWARD
+from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
 from parallel_lab.threads import torch_threads
 
-REPEATS = 5  # timed forward+backward passes of every block after one untimed pass; the median is kept
+REPEATS = 5  # timed passes of every block after one untimed pass; the median is kept
+Loss = Callable[[torch.Tensor], torch.Tensor]
 
 
 def micro_batch(cfg: DictConfig) -> int:
@@ -25,34 +36,63 @@ def micro_batch(cfg: DictConfig) -> int:
     return max(1, t.global_batch // t.grad_accum // (opts.get("replicate") or 1) // opts.microbatches)
 
 
-def time_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int = REPEATS) -> list[float]:
-    """Median seconds of one forward+backward of ``x``'s batch through each of ``blocks`` (run in
-    order: each block's input is the one before's output; the first computes no input gradient,
-    as in the model). Timed round-robin, every block once per repetition after one untimed pass:
-    load that drifts during the measurement (another process taking the core, as on a shared
-    machine) then lands on every block alike, where block by block it lands on whichever block is
-    being timed and skews the cut (docs/pp.md)."""
+def splits_backward(opts: DictConfig) -> bool:
+    """Whether the run's backward is two passes, B and W (zero bubble in the manual loop)."""
+    return str(opts.schedule) in SPLIT_BACKWARD and str(opts.get("impl", "manual")) == "manual"
+
+
+def class_loss(out: torch.Tensor) -> torch.Tensor:
+    """The training loss's cost on the last block's output: cross-entropy over its classes."""
+    from parallel_lab.models import loss_target
+
+    return F.cross_entropy(out, loss_target(out))
+
+
+def time_blocks(
+    blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int = REPEATS, split: bool = False, loss: Loss | None = None
+) -> list[float]:
+    """Median seconds of one forward and backward of ``x``'s batch through each of ``blocks`` (run
+    in order: each block's input is the one before's output; the first computes no input
+    gradient, as in the model). ``split``: each backward is B then W (``DeferredWeights``), both
+    timed; ``loss``: applied to the last block's output inside its timed forward. Timed
+    round-robin, every block once per repetition after one untimed pass: load that drifts during
+    the measurement (another process taking the core, as on a shared machine) then lands on every
+    block alike, where block by block it lands on whichever block is being timed and skews the cut
+    (docs/pp.md)."""
     inputs = []
     with torch.no_grad():
         for block in blocks:
             inputs.append(x)
             x = block(x)
+    deferred = [DeferredWeights(block) if split else None for block in blocks]
     samples: list[list[float]] = [[] for _ in blocks]
     for repeat in range(repeats + 1):
         for k, (block, inp) in enumerate(zip(blocks, inputs)):
             inp = inp.detach().requires_grad_(k > 0)
             start = time.perf_counter()
             out = block(inp)
-            out.backward(torch.ones_like(out))
+            if loss is not None and k == len(blocks) - 1:
+                out = loss(out)
+            _backward(out, deferred[k])
             if repeat:
                 samples[k].append(time.perf_counter() - start)
     return [statistics.median(s) for s in samples]
 
 
+def _backward(out: torch.Tensor, deferred: DeferredWeights | None) -> None:
+    """The block's backward as the loop runs it: one pass, or B (weight GEMMs put aside) then W."""
+    if deferred is None:
+        out.backward(torch.ones_like(out))
+        return
+    with deferred.pass_of(0):
+        out.backward(torch.ones_like(out))
+    deferred.run(0)
+
+
 def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
-    """Median seconds of one forward+backward of a micro-batch through each cuttable block, in
-    model order (``time_blocks``), on this process's CPU with the ranks' thread count
-    (trainer.threads_per_rank)."""
+    """Median seconds of one micro-batch through each cuttable block, in model order, as its
+    stage runs it (``time_blocks``: the backward split as the schedule splits it, the loss on the
+    last block), on this process's CPU with the ranks' thread count (trainer.threads_per_rank)."""
     from parallel_lab.models import build_model, input_shape, sample_input
 
     with torch.random.fork_rng():  # the parent's own random state stays as it was
@@ -63,4 +103,4 @@ def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
         x = sample_input(model, micro_batch(cfg), input_shape(model), device="cpu")  # token ids: zeros
         if x.is_floating_point():
             x = torch.randn(x.shape, generator=generator)
-        return time_blocks(blocks, x, repeats)
+        return time_blocks(blocks, x, repeats, splits_backward(cfg.strategy), class_loss)
