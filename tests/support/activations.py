@@ -41,6 +41,30 @@ def saved_by_forward(module: torch.nn.Module, x: torch.Tensor, loss: bool = True
     return sum(saved.values())
 
 
+def saved_beside_sharded_parameters(model: torch.nn.Module, run) -> int:
+    """Bytes ``run()`` (one training forward and loss of an FSDP2 model) saves for backward, its
+    parameters left out: FSDP2 registers each unit's all-gathered weights while the unit runs and
+    its shards again after it, so a parameter is whatever the model holds when autograd saves (a
+    DTensor counted by its local tensor). Each counted storage is kept alive until the count is
+    done, as saved_by_forward does (a storage freed at once would let a later one at its address
+    count as the same)."""
+    saved: dict[int, int] = {}
+    alive: list = []
+
+    def local(t: torch.Tensor) -> torch.UntypedStorage:
+        return getattr(t, "_local_tensor", t).untyped_storage()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if local(t).data_ptr() not in {local(p).data_ptr() for p in model.parameters()}:
+            saved[local(t).data_ptr()] = local(t).nbytes()
+            alive.append(local(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
 @contextlib.contextmanager
 def balanced_routing() -> Iterator[None]:
     """Every MoE layer's kept copies dealt to the experts in turn (copy i to expert i mod E; a

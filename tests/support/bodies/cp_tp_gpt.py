@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
 from parallel_lab.plan.predict import plan_world
+from tests.support.activations import saved_beside_sharded_parameters
 from tests.support.bodies.cp_gpt import cp_gpt_bytes, saved_bytes_of_a_real_loss
 from tests.support.bodies.tp_gpt import _whole_model, vocab_parallel_bytes
 from tests.support.model_parallel import assert_state_as_planned, judge_gpt_on_rank0
@@ -140,21 +141,9 @@ def check_gpt_fsdp_cp_tp(cfg, strategy, metrics, rank: int, label: str, referenc
 
 
 def saved_bytes_of_a_sharded_loss(strategy, batch: int) -> int:
-    """cp_gpt.py saved_bytes_of_a_real_loss through fully_shard's units: a parameter is whatever the
-    model holds when autograd saves (FSDP2 registers the gathered weights while a unit runs)."""
-    saved: dict[int, int] = {}
-    alive: list = []
-
-    def local(t: torch.Tensor) -> torch.UntypedStorage:
-        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local tensor's
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if local(t).data_ptr() not in {local(p).data_ptr() for p in strategy.model.parameters()}:
-            saved[local(t).data_ptr()] = local(t).nbytes()
-            alive.append(local(t))
-        return t
-
+    """cp_gpt.py saved_bytes_of_a_real_loss through fully_shard's units (a parameter is whatever
+    the model holds when autograd saves)."""
     ids = torch.zeros(batch, GPT_SIZES["seq"], dtype=torch.long)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        strategy.loss_fn(strategy.model(ids), torch.zeros_like(ids))
-    return sum(saved.values())
+    return saved_beside_sharded_parameters(
+        strategy.model, lambda: strategy.loss_fn(strategy.model(ids), torch.zeros_like(ids))
+    )

@@ -11,33 +11,23 @@ import json
 
 import torch
 
-from tests.support.activations import balanced_deepspeed_routing, balanced_routing, saved_for_backward_bytes
+from tests.support.activations import (
+    balanced_deepspeed_routing,
+    balanced_routing,
+    saved_beside_sharded_parameters,
+    saved_for_backward_bytes,
+)
 from tests.support.bodies.runs import record_run
 
 
 def saved_by_a_sharded_forward(strategy, batch: int) -> int:
     """What one training forward and loss of an FSDP2 model save for backward, without its
-    parameters: FSDP2 registers each unit's all-gathered weights while the unit runs and its shards
-    again after it, so a parameter is whatever the model holds when autograd saves (the experts,
-    outside fully_shard, are plain parameters throughout). Each counted storage is kept alive until
-    the count is done, as tests/support/activations.py saved_by_forward does (a storage freed at
-    once would let a later one at its address count as the same)."""
-    saved: dict[int, int] = {}
-    alive: list = []
-
-    def local(t: torch.Tensor) -> torch.UntypedStorage:
-        return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local tensor's
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if local(t).data_ptr() not in {local(p).data_ptr() for p in strategy.model.parameters()}:
-            saved[local(t).data_ptr()] = local(t).nbytes()
-            alive.append(local(t))
-        return t
-
+    parameters (tests/support/activations.py; the experts, outside fully_shard, are plain
+    parameters throughout)."""
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(5))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        strategy.forward_loss(x, torch.zeros(batch, dtype=torch.long))
-    return sum(saved.values())
+    return saved_beside_sharded_parameters(
+        strategy.model, lambda: strategy.forward_loss(x, torch.zeros(batch, dtype=torch.long))
+    )
 
 
 def train_and_count_ep_activations(rank: int, world_size: int, config_paths: list[str]) -> None:
