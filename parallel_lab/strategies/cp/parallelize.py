@@ -28,6 +28,7 @@ children; the attention core has no parameters).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.models.gpt import GPT
@@ -112,6 +113,23 @@ def token_pieces(seq: int, cp: int, rank: int, impl: str) -> list[tuple[int, int
         return [(rank * (seq // cp), seq // cp)]
     chunk = seq // (2 * cp)
     return [(rank * chunk, chunk), ((2 * cp - 1 - rank) * chunk, chunk)]
+
+
+def gather_tokens(local: torch.Tensor, cp: CPGroup, impl: str, dim: int = -1) -> torch.Tensor:
+    """The whole sequence of ``local`` (this rank's token_pieces along ``dim``) gathered from the cp
+    ranks, each rank's pieces put in their places (collective over ``cp.group``): the gpt's logits
+    at evaluation, so that every cp rank scores every token."""
+    parts = [torch.empty_like(local) for _ in range(cp.size)]
+    dist.all_gather(parts, local.contiguous(), group=cp.group)
+    shape = list(local.shape)
+    seq = shape[dim] = shape[dim] * cp.size
+    whole = local.new_empty(shape)
+    for rank, part in enumerate(parts):
+        at = 0
+        for start, length in token_pieces(seq, cp.size, rank, impl):
+            whole.narrow(dim, start, length).copy_(part.narrow(dim, at, length))
+            at += length
+    return whole
 
 
 def take_tokens(x: torch.Tensor, pieces: list[tuple[int, int]], dim: int = TOKENS) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_lab.strategies.cp.comm import CPGroup
-from parallel_lab.strategies.cp.parallelize import parallelize, take_tokens, token_pieces
+from parallel_lab.strategies.cp.parallelize import gather_tokens, parallelize, take_tokens
 from parallel_lab.strategies.mesh import Mesh
 
 
@@ -48,16 +48,7 @@ class ContextParallel:
         logits = super().predict(inputs)
         if getattr(self, "cp_pieces", None) is None:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.layout.cp)]
-        dist.all_gather(parts, logits.contiguous(), group=self.cp_group.group)
-        seq, impl = sum(length for _, length in self.cp_pieces), str(self.opts.cp_impl)
-        whole = logits.new_empty(*logits.shape[:2], seq * self.layout.cp)
-        for rank, part in enumerate(parts):
-            at = 0
-            for start, length in token_pieces(seq * self.layout.cp, self.layout.cp, rank, impl):
-                whole[:, :, start : start + length] = part[:, :, at : at + length]
-                at += length
-        return whole
+        return gather_tokens(logits, self.cp_group, str(self.opts.cp_impl))
 
     def global_mean_loss(self, local_mean: torch.Tensor) -> float:
         """Every cp rank of a replica holds the replica's loss: the mean over all ranks is the mean

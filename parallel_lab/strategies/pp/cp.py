@@ -20,7 +20,6 @@ strategy's run-time helpers."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
@@ -29,6 +28,7 @@ from parallel_lab.strategies.cp.parallelize import (
     ContextParallelCore,
     ContextParallelHead,
     blocks,
+    gather_tokens,
     take_tokens,
     token_pieces,
 )
@@ -89,14 +89,4 @@ def gathered_logits(pipe, logits: torch.Tensor | None) -> torch.Tensor | None:
     as the vit's pool gives each the same logits)."""
     if logits is None or pipe.layout.cp < 2 or pipe.cp_pieces is None:
         return logits
-    cp, impl = pipe.cp_group, str(pipe.opts.cp_impl)
-    parts = [torch.empty_like(logits) for _ in range(cp.size)]
-    dist.all_gather(parts, logits.contiguous(), group=cp.group)
-    seq = logits.shape[2] * cp.size
-    whole = logits.new_empty(*logits.shape[:2], seq)
-    for rank, part in enumerate(parts):
-        at = 0
-        for start, length in token_pieces(seq, cp.size, rank, impl):
-            whole[:, :, start : start + length] = part[:, :, at : at + length]
-            at += length
-    return whole
+    return gather_tokens(logits, pipe.cp_group, str(pipe.opts.cp_impl))
