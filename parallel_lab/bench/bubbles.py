@@ -195,11 +195,16 @@ def _formula(row: dict) -> float:
     return row.get("passes", row["theory"])
 
 
+def _formula_gap(row: dict, idle: str = "idle") -> float:
+    """The largest |stage idle − the run's formula| (``idle``: measured, or ``replay`` of compute)."""
+    return max(abs(i - _formula(row)) for i in row[idle])
+
+
 def last_line(rows: list[dict]) -> str:
     """The stage farthest from its formula, and from its replay, over every run."""
     lines = []
     for key, name in (("passes", "formula"), ("replay", "replay"), ("replay_handoffs", "replay with hand-offs")):
-        gap = (lambda r: _gap({**r, "passes": _formula(r)}, key)) if key == "passes" else (lambda r: _gap(r, key))
+        gap = _formula_gap if key == "passes" else (lambda r: _gap(r, key))
         worst = max(rows, key=gap)
         where = f"({worst['schedule']}, p={worst['p']}, m={worst['m']})"
         lines.append(f"max |measured − {name}| idle fraction: {gap(worst):.3f} {where}")
@@ -247,7 +252,7 @@ def by_schedule(rows: list[dict]) -> str:
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
         mine = [r for r in rows if r["schedule"] == schedule]
         row, s = _worst_stage(mine)
-        formula = max(_gap({**r, "passes": _formula(r)}, "passes") for r in mine)
+        formula = max(_formula_gap(r) for r in mine)
         replay = max(_gap(r, "replay_handoffs") for r in mine)
         equal = f" (equal passes {row['theory']:.3f})" if _formula(row) != row["theory"] else ""
         lines.append(
@@ -265,8 +270,8 @@ def judged(row: dict) -> tuple[str, float]:
     replay of compute is within BALANCED of it (the run's compute was what the formula assumes:
     chunks alike, each op's time the same all step), else the replay with hand-offs (the stages'
     compute differed, or an op ran faster while its neighbour idled: what the formula cannot know)."""
-    if _gap({**row, "idle": row["replay"], "passes": _formula(row)}, "passes") <= BALANCED:
-        return "formula", _gap({**row, "passes": _formula(row)}, "passes")
+    if _formula_gap(row, "replay") <= BALANCED:
+        return "formula", _formula_gap(row)
     return "replay", _gap(row, "replay_handoffs")
 
 
@@ -277,7 +282,7 @@ def verdict(rows: list[dict]) -> str:
     row, s = _worst_stage(rows)
     passes, compute, hand, rest = gap_parts(row, s)
     worst = max(rows, key=lambda r: _gap(r, "replay_handoffs"))
-    over = sorted({r["schedule"] for r in rows if _gap({**r, "passes": _formula(r)}, "passes") > GOAL})
+    over = sorted({r["schedule"] for r in rows if _formula_gap(r) > GOAL})
     verdicts = [(r, *judged(r)) for r in rows]
     failed = [f"{r['schedule']} m={r['m']} by the {by} {gap:.3f}" for r, by, gap in verdicts if gap > GOAL]
     by_replay = sum(by == "replay" for _, by, _ in verdicts)
@@ -317,7 +322,7 @@ def render(rows: list[dict]) -> str:
         by, _ = judged(r)
         lines.append(
             f"| {r['schedule']} | {r['p']} | {r['m']} | {r['theory']:.3f} | {_formula(r):.3f} ({passes}) | {compute} "
-            f"| {replay} | {handoffs} | {idle} | {cost} | {_gap({**r, 'passes': _formula(r)}, 'passes'):.3f} "
+            f"| {replay} | {handoffs} | {idle} | {cost} | {_formula_gap(r):.3f} "
             f"| {_gap(r, 'replay_handoffs'):.3f} | {by} | {load} |"
         )
     return "\n".join(lines)
