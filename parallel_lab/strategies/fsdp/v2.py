@@ -178,11 +178,11 @@ class FSDP2(ContextParallel, FSDPStrategy):
 
     def _tp_whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """A manually split parameter gathered from the tp ranks along its split dimension (collective)."""
+        from parallel_lab.strategies.tp.comm import gather_shards
+
         if name not in self.tp_dims:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
-        torch.distributed.all_gather(parts, local.contiguous(), group=self.vocab_tp.group)
-        return torch.cat(parts, dim=self.tp_dims[name])
+        return gather_shards(local, self.tp_dims[name], self.vocab_tp.group, self.opts.tp)
 
     def _fsdp_params(self) -> list:
         from torch.distributed.fsdp import FSDPModule

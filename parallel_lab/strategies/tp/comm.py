@@ -71,6 +71,14 @@ def _start_all_gather(x: torch.Tensor, dim: int, group, size: int) -> _Pending:
     return _Pending(work, out, lambda o: o.unflatten(0, (size, -1)).movedim(0, dim).flatten(dim, dim + 1))
 
 
+def gather_shards(local: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """A split parameter whole again: the ranks' shards concatenated along their split ``dim``
+    (rank order), outside autograd (the final weights a run reports; not a step's traffic)."""
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """Concatenate the ranks' ``x`` along ``dim`` (rank order)."""
     return _start_all_gather(x, dim, group, size).wait()

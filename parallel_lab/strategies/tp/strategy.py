@@ -61,6 +61,7 @@ from parallel_lab.strategies.mesh import REPLICATE, Mesh, average_gradients
 from parallel_lab.strategies.precision import Bf16Compute
 from parallel_lab.strategies.rank_shards import RankShardState
 from parallel_lab.strategies.registry import register
+from parallel_lab.strategies.tp.comm import gather_shards
 from parallel_lab.strategies.tp.layers import ColumnParallel, RowParallel, replace_module
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
 from parallel_lab.strategies.tp.rules import TPPlan, split_plan
@@ -91,9 +92,7 @@ class TPState(RankShardState):
     def _whole(self, name: str, p: torch.Tensor) -> torch.Tensor:
         local = local_tensor(p.detach()).contiguous()
         if name in self.strategy.shard_dims:
-            parts = [torch.empty_like(local) for _ in range(self.opts.tp)]
-            dist.all_gather(parts, local, group=self.strategy.group)
-            local = torch.cat(parts, dim=self.strategy.shard_dims[name])
+            local = gather_shards(local, self.strategy.shard_dims[name], self.strategy.group, self.opts.tp)
         return local
 
 
