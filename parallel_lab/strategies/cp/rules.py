@@ -139,33 +139,56 @@ def context_comm(cfg: DictConfig, model: nn.Module, data_parallel: int, tp: int 
       output back) and their 4 inverses backward: ``all_to_all_single`` 2*(2Q + 2K);
     - the vit's head pool: a forward all-reduce of (b, h) per micro-batch (counted twice its bytes);
       the gpt's head acts on each token alone and sends nothing."""
-    cp = cp_of(cfg)
-    if cp < 2:
+    if cp_of(cfg) < 2:
         return {}
-    accum = cfg.trainer.grad_accum
-    batch = cfg.trainer.global_batch // accum // data_parallel
-    depth, tokens, dim, kv_dim = _attention_shape(cfg, model)
-    q, k = (batch * (tokens // cp) * (width // tp) * 4 for width in (dim, kv_dim))
-    if str(cfg.strategy.cp_impl) == "ring":
-        comm = {"isend": float(accum * depth * 3 * (cp - 1) * 2 * k)}
-    else:
-        comm = {"all_to_all_single": float(accum * depth * 2 * (2 * q + 2 * k))}
+    comm = attention_comm(cfg, _depth(cfg, model), data_parallel, tp)
     if cfg.model.name == "vit":
-        comm["all_reduce"] = float(accum * 2 * batch * dim * 4)
+        comm["all_reduce"] = pool_comm(cfg, data_parallel)
     return comm
 
 
-def _attention_shape(cfg: DictConfig, model: nn.Module) -> tuple[int, int, int, int]:
-    """(blocks, tokens of a sample, query width, key/value width) of the vit or the gpt."""
+def pool_comm(cfg: DictConfig, data_parallel: int) -> float:
+    """The vit's head pool: a forward all-reduce of (b, h) per micro-batch, counted twice its bytes."""
+    accum = cfg.trainer.grad_accum
+    return float(accum * 2 * (cfg.trainer.global_batch // accum // data_parallel) * attention_widths(cfg)[1] * 4)
+
+
+def attention_comm(cfg: DictConfig, depth: int, data_parallel: int, tp: int = 1) -> dict[str, float]:
+    """The attention's part of ``context_comm`` for ``depth`` blocks (a whole model, or one
+    pipeline stage's: pp/cp_rules.py): the ring's ``isend`` or Ulysses' ``all_to_all_single``."""
+    cp, accum = cp_of(cfg), cfg.trainer.grad_accum
+    batch = cfg.trainer.global_batch // accum // data_parallel
+    tokens, dim, kv_dim = attention_widths(cfg)
+    q, k = (batch * (tokens // cp) * (width // tp) * 4 for width in (dim, kv_dim))
+    if str(cfg.strategy.cp_impl) == "ring":
+        return {"isend": float(accum * depth * 3 * (cp - 1) * 2 * k)}
+    return {"all_to_all_single": float(accum * depth * 2 * (2 * q + 2 * k))}
+
+
+def attention_widths(cfg: DictConfig) -> tuple[int, int, int]:
+    """(tokens of a sample, query width, key/value width) of the vit or the gpt."""
     if cfg.model.name == "gpt":
         from parallel_lab.models.gpt_sizes import gpt_sizes
 
         s = gpt_sizes(cfg.model)
-        return s["layers"], s["seq"], s["hidden"], s["kv_heads"] * (s["hidden"] // s["heads"])
+        return s["seq"], s["hidden"], s["kv_heads"] * (s["hidden"] // s["heads"])
+    from parallel_lab.models import vit_sizes
+    from parallel_lab.models.layout import vit_widths
+
+    s = vit_sizes(cfg.model)  # the token width as model.width scales it (models/layout.py)
+    dim = vit_widths(s["dim"], s["heads"], float(cfg.model.get("width", 1.0)), s["mlp_ratio"])[0]
+    return vit_tokens(cfg), dim, dim
+
+
+def _depth(cfg: DictConfig, model: nn.Module) -> int:
+    """The model's attention blocks."""
+    if cfg.model.name == "gpt":
+        from parallel_lab.models.gpt_sizes import gpt_sizes
+
+        return gpt_sizes(cfg.model)["layers"]
     from parallel_lab.strategies.cp.parallelize import blocks
 
-    dim = model.embed.pos.shape[-1]
-    return len(blocks(model)), vit_tokens(cfg), dim, dim
+    return len(blocks(model))
 
 
 # The vit's layers that act on whole images or on the pooled vector, not on a rank's tokens: the

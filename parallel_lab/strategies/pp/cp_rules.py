@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from parallel_lab.errors import ConfigError
-from parallel_lab.strategies.cp.rules import WHOLE_ON_EVERY_CP_RANK, check_context, cp_of, vit_tokens
+from parallel_lab.strategies.cp.rules import (
+    WHOLE_ON_EVERY_CP_RANK,
+    attention_comm,
+    check_context,
+    cp_of,
+    pool_comm,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -100,31 +106,10 @@ def stage_context_comm(cfg: DictConfig, stage: nn.Module, last: bool) -> dict[st
     group, one all-reduce of them (counted 2*4 a parameter)."""
     from parallel_lab.strategies.cp.parallelize import blocks
 
-    cp = cp_of(cfg)
-    if cp < 2:
+    if cp_of(cfg) < 2:
         return {}
-    accum = cfg.trainer.grad_accum
-    batch = cfg.trainer.global_batch // accum // (cfg.strategy.get("replicate") or 1)
-    tokens, dim, kv_dim = _widths(cfg)
-    q, k = (batch * (tokens // cp) * width * 4 for width in (dim, kv_dim))
-    depth = len(blocks(stage))
-    if str(cfg.strategy.cp_impl) == "ring":
-        comm = {"isend": float(accum * depth * 3 * (cp - 1) * 2 * k)}
-    else:
-        comm = {"all_to_all_single": float(accum * depth * 2 * (2 * q + 2 * k))}
-    pool = accum * 2 * batch * dim * 4 if last and cfg.model.name == "vit" else 0
+    replicas = cfg.strategy.get("replicate") or 1
+    comm = attention_comm(cfg, len(blocks(stage)), replicas)
+    pool = pool_comm(cfg, replicas) if last and cfg.model.name == "vit" else 0
     comm["all_reduce"] = float(pool + 2 * 4 * sum(p.numel() for p in stage.parameters()))
     return {op: n for op, n in comm.items() if n}
-
-
-def _widths(cfg: DictConfig) -> tuple[int, int, int]:
-    """(tokens of a sample, query width, key/value width) of the vit or the gpt."""
-    if cfg.model.name == "gpt":
-        from parallel_lab.models.gpt_sizes import gpt_sizes
-
-        s = gpt_sizes(cfg.model)
-        return s["seq"], s["hidden"], s["kv_heads"] * (s["hidden"] // s["heads"])
-    from parallel_lab.models import vit_sizes
-
-    dim = vit_sizes(cfg.model)["dim"]
-    return vit_tokens(cfg), dim, dim
