@@ -129,6 +129,7 @@ def test_measured_profile_round_trip(tmp_path):
         **{f: 1.0 for f in FIELDS},
         "name": "lab",
         "peak_tflops": {"bf16": 2.5, "fp32": 1.5},
+        "attention_efficiency": {"fwd": 0.5, "fwd_causal": 0.4, "bwd": 0.3, "bwd_causal": 0.2},
         "hbm_bytes": 8 << 30,
     }
     values["gpus_per_node"], values["overhead_bytes"] = 4, 1 << 20
@@ -143,6 +144,7 @@ def test_measured_profile_round_trip(tmp_path):
 
     loaded = from_config(yaml.safe_load(text))
     assert loaded.peak_flops("bf16") == 2.5e12 and loaded.hbm_bytes == 8 << 30 and loaded.gpus_per_node == 4
+    assert loaded.attention_efficiency == values["attention_efficiency"]
     del values["link_efficiency"]
     with pytest.raises(ConfigError, match="lacks link_efficiency"):
         write_profile(values, {}, tmp_path / "bad.yaml")

@@ -42,6 +42,7 @@ class OpRecord:
     token_sized: bool = False  # a memory op over (tokens, hidden): replicated under plain tp, split under sp
     attention_core: bool = False  # scores, softmax, weighted sum: what selective recomputation repeats
     name: str = ""  # the aten operator (its overload packet): what a fusion rule matches
+    causal_share: float = 0.0  # a fused kernel's FLOPs run in causal (masked) calls; the rest unmasked
 
     def on_tp_rank(self, tp: int, tokens: int, sequence_parallel: bool) -> OpRecord:
         """This op on one of tp ranks: a GEMM's split dimension (its largest one that is not the
@@ -133,18 +134,17 @@ def fused(ops: tuple[OpRecord, ...], causal: bool) -> tuple[OpRecord, ...]:
     """The block as a fused attention kernel runs it (FlashAttention, Dao et al. arXiv 2205.14135):
     the attention core's products kept as one kernel's FLOPs per phase, its score-sized memory
     traffic (mask, softmax, their backward) gone: the scores never leave the chip. A causal
-    kernel skips the masked half of the score blocks (gpt): half the products' FLOPs are run."""
+    kernel skips the masked half of the score blocks (gpt): half the products' FLOPs are run, all
+    of them in causal calls (``causal_share`` 1: compute.attention_seconds prices them so)."""
     kept = [op for op in ops if not op.attention_core]
     for phase in ("fwd", "bwd"):
         core = [op for op in ops if op.attention_core and op.phase == phase and op.kind != "memory"]
         if core:
             flops = sum(op.flops for op in core) * (0.5 if causal else 1.0)
             first = core[0]
-            kept.append(
-                OpRecord(
-                    "attention", phase, flops, m=first.m, k=first.k, n=first.n, batch=first.batch, attention_core=True
-                )
-            )
+            dims = {"m": first.m, "k": first.k, "n": first.n, "batch": first.batch}
+            share = 1.0 if causal else 0.0
+            kept.append(OpRecord("attention", phase, flops, **dims, attention_core=True, causal_share=share))
     return tuple(kept)
 
 

@@ -1,6 +1,7 @@
 """Each operator's time on one GPU from its shape: a GEMM runs at a share of the dtype's peak that
 falls with each of its dimensions (d / (d + gemm_half_dim): thin GEMMs leave the tensor cores
-idle, tile and wave quantisation), and never faster than HBM can feed it (roofline); every other
+idle, tile and wave quantisation), and never faster than HBM can feed it (roofline); a fused
+attention kernel runs at the rate its own benchmarks report (``attention_seconds``); every other
 operator moves its bytes at ``memory_efficiency`` of the HBM bandwidth."""
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from parallel_lab.plan.cluster.census import OpRecord
 from parallel_lab.plan.cluster.hardware import Hardware
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# FlashAttention's backward recomputes the scores (S = QK^T) from q and k: five products where the
+# census's explicit backward counts four (two per forward product). Its benchmarks count the
+# backward as 2.5x the forward's FLOPs (Dao, arXiv 2307.08691 section 4.1), i.e. 5/4 of ours.
+KERNEL_BACKWARD_FLOPS = 5 / 4
 
 
 def gemm_share(hw: Hardware, m: int, k: int, n: int) -> float:
@@ -24,12 +29,27 @@ def op_seconds(op: OpRecord, hw: Hardware, dtype: str) -> float:
     bandwidth = hw.hbm_gb_per_s * 1e9 * hw.memory_efficiency
     if op.kind == "memory":
         return op.bytes / bandwidth
-    if op.kind == "attention":  # a fused kernel: its products' shape's share of peak, nothing through HBM
-        return op.flops / (hw.peak_flops(dtype) * gemm_share(hw, op.m or 1, op.k or 1, op.n or 1))
+    if op.kind == "attention":
+        return attention_seconds(op, hw, dtype)
     width = DTYPE_BYTES[dtype]
     traffic = op.batch * width * (op.m * op.k + op.k * op.n + op.m * op.n)
     compute = op.flops / (hw.peak_flops(dtype) * gemm_share(hw, op.m, op.k, op.n))
     return max(compute, traffic / bandwidth)
+
+
+def attention_seconds(op: OpRecord, hw: Hardware, dtype: str) -> float:
+    """A fused attention kernel (FlashAttention) priced as its papers measure it, not at the GEMM
+    ceiling: the profile's ``attention_efficiency`` is the kernel's TFLOP/s over the dense peak per
+    phase, unmasked and causal (FlashAttention-2, arXiv 2307.08691; FlashAttention-3, arXiv
+    2407.08608, Figures 5-6: head dim 128, 8k tokens), in the papers' FLOP count: a causal call
+    counts the unmasked half (as the census does), a backward 5/4 of the census's. The share of the
+    op's FLOPs in causal calls (``causal_share``: 1 for one causal kernel, 1/cp on a zig-zag ring
+    rank, whose other hops run unmasked) runs at the causal rate, the rest at the unmasked one;
+    nothing goes through HBM (the scores stay on chip)."""
+    shares = hw.attention_efficiency
+    flops = op.flops * (KERNEL_BACKWARD_FLOPS if op.phase == "bwd" else 1.0)
+    per_flop = op.causal_share / shares[f"{op.phase}_causal"] + (1.0 - op.causal_share) / shares[op.phase]
+    return flops * per_flop / hw.peak_flops(dtype)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ ranks, which read the same samples and average their gradients with the data-par
 - Compute (``rank_ops``): every GEMM and elementwise operator of the block runs on the rank's
   tokens/cp; the attention core on its queries against every key. Under the load-balanced causal
   ring (the zig-zag layout of strategies/cp/causal.py: rank r holds chunks r and 2cp-1-r of 2cp)
-  a fused kernel skips the masked tiles, so each rank runs 1/cp of the causal work; the model's
+  a fused kernel skips the masked tiles, so each rank runs 1/cp of the causal work, 1/cp of that
+  in its own block's causal call and the rest in the other hops' unmasked ones; the model's
   explicit products run 3 of the 4 chunk pairs of its own block and half of every other block's,
   (2cp + 1)/(4cp^2) of the full square. Ulysses (arXiv 2309.14509) gives each rank heads/cp heads
   of whole sequences: 1/cp either way.
@@ -93,7 +94,12 @@ def _on_rank(op: OpRecord, cp: int, impl: str, tokens: int, seq: int, fused: boo
     if impl in ULYSSES:  # heads/cp heads of whole sequences
         return dataclasses.replace(op, batch=max(1, op.batch // cp), flops=op.flops * share, bytes=op.bytes * share)
     dims = [d // cp if d == seq else d for d in (op.m, op.k, op.n)]  # one hop: a block of queries x keys
-    return dataclasses.replace(op, m=dims[0], k=dims[1], n=dims[2], flops=op.flops * share, bytes=op.bytes * share)
+    # A fused kernel's causal call is the rank's own block (2 of its 2cp chunk pairs' work); every
+    # other hop attends to half a block unmasked: 1/cp of the rank's work runs causal.
+    causal = op.causal_share / cp if fused else op.causal_share
+    return dataclasses.replace(
+        op, m=dims[0], k=dims[1], n=dims[2], flops=op.flops * share, bytes=op.bytes * share, causal_share=causal
+    )
 
 
 def rank_ops(ops: tuple[OpRecord, ...], shape: ModelShape, micro: int, cp: int, impl: str) -> tuple[OpRecord, ...]:

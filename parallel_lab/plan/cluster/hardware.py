@@ -27,6 +27,9 @@ class Hardware:
     inter_node_latency_us: float
     gemm_efficiency: float  # a large GEMM's share of peak
     gemm_half_dim: float  # dimension d runs at d / (d + gemm_half_dim) of it
+    # A fused attention kernel's share of peak per phase, unmasked (fwd, bwd) and causal
+    # (fwd_causal, bwd_causal), in FlashAttention's FLOP count (compute.attention_seconds)
+    attention_efficiency: dict[str, float]
     memory_efficiency: float  # share of HBM bandwidth elementwise kernels reach
     link_efficiency: float  # collectives' bus bandwidth as a share of the link
     overhead_bytes: int  # context, workspaces, communication buffers
@@ -64,7 +67,23 @@ def from_config(node: DictConfig | dict) -> Hardware:
         )
     known = {k: data[k] for k in FIELDS}
     known["peak_tflops"] = {str(k): float(v) for k, v in known["peak_tflops"].items()}
+    known["attention_efficiency"] = _attention_shares(data.get("name", "?"), known["attention_efficiency"])
     return Hardware(**known, extra={k: v for k, v in data.items() if k not in FIELDS})
+
+
+ATTENTION_PHASES = ("fwd", "fwd_causal", "bwd", "bwd_causal")
+
+
+def _attention_shares(name: str, value) -> dict[str, float]:
+    """The four shares of ``attention_efficiency``; a missing or non-positive one is one line."""
+    shares = dict(value) if isinstance(value, dict) else {}
+    bad = [k for k in ATTENTION_PHASES if not isinstance(shares.get(k), (int, float)) or shares[k] <= 0]
+    if bad:
+        raise ConfigError(
+            f"plan.hardware={name} attention_efficiency lacks a positive {bad[0]}; "
+            f"set plan.hardware.attention_efficiency.{bad[0]}=<share of peak> (one of {', '.join(ATTENTION_PHASES)})"
+        )
+    return {k: float(shares[k]) for k in ATTENTION_PHASES}
 
 
 def profile_path(name: str) -> Path:
