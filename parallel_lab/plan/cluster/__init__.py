@@ -9,7 +9,8 @@ One module per concern, each citing its paper (docs/cluster.md):
 - ``hardware``: the profile (conf/hardware/<name>.yaml, ``plan.hardware``) and its overrides;
 - ``shape``: the transformer's sizes, its parameters and model FLOPs;
 - ``census``: every operator of one real block, forward and backward, counted on the meta device;
-- ``compute``: each operator's time from its shape (GEMM efficiency as a function of M, N, K);
+- ``compute``: each operator's time from its shape (GEMM efficiency as a function of M, N, K; a fused
+  attention kernel at FlashAttention's measured rates, arXiv 2307.08691 and 2407.08608);
 - ``comm``: each collective priced over the topology (which groups stay inside a node);
 - ``memory``: per-GPU model state (ZeRO, arXiv 1910.02054) and activations (Korthikanti et al.,
   arXiv 2205.05198, Table 2);
