@@ -12,11 +12,10 @@ import torch.distributed as dist
 
 from parallel_lab.data.tokens import markov_tokens
 from parallel_lab.models import build_meta_model, build_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.strategies.cp.parallelize import parallelize
 from tests.support.activations import balanced_routing
 from tests.support.fsdp_tp import add_bytes, hybrid_checks
-from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0
+from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0, shared_plans
 from tests.support.reference import GPT_MOE, GPT_SIZES, parity_reference
 
 
@@ -88,7 +87,7 @@ def check_gpt(cfg, strategy, metrics, rank: int, label: str, reference: str) -> 
     ddp = cfg.strategy.name == "ddp"
     gap = gpt_gradient_gap(cfg, strategy, full) if ddp else 0.0
     meta = build_meta_model(cfg.model)
-    plan = plan_world(cfg, type(strategy), meta)[rank]
+    plan = shared_plans(cfg, type(strategy), meta)[rank]
     if ddp:
         model = strategy.model.module
     else:  # FSDP2 saves its all-gathered weights too (no activations): the cp gpt unwrapped
@@ -130,7 +129,7 @@ def check_gpt_ep(cfg, strategy, metrics, rank: int, label: str, reference: str) 
     copies, the activations a forward saves on each rank the planned ones."""
     full = strategy.state.full_parameters()
     theory = strategy.experts.theory_bytes_per_step()
-    plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
+    plan = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))[rank]
     model = strategy.model.module  # DDP's: its forward exchanges tokens (collective)
     model.train()
     with balanced_routing():  # the planner's equal share; what a rank's experts save depends on it

@@ -13,11 +13,10 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
 from tests.support.activations import saved_beside_sharded_parameters
 from tests.support.bodies.cp_gpt import cp_gpt_bytes, saved_bytes_of_a_real_loss
 from tests.support.bodies.tp_gpt import _whole_model, vocab_parallel_bytes
-from tests.support.model_parallel import assert_state_as_planned, judge_gpt_on_rank0
+from tests.support.model_parallel import assert_state_as_planned, judge_gpt_on_rank0, shared_plans
 from tests.support.reference import GPT_SIZES
 
 # Megatron's split of the gpt (tp/vocab.py): layers whose weight (and bias) rank r holds 1/tp of,
@@ -63,7 +62,7 @@ def check_gpt_cp_tp(cfg, strategy, metrics, rank: int, label: str, reference: st
     strategy.model.eval()
     predicted = strategy.predict(ids)  # the cp ranks' tokens, then the tp ranks' vocabulary columns, gathered
     meta = build_meta_model(cfg.model)
-    plan = plan_world(cfg, type(strategy), meta)[rank]
+    plan = shared_plans(cfg, type(strategy), meta)[rank]
     strategy.model.train()
     measured_activations = saved_bytes_of_a_real_loss(strategy, strategy.model, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
@@ -114,7 +113,7 @@ def check_gpt_fsdp_cp_tp(cfg, strategy, metrics, rank: int, label: str, referenc
     strategy.model.eval()
     predicted = strategy.predict(ids)
     meta = build_meta_model(cfg.model)
-    plan = plan_world(cfg, type(strategy), meta)[rank]
+    plan = shared_plans(cfg, type(strategy), meta)[rank]
     strategy.model.train()
     measured_activations = saved_bytes_of_a_sharded_loss(strategy, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"

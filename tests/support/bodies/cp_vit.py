@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from parallel_lab.data.synthetic import make_synthetic
 from parallel_lab.models import build_meta_model, build_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
 from parallel_lab.strategies.cp.parallelize import parallelize_vit
 from tests.support.bodies.cp_gpt import check_gpt, check_gpt_ep, gradient_gap_on
@@ -18,7 +17,7 @@ from tests.support.bodies.cp_tp_gpt import check_gpt_cp_tp, check_gpt_fsdp_cp_tp
 from tests.support.bodies.tp_vit import saved_bytes_of_a_real_forward, saved_bytes_of_a_sharded_forward
 from tests.support.fsdp_tp import add_bytes, fsdp_tp_bytes, fsdp_tp_state, hybrid_checks
 from tests.support.matrix import judge_each
-from tests.support.model_parallel import DATA_SIZE
+from tests.support.model_parallel import DATA_SIZE, shared_plans
 from tests.support.reference import vit_reference
 
 TOKENS, DIM, DEPTH = 64, 64, 4  # the default vit: patch 4 on 32x32 images
@@ -54,7 +53,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     full = strategy.state.full_parameters()
     gap = gradient_gap(cfg, strategy, full) if cfg.strategy.name == "ddp" else 0.0
     meta = build_meta_model(cfg.model)
-    plan = plan_world(cfg, type(strategy), meta)[rank]
+    plan = shared_plans(cfg, type(strategy), meta)[rank]
     model = getattr(strategy.model, "module", strategy.model)  # DDP's module
     tp = cfg.strategy.get("tp", 1)
     if tp > 1:  # the real 2-D forward: FSDP2's gathered weights are parameters while they are registered

@@ -10,9 +10,14 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
-from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0, reference_accuracy
+from tests.support.model_parallel import (
+    DATA_SIZE,
+    assert_state_as_planned,
+    judge_gpt_on_rank0,
+    reference_accuracy,
+    shared_plans,
+)
 from tests.support.reference import GPT_SIZES, vit_reference
 
 VIT = {"tokens": 64, "hidden": 64, "kv": 64}  # the default vit: patch 4 on 32x32 images
@@ -49,7 +54,7 @@ def check_pp_cp(cfg, strategy, metrics, rank: int, label: str, reference: str | 
     everyone: list = [None] * world
     dist.all_gather_object(everyone, metrics.losses)
     full = strategy.state.full_parameters()
-    plans = plan_world(cfg, type(strategy), build_meta_model(cfg.model))
+    plans = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     if cfg.model.name == "gpt":
         judge_gpt_on_rank0(cfg, metrics, full, rank, label, reference)

@@ -19,8 +19,7 @@ from parallel_lab.checkpoint import Checkpointer
 from parallel_lab.checkpoint.full_state import consolidate
 from parallel_lab.comm.dist_env import read_dist_env
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
-from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0
+from tests.support.model_parallel import DATA_SIZE, assert_state_as_planned, judge_gpt_on_rank0, shared_plans
 from tests.support.reference import GPT_SIZES, MODELS, parity_reference
 
 TIED = "embed.tokens.weight"
@@ -73,7 +72,7 @@ def check_pp_tied(cfg, strategy, metrics, rank: int, label: str, reference: str)
     full = [p.clone() for p in strategy.state.full_parameters()]  # (views of the live weights here)
     copies: list = [None] * world
     dist.all_gather_object(copies, embedding_copy(strategy))
-    plans = plan_world(cfg, type(strategy), build_meta_model(cfg.model))
+    plans = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))
     names, saved, shifted, loaded = reshard_round_trip(cfg, strategy)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     first, last = copies[0], copies[-1]
@@ -132,7 +131,7 @@ def check_pp_tied_replicas(cfg, strategy, metrics, rank: int, label: str) -> Non
     full = [p.clone() for p in strategy.state.full_parameters()]
     copies: list = [None] * world
     dist.all_gather_object(copies, embedding_copy(strategy))
-    plans = plan_world(cfg, type(strategy), build_meta_model(cfg.model))
+    plans = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     ends = [c for c in copies if c is not None]
     assert len(ends) == 2 * cfg.strategy.replicate, (label, "both ends of every pipeline hold the embedding")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
 from tests.support.bodies.pp_cp import check_pp_cp
 from tests.support.bodies.pp_gpt import check_pp_tied_replicas
 from tests.support.matrix import judge_each
-from tests.support.model_parallel import DATA_SIZE, reference_accuracy
+from tests.support.model_parallel import DATA_SIZE, reference_accuracy, shared_plans
 from tests.support.reference import vit_reference
 
 
@@ -22,7 +21,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     everyone: list = [None] * world
     dist.all_gather_object(everyone, metrics.losses)
     full = strategy.state.full_parameters()  # collective: tp shards gathered, stages gathered
-    plans = plan_world(cfg, type(strategy), build_meta_model(cfg.model))
+    plans = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
     # each rank holds its own stage's tp shard: fewer parameters than the whole stage
     local = [p.numel() for p in strategy.model.parameters()]

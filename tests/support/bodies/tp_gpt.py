@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
 from tests.support.bodies.pp_gpt import check_pp_tied
 from tests.support.matrix import judge_each
-from tests.support.model_parallel import DATA_SIZE
+from tests.support.model_parallel import DATA_SIZE, shared_plans
 from tests.support.reference import GPT_RUN, GPT_SIZES, MODELS, parity_reference
 
 
@@ -75,7 +74,7 @@ def check(cfg, strategy, metrics, rank: int, label: str, reference: str) -> None
     ids = torch.randint(0, GPT_SIZES["vocab"], (4, GPT_SIZES["seq"]), generator=torch.Generator().manual_seed(3))
     strategy.model.eval()
     predicted = strategy.predict(ids)  # every rank's vocabulary columns gathered
-    plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
+    plan = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))[rank]
     strategy.model.train()
     measured_activations = saved_bytes_of_a_real_loss(strategy, plan.micro_batch, GPT_SIZES["seq"])
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"

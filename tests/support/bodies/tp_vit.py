@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 
 from parallel_lab.models import build_meta_model
-from parallel_lab.plan.predict import plan_world
 from parallel_lab.report.parity import Replicas
 from tests.support.matrix import judge_each
-from tests.support.model_parallel import DATA_SIZE
+from tests.support.model_parallel import DATA_SIZE, shared_plans
 from tests.support.reference import vit_reference
 
 
@@ -97,7 +96,7 @@ def check(cfg, strategy, metrics, rank: int, label: str) -> None:
     everyone: list = [None] * world
     dist.all_gather_object(everyone, metrics.losses)
     full = strategy.state.full_parameters()
-    plan = plan_world(cfg, type(strategy), build_meta_model(cfg.model))[rank]
+    plan = shared_plans(cfg, type(strategy), build_meta_model(cfg.model))[rank]
     strategy.model.train()
     measured_activations = saved_bytes_of_a_real_forward(strategy, plan.micro_batch)
     assert all(x == everyone[0] for x in everyone), f"[{label}] ranks disagree on losses: {everyone}"
