@@ -42,7 +42,8 @@ def test_every_run_idles_its_formula_or_its_replay_and_zero_bubble_at_most_1f1bs
     here), every stage's measured idle is within FORMULA_GOAL of it; elsewhere (the stages
     computed unequally in the run, or ops ran faster beside an idle neighbour: a cut made
     beforehand cannot control either) within REPLAY_GOAL of the replay with measured hand-offs,
-    which plays the schedule's orders (schedules.rank_orders), not the loop's. Zero bubble idles
+    which plays the schedule's orders (schedules.rank_orders; zero bubble's built from the
+    parent's per-stage passes, pp/zb_orders.py, as every rank builds it), not the loop's. Zero bubble idles
     at most 1F1B's on every stage at each m, or above it by no more than its replay of compute is
     above 1F1B's (the ranks' compute differs in the run, pass by pass and in total; strictly per
     stage, two of four unplanted runs failed at m = 8: 0.145 against 0.139, replays 0.131 against

@@ -132,3 +132,17 @@ def test_stage_passes_sum_each_stages_blocks_of_the_time_cut_and_no_passes_run_z
 )
 def test_bad_pass_times_are_one_config_error(overrides, named):
     assert_one_line_config_error("pp", overrides, named)
+
+
+def test_time_balance_measures_zero_bubbles_passes_in_the_parent_and_only_its():
+    """balance=time under zero bubble (manual): the parent's one measurement gives the block times
+    (the cut) and each block's F, B, W (the order), written into the config every rank reads;
+    block times given by hand measure nothing, and give no pass times (ZB-H1's order runs)."""
+    zb = compose_config(
+        "strategy=pp", "strategy.balance=time", "strategy.schedule=zero_bubble", "trainer.global_batch=8"
+    )
+    passes = [list(t) for t in zb.strategy.pass_times]
+    assert len(passes) == len(zb.strategy.block_times) == 5 and all(f > 0 and b > 0 and w > 0 for f, b, w in passes)
+    assert zb_orders.stage_passes(zb.strategy) is not None
+    given = ["strategy.balance=time", "strategy.block_times=[1.0,1.0,1.0,1.0,1.0]", "trainer.global_batch=8"]
+    assert list(compose_config("strategy=pp", "strategy.schedule=zero_bubble", *given).strategy.pass_times) == []

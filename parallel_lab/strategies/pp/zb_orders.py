@@ -51,9 +51,10 @@ def greedy_orders(
     m: int, p: int, passes: Passes, limit: int, b_first: bool = True, gap: float = 0.0, handoff: float = 0.0
 ) -> list[list[Op]]:
     """The stages' orders from a list-scheduling play: the stage with the earliest clock chooses
-    its next op (B or F whose input has arrived, ``b_first`` deciding a tie; else a pending W if
-    no input can arrive within ``gap`` W of now; else it waits for the earliest input, once that
-    is known). A forward is allowed while fewer than ``limit`` micro-batches wait for their W."""
+        its next op (B or F whose input has arrived, ``b_first`` deciding a tie; else a pending W if
+        no input can arrive within ``gap`` W of now; else it waits for the earliest input, once that
+        is known). A forward is allowed while fewer than ``limit`` micro-batches are between their F
+    and their W on the stage."""
     stages = [_Stage(m) for _ in range(p)]
     for _ in range(3 * m * p):
         left = sorted((r for r in range(p) if len(stages[r].order) < stages[r].total), key=lambda r: (stages[r].t, r))
