@@ -143,6 +143,8 @@ def bubbles_body(rank: int, world_size: int, runs: dict, steps: int, micro_batch
             idle, theory = extras["pp_idle_fraction"], extras["pp_bubble_fraction_theory"]
             row = {"run": key, "idle": idle, "theory": theory, "replay": replay_of(extras)}
             row["replay_handoffs"] = replay_of(extras, handoffs=True)
+            if extras["pp_schedule"] == "zero_bubble" and extras["pp_virtual_stages"] == 1:
+                row["replay_1f1b_order"] = replay_as_1f1b(extras)
             row["handoff"] = [extras[f"pp_handoff_{k}"] for k in ("latency_s", "op_overhead_s")]
             row["passes"], row["pass_s"] = pass_formula(extras)
             row["compute_s"] = [m * sum(ops.values()) for ops in extras["pp_op_seconds"]]
@@ -205,6 +207,27 @@ def planned_orders(p: int, ms: list[int], times: dict) -> str:
     return "\n".join(lines)
 
 
+def replay_as_1f1b(extras: dict) -> list[float]:
+    """A zero bubble run's compute replayed in 1F1B's order (each B and its W one backward, each
+    op's own measured compute, hand-offs free): beside the run's own replay of compute, what its
+    order gained over 1F1B's at the same compute, whatever the other runs computed."""
+    from parallel_lab.strategies.pp.handoffs import compute_only
+    from parallel_lab.strategies.pp.schedules import replay_idle_steps
+
+    def merged(compute: dict[str, float]) -> dict[str, float]:
+        out = {k: s for k, s in compute.items() if not k.startswith("W")}
+        for key, s in compute.items():
+            if key.startswith("W"):
+                out["B" + key[1:]] = out.get("B" + key[1:], 0.0) + s
+        return out
+
+    p, m = extras["pp_stages"], extras["pp_microbatches"]
+    ops = [[merged(step) for step in rank] for rank in extras["pp_op_seconds_steps"]]
+    steps = compute_only(extras["pp_handoff_steps"])
+    costs = [[{**c, "compute": merged(c["compute"])} for c in rank] for rank in steps]
+    return replay_idle_steps("1f1b", m, p, 1, ops, costs)
+
+
 def cut(times: list[float], p: int) -> str:
     """Where balance=time cuts these block times into p stages, and each stage's sum (ms)."""
     from parallel_lab.strategies.pp.plan import balanced_cuts
@@ -251,6 +274,9 @@ def main(argv: list[str]) -> int:
     print(render(rows))
     print(NOTE)
     print(zero_bubble_vs_1f1b(rows))
+    for r in (r for r in rows if "replay_1f1b_order" in r):
+        replays = " vs ".join(" / ".join(f"{f:.3f}" for f in r[k]) for k in ("replay", "replay_1f1b_order"))
+        print(f"zero bubble m={r['m']}: its order vs 1F1B's at its own measured compute, replayed: {replays}")
     print(last_line(rows))
     print("\nper schedule, its stage farthest from the formula (gap = passes + compute + hand-offs + rest):")
     print(by_schedule(rows))
