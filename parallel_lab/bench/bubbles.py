@@ -4,8 +4,9 @@ Pipeline bubbles measured: the vit (depth 8, equal blocks) cut into stages balan
 time (``strategy.balance=time``: every block timed once here, in the parent, as its stage runs it --
 zero bubble's B and W, the embedding, the head with the loss; pp/timing.py) on p real gloo ranks,
 trained through the real loop for every schedule of the manual loop -- gpipe, 1f1b,
-interleaved_1f1b with v = 2 and zero_bubble (ZB-H1, one chunk per rank: backward split into input-
-and weight-gradient passes) -- at m micro-batches. Each stage's measured idle share of its step (metrics.json's
+interleaved_1f1b with v = 2 and zero_bubble (one chunk per rank, backward split into input- and
+weight-gradient passes, its order built from the parent's per-stage F, B, W: pp/zb_orders.py) --
+at m micro-batches. Each stage's measured idle share of its step (metrics.json's
 ``pp_idle_fraction``: step minus the stage's timed forward and backward calls, the median step
 after warm-up; docs/pp.md "Idle: how it is measured") beside the formula (``pp_bubble_fraction_theory``):
 (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) zero bubble, which
@@ -55,7 +56,7 @@ SCHEDULES = {  # label -> strategy.* overrides
     "gpipe": ["schedule=gpipe"],
     "1f1b": ["schedule=1f1b"],
     "interleaved_1f1b v=2": ["schedule=interleaved_1f1b", "virtual_stages=2"],
-    "zero_bubble": ["schedule=zero_bubble"],  # ZB-H1 in the manual loop (pp/zero_bubble.py)
+    "zero_bubble": ["schedule=zero_bubble"],  # the manual loop: order built from the passes (pp/zb_orders.py)
 }
 RUN = ["model=vit", "model.depth=8", "trainer.eval_batches=0", "trainer.warmup_steps=2", "trainer.threads_per_rank=1"]
 TIME_REPEATS = 15  # the bench's block timing: a median of 15 (balance=time's default 5 moves the cut under load)
