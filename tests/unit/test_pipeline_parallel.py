@@ -260,12 +260,17 @@ def test_flops_balance_evens_out_the_cnns_compute_as_far_as_its_blocks_allow():
 
 def test_time_balance_is_measured_once_in_the_parent_and_cuts_by_it():
     """balance=time: validation (the parent) measures every block and writes the times into the
-    config the ranks read; the cut is the balanced one of those times."""
+    config the ranks read; the cut is the balanced one of those times. Zero bubble: the same
+    measurement's per-block F, B, W too (strategy.pass_times, its order's input: pp/zb_orders.py)."""
     from tests.support.model_parallel import compose_config
 
-    cfg = compose_config("strategy=pp", "model=vit", "strategy.balance=time", "trainer.global_batch=8")
+    cfg = compose_config(
+        "strategy=pp", "model=vit", "strategy.balance=time", "strategy.schedule=zero_bubble", "trainer.global_batch=8"
+    )
     times = list(cfg.strategy.block_times)
     assert len(times) == 6 and min(times) > 0
+    passes = [list(t) for t in cfg.strategy.pass_times]
+    assert len(passes) == 6 and all(f > 0 and b > 0 and w > 0 for f, b, w in passes[1:-1]), passes
     from parallel_lab.strategies.pp.rules import chunk_names, meta_model
 
     expected = plan_stages(meta_model(cfg), 2, [], times)

@@ -48,13 +48,36 @@ def check_balance(opts: DictConfig, cfg: DictConfig) -> None:
         raise ConfigError(
             f"strategy.block_times is for strategy.balance=time (balance={opts.balance}); drop strategy.block_times"
         )
+    check_pass_times(opts, blocks)
     if str(opts.balance) == "time" and not opts.cuts:
         if not opts.block_times:
-            from parallel_lab.strategies.pp.timing import measure_block_times
+            from parallel_lab.strategies.pp.timing import measure_pass_times, splits_backward
 
-            opts.block_times = measure_block_times(cfg)
+            opts.block_times, passes = measure_pass_times(cfg)
+            if splits_backward(opts) and not opts.pass_times:  # zero bubble's order is built from them
+                opts.pass_times = passes
         if len(opts.block_times) != blocks or min(opts.block_times) <= 0:
             raise ConfigError(
                 f"strategy.block_times={list(opts.block_times)} must hold {blocks} positive seconds, one per block; "
                 "drop it to measure them (strategy.balance=time)"
             )
+
+
+def check_pass_times(opts: DictConfig, blocks: int) -> None:
+    """``strategy.pass_times`` (zero bubble's per-block F, B, W, pp/zb_orders.py): only where the
+    manual loop runs zero bubble cut by time, one [F, B, W] of seconds per block, F and B positive."""
+    times = [list(t) for t in opts.get("pass_times") or []]
+    if not times:
+        return
+    runs = str(opts.schedule) == "zero_bubble" and str(opts.impl) == "manual" and str(opts.balance) == "time"
+    if not runs or opts.cuts:
+        raise ConfigError(
+            "strategy.pass_times is for strategy.schedule=zero_bubble strategy.impl=manual strategy.balance=time "
+            f"without strategy.cuts (schedule={opts.schedule}, impl={opts.impl}, balance={opts.balance}, "
+            f"cuts={list(opts.cuts)}); drop strategy.pass_times"
+        )
+    if len(times) != blocks or any(len(t) != 3 or min(t[:2]) <= 0 or t[2] < 0 for t in times):
+        raise ConfigError(
+            f"strategy.pass_times={times} must hold {blocks} [F, B, W] seconds, one per block, F and B > 0, "
+            "W >= 0; drop it (with strategy.block_times) to measure them"
+        )

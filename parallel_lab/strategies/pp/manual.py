@@ -26,7 +26,8 @@ from parallel_lab.comm.counter import trace_label
 from parallel_lab.models.dropout import SampleDropout
 from parallel_lab.protocol import IDLE_LABEL
 from parallel_lab.strategies.pp import handoffs
-from parallel_lab.strategies.pp.schedules import SCHEDULES, SPLIT_BACKWARD
+from parallel_lab.strategies.pp.schedules import SPLIT_BACKWARD
+from parallel_lab.strategies.pp.zb_orders import run_orders
 from parallel_lab.strategies.pp.zero_bubble import DeferredWeights
 from parallel_lab.strategies.precision import as_compute
 
@@ -40,7 +41,7 @@ class ManualLoop:
         self.pipe = pipe
         o = pipe.opts
         self.m, self.p, self.n = o.microbatches, o.stages, o.stages * o.virtual_stages
-        self.order = SCHEDULES[str(o.schedule)](self.m, self.p, pipe.stage, o.virtual_stages)
+        self.order = run_orders(o)[pipe.stage]  # zero bubble with measured passes: built from them
         self.keys = next((mod.keys for mod in pipe.model.modules() if isinstance(mod, SampleDropout)), None)
         self.max_inflight = 0
         self.late = 0  # receives posted only as their own op began (none: all at the step's start)

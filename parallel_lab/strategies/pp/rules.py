@@ -42,6 +42,7 @@ from parallel_lab.strategies.pp.cp_rules import (
 from parallel_lab.strategies.pp.cuts import check_cut, config_blocks
 from parallel_lab.strategies.pp.model_rules import check_bf16
 from parallel_lab.strategies.pp.schedules import INTERLEAVED, SCHEDULES, peak_in_flight, rank_orders
+from parallel_lab.strategies.pp.zb_orders import run_orders
 from parallel_lab.strategies.registry import register_rules
 
 if TYPE_CHECKING:
@@ -88,6 +89,9 @@ class PPOptions(ContextOptions, StrategyOptions):
     balance: Balance = Balance["flops"]
     # balance=time: each block's forward+backward seconds, measured in the parent when left [] (pp/timing.py)
     block_times: list[float] = field(default_factory=list)
+    # balance=time, zero_bubble, manual: each block's [F, B, W] seconds, measured with block_times when
+    # both are left []; zero bubble's order is built from them per stage (pp/zb_orders.py)
+    pass_times: list[list[float]] = field(default_factory=list)
     # names of the blocks that start chunks 2..p*v, e.g. [fc1]; [] = cut by strategy.balance
     cuts: list[str] = field(default_factory=list)
     # tensor-parallel degree inside each stage (vit, impl=manual: Megatron's split of its blocks,
@@ -302,7 +306,7 @@ class PPPlan(PlanRules):
                 (split_meta_stage(cfg, chunks[g], rank), tuple(shapes[g][1:]), g == len(chunks) - 1) for g in mine
             ]
             split = [_split_bytes(_refs(chunk), mb, shape, last) for chunk, shape, last in stage_chunks]
-            return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk, split), mb
+            return peak_in_flight(run_orders(o)[stage], per_chunk, split), mb  # the order the loop runs
         if schedule == "zero_bubble":  # torch's: counted as interleaved 1F1B, an upper bound
             schedule = "interleaved_1f1b"
         return peak_in_flight(rank_orders(schedule, m, p, v)[stage], per_chunk), mb

@@ -160,11 +160,14 @@ def replay_idle(
     op_seconds: list[dict[str, float]],
     handoff: float = 0.0,
     costs: Sequence[dict] | None = None,
+    orders: list[list[Op]] | None = None,
 ) -> list[float]:
     """Each rank's idle share of the step its order would take with the compute the run measured
     (``pp_op_seconds``: per rank, "F3" -> the mean seconds of a forward of global chunk 3, B and
     W likewise), ``handoff`` seconds per crossing and each rank's measured hand-off ``costs``
-    (``play``): the bubble of this run's own chunks, where the formula assumes equal ones."""
+    (``play``): the bubble of this run's own chunks, where the formula assumes equal ones.
+    ``orders``: the ranks' orders where the run built them (zero bubble, pp/zb_orders.py), else the
+    schedule's."""
     seconds = {k: v for rank in op_seconds for k, v in rank.items()}
     n = p * v
 
@@ -172,7 +175,8 @@ def replay_idle(
         return [seconds.get(f"{op}{g}", 0.0) for g in range(n)]
 
     split = schedule == "zero_bubble" and v == 1
-    step, busy = play(rank_orders(schedule, m, p, v), of("F"), of("B"), of("W") if split else None, handoff, costs)
+    orders = orders if orders is not None else rank_orders(schedule, m, p, v)
+    step, busy = play(orders, of("F"), of("B"), of("W") if split else None, handoff, costs)
     # measured costs: each rank's step from its own start to its own end (pp/handoffs.py)
     ends = [(c.get("start", 0.0), step + c.get("flush", 0.0)) for c in costs] if costs else [(0.0, step)] * p
     return [(end - start - b) / (end - start) for (start, end), b in zip(ends, busy)]
@@ -186,6 +190,7 @@ def replay_idle_steps(
     op_seconds_steps: list[list[dict[str, float]]],
     costs_steps: list[list[dict]] | None = None,
     handoff: float = 0.0,
+    orders: list[list[Op]] | None = None,
 ) -> list[float]:
     """``replay_idle`` of every measured step with that step's own compute per op
     (``pp_op_seconds_steps``: per rank, per step) and, if given, its own hand-off costs
@@ -193,7 +198,9 @@ def replay_idle_steps(
     step's per rank: the same statistic as the measured ``pp_idle_fraction``, so an op slowed by
     another process in one step is replayed in that step only."""
     costs = zip(*costs_steps) if costs_steps is not None else [None] * len(op_seconds_steps[0])
-    steps = [replay_idle(schedule, m, p, v, list(ops), handoff, c) for ops, c in zip(zip(*op_seconds_steps), costs)]
+    steps = [
+        replay_idle(schedule, m, p, v, list(ops), handoff, c, orders) for ops, c in zip(zip(*op_seconds_steps), costs)
+    ]
     return [statistics.median(s[r] for s in steps) for r in range(p)]
 
 

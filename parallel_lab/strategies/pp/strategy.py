@@ -73,6 +73,7 @@ from parallel_lab.strategies.pp.tensor import (
 )
 from parallel_lab.strategies.pp.tied import EMBED, embedding_group, make_copy, sum_tied_gradients
 from parallel_lab.strategies.pp.torch_pipe import torch_schedule, torch_waits_traced_as_idle
+from parallel_lab.strategies.pp.zb_orders import stage_passes
 from parallel_lab.strategies.precision import Bf16Compute, as_compute
 from parallel_lab.strategies.registry import register
 from parallel_lab.strategies.tp.megatron import TPGroup, sequence_parallel_params
@@ -325,6 +326,8 @@ class PipelineParallelStrategy(Bf16Compute, Strategy):
             "pp_balance": str(o.balance),
             "pp_block_costs": block_costs(meta_model(self.cfg), str(o.balance), list(o.block_times)),
             "pp_block_times_s": list(o.block_times) or None,  # balance=time: measured in the parent
+            # zero bubble with pass times: each stage's (F, B, W) its order was built from (pp/zb_orders.py)
+            "pp_stage_passes_s": stage_passes(o),
             "pp_chunk_layers": self.chunk_names,
             "pp_stage_layers": [st["layers"] for st in stages],
             "pp_stage_params": [st["params"] for st in stages],

@@ -51,12 +51,30 @@ def class_loss(out: torch.Tensor) -> torch.Tensor:
 def time_blocks(
     blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int = REPEATS, split: bool = False, loss: Loss | None = None
 ) -> list[float]:
-    """Median seconds of one forward and backward of ``x``'s batch through each of ``blocks`` (run
-    in order: each block's input is the one before's output; the first computes no input
-    gradient, as in the model). ``split``: each backward is B then W (``DeferredWeights``), both
-    timed; ``loss``: applied to the last block's output inside its timed forward. Timed
-    round-robin, every block once per repetition after one untimed pass: load that drifts during
-    the measurement (another process taking the core, as on a shared machine) then lands on every
+    """Median seconds of one forward and backward of ``x``'s batch through each of ``blocks``
+    (``time_passes``' samples, each repetition's passes summed)."""
+    return [statistics.median(sum(r) for r in s) for s in _samples(blocks, x, repeats, split, loss)]
+
+
+def time_passes(
+    blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int = REPEATS, split: bool = True, loss: Loss | None = None
+) -> tuple[list[float], list[list[float]]]:
+    """Each block's median total (``time_blocks``) and its median F, B and W seconds (W 0 unless
+    ``split``): zero bubble's order is built from the latter (pp/zb_orders.py), the cut from the former."""
+    samples = _samples(blocks, x, repeats, split, loss)
+    totals = [statistics.median(sum(r) for r in s) for s in samples]
+    return totals, [[statistics.median(r[k] for r in s) for k in range(3)] for s in samples]
+
+
+def _samples(
+    blocks: Sequence[nn.Module], x: torch.Tensor, repeats: int, split: bool, loss: Loss | None
+) -> list[list[tuple[float, float, float]]]:
+    """Per block, per repetition: the seconds of its forward, its backward (B) and its W (0 unless
+    ``split``: the backward is B then W, ``DeferredWeights``); ``loss``: applied to the last
+    block's output inside its timed forward. Blocks run in order, each one's input the one
+    before's output, the first computing no input gradient (as in the model). Timed round-robin,
+    every block once per repetition after one untimed pass: load that drifts during the
+    measurement (another process taking the core, as on a shared machine) then lands on every
     block alike, where block by block it lands on whichever block is being timed and skews the cut
     (docs/pp.md)."""
     inputs = []
@@ -65,34 +83,45 @@ def time_blocks(
             inputs.append(x)
             x = block(x)
     deferred = [DeferredWeights(block) if split else None for block in blocks]
-    samples: list[list[float]] = [[] for _ in blocks]
+    samples: list[list[tuple[float, float, float]]] = [[] for _ in blocks]
     for repeat in range(repeats + 1):
         for k, (block, inp) in enumerate(zip(blocks, inputs)):
             inp = inp.detach().requires_grad_(k > 0)
-            start = time.perf_counter()
+            marks = [time.perf_counter()]
             out = block(inp)
             if loss is not None and k == len(blocks) - 1:
                 out = loss(out)
-            _backward(out, deferred[k])
+            marks.append(time.perf_counter())
+            _backward(out, deferred[k], marks)
             if repeat:
-                samples[k].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
+                samples[k].append(tuple(b - a for a, b in zip(marks, marks[1:])))
+    return samples
 
 
-def _backward(out: torch.Tensor, deferred: DeferredWeights | None) -> None:
-    """The block's backward as the loop runs it: one pass, or B (weight GEMMs put aside) then W."""
+def _backward(out: torch.Tensor, deferred: DeferredWeights | None, marks: list[float]) -> None:
+    """The block's backward as the loop runs it: one pass, or B (weight GEMMs put aside) then W;
+    ``marks`` gains the end of B and of W (W's 0 s when not split)."""
     if deferred is None:
         out.backward(torch.ones_like(out))
+        marks += [time.perf_counter()] * 2
         return
     with deferred.pass_of(0):
         out.backward(torch.ones_like(out))
+    marks.append(time.perf_counter())
     deferred.run(0)
+    marks.append(time.perf_counter())
 
 
 def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
     """Median seconds of one micro-batch through each cuttable block, in model order, as its
     stage runs it (``time_blocks``: the backward split as the schedule splits it, the loss on the
     last block), on this process's CPU with the ranks' thread count (trainer.threads_per_rank)."""
+    return measure_pass_times(cfg, repeats)[0]
+
+
+def measure_pass_times(cfg: DictConfig, repeats: int = REPEATS) -> tuple[list[float], list[list[float]]]:
+    """``measure_block_times`` and, from the same passes, each block's median F, B, W
+    (``time_passes``): zero bubble's ``strategy.pass_times``."""
     from parallel_lab.models import build_model, input_shape, sample_input
 
     with torch.random.fork_rng():  # the parent's own random state stays as it was
@@ -103,4 +132,4 @@ def measure_block_times(cfg: DictConfig, repeats: int = REPEATS) -> list[float]:
         x = sample_input(model, micro_batch(cfg), input_shape(model), device="cpu")  # token ids: zeros
         if x.is_floating_point():
             x = torch.randn(x.shape, generator=generator)
-        return time_blocks(blocks, x, repeats, splits_backward(cfg.strategy), class_loss)
+        return time_passes(blocks, x, repeats, splits_backward(cfg.strategy), class_loss)
