@@ -250,14 +250,17 @@ def with_levers(c: Candidate) -> list[Candidate]:
     return out
 
 
-def candidates_started(overrides: list[str], base: DictConfig) -> Callable[[], list[Candidate]]:
+def candidates_started(
+    overrides: list[str], base: DictConfig, fork: bool | None = None
+) -> Callable[[], list[Candidate]]:
     """``candidates(overrides, base)`` in a forked process, started now; the returned function waits
     for its list. The enumeration needs no torch (each strategy's rules validate it), so a parent
     that has not imported torch yet forks before doing so: on two cores the enumeration (~2 s of
     CPU for resnet18 at world 8: 210 validations) runs while the parent imports torch (~2.5 s).
-    Where torch is already imported or the platform cannot fork, it runs here, now. A ConfigError
-    raised there is raised by the returned function."""
-    if "torch" in sys.modules or not hasattr(os, "fork"):
+    Where torch is already imported or the platform cannot fork, it runs here, now (``fork``: True
+    or False to choose). A ConfigError raised there is raised by the returned function."""
+    fork = ("torch" not in sys.modules and hasattr(os, "fork")) if fork is None else fork
+    if not fork:
         done = _outcome(overrides, base)
         return lambda: _unpacked(done)
     read, write = os.pipe()
