@@ -24,7 +24,11 @@ import copy
 import dataclasses
 import enum
 import itertools
+import os
+import pickle
+import sys
 import typing
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -34,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel_lab.config import compose_config
 from parallel_lab.errors import ConfigError
 from parallel_lab.plan.configs import _at_world, _given, with_strategy
-from parallel_lab.strategies import get_strategy_class, sweep_names
+from parallel_lab.strategies import get_strategy_rules, sweep_names
 
 EVERY = None  # SEARCH value: every member of the field's Enum, or both of a bool
 # strategy.<option> -> the values tried (the default is always among them, and tried first).
@@ -114,11 +118,11 @@ def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _option_choices(strategy_cls: type, world: int, overrides: list[str]) -> list[list[str]]:
+def _option_choices(rules: type, world: int, overrides: list[str]) -> list[list[str]]:
     """Every combination of the searched option values as overrides, the defaults left out (so the
     first is the strategy as configured); a key the user gave is kept as given."""
     axes = []
-    for name, values in option_values(strategy_cls.plan.Options, world).items():
+    for name, values in option_values(rules.Options, world).items():
         if not _given(overrides, f"strategy.{name}"):
             axes.append([None if v == values[0] else f"strategy.{name}={_text(v)}" for v in values])
     return [[o for o in combo if o] for combo in itertools.product(*axes)]
@@ -131,11 +135,11 @@ def _current(base: DictConfig, name: str) -> str:
 
 
 def _lever_choices(
-    base: DictConfig, strategy_cls: type, world: int, overrides: list[str], as_configured: DictConfig | None
+    base: DictConfig, rules: type, world: int, overrides: list[str], as_configured: DictConfig | None
 ) -> list[list[str]]:
     """Every combination of the memory levers' other values (the configured one left out)."""
     axes = []
-    own = {f.name for f in dataclasses.fields(strategy_cls.plan.Options)}
+    own = {f.name for f in dataclasses.fields(rules.Options)}
     for name, values in _trainer_values(base, overrides, world, as_configured).items():
         if not _given(overrides, f"trainer.{name}") and OWN_SPLIT.get(name, "") not in own:
             current = _current(base, name)
@@ -187,6 +191,15 @@ def _fingerprint(cfg: DictConfig) -> str:
     return repr(OmegaConf.to_container(cfg.strategy)) + repr(OmegaConf.to_container(cfg.trainer))
 
 
+def one_world(cfg: DictConfig) -> None:
+    """The recommender ranks at one world size: plan.world_sizes is refused (ConfigError)."""
+    if cfg.plan.world_sizes:
+        raise ConfigError(
+            f"plan.recommend=true ranks at one world size, got plan.world_sizes={list(cfg.plan.world_sizes)}; "
+            f"drop plan.world_sizes and set world_size=N"
+        )
+
+
 def candidates(overrides: list[str], base: DictConfig | None = None) -> list[Candidate]:
     """Every candidate at the configured world size, memory levers as configured, in search order
     (each strategy as configured first). With ``strategy=`` given, that strategy's options only.
@@ -197,29 +210,29 @@ def candidates(overrides: list[str], base: DictConfig | None = None) -> list[Can
     names = [base.strategy.name] if chosen else sweep_names()
     out, seen = [], set()
     for name in names:
-        strategy_cls = get_strategy_class(name)
-        if strategy_cls.plan.single_process and world > 1 and not chosen:
+        rules = get_strategy_rules(name)  # torch-free: the enumeration runs while torch imports (main.py)
+        if rules.single_process and world > 1 and not chosen:
             continue
         base_n = copy.deepcopy(base) if chosen else with_strategy(base, overrides, name)
         OmegaConf.set_struct(base_n, False)
         as_configured = _validated(base_n, [], overrides, world)  # the first option choice, and the levers'
-        levers = _lever_choices(base_n, strategy_cls, world, overrides, as_configured)
-        for extra in _option_choices(strategy_cls, world, overrides):
+        levers = _lever_choices(base_n, rules, world, overrides, as_configured)
+        for extra in _option_choices(rules, world, overrides):
             cfg = _validated(base_n, extra, overrides, world) if extra else as_configured
             if cfg is None:
                 continue  # the run would refuse it: not a candidate
             key = _fingerprint(cfg)
             if key not in seen:
                 seen.add(key)
-                extra = [*extra, *_derived_degree(strategy_cls, base_n, cfg, overrides)]
+                extra = [*extra, *_derived_degree(rules, base_n, cfg, overrides)]
                 out.append(Candidate(name, [f"strategy={name}", *extra], cfg, levers, base_n, overrides))
     return out
 
 
-def _derived_degree(strategy_cls: type, base: DictConfig, cfg: DictConfig, overrides: list[str]) -> list[str]:
+def _derived_degree(rules: type, base: DictConfig, cfg: DictConfig, overrides: list[str]) -> list[str]:
     """The degree the planner derived from the world size (pp's stages, tp's degree: ``_at_world``),
     as an override where it differs from the configured one, so the overrides alone make the run."""
-    key = strategy_cls.plan.degree_key
+    key = rules.degree_key
     if not key or _given(overrides, f"strategy.{key}") or cfg.strategy[key] == base.strategy[key]:
         return []
     return [f"strategy.{key}={cfg.strategy[key]}"]
@@ -235,3 +248,54 @@ def with_levers(c: Candidate) -> list[Candidate]:
         if cfg is not None:
             out.append(Candidate(c.strategy, [*c.overrides, *lever], cfg))
     return out
+
+
+def candidates_started(
+    overrides: list[str], base: DictConfig, fork: bool | None = None
+) -> Callable[[], list[Candidate]]:
+    """``candidates(overrides, base)`` in a forked process, started now; the returned function waits
+    for its list. The enumeration needs no torch (each strategy's rules validate it), so a parent
+    that has not imported torch yet forks before doing so: on two cores the enumeration (~2 s of
+    CPU for resnet18 at world 8: 210 validations) runs while the parent imports torch (~2.5 s).
+    Where torch is already imported or the platform cannot fork, it runs here, now (``fork``: True
+    or False to choose). A ConfigError raised there is raised by the returned function."""
+    fork = ("torch" not in sys.modules and hasattr(os, "fork")) if fork is None else fork
+    if not fork:
+        done = _outcome(overrides, base)
+        return lambda: _unpacked(done)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its list, pickled down the pipe, and out without the parent's exit hooks
+        os.close(read)
+        code = 1
+        try:
+            with os.fdopen(write, "wb") as pipe:
+                pickle.dump(_outcome(overrides, base), pipe, protocol=pickle.HIGHEST_PROTOCOL)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+
+    def result() -> list[Candidate]:
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or not data:
+            raise RuntimeError(f"the candidates' process {pid} ended with status {status}")
+        return _unpacked(pickle.loads(data))
+
+    return result
+
+
+def _outcome(overrides: list[str], base: DictConfig) -> tuple[list[Candidate] | None, ConfigError | None]:
+    try:
+        return candidates(overrides, base), None
+    except ConfigError as exc:
+        return None, exc
+
+
+def _unpacked(outcome: tuple[list[Candidate] | None, ConfigError | None]) -> list[Candidate]:
+    found, error = outcome
+    if error is not None:
+        raise error
+    return found

@@ -102,9 +102,13 @@ def run(overrides: list[str]) -> Path:
         return run_cluster(cfg, overrides, out)
     if cfg.plan.recommend:
         device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
+        from parallel_lab.plan.candidates import candidates_started, one_world
+
+        one_world(cfg)
+        pending = candidates_started(overrides, cfg)  # before torch's import, which it overlaps
         from parallel_lab.plan.recommend import run as recommend
 
-        return recommend(overrides, device_bytes, source, out, cfg)
+        return recommend(overrides, device_bytes, source, out, cfg, pending)
     planned = planned_configs(overrides)  # a split a run refuses is refused here, before torch
     device_bytes, source = device_memory_bytes(cfg.plan.device_memory)
     rows, ranks = build_plans(planned, device_bytes)

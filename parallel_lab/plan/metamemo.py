@@ -86,11 +86,98 @@ class PlanMode(TorchDispatchMode):
     never run under ``torch.compile``. torch wraps a mode's ``__torch_dispatch__`` in
     ``torch._dynamo.disable`` unless ``_should_skip_dynamo`` says False (its documented opt-out):
     wrapped, the first operator imports TorchDynamo and every one after pays its frame switch
-    (~10,000 a recommendation)."""
+    (~10,000 a recommendation). Inside one, the meta kernels' own ``torch._disable_dynamo``
+    wrappers call their function directly (``_DynamoFree``)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def __enter__(self):
+        _DYNAMO_FREE.enter()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _DYNAMO_FREE.exit()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _DYNAMO_FREE.exit()
+
+
+class _DynamoFree:
+    """The meta kernels' ``torch._disable_dynamo`` wrappers (every elementwise reference of
+    ``torch._refs``: ReLU's meta kernel is one) calling their function directly while a planner mode
+    is open: a wrapper's first call imports TorchDynamo to build ``torch._dynamo.disable(fn)``
+    (2.2 s of CPU on the 2-core CPU, a cold recommendation's largest import after torch itself), a
+    wrapper that only matters while ``torch.compile`` traces, which no meta pass of the planner
+    does. The wrapper reuses what ``fn.__dynamo_disable`` holds; set here to ``fn`` itself on the
+    outermost enter, for the wrappers that have none yet, and removed on the last exit, so a later
+    ``torch.compile`` in the same process finds torch's own."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._targets: list | None = None  # the wrapped functions, found once
+        self._set: list = []
+
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._set = [fn for fn in self._wrapped() if "__dynamo_disable" not in fn.__dict__]
+            for fn in self._set:  # setattr: a name with two underscores is mangled inside a class
+                setattr(fn, "__dynamo_disable", fn)
+
+    def exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for fn in self._set:
+                fn.__dict__.pop("__dynamo_disable", None)
+            self._set = []
+
+    def _wrapped(self) -> list:
+        if self._targets is None:
+            self._targets = _disable_dynamo_targets()
+        return self._targets
+
+
+def _disable_dynamo_targets() -> list:
+    """Every function a ``torch._disable_dynamo`` wrapper holds that the meta kernels can reach:
+    from the decomposition tables (what the dispatcher calls) and torch._refs' modules (what the
+    references call by name, e.g. LayerNorm's rsqrt), through each function's ``__wrapped__`` and
+    its closure (a reference's wrappers, not all of which name what they wrap)."""
+    import sys
+    import types
+
+    from torch._decomp import global_decomposition_table
+
+    inner = torch._disable_dynamo(lambda: None).__code__
+    stack = [f for table in global_decomposition_table.values() for f in table.values()]
+    for name, module in list(sys.modules.items()):
+        if name.startswith(("torch._refs", "torch._prims", "torch._decomp")) and module is not None:
+            stack += list(vars(module).values())
+    seen: set[int] = set()
+    found: dict[int, object] = {}
+    while stack:
+        f = stack.pop()
+        if not isinstance(f, types.FunctionType) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        cells = {n: c for n, c in zip(f.__code__.co_freevars, f.__closure__ or ())}
+        if f.__code__ is inner:
+            found[id(cells["fn"].cell_contents)] = cells["fn"].cell_contents
+        stack.append(getattr(f, "__wrapped__", None))
+        for cell in cells.values():
+            try:
+                stack.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    return list(found.values())
+
+
+_DYNAMO_FREE = _DynamoFree()
 
 
 class MetaMemo(PlanMode):

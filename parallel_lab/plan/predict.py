@@ -307,7 +307,7 @@ def plan_world(
     ranks do the same: ``PlanRules.ranks_differ``). ``cache``: shared by the plans of one planning."""
     from omegaconf import OmegaConf
 
-    cfg = Values.of(OmegaConf.to_container(cfg, resolve=True))
+    cfg = cfg if isinstance(cfg, Values) else Values.of(OmegaConf.to_container(cfg, resolve=True))
     micro = _micro_batch(cfg, strategy_cls)
     cache = cache or SavedBytesCache()
     differ = strategy_cls.plan.ranks_differ

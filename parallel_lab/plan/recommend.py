@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel_lab.plan.candidates import Candidate, candidates, with_levers
+from parallel_lab.plan.candidates import Candidate, candidates, one_world, with_levers
 from parallel_lab.plan.output import human, worst_rank
-from parallel_lab.plan.predict import SavedBytesCache, plan_world
+from parallel_lab.plan.predict import SavedBytesCache, Values, plan_world
 
 NO_COMM = "time: not predicted (no communication rule for this layout)"
 # The additive parts of a predicted step (StepPrediction.parts) -> the word a loser's reason uses.
@@ -120,16 +120,19 @@ def predict_all(cands: list[Candidate], calib, cap_bytes: int) -> tuple[list[Ran
             models[key] = build_meta_model(c.cfg.model)
         model = models[key]
         strategy_cls = get_strategy_class(c.strategy)
-        plans = plan_world(c.cfg, strategy_cls, model, cache)
+        # Plain values, read once: the step model reads the config thousands of times a candidate,
+        # and through OmegaConf each read cost more than its arithmetic (predict.Values).
+        cfg = Values.of(OmegaConf.to_container(c.cfg, resolve=True))
+        plans = plan_world(cfg, strategy_cls, model, cache)
         worst = worst_rank(plans)
         inf = math.inf
         if not fits(worst.total_bytes, cap_bytes):  # ranked by memory alone: its time is not needed
             return Ranked(c, worst.total_bytes, worst.rank, inf, inf, inf)
-        if c.cfg.world_size > 1 and any(p.comm is None for p in plans):
+        if cfg.world_size > 1 and any(p.comm is None for p in plans):
             # No rule for its communication (HSDP, FSDP1, FSDP2 x TP): a time without it would be
             # a step with free communication, so it is listed, never ranked.
             return Ranked(c, worst.total_bytes, worst.rank, inf, inf, inf, unknown=NO_COMM)
-        point, low, high, parts = predict_time(c.cfg, strategy_cls, model, calib)
+        point, low, high, parts = predict_time(cfg, strategy_cls, model, calib)
         return Ranked(c, worst.total_bytes, worst.rank, point, min(low, point), max(high, point), parts)
 
     out, left_out = [], 0
@@ -192,21 +195,20 @@ class Recommendation:
     header: str
 
 
-def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None, cfg=None) -> Recommendation:
+def recommend(
+    overrides: list[str], cap_bytes: int, cap_source: str, calib=None, cfg=None, pending=None
+) -> Recommendation:
     """Enumerate, predict and rank every candidate for these overrides at their world size (``cfg``:
-    their composed config where the caller has it, else composed here)."""
+    their composed config where the caller has it, else composed here; ``pending``: the candidates
+    as ``candidates.candidates_started`` returned them, else enumerated here)."""
     from parallel_lab.config import compose_config
     from parallel_lab.errors import ConfigError
 
     start = time.perf_counter()
     cfg = compose_config(overrides) if cfg is None else cfg
-    if cfg.plan.world_sizes:
-        raise ConfigError(
-            f"plan.recommend=true ranks at one world size, got plan.world_sizes={list(cfg.plan.world_sizes)}; "
-            f"drop plan.world_sizes and set world_size=N"
-        )
+    one_world(cfg)
     calib = calib if calib is not None else load_calibration(precision=cfg.trainer.precision)
-    cands = candidates(overrides, cfg)
+    cands = pending() if pending is not None else candidates(overrides, cfg)
     if not cands:
         raise ConfigError(f"no configuration of {overrides or 'the defaults'} passes the run's validation; see plan.md")
     predicted, left_out = predict_all(cands, calib, cap_bytes)
@@ -227,11 +229,11 @@ def recommend(overrides: list[str], cap_bytes: int, cap_source: str, calib=None,
     return Recommendation(ranked, cap_bytes, cap_source, seconds, header)
 
 
-def run(overrides: list[str], cap_bytes: int, cap_source: str, out: Path, cfg=None) -> Path:
+def run(overrides: list[str], cap_bytes: int, cap_source: str, out: Path, cfg=None, pending=None) -> Path:
     """recommend() and its files, recommend.md / recommend.json, under ``out``."""
     from parallel_lab.plan.recommend_output import write_recommendation
 
-    rec = recommend(overrides, cap_bytes, cap_source, cfg=cfg)
+    rec = recommend(overrides, cap_bytes, cap_source, cfg=cfg, pending=pending)
     out.mkdir(parents=True, exist_ok=True)
     write_recommendation(rec, out)
     return out / "recommend.md"

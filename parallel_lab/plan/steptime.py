@@ -228,9 +228,10 @@ def predict_step(
     census = census_of(model, shape.micro_batch, torch_dtype, cfg.trainer.get("recompute", "none"))
     comm_by_op, comm_raw = predict_comm_seconds(cfg, strategy_cls, model, calib, shape)
     busy = 1.0
+    optimizer = _optimizer_seconds(cfg, strategy_cls, model, calib, shape)  # the same in every round
     for _ in range(4):
         timeslice, contention, threads = _cores(cfg, strategy_cls, calib, background_load, busy)
-        parts = _step_parts(cfg, strategy_cls, model, calib, shape, census, dtype, (timeslice, contention, threads))
+        parts = _step_parts(cfg, strategy_cls, calib, shape, census, dtype, (timeslice, contention, threads), optimizer)
         parts.update(_exposed(cfg, strategy_cls, comm_by_op, parts, calib, bucketing_seconds(shape, calib)[1]))
         point = sum(parts[k] for k in ("compute", "idle", "optimizer", "exposed_comm"))
         busy = 1.0 - parts["idle"] / point
@@ -239,8 +240,9 @@ def predict_step(
     return StepPrediction(cfg.strategy.name, point, low, high, parts, comm_by_op, comm_raw, notes)
 
 
-def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape, census, dtype: str, cores):
-    """compute, idle and optimizer seconds under (timeslice, contention, threads)."""
+def _step_parts(cfg, strategy_cls: type, calib: Calibration, shape, census, dtype: str, cores, optimizer: float):
+    """compute, idle and optimizer seconds under (timeslice, contention, threads); ``optimizer``:
+    the step's optimizer seconds on a core of its own (``_optimizer_seconds``)."""
     from parallel_lab.plan.calibrate import kind_seconds
 
     timeslice, contention, threads = cores
@@ -262,13 +264,19 @@ def _step_parts(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, s
     dp = strategy_cls.plan.data_parallel_size(cfg)
     passes = cfg.trainer.global_batch // (dp * shape.micro_batch) * cfg.strategy.get("virtual_stages", 1)
     idle = fwd_bwd * max(0, shape.slots - passes) / shape.slots
+    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
+
+
+def _optimizer_seconds(cfg, strategy_cls: type, model: nn.Module, calib: Calibration, shape) -> float:
+    """Rank 0's optimizer step on a core of its own: Adam's calibrated line on the parameters and
+    tensors it updates, and DTensor's dispatch per tensor where the optimizer steps DTensors."""
     params, tensors = _optimizer_params(cfg, strategy_cls, model, 0)
     opt = calib.optimizer
     optimizer = (params * opt["per_param_s"] + tensors * opt["per_tensor_s"]) * calib.scale.get("optimizer", 1.0)
     if shape.dtensor_optimizer:  # every DTensor's update goes through DTensor's dispatch, and the step
         dispatch = opt.get("dtensor_per_tensor_s", 0.0)  # has a part of its own (docs/gpu.md)
         optimizer += len(list(model.parameters())) * dispatch + calib.scale.get("dtensor_step_s", 0.0)
-    return {"compute": fwd_bwd - idle, "idle": idle, "optimizer": optimizer * max(timeslice, contention)}
+    return optimizer
 
 
 def _exposed(
