@@ -23,18 +23,7 @@ def compose_config(*overrides: str) -> DictConfig:
     (a process group up) rank 0 composes and broadcasts the result, or its refusal: every rank
     would compose the same text the same way, and Hydra's compose is about 0.25 s of CPU per call
     (a matrix's configurations are composed by every rank in turn)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return _compose(overrides)
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = _compose(overrides)
-        except Exception as refused:  # the others must not wait forever for a config: they raise it too
-            box[0] = refused
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    return computed_on_rank0(_compose, overrides)
 
 
 def _compose(overrides: tuple[str, ...]) -> DictConfig:
@@ -55,13 +44,20 @@ def shared_plans(cfg: DictConfig, strategy_cls: type, model: torch.nn.Module) ->
     collective: every rank calls it at the same point."""
     from parallel_lab.plan.predict import plan_world
 
+    return computed_on_rank0(plan_world, cfg, strategy_cls, model)
+
+
+def computed_on_rank0(fn, *args):
+    """fn(*args) on rank 0, broadcast to every rank (or its exception, raised on every rank: the
+    others must not wait forever); fn(*args) itself outside ranks. A collective: every rank calls it
+    at the same point with the same arguments."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return plan_world(cfg, strategy_cls, model)
+        return fn(*args)
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_world(cfg, strategy_cls, model)
-        except Exception as failed:  # the others must not wait forever for the plans: they raise it too
+            box[0] = fn(*args)
+        except Exception as failed:
             box[0] = failed
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
