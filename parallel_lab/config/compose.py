@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -118,7 +119,7 @@ class Checked(NamedTuple):
     """What ``check_overrides_compose`` learnt before Hydra runs."""
 
     validated: bool  # it validated the single run (and probed its hosts)
-    mode_known: bool  # no hydra.* override: ``mode`` is what Hydra will compose
+    mode_known: bool  # no hydra override but plain values: ``mode`` is what Hydra will compose
     mode: RunMode | None  # hydra.mode of the composed config (None: not set; Hydra decides by --multirun)
 
 
@@ -138,8 +139,12 @@ def check_overrides_compose(argv: list[str]) -> Checked:
     except Exception as exc:  # a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
     configs = [compose_config(variant) for variant in variants]
-    mode = compose_config(group_choices(variants[0]), with_hydra=True).hydra.mode
-    mode_known = len(overrides) == len(known.overrides)
+    hydras = [a for a in known.overrides if a not in overrides]
+    # hydra.mode=... (and no other hydra.* override: a plain value of hydra.run.dir and the like
+    # leaves the mode alone; a hydra/ group, a prefix or an interpolation might not) decides it too
+    mode_known = all(re.fullmatch(r"hydra\.[\w.]+=[^$]*", a) for a in hydras)
+    modes = [a for a in hydras if a.startswith("hydra.mode=")][-1:]
+    mode = compose_config(group_choices(variants[0]) + modes, with_hydra=True).hydra.mode
     if known.help or known.hydra_help:  # nothing runs: the help text only
         return Checked(False, mode_known, mode)
     if len(configs) == 1 and not known.multirun and mode != RunMode.MULTIRUN:
@@ -237,6 +242,18 @@ def _composed_without_hydra(overrides: list[str], with_hydra: bool, state: tuple
         return apply_value_overrides(base, values)
     except Exception as exc:  # every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None
+
+
+def run_config_over_groups(
+    compose_groups, config_name: str, overrides: list[str], loader_key: tuple
+) -> DictConfig | None:
+    """config/memo.py run_config_over_groups with this process's memo; loader_key: what else
+    decides Hydra's composition for a run (its search path, job name, working folder)."""
+    from parallel_lab.config.memo import run_config_over_groups as over_groups
+
+    state = register_configs()
+    key = ("run", config_name, *loader_key, state)
+    return over_groups(_MEMO, key, compose_groups, overrides, _is_group(state))
 
 
 def _is_group(state: tuple):

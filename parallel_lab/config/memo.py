@@ -107,3 +107,41 @@ def group_folders_check(folders: Iterable[Path], store_groups: Iterable[str]):
     for folder in folders:
         names.update(p.name for p in Path(folder).iterdir() if p.is_dir())
     return names.__contains__
+
+
+def run_config_over_groups(memo: Memo, key: tuple, compose_groups, overrides: list[str], is_group) -> DictConfig | None:
+    """Hydra's own composition for a run (``hydra.main``, with its ``hydra`` node) from the
+    memoized composition of the group choices alone (``compose_groups(groups)`` composes it with
+    the same loader): the value overrides (``hydra.*`` ones too) applied with Hydra's function,
+    then Hydra's node's records of them rebuilt as its loader writes them (hydra-core 1.3
+    ``_load_configuration_impl``: overrides.task/hydra, env_set, override_dirname). None: an
+    override of another shape (a sweep, ``hydra/...`` groups, hydra.searchpath): Hydra composes."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    plain = [o for o in parsed if not o.get_key_element().startswith("hydra.")]
+    split = split_value_overrides([o.input_line for o in plain], is_group)
+    hydras = [o for o in parsed if o.get_key_element().startswith("hydra.")]
+    special = ("hydra.searchpath", "hydra.job.env_")  # they change what the groups' composition recorded
+    if split is None or any(o.get_key_element().startswith(special) or o.is_sweep_override() for o in hydras):
+        return None
+    groups = set(split[0])
+    chosen = [o.input_line for o in plain if o.input_line in groups]
+    cfg = memo.get((*key, tuple(chosen)))
+    if cfg is None:
+        cfg = compose_groups(chosen)
+        memo.put((*key, tuple(chosen)), cfg)
+    apply_value_overrides(cfg, [o for o in parsed if o.input_line not in groups])
+    app = [o for o in parsed if not o.is_hydra_override()]
+    cfg.hydra.overrides.task = [o.input_line for o in app]
+    cfg.hydra.overrides.hydra = [o.input_line for o in parsed if o.is_hydra_override()]
+    with open_dict(cfg.hydra):
+        for name in cfg.hydra.job.env_copy:
+            cfg.hydra.job.env_set[name] = os.environ[name]
+    job = cfg.hydra.job.config.override_dirname
+    cfg.hydra.job.override_dirname = get_overrides_dirname(
+        overrides=app, kv_sep=job.kv_sep, item_sep=job.item_sep, exclude_keys=job.exclude_keys
+    )
+    return cfg

@@ -204,3 +204,49 @@ def test_the_digest_sees_a_same_size_edit_and_a_new_file(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.yaml").write_text("")
     assert len({before, edited, files_digest([tmp_path])}) == 3
+
+
+def test_a_runs_config_over_kept_groups_is_hydras_own(tmp_path, monkeypatch):
+    """cli/main.py run_config_over_kept_groups: each run's config (and Hydra's node: the overrides
+    it records, override_dirname, the job's name) is the one hydra.main composes itself, with no
+    composition of its own once the group choices were composed in this process."""
+    import hydra
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from parallel_lab.cli.main import run_config_over_kept_groups
+    from parallel_lab.config import CONF_DIR, register_configs
+
+    register_configs()
+    compose, seen, runs = ConfigLoaderImpl.load_configuration, [], []
+
+    def counting(self, config_name, overrides, run_mode, *args, **kwargs):
+        runs.append(run_mode == RunMode.RUN)
+        return compose(self, config_name, overrides, run_mode, *args, **kwargs)
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def job(cfg: DictConfig) -> None:
+        seen.append(OmegaConf.to_yaml(cfg) + OmegaConf.to_yaml(HydraConfig.get()))
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+    for number, argv in enumerate(
+        (
+            ["trainer.steps=3", "model=gpt", "trainer.lr=1e-3"],
+            ["model=gpt", "hydra.job.name=probe", "trainer.steps=4", "hydra.verbose=true"],
+            [
+                "++world_size=3",
+                "strategy=fsdp",
+                "+trainer.lr_scheduler_params.gamma=0.5",
+                "hydra.job.config.override_dirname.kv_sep=:",
+            ],
+        )
+    ):
+        monkeypatch.setattr(sys, "argv", ["x", *argv, f"hydra.run.dir={tmp_path / str(number)}"])
+        job()  # Hydra alone
+        for _ in range(2):  # the groups composed by Hydra's loader, then taken from the memo
+            runs.clear()
+            with run_config_over_kept_groups():
+                job()
+        assert seen[-1] == seen[-2] == seen[-3], argv
+        assert runs == [False], "the run's composition was not taken from the kept groups"
