@@ -23,6 +23,7 @@ from parallel_lab.config import (
     check_group_overrides,
     check_overrides_compose,
     register_configs,
+    run_config_over_groups,
     validate,
     write_run_config,
 )
@@ -113,8 +114,40 @@ def run_hydra(outcome: Outcome, checked: Checked | None = None) -> None:
             outcome.sweep_dir = Path(hydra_cfg.sweep.dir)
         outcome.codes.append(run_one(cfg, Path(hydra_cfg.runtime.output_dir), reach_hosts))
 
-    with hydra_mode_known(checked), sweep_configs_composed_once():
+    with hydra_mode_known(checked), sweep_configs_composed_once(), run_config_over_kept_groups():
         job()
+
+
+@contextlib.contextmanager
+def run_config_over_kept_groups():
+    """Hydra composes each run's config whole (~0.2 s of CPU), though the parent's check and the
+    runs before it in this process (a test session's) composed the same group choices. Here a run's
+    composition (RUN mode) is the group choices' one, composed once per process by Hydra's own
+    loader, with the value overrides laid over it (config/memo.py run_config_over_groups);
+    any other shape of overrides, and a sweep's master config, Hydra composes itself."""
+    import os
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.utils import JobRuntime
+    from hydra.types import RunMode
+
+    compose = ConfigLoaderImpl.load_configuration
+
+    def load_configuration(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        def whole(some: list[str]) -> DictConfig:
+            return compose(self, config_name, some, run_mode, from_shell, validate_sweep_overrides)
+
+        if run_mode != RunMode.RUN or config_name is None:
+            return whole(overrides)
+        job = JobRuntime().get("name")
+        loader = (str(self.config_search_path), from_shell, validate_sweep_overrides, os.getcwd(), job)
+        return run_config_over_groups(whole, config_name, list(overrides), loader) or whole(overrides)
+
+    ConfigLoaderImpl.load_configuration = load_configuration
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl.load_configuration = compose
 
 
 @contextlib.contextmanager
@@ -162,8 +195,8 @@ def hydra_mode_known(checked: Checked | None):
     """Hydra composes the whole config once more (``Hydra.get_mode``) only to read ``hydra.mode``,
     before it composes it again for the run: ~0.2 s of CPU a command. ``check_overrides_compose``
     composed it already from the same overrides, so Hydra is handed that answer. Where an override
-    of ``hydra.*`` could change the mode (check_overrides_compose leaves those out), Hydra asks
-    itself as before."""
+    of ``hydra`` other than a plain value could change the mode (a hydra/ group, a prefix, an
+    interpolation), Hydra asks itself as before."""
     from hydra._internal.hydra import Hydra
 
     if checked is None or not checked.mode_known:

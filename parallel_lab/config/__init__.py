@@ -17,6 +17,7 @@ from parallel_lab.config.compose import (
     choices_text,
     compose_config,
     register_configs,
+    run_config_over_groups,
 )
 from parallel_lab.config.schema import Config
 from parallel_lab.config.validate import load_run_config, validate, write_run_config
@@ -33,6 +34,7 @@ __all__ = [
     "compose_config",
     "load_run_config",
     "register_configs",
+    "run_config_over_groups",
     "validate",
     "write_run_config",
 ]

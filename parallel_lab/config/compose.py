@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from parallel_lab.choices import choice_error
+from parallel_lab.config.memo import Memo, files_digest
 from parallel_lab.config.schema import CONFIG_GROUPS, Config
 from parallel_lab.errors import ConfigError
 
@@ -117,7 +119,7 @@ class Checked(NamedTuple):
     """What ``check_overrides_compose`` learnt before Hydra runs."""
 
     validated: bool  # it validated the single run (and probed its hosts)
-    mode_known: bool  # no hydra.* override: ``mode`` is what Hydra will compose
+    mode_known: bool  # no hydra override but plain values: ``mode`` is what Hydra will compose
     mode: RunMode | None  # hydra.mode of the composed config (None: not set; Hydra decides by --multirun)
 
 
@@ -136,8 +138,13 @@ def check_overrides_compose(argv: list[str]) -> Checked:
         variants = _sweep_variants(overrides)
     except Exception as exc:  # a syntax error in an override is one line too
         raise ConfigError(describe_compose_error(exc)) from None
-    configs = [compose_config(variant, with_hydra=True) for variant in variants]
-    mode, mode_known = configs[0].hydra.mode, len(overrides) == len(known.overrides)
+    configs = [compose_config(variant) for variant in variants]
+    hydras = [a for a in known.overrides if a not in overrides]
+    # hydra.mode=... (and no other hydra.* override: a plain value of hydra.run.dir and the like
+    # leaves the mode alone; a hydra/ group, a prefix or an interpolation might not) decides it too
+    mode_known = all(re.fullmatch(r"hydra\.[\w.]+=[^$]*", a) for a in hydras)
+    modes = [a for a in hydras if a.startswith("hydra.mode=")][-1:]
+    mode = compose_config(group_choices(variants[0]) + modes, with_hydra=True).hydra.mode
     if known.help or known.hydra_help:  # nothing runs: the help text only
         return Checked(False, mode_known, mode)
     if len(configs) == 1 and not known.multirun and mode != RunMode.MULTIRUN:
@@ -146,50 +153,146 @@ def check_overrides_compose(argv: list[str]) -> Checked:
     return Checked(False, mode_known, mode)
 
 
+def group_choices(overrides: list[str]) -> list[str]:
+    """The overrides that choose a config group (``model=gpt``, ``+experiment=...``): what decides
+    Hydra's own node (its mode) where no override names ``hydra.*``; all of them where one is not a
+    plain value override (config/memo.py split_value_overrides)."""
+    from parallel_lab.config.memo import split_value_overrides
+
+    as_hydra = hardware_overrides(overrides)  # one for one
+    try:
+        split = split_value_overrides(as_hydra, _is_group(register_configs()))
+    except Exception:  # a syntax error: the composition of all of them says it in one line
+        split = None
+    return overrides if split is None else [o for o, h in zip(overrides, as_hydra) if h in split[0]]
+
+
 def _validate_before_hydra(cfg: DictConfig, overrides: list[str]) -> None:
     """validate() without a run folder (Hydra picks it later; the job validates again with it,
     and warns then: not twice), probing the hosts here (the job then does not: not twice either)."""
-    from omegaconf import open_dict
-
     from parallel_lab.config.validate import validate
 
-    with open_dict(cfg):
-        del cfg["hydra"]
     validate(cfg, explicit=overrides, warn=lambda message: None, reach_hosts=True)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), with_hydra: bool = False) -> DictConfig:
     """The config the command line would compose from these overrides, before validation (with
     Hydra's own ``hydra`` node, e.g. its mode, if with_hydra). Bad input is a one-line ConfigError,
-    as on the command line."""
-    from hydra import compose, initialize_config_dir
+    as on the command line. The same overrides again in this process (the conf files, plugins and
+    working folder unchanged) give a copy of the first result; value overrides are laid over the
+    composition of the group choices alone (config/memo.py)."""
+    (result,) = compose_configs([list(overrides)], with_hydra)
+    if isinstance(result, ConfigError):
+        raise result
+    return result
 
-    check_group_overrides(list(overrides))
-    overrides = hardware_overrides(list(overrides))
-    register_configs()
+
+def compose_configs(overrides_list: list[list[str]], with_hydra: bool = False) -> list[DictConfig | ConfigError]:
+    """compose_config for each list of overrides; those Hydra must compose share one Hydra context
+    (its repository reads each yaml once: about a quarter less a config); a list that fails gives
+    its ConfigError."""
+    state = register_configs()
+    out: list[DictConfig | ConfigError | None] = []
+    pending: dict[int, list[str]] = {}
+    for index, overrides in enumerate(overrides_list):
+        try:
+            check_group_overrides(list(overrides))
+            hydra_overrides = hardware_overrides(list(overrides))
+            out.append(_composed_without_hydra(hydra_overrides, with_hydra, state))
+        except ConfigError as exc:
+            out.append(exc)
+            continue
+        if out[-1] is None:
+            pending[index] = hydra_overrides
+    if pending:
+        for index, result in zip(pending, _hydra_compose(list(pending.values()), with_hydra, state)):
+            out[index] = result
+    return out
+
+
+def _memo_key(overrides: list[str], with_hydra: bool, state: tuple) -> tuple:
+    """Everything that decides a composition: the overrides, the conf files, plugins and
+    ConfigStore (state), and with Hydra's node the working folder it records (hydra.runtime.cwd)."""
+    import os
+
+    return (tuple(overrides), with_hydra, os.getcwd() if with_hydra else None, state)
+
+
+def _composed_without_hydra(overrides: list[str], with_hydra: bool, state: tuple) -> DictConfig | None:
+    """The memo's copy, or the value overrides laid over the memoized (or now composed) group
+    choices; None: Hydra composes it. A refusal is raised as its ConfigError."""
+    from parallel_lab.config.memo import apply_value_overrides, split_value_overrides
+
+    kept = _MEMO.get(_memo_key(overrides, with_hydra, state))
+    if isinstance(kept, str):
+        raise ConfigError(kept)
+    if kept is not None or with_hydra:  # Hydra's node records the overrides: composed whole
+        return kept
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+        split = split_value_overrides(overrides, _is_group(state))
+    except Exception as exc:  # a syntax error: Hydra's own words
+        raise ConfigError(describe_compose_error(exc)) from None
+    if split is None or not split[1]:
+        return None
+    groups, values = split
+    base = _composed_without_hydra(groups, False, state) or _hydra_compose([groups], False, state)[0]
+    if isinstance(base, ConfigError):
+        raise base
+    try:
+        return apply_value_overrides(base, values)
     except Exception as exc:  # every Hydra/OmegaConf error becomes one line
         raise ConfigError(describe_compose_error(exc)) from None
 
 
-def compose_configs(overrides_list: list[list[str]]) -> list[DictConfig | ConfigError]:
-    """compose_config for each list of overrides, inside one Hydra context (its repository reads
-    each yaml once: about a quarter less a config); a list that fails gives its ConfigError."""
-    from hydra import compose, initialize_config_dir
+def run_config_over_groups(
+    compose_groups, config_name: str, overrides: list[str], loader_key: tuple
+) -> DictConfig | None:
+    """config/memo.py run_config_over_groups with this process's memo; loader_key: what else
+    decides Hydra's composition for a run (its search path, job name, working folder)."""
+    from parallel_lab.config.memo import run_config_over_groups as over_groups
 
-    register_configs()
+    state = register_configs()
+    key = ("run", config_name, *loader_key, state)
+    return over_groups(_MEMO, key, compose_groups, overrides, _is_group(state))
+
+
+def _is_group(state: tuple):
+    """Hydra's repository's group_exists for a key without '/' and not ``hydra``, for this state of
+    the files: a folder of conf/ or a ConfigStore group (strategy_options, the plugins' groups)."""
+    from hydra.core.config_store import ConfigStore
+
+    from parallel_lab.config.memo import group_folders_check
+
+    if _MEMO.groups.get("state") != state:
+        store = [name for name, node in ConfigStore.instance().repo.items() if isinstance(node, dict)]
+        _MEMO.groups.update(state=state, is_group=group_folders_check([CONF_DIR], store))
+    return _MEMO.groups["is_group"]
+
+
+def _hydra_compose(overrides_list: list[list[str]], with_hydra: bool, state: tuple) -> list[DictConfig | ConfigError]:
+    """Hydra's compose of each list in one context. Each result (or refusal) is memoized with
+    Hydra's node and without it (what compose does without return_hydra_config: the same
+    composition, its ``hydra`` deleted), so the command line's mode and its config are one compose."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
     out: list[DictConfig | ConfigError] = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for overrides in overrides_list:
+            keys = _memo_key(overrides, True, state), _memo_key(overrides, False, state)
             try:
-                check_group_overrides(list(overrides))
-                out.append(compose(config_name="config", overrides=hardware_overrides(list(overrides))))
-            except ConfigError as exc:
-                out.append(exc)
+                cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
             except Exception as exc:  # every Hydra/OmegaConf error becomes one line
                 out.append(ConfigError(describe_compose_error(exc)))
+                for key in keys:
+                    _MEMO.put(key, str(out[-1]))
+                continue
+            _MEMO.put(keys[0], cfg)
+            bare = _MEMO.copy(cfg) if with_hydra else cfg
+            with open_dict(bare):
+                del bare["hydra"]
+            _MEMO.put(keys[1], bare)
+            out.append(cfg)
     return out
 
 
@@ -239,23 +342,30 @@ def _strategy_node(name: str) -> DictConfig | None:
     return OmegaConf.merge(OmegaConf.structured(schemas[name]), node)
 
 
-# The module's one piece of state (allowed in tests/unit/test_module_state.py): what register_configs
-# last stored in Hydra's ConfigStore (itself one per process); storing the same again is skipped.
+# The module's state (allowed in tests/unit/test_module_state.py): what register_configs last stored
+# in Hydra's ConfigStore (itself one per process; storing the same again is skipped), and the
+# compositions of this process (config/memo.py; each key names all that decides its result).
 _stored: dict[str, tuple] = {}
+_MEMO = Memo()
 
 
-def register_configs() -> None:
+def register_configs() -> tuple:
     """Register what the yaml files extend (the root ``Config``, every strategy's Options), the
-    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use."""
+    configs of plugins (``PARALLEL_LAB_PLUGINS``) and the resolvers the yaml files use. Returns
+    the state compositions depend on: a digest of conf/ and the plugins' yaml files, the
+    variable, and which registration of the ConfigStore this is."""
+    import os
+
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from parallel_lab.plugins import plugin_config_files
+    from parallel_lab.plugins import PLUGINS_ENV, plugin_config_files
     from parallel_lab.strategies import options_schemas, sweep_names
 
     schemas = options_schemas()
     plugin_files = {group: plugin_config_files(group) for group in CONFIG_GROUPS}
-    if _stored.get("configs") != (schemas, plugin_files):  # storing converts every dataclass again: ~0.2 s a call
+    plugins = files_digest([], [path for files in plugin_files.values() for path in files.values()])
+    if _stored.get("configs") != (schemas, plugin_files, plugins):  # storing converts every dataclass again: ~0.2 s
         store = ConfigStore.instance()
         store.store(name="base_config", node=Config)
         for name, options in schemas.items():
@@ -263,11 +373,13 @@ def register_configs() -> None:
         for group, files in plugin_files.items():
             for name, path in files.items():
                 store.store(group=group, name=name, node=OmegaConf.load(path))
-        _stored["configs"] = (schemas, plugin_files)
+        _stored["configs"] = (schemas, plugin_files, plugins)
+        _stored["generation"] = (_stored.get("generation", (0,))[0] + 1,)
     if not OmegaConf.has_resolver("parallel_lab_strategies"):  # conf/experiment/compare_all.yaml
         OmegaConf.register_new_resolver("parallel_lab_strategies", lambda: ",".join(sweep_names()))
     if not OmegaConf.has_resolver("parallel_lab_choices"):  # --help (conf/config.yaml: hydra.help)
         OmegaConf.register_new_resolver("parallel_lab_choices", choices_text)
+    return files_digest([CONF_DIR]), os.environ.get(PLUGINS_ENV, ""), _stored["generation"]
 
 
 def choices_text() -> str:

@@ -40,6 +40,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "what was last stored in Hydra's ConfigStore, itself one per process: storing the same again "
         "is skipped (~0.2 s a call)"
     ),
+    ("parallel_lab.config.compose", "_MEMO"): (
+        "the compositions of this process, each keyed by all that decides it: the same compose again "
+        "is a copy (~3 ms against ~0.2 s)"
+    ),
 }
 MUTATORS = {
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault",
