@@ -5,6 +5,7 @@ tests/unit/test_plugins.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import textwrap
 
 import pytest
 
+from parallel_lab.cli.run import run_ranks
 from parallel_lab.plugins import PLUGINS_ENV
+from tests.support.bodies.plugin import sweep_and_report
 from tests.support.cli import ROOT
 
 PLUGIN = '''
@@ -52,10 +55,9 @@ def run(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_plugin_strategy_is_in_the_sweep_a_run_and_the_report(plugin_env, tmp_path):
-    shown = run(plugin_env, "-m", "parallel_lab", "+experiment=compare_all", "--cfg", "all", "--resolve")
-    sweep = next(line for line in shown.stdout.splitlines() if line.strip().startswith("strategy: single,"))
-    assert "toy" in sweep.split(":", 1)[1].strip().split(",") and "zero0" in sweep
-
+    """The run is the command as a user types it (PYTHONPATH and PARALLEL_LAB_PLUGINS reach the
+    parent, the zygote and the rank); the sweep listing and the report run their own main() in one
+    rank forked from the zygote (tests/support/bodies/plugin.py), the plugin imported the same way."""
     run_dir = tmp_path / "run"
     run(
         plugin_env,
@@ -67,8 +69,11 @@ def test_plugin_strategy_is_in_the_sweep_a_run_and_the_report(plugin_env, tmp_pa
         "trainer.progress=false",
         f"hydra.run.dir={run_dir}",
     )
-    report = run(plugin_env, "-m", "parallel_lab.report", str(run_dir))
-    assert any(line.startswith("| toy |") for line in report.stdout.splitlines()), report.stdout
+    (out,) = run_ranks(sweep_and_report, 1, env={PLUGINS_ENV: "toy_plugin"}, folder=str(tmp_path), run_dir=str(run_dir))
+    shown = json.loads(out.splitlines()[-1])
+    sweep = next(line for line in shown["sweep"].splitlines() if line.strip().startswith("strategy: single,"))
+    assert "toy" in sweep.split(":", 1)[1].strip().split(",") and "zero0" in sweep
+    assert any(line.startswith("| toy |") for line in shown["report"].splitlines()), shown["report"]
 
 
 @pytest.mark.slow
