@@ -134,7 +134,11 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
         f"first stage idle {measured:.3f} of its step, GPipe predicts {predicted:.3f} "
         f"(equal stages (p-1)/(m+p-1) {(p - 1) / (m + p - 1):.3f})"
     )
-    assert measured == pytest.approx(predicted, abs=0.1)
+    # One-sided beyond 0.1: a stage descheduled by the other test process (make test runs two) has
+    # that lost time counted as its work, which raises the prediction and not the idle: measured
+    # 0.226 and 0.229 against 0.328 and 0.345 in two suites, at most 0.021 apart alone (12 runs). A
+    # pipeline that waits more than GPipe's order (the fault this catches) is above it.
+    assert predicted - 0.2 <= measured <= predicted + 0.1, (measured, predicted)
 
 
 def test_no_profile_no_trace_and_the_cost(runs):
