@@ -103,8 +103,9 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
     forward and backward time (its step minus idle and optimizer, the backward read from its
     autograd nodes; a descheduled stage's lost time counts as its work), played through the GPipe
     schedule (strategies/pp/schedules.py: gpipe_first_stage_idle, (p-1)/(m+p-1) for equal stages,
-    unit-tested against a simulation); the first stage's measured idle share must match it within
-    0.1. m = 2 and 3: every further micro-batch adds one more hand-off and, under load, one more max
+    unit-tested against a simulation); the first stage's measured idle share must not exceed it by
+    more than 0.1 (nor fall 0.2 below it: see the assertion). m = 2 and 3: every further
+    micro-batch adds one more hand-off and, under load, one more max
     of two jittery stage times to the real pipeline that mean times do not see (measured: up to
     +0.14 at m = 4, failing 2 of 4 runs under load). The manual loop posts a step's receives at
     its start (gloo moves a tensor only once its receive is posted), so a hand-off already sent no
