@@ -104,7 +104,7 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
     autograd nodes; a descheduled stage's lost time counts as its work), played through the GPipe
     schedule (strategies/pp/schedules.py: gpipe_first_stage_idle, (p-1)/(m+p-1) for equal stages,
     unit-tested against a simulation); the first stage's measured idle share must not exceed it by
-    more than 0.1 (nor fall 0.2 below it: see the assertion). m = 2 and 3: every further
+    more than 0.15 (nor fall 0.2 below it: see the assertion). m = 2 and 3: every further
     micro-batch adds one more hand-off and, under load, one more max
     of two jittery stage times to the real pipeline that mean times do not see (measured: up to
     +0.14 at m = 4, failing 2 of 4 runs under load). The manual loop posts a step's receives at
@@ -135,11 +135,12 @@ def test_pipeline_idles_as_gpipe_predicts(runs, microbatches, impl):
         f"first stage idle {measured:.3f} of its step, GPipe predicts {predicted:.3f} "
         f"(equal stages (p-1)/(m+p-1) {(p - 1) / (m + p - 1):.3f})"
     )
-    # One-sided beyond 0.1: a stage descheduled by the other test process (make test runs two) has
-    # that lost time counted as its work, which raises the prediction and not the idle: measured
-    # 0.226 and 0.229 against 0.328 and 0.345 in two suites, at most 0.021 apart alone (12 runs). A
-    # pipeline that waits more than GPipe's order (the fault this catches) is above it.
-    assert predicted - 0.2 <= measured <= predicted + 0.1, (measured, predicted)
+    # Alone the three ids come within 0.021 of the prediction (12 runs); beside the other test
+    # process (make test runs two) a descheduled stage's lost time counts as its work or as its
+    # idle, whichever it was in: 0.226 / 0.328, 0.229 / 0.345 and 0.315 / 0.211 (m = 3) in three
+    # suites. A pipeline that waits more than GPipe's order (the fault this catches: 30 ms more a
+    # receive) idles 0.3-0.4 above it.
+    assert predicted - 0.2 <= measured <= predicted + 0.15, (measured, predicted)
 
 
 def test_no_profile_no_trace_and_the_cost(runs):
